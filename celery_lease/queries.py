@@ -1,0 +1,480 @@
+"""Every SQL statement celery-lease runs, each named after what it does.
+
+Statements are SQLAlchemy Core constructs with bound parameters; statuses come from
+:class:`Status`. Each state transition is exactly one guarded statement:
+
+* writes of an attempt (progress, checkpoint, success, failure, retry, handoff) match
+  ``id``, ``status = 'running'`` and the ``lease_generation`` the attempt claimed;
+  zero rows means the lease is lost and the caller discards the write;
+* revoking statements (cancel, reap, recovery) bump ``lease_generation``, so any
+  attempt still running holds a stale token from that moment on;
+* nothing ever matches a terminal status, so a finished job never changes again.
+
+Time is the database's clock (``now()`` on PostgreSQL), so lease expiry does not
+depend on the clocks of the worker and beat hosts agreeing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+
+from .schema import events, jobs, runs
+from .status import TERMINAL, Event, Status
+
+# --- database time -----------------------------------------------------------------
+
+
+class db_now(FunctionElement):
+    """The database's current UTC time."""
+
+    type = sa.DateTime(timezone=True)
+    inherit_cache = True
+
+
+class db_now_plus(FunctionElement):
+    """The database's current time plus a number of seconds (may be negative)."""
+
+    type = sa.DateTime(timezone=True)
+    inherit_cache = True
+
+
+_SQLITE_TS = "'%Y-%m-%d %H:%M:%f'"
+
+
+@compiles(db_now)
+def _now_default(element, compiler, **kw):
+    return "now()"
+
+
+@compiles(db_now, "sqlite")
+def _now_sqlite(element, compiler, **kw):
+    return f"strftime({_SQLITE_TS}, 'now')"
+
+
+@compiles(db_now_plus)
+def _now_plus_default(element, compiler, **kw):
+    (seconds,) = element.clauses
+    return f"(now() + make_interval(secs => {compiler.process(seconds, **kw)}))"
+
+
+@compiles(db_now_plus, "sqlite")
+def _now_plus_sqlite(element, compiler, **kw):
+    (seconds,) = element.clauses
+    return (
+        f"strftime({_SQLITE_TS}, 'now', "
+        f"printf('%+.6f seconds', {compiler.process(seconds, **kw)}))"
+    )
+
+
+def _seconds(name: str) -> sa.BindParameter:
+    return sa.bindparam(name, type_=sa.Float)
+
+
+# --- guards --------------------------------------------------------------------------
+
+_c = jobs.c
+_TERMINAL = [s.value for s in TERMINAL]
+_ACTIVE = [Status.PENDING.value, Status.RUNNING.value]
+_running_under_lease = sa.and_(
+    _c.id == sa.bindparam("job_id"),
+    _c.status == Status.RUNNING.value,
+    _c.lease_generation == sa.bindparam("generation"),
+)
+_lease_cleared = {"lease_owner": None, "lease_expires_at": None}
+
+#: What a worker needs from a claimed job.
+CLAIMED_COLUMNS = (
+    _c.id, _c.kind, _c.attempt, _c.max_attempts, _c.lease_seconds, _c.lease_generation,
+    _c.payload, _c.checkpoint, _c.run_id, _c.parent_id, _c.tenant,
+)
+#: What is needed to (re)publish a job's wakeup.
+WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
+
+
+# --- producer ------------------------------------------------------------------------
+
+
+def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
+    """insert_jobs: new pending rows; values are bound per row by the caller.
+
+    With an idempotency key, a conflicting (kind, key) inserts nothing; the caller
+    then reads the existing job with ``get_jobs_by_keys``.
+    """
+    if dialect == "postgresql":
+        stmt = postgresql.insert(jobs)
+    elif dialect == "sqlite":
+        stmt = sqlite.insert(jobs)
+    else:  # pragma: no cover - create_store refuses other dialects
+        raise AssertionError(dialect)
+    if on_key_conflict_nothing:
+        stmt = stmt.on_conflict_do_nothing(index_elements=[_c.kind, _c.idempotency_key])
+    return stmt.returning(*jobs.c)
+
+
+def job_row_defaults() -> dict[str, Any]:
+    """Column values every inserted job shares; computed by the database."""
+    return {"created_at": db_now(), "updated_at": db_now()}
+
+
+def get_jobs_by_keys(kind: str, keys: Sequence[str]) -> sa.Select:
+    return sa.select(jobs).where(_c.kind == kind, _c.idempotency_key.in_(keys))
+
+
+def mark_not_woken(ids: Sequence[str]) -> sa.Update:
+    """mark_not_woken: a wakeup could not be published; the sweeper sends it next tick."""
+    return (
+        sa.update(jobs)
+        .where(_c.id.in_(ids), _c.status == Status.PENDING.value)
+        .values(woken_at=None)
+    )
+
+
+def upsert_run(dialect: str, run_id: str) -> sa.Insert:
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    return (
+        insert(runs)
+        .values(id=run_id, created_at=db_now())
+        .on_conflict_do_nothing(index_elements=[runs.c.id])
+    )
+
+
+def get_run(run_id: str) -> sa.Select:
+    return sa.select(runs).where(runs.c.id == run_id)
+
+
+# --- reads ---------------------------------------------------------------------------
+
+
+def get_job(job_id: str) -> sa.Select:
+    return sa.select(jobs).where(_c.id == job_id)
+
+
+def list_jobs(
+    *,
+    status: str | None = None,
+    kind: str | None = None,
+    tenant: str | None = None,
+    run_id: str | None = None,
+    after: tuple[Any, str] | None = None,
+    limit: int = 50,
+) -> sa.Select:
+    """Newest first; ``after`` is the (created_at, id) of the last row of a page.
+
+    Keyset pagination on (created_at, id) is stable under concurrent inserts: new
+    rows sort before the cursor and never shift later pages.
+    """
+    stmt = sa.select(jobs)
+    if status is not None:
+        stmt = stmt.where(_c.status == status)
+    if kind is not None:
+        stmt = stmt.where(_c.kind == kind)
+    if tenant is not None:
+        stmt = stmt.where(_c.tenant == tenant)
+    if run_id is not None:
+        stmt = stmt.where(_c.run_id == run_id)
+    if after is not None:
+        created_at, job_id = after
+        stmt = stmt.where(
+            sa.or_(_c.created_at < created_at, sa.and_(_c.created_at == created_at, _c.id < job_id))
+        )
+    return stmt.order_by(_c.created_at.desc(), _c.id.desc()).limit(limit)
+
+
+def count_jobs_by_status_kind() -> sa.Select:
+    return sa.select(_c.status, _c.kind, sa.func.count()).group_by(_c.status, _c.kind)
+
+
+def list_run_events(run_id: str, *, after_id: int = 0, limit: int = 1000) -> sa.Select:
+    return (
+        sa.select(events)
+        .where(events.c.run_id == run_id, events.c.id > after_id)
+        .order_by(events.c.id)
+        .limit(limit)
+    )
+
+
+# --- the lease life (worker) ---------------------------------------------------------
+
+
+def claim_job() -> sa.Update:
+    """claim_job: pending -> running for one attempt, atomically.
+
+    attempt + 1 and lease_generation + 1 in the same statement: the generation
+    returned is this attempt's fencing token. A job that is running elsewhere,
+    terminal, or not due yet matches nothing: the delivery is a duplicate.
+    """
+    return (
+        sa.update(jobs)
+        .where(
+            _c.id == sa.bindparam("job_id"),
+            _c.status == Status.PENDING.value,
+            sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
+        )
+        .values(
+            status=Status.RUNNING.value,
+            attempt=_c.attempt + 1,
+            lease_generation=_c.lease_generation + 1,
+            lease_owner=sa.bindparam("owner"),
+            lease_expires_at=db_now_plus(_c.lease_seconds),
+            started_at=sa.func.coalesce(_c.started_at, db_now()),
+            updated_at=db_now(),
+        )
+        .returning(*CLAIMED_COLUMNS)
+    )
+
+
+def renew_leases(leases: Iterable[tuple[str, int]]) -> sa.Update:
+    """renew_leases: one statement for every lease a worker process holds.
+
+    Returns the ids renewed; a lease missing from the result is lost.
+    """
+    return (
+        sa.update(jobs)
+        .where(
+            sa.tuple_(_c.id, _c.lease_generation).in_(list(leases)),
+            _c.status == Status.RUNNING.value,
+        )
+        .values(lease_expires_at=db_now_plus(_c.lease_seconds), updated_at=db_now())
+        .returning(_c.id)
+    )
+
+
+def save_checkpoint() -> sa.Update:
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(checkpoint=sa.bindparam("new_checkpoint"), updated_at=db_now())
+    )
+
+
+def publish_progress() -> sa.Update:
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(progress=sa.bindparam("new_progress"), updated_at=db_now())
+    )
+
+
+def complete_job() -> sa.Update:
+    """complete_job: running -> succeeded; clears the checkpoint in the same write."""
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(
+            status=Status.SUCCEEDED.value,
+            result=sa.bindparam("new_result", type_=_c.result.type),
+            # the last coalesced ctx.publish() value, if one is still unwritten
+            progress=sa.func.coalesce(sa.bindparam("new_progress", type_=_c.progress.type), _c.progress),
+            checkpoint=None,
+            finished_at=db_now(),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+    )
+
+
+def fail_job() -> sa.Update:
+    """fail_job: running -> failed with a sanitized error; the checkpoint is kept."""
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(
+            status=Status.FAILED.value,
+            error=sa.bindparam("new_error"),
+            finished_at=db_now(),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+    )
+
+
+def retry_job() -> sa.Update:
+    """retry_job: running -> pending, due after the backoff; the sweeper wakes it."""
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(
+            status=Status.PENDING.value,
+            run_after=db_now_plus(_seconds("delay")),
+            woken_at=None,
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+    )
+
+
+def hand_off_job() -> sa.Update:
+    """hand_off_job: running -> pending at once without spending the attempt.
+
+    Used on warm shutdown. woken_at is set because the caller publishes the wakeup
+    right after; the checkpoint is kept so the next worker resumes.
+    """
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(
+            status=Status.PENDING.value,
+            attempt=_c.attempt - 1,
+            run_after=None,
+            woken_at=db_now(),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
+# --- revoking statements (producer, beat, worker start) -------------------------------
+
+
+def cancel_jobs(*, job_id: str | None = None, run_id: str | None = None) -> sa.Update:
+    """cancel_jobs: pending/running -> cancelled at once; revokes any lease."""
+    where = _c.id == job_id if job_id is not None else _c.run_id == run_id
+    return (
+        sa.update(jobs)
+        .where(where, _c.status.in_(_ACTIVE))
+        .values(
+            status=Status.CANCELLED.value,
+            lease_generation=_c.lease_generation + 1,
+            finished_at=db_now(),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+        .returning(_c.id, _c.run_id, _c.attempt)
+    )
+
+
+def cancel_run() -> sa.Update:
+    return (
+        sa.update(runs)
+        .where(runs.c.id == sa.bindparam("run_id"), runs.c.cancelled_at.is_(None))
+        .values(cancelled_at=db_now())
+    )
+
+
+def _requeue_or(final: Status) -> dict[str, Any]:
+    """Values that send a running job back to pending, or to ``final`` when its
+    attempts are spent. Bumps the generation: the old attempt is fenced out."""
+    out_of_attempts = _c.attempt >= _c.max_attempts
+    return {
+        "status": sa.case((out_of_attempts, final.value), else_=Status.PENDING.value),
+        "lease_generation": _c.lease_generation + 1,
+        "lease_losses": _c.lease_losses + 1,
+        "run_after": None,
+        "woken_at": sa.case((out_of_attempts, None), else_=db_now()),
+        "finished_at": sa.case((out_of_attempts, db_now()), else_=None),
+        "updated_at": db_now(),
+        **_lease_cleared,
+    }
+
+
+def _batch(where: sa.ColumnElement, order_by, limit_param: str) -> sa.ScalarSelect:
+    """A bounded batch of ids, locked and skipping rows another beat already holds."""
+    return (
+        sa.select(_c.id)
+        .where(where)
+        .order_by(order_by)
+        .limit(sa.bindparam(limit_param))
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+
+
+_lease_elapsed = sa.and_(_c.status == Status.RUNNING.value, _c.lease_expires_at < db_now())
+
+
+def reap_expired() -> sa.Update:
+    """reap_expired: running jobs whose lease elapsed -> pending, or expired when their
+    attempts are spent. Bounded by :limit; safe with several beats (SKIP LOCKED)."""
+    values = _requeue_or(Status.EXPIRED)
+    values["error"] = sa.case(
+        (_c.attempt >= _c.max_attempts, sa.literal("lease expired")), else_=_c.error
+    )
+    return (
+        sa.update(jobs)
+        .where(_c.id.in_(_batch(_lease_elapsed, _c.lease_expires_at, "limit")), _lease_elapsed)
+        .values(**values)
+        .returning(_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue)
+    )
+
+
+def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
+    """recover_restarted: jobs left running by an earlier boot of this worker node.
+
+    ``owner_prefix`` is "node/" and ``owner_boot`` is "/boot": rows owned by this node
+    under another boot id were interrupted by the restart. (Literal values, not bind
+    names: LIKE escaping of a node name that contains % or _ needs the string.)
+    """
+    where = sa.and_(
+        _c.status == Status.RUNNING.value,
+        _c.lease_owner.startswith(owner_prefix, autoescape=True),
+        sa.not_(_c.lease_owner.endswith(owner_boot, autoescape=True)),
+    )
+    values = _requeue_or(Status.FAILED)
+    values["error"] = sa.case(
+        (_c.attempt >= _c.max_attempts, sa.literal("interrupted by restart")), else_=_c.error
+    )
+    return (
+        sa.update(jobs)
+        .where(where)
+        .values(**values)
+        .returning(_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue)
+    )
+
+
+def claim_due_wakeups() -> sa.Update:
+    """claim_due_wakeups: due pending jobs with no wakeup since :stale_seconds.
+
+    Stamps woken_at before the caller publishes, so two beats never both send the
+    same batch, and a crash after this statement only delays the wakeup by one
+    threshold.
+    """
+    due = sa.and_(
+        _c.status == Status.PENDING.value,
+        sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
+        sa.or_(_c.woken_at.is_(None), _c.woken_at < db_now_plus(-_seconds("stale_seconds"))),
+    )
+    return (
+        sa.update(jobs)
+        .where(_c.id.in_(_batch(due, _c.run_after, "limit")), due)
+        .values(woken_at=db_now())
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
+def prunable_jobs() -> sa.Select:
+    """A bounded batch of terminal jobs finished before :cutoff_seconds ago."""
+    return (
+        sa.select(_c.id)
+        .where(_c.status.in_(_TERMINAL), _c.finished_at < db_now_plus(-_seconds("cutoff_seconds")))
+        .order_by(_c.finished_at)
+        .limit(sa.bindparam("limit"))
+    )
+
+
+def delete_jobs(ids: Sequence[str]) -> sa.Delete:
+    # Re-checks terminal status: a job cannot be un-terminated, but this keeps the
+    # delete correct even if the batch was read in another transaction.
+    return sa.delete(jobs).where(_c.id.in_(ids), _c.status.in_(_TERMINAL))
+
+
+def delete_job_events(ids: Sequence[str]) -> sa.Delete:
+    return sa.delete(events).where(events.c.job_id.in_(ids))
+
+
+# --- the run event log ---------------------------------------------------------------
+
+
+def append_events() -> sa.Insert:
+    """append_events: rows of (run_id, job_id, event, attempt, detail)."""
+    return sa.insert(events).values(created_at=db_now())
+
+
+def event_row(run_id: str, job_id: str, event: Event, attempt: int, detail: str | None = None):
+    return {"run_id": run_id, "job_id": job_id, "event": event.value, "attempt": attempt,
+            "detail": detail}

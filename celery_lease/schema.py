@@ -1,0 +1,110 @@
+"""The canonical schema. Migrations must reproduce it exactly (tests/test_schema.py).
+
+The same tables serve PostgreSQL and SQLite. Partial indexes (``WHERE status = ...``)
+keep claim, reap and sweep proportional to the live jobs, not to the terminal history.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+from .status import Event, Status
+
+metadata = sa.MetaData()
+
+# none_as_null: a Python None is SQL NULL, never the JSON value null.
+JSON = sa.JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_null=True), "postgresql")
+TS = sa.DateTime(timezone=True)
+ID = sa.Uuid(as_uuid=False)
+
+
+def _in(column: str, values) -> str:
+    return f"{column} IN ({', '.join(repr(str(v)) for v in values)})"
+
+
+def _partial(where: str) -> dict:
+    clause = sa.text(where)
+    return {"postgresql_where": clause, "sqlite_where": clause}
+
+
+jobs = sa.Table(
+    "celery_lease_jobs",
+    metadata,
+    # The job id is also the Celery task id of every wakeup, so Flower lists jobs by it.
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("kind", sa.String(200), nullable=False),
+    # Celery task name and queue of the wakeup, so beat can publish without importing
+    # the handler modules.
+    sa.Column("task", sa.String(255), nullable=False),
+    sa.Column("queue", sa.String(200)),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("max_attempts", sa.Integer, nullable=False),
+    sa.Column("lease_seconds", sa.Integer, nullable=False),
+    # Fencing token: +1 on every claim and on every revoke (cancel, reap, requeue).
+    # Every write of an attempt is guarded by the generation it claimed.
+    sa.Column("lease_generation", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("lease_owner", sa.String(255)),  # "node/pid/boot"
+    sa.Column("lease_expires_at", TS),
+    # Lease losses (reaped, interrupted) are counted apart from handler errors, so an
+    # operator can tell a job that gets OOM-killed from a buggy one.
+    sa.Column("lease_losses", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("run_after", TS),  # not claimable before; the sweeper wakes it when due
+    sa.Column("woken_at", TS),  # last wakeup published
+    sa.Column("payload", JSON, nullable=False),
+    sa.Column("result", JSON),
+    sa.Column("progress", JSON),
+    sa.Column("error", sa.Text),
+    # Only save_checkpoint writes this column; status transitions never touch it,
+    # except success, which clears it in the same statement.
+    sa.Column("checkpoint", JSON),
+    sa.Column("run_id", ID),
+    sa.Column("parent_id", ID),
+    sa.Column("idempotency_key", sa.String(255)),
+    sa.Column("tenant", sa.String(200)),
+    sa.Column("created_at", TS, nullable=False),
+    sa.Column("updated_at", TS, nullable=False),
+    sa.Column("started_at", TS),
+    sa.Column("finished_at", TS),
+    sa.CheckConstraint(_in("status", Status), name="celery_lease_jobs_status_check"),
+    sa.CheckConstraint("attempt >= 0 AND max_attempts >= 1", name="celery_lease_jobs_attempts_check"),
+    sa.UniqueConstraint("kind", "idempotency_key", name="celery_lease_jobs_idempotency_key"),
+)
+
+# claim is by primary key; these serve the maintenance scans and the API.
+sa.Index("celery_lease_jobs_pending", jobs.c.run_after, **_partial("status = 'pending'"))
+sa.Index("celery_lease_jobs_running", jobs.c.lease_expires_at, **_partial("status = 'running'"))
+sa.Index("celery_lease_jobs_owner", jobs.c.lease_owner, **_partial("status = 'running'"))
+sa.Index(
+    "celery_lease_jobs_finished",
+    jobs.c.finished_at,
+    **_partial(_in("status", sorted(s.value for s in Status if s.terminal))),
+)
+sa.Index("celery_lease_jobs_run", jobs.c.run_id, **_partial("run_id IS NOT NULL"))
+sa.Index("celery_lease_jobs_created", jobs.c.created_at, jobs.c.id)
+
+runs = sa.Table(
+    "celery_lease_runs",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    # Set once by cancel_run; a cancelled run accepts no new jobs.
+    sa.Column("cancelled_at", TS),
+    sa.Column("created_at", TS, nullable=False),
+)
+
+events = sa.Table(
+    "celery_lease_events",
+    metadata,
+    # Append-only: rows are inserted, read, and pruned with their jobs; never updated.
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("run_id", ID, nullable=False),
+    sa.Column("job_id", ID, nullable=False),
+    sa.Column("event", sa.String(16), nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("detail", sa.Text),
+    sa.Column("created_at", TS, nullable=False),
+    sa.CheckConstraint(_in("event", Event), name="celery_lease_events_event_check"),
+)
+sa.Index("celery_lease_events_run", events.c.run_id, events.c.id)
+sa.Index("celery_lease_events_job", events.c.job_id)
