@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# One entry point for a fresh clone:
+#   bash dev.sh demo   the example pipeline end to end on SQLite + a filesystem broker
+#   bash dev.sh test   the whole test suite against real PostgreSQL, Redis and workers
+#   bash dev.sh bench  the side-by-side benchmarks (bench/README.md)
+# Each command creates .venv and installs what it needs; `test` also starts (and if
+# missing installs) PostgreSQL and Redis. Idempotent: run it as often as you like.
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$PWD
+VENV=$ROOT/.venv
+PY=${PYTHON:-python3}
+
+log() { printf '[dev.sh] %s\n' "$*" >&2; }
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+apt_install() {
+  log "installing $* with apt-get"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+venv() {
+  # $1: the extras to install, e.g. "test"
+  local extras=$1 stamp="$VENV/.installed-$1"
+  if ! "$PY" -c 'import venv, ensurepip' 2>/dev/null; then
+    apt_install python3-venv
+  fi
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  # Reinstall when the package metadata changed since the last install.
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    log "installing celery-lease[$extras] into .venv"
+    "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+    touch "$stamp"
+  fi
+}
+
+ensure_postgres() {
+  if pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then return; fi
+  if ! command -v pg_ctlcluster >/dev/null 2>&1; then
+    apt_install postgresql postgresql-client
+  fi
+  local version
+  version=$(ls /etc/postgresql | sort -V | tail -n 1)
+  if [ ! -d "/etc/postgresql/$version/main" ]; then
+    as_root pg_createcluster "$version" main
+  fi
+  local hba="/etc/postgresql/$version/main/pg_hba.conf"
+  # Tests connect as the current user over 127.0.0.1 without a password.
+  if ! grep -q '^host all all 127.0.0.1/32 trust' "$hba"; then
+    as_root sed -i '1i host all all 127.0.0.1/32 trust' "$hba"
+  fi
+  log "starting PostgreSQL $version"
+  as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+  for _ in $(seq 1 60); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 0.5; done
+  pg_isready -q -h 127.0.0.1 -p 5432 || { log "PostgreSQL did not start"; exit 1; }
+  local me; me=$(id -un)
+  if ! psql -h 127.0.0.1 -U "$me" -d postgres -Atc 'select 1' >/dev/null 2>&1; then
+    as_root su postgres -c "createuser -s $me" || true
+  fi
+}
+
+ensure_redis() {
+  # The tests start their own private redis-server on a free port; they need the binary.
+  command -v redis-server >/dev/null 2>&1 || apt_install redis-server
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  demo)
+    venv demo
+    exec "$VENV/bin/celery-lease" demo "$@"
+    ;;
+  test)
+    venv test
+    ensure_postgres
+    ensure_redis
+    export CL_TEST_PG_ADMIN=${CL_TEST_PG_ADMIN:-postgresql+psycopg2://$(id -un)@127.0.0.1:5432/postgres}
+    exec "$VENV/bin/python" -m pytest "$@"
+    ;;
+  bench)
+    venv "test,bench"
+    ensure_postgres
+    ensure_redis
+    exec "$VENV/bin/python" -m bench "$@"
+    ;;
+  *)
+    echo "usage: bash dev.sh demo|test|bench [args]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,361 @@
+"""Real services for the tests: a throwaway PostgreSQL database per run, a private
+Redis server per run (so fault tests may restart it), and real `celery worker`
+subprocesses killed by PID.
+
+Environment: CL_TEST_PG_ADMIN (default postgresql+psycopg2://root@127.0.0.1:5432/postgres).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_ADMIN = os.environ.get("CL_TEST_PG_ADMIN", "postgresql+psycopg2://root@127.0.0.1:5432/postgres")
+CELERY = str(Path(sys.executable).with_name("celery"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+# --- PostgreSQL -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """A throwaway database for this run, migrated once; dropped at the end."""
+    name = f"celery_lease_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = sa.engine.make_url(PG_ADMIN).set(database=name).render_as_string(hide_password=False)
+    from celery_lease.store import Store
+    from celery_lease import migrate
+    from tests.app import test_metadata
+
+    store = Store(url)
+    migrate.upgrade(store)
+    test_metadata.create_all(store.durable)
+    store.dispose()
+    yield url
+    with admin.connect() as conn:
+        conn.exec_driver_sql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            (name,),
+        )
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
+    admin.dispose()
+
+
+TABLES = ("celery_lease_events", "celery_lease_runs", "celery_lease_jobs", "test_effects")
+
+
+@pytest.fixture
+def pg(pg_url):
+    """The run's PostgreSQL database, emptied before the test."""
+    engine = sa.create_engine(pg_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"TRUNCATE {', '.join(TABLES)}")
+    yield pg_url
+    engine.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path):
+    """A fresh SQLite file, migrated."""
+    url = f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
+    from celery_lease.store import Store
+    from celery_lease import migrate
+    from tests.app import test_metadata
+
+    store = Store(url)
+    migrate.upgrade(store)
+    test_metadata.create_all(store.durable)
+    store.dispose()
+    return url
+
+
+# --- Redis ----------------------------------------------------------------------------
+
+
+class RedisServer:
+    """A private redis-server on its own port; tests may stop and restart it."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_for(self.ping, timeout=10, what="redis to start")
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def restart(self, downtime: float = 0.0) -> None:
+        self.stop()
+        time.sleep(downtime)
+        self.start()
+
+    def flush(self) -> None:
+        import redis
+
+        redis.Redis(port=self.port).flushall()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def broker(redis_server):
+    """The private Redis, running and empty."""
+    if not redis_server.ping():
+        redis_server.start()
+    redis_server.flush()
+    return redis_server.url
+
+
+# --- Celery apps and workers ----------------------------------------------------------
+
+
+def _env(db: str, broker: str, conf: dict | None = None, extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update({
+        "CL_TEST_DB": db,
+        "CL_TEST_BROKER": broker,
+        "CL_TEST_CONF": json.dumps(conf or {}),
+        "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(extra or {})
+    return env
+
+
+@pytest.fixture
+def client_app(monkeypatch):
+    """Build the tests' Celery app in this process, pointed at a database and broker.
+
+    Returns a function (db_url, broker_url, conf=None) -> tests.app module.
+    """
+    import importlib
+
+    made = []
+
+    def make(db: str, broker: str, conf: dict | None = None, extra_env: dict | None = None):
+        for key, value in _env(db, broker, conf, extra_env).items():
+            monkeypatch.setenv(key, value)
+        sys.modules.pop("tests.app", None)
+        module = importlib.import_module("tests.app")
+        made.append(module)
+        return module
+
+    yield make
+    for module in made:
+        module.leases.store.dispose()
+        module.app.close()
+    sys.modules.pop("tests.app", None)
+
+
+class Worker:
+    """A real `celery worker` subprocess running tests.app."""
+
+    def __init__(self, name: str, db: str, broker: str, logdir: Path, *, concurrency: int = 2,
+                 pool: str = "prefork", conf: dict | None = None, extra_env: dict | None = None,
+                 queues: str | None = None) -> None:
+        self.name = name
+        self.log_path = logdir / f"{name}-{uuid.uuid4().hex[:6]}.log"
+        self.args = [CELERY, "-A", "tests.app", "worker", "-n", f"{name}@testhost", "-P", pool,
+                     "-c", str(concurrency), "-l", "INFO", "--without-mingle", "--without-gossip",
+                     "--without-heartbeat"]
+        if queues:
+            self.args += ["-Q", queues]
+        self.env = _env(db, broker, conf, extra_env)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait: bool = True) -> "Worker":
+        self._log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.args, env=self.env, cwd=ROOT, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        if wait:
+            wait_for(lambda: "ready." in self.log() or self.proc.poll() is not None, timeout=30,
+                     what=f"worker {self.name} to be ready")
+            assert self.proc.poll() is None, f"worker {self.name} exited:\n{self.log()[-3000:]}"
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def children(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except FileNotFoundError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the whole worker (main process and pool children) with ``sig``."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 30) -> int:
+        """Warm shutdown (SIGTERM to the main process) and wait."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"worker {self.name} did not stop in {timeout}s")
+
+    def restart(self) -> "Worker":
+        self.kill()
+        return self.start()
+
+
+@pytest.fixture
+def workers(tmp_path):
+    """Start workers with ``workers(db, broker, name=..., **options)``; all are killed
+    at the end of the test."""
+    started: list[Worker] = []
+
+    def start(db: str, broker: str, name: str = "w1", wait: bool = True, **options) -> Worker:
+        worker = Worker(name, db, broker, tmp_path, **options)
+        started.append(worker)
+        return worker.start(wait=wait)
+
+    yield start
+    for worker in started:
+        worker.kill()
+
+
+class Beat:
+    """A real `celery beat` subprocess."""
+
+    def __init__(self, db: str, broker: str, workdir: Path, conf: dict | None = None) -> None:
+        self.log_path = workdir / f"beat-{uuid.uuid4().hex[:6]}.log"
+        schedule = workdir / f"beat-schedule-{uuid.uuid4().hex[:6]}"
+        self.args = [CELERY, "-A", "tests.app", "beat", "-l", "INFO", "-s", str(schedule)]
+        self.env = _env(db, broker, conf)
+        self.proc = None
+
+    def start(self) -> "Beat":
+        self._log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.args, env=self.env, cwd=ROOT, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def beats(tmp_path):
+    started: list[Beat] = []
+
+    def start(db: str, broker: str, conf: dict | None = None) -> Beat:
+        beat = Beat(db, broker, tmp_path, conf)
+        started.append(beat)
+        return beat.start()
+
+    yield start
+    for beat in started:
+        beat.kill()
+
+
+# --- a job in any state ---------------------------------------------------------------
+
+
+@pytest.fixture
+def make_job():
+    """Insert a job row directly in any state: make_job(db_url, status=..., **columns).
+
+    For tests of transitions that should not depend on a worker getting there first.
+    """
+    from celery_lease.schema import jobs
+
+    engines: dict[str, sa.Engine] = {}
+
+    def make(db: str, *, kind: str = "echo", task: str = "tests.app.echo", status: str = "pending",
+             **columns) -> str:
+        engine = engines.setdefault(db, sa.create_engine(db))
+        now = sa.func.now() if engine.dialect.name == "postgresql" else sa.func.strftime("%Y-%m-%d %H:%M:%f", "now")
+        values = {
+            "id": str(uuid.uuid4()), "kind": kind, "task": task, "status": status, "attempt": 0,
+            "max_attempts": 3, "lease_seconds": 30, "lease_generation": 0, "payload": {},
+            "created_at": now, "updated_at": now,
+        }
+        values.update(columns)
+        with engine.begin() as conn:
+            conn.execute(jobs.insert().values(**values))
+        return values["id"]
+
+    yield make
+    for engine in engines.values():
+        engine.dispose()
+
+
+@pytest.fixture
+def marker_dir(tmp_path):
+    d = tmp_path / "markers"
+    d.mkdir()
+    return d

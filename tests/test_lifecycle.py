@@ -1,0 +1,133 @@
+"""The job lifecycle against real PostgreSQL, Redis and `celery worker` processes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease import Status
+from celery_lease.schema import events, jobs, runs
+from tests.conftest import wait_for
+
+
+def test_submit_runs_once_and_stores_result(pg, broker, client_app, workers):
+    mod = client_app(pg, broker)
+    workers(pg, broker)
+    job = mod.echo.submit({"value": 7})
+    assert job.status is Status.PENDING and job.attempt == 0
+    done = mod.leases.wait(job.id, timeout=20)
+    assert done.status is Status.SUCCEEDED
+    assert done.result == {"echo": 7, "attempt": 1}
+    assert done.attempt == 1 and done.lease_owner is None and done.finished_at is not None
+
+
+def test_delay_and_apply_async_go_through_submit(pg, broker, client_app, workers):
+    mod = client_app(pg, broker)
+    workers(pg, broker)
+    a = mod.echo.delay({"value": 1})
+    b = mod.echo.apply_async(({"value": 2},))
+    assert mod.leases.get(a.id).kind == "echo"
+    assert mod.leases.wait(a.id, 20).result["echo"] == 1
+    assert mod.leases.wait(b.id, 20).result["echo"] == 2
+
+
+def test_duplicate_delivery_runs_the_body_once(pg, broker, client_app, workers, marker_dir):
+    mod = client_app(pg, broker)
+    job = mod.echo.submit({"value": 1, "marker_dir": str(marker_dir)})
+    # Two more wakeups with the same task id: a redelivered or duplicated message.
+    for _ in range(2):
+        mod.app.send_task(job.task, task_id=job.id)
+    workers(pg, broker)
+    assert mod.leases.wait(job.id, 20).status is Status.SUCCEEDED
+    time.sleep(1.0)  # let the duplicates be consumed
+    runs_of_body = (marker_dir / f"echo-{job.id}").read_text().split()
+    assert len(runs_of_body) == 1
+    assert mod.leases.get(job.id).attempt == 1
+
+
+def test_wakeup_for_unknown_job_is_acknowledged(pg, broker, client_app, workers):
+    mod = client_app(pg, broker)
+    w = workers(pg, broker)
+    ghost = "00000000-0000-4000-8000-000000000000"
+    mod.app.send_task("tests.app.echo", task_id=ghost)
+    real = mod.echo.submit({"value": 3})
+    assert mod.leases.wait(real.id, 20).status is Status.SUCCEEDED
+    wait_for(lambda: ghost in w.log(), what="the ghost wakeup to be logged")
+    assert "not claimable" in w.log()
+    with sa.create_engine(pg).connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(jobs)).scalar() == 1
+
+
+def test_failure_is_stored_capped_without_retry(pg, broker, client_app, workers):
+    mod = client_app(pg, broker)
+    workers(pg, broker)
+    long_message = "é" * 400  # 800 bytes; the cap is 512 bytes on a UTF-8 boundary
+    job = mod.flaky.submit({"failure": long_message})
+    done = mod.leases.wait(job.id, 20)
+    assert done.status is Status.FAILED and done.attempt == 1
+    assert done.error == "é" * 256
+    assert len(done.error.encode()) == 512
+
+
+def test_exceptions_retry_then_fail_as_internal_error_without_leaking(pg, broker, client_app, workers):
+    mod = client_app(pg, broker, conf={"lease_sweep_interval": 0.5})
+    secret = "s3cr3t-Tok3n-42"
+    w = workers(pg, broker, extra_env={"CL_TEST_SECRET": secret})
+    job = mod.flaky.submit({}, run_id="11111111-1111-4111-8111-111111111111")
+
+    def finished():
+        mod.leases.sweep()  # beat's sweeper delivers the retry once its backoff is due
+        job_now = mod.leases.get(job.id)
+        return job_now if job_now.terminal else None
+
+    done = wait_for(finished, timeout=30, interval=0.2, what="retries to finish")
+    assert done.status is Status.FAILED and done.attempt == 3
+    assert done.error == "internal error"
+    # The secret is in the worker log (with the job id) and in no column of any table.
+    assert secret in w.log() and job.id in w.log()
+    with sa.create_engine(pg).connect() as conn:
+        for table in (jobs, runs, events):
+            for row in conn.execute(sa.select(table)):
+                assert secret not in repr(tuple(row)), table.name
+        kinds = [r.event for r in conn.execute(sa.select(events.c.event).order_by(events.c.id))]
+    assert kinds.count("retried") == 2 and kinds[-1] == "failed"
+
+
+def test_retry_succeeds_on_a_later_attempt(pg, broker, client_app, workers):
+    mod = client_app(pg, broker)
+    workers(pg, broker)
+    job = mod.flaky.submit({"ok_at": 2})
+
+    def finished():
+        mod.leases.sweep()
+        j = mod.leases.get(job.id)
+        return j if j.terminal else None
+
+    done = wait_for(finished, timeout=30, interval=0.2, what="the retry")
+    assert done.status is Status.SUCCEEDED and done.result == {"ok_at": 2}
+
+
+def test_cancel_pending_job_at_once(pg, broker, client_app):
+    mod = client_app(pg, broker)
+    job = mod.echo.submit({"value": 1})
+    assert mod.leases.cancel(job.id) is True
+    assert mod.leases.get(job.id).status is Status.CANCELLED
+    assert mod.leases.cancel(job.id) is False  # terminal: never changes again
+
+
+def test_idempotency_key_returns_the_same_job(pg, broker, client_app):
+    mod = client_app(pg, broker)
+    a = mod.echo.submit({"value": 1}, idempotency_key="nightly-2026-11-30")
+    b = mod.echo.submit({"value": 2}, idempotency_key="nightly-2026-11-30")
+    assert a.id == b.id and b.payload == {"value": 1}
+    with sa.create_engine(pg).connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(jobs)).scalar() == 1
+
+
+def test_job_runs_on_sqlite_too(sqlite_url, broker, client_app, workers):
+    mod = client_app(sqlite_url, broker)
+    workers(sqlite_url, broker)
+    job = mod.echo.submit({"value": "lite"})
+    assert mod.leases.wait(job.id, 20).result == {"echo": "lite", "attempt": 1}
