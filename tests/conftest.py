@@ -184,25 +184,27 @@ def _env(db: str, broker: str, conf: dict | None = None, extra: dict | None = No
 def client_app(monkeypatch):
     """Build the tests' Celery app in this process, pointed at a database and broker.
 
-    Returns a function (db_url, broker_url, conf=None) -> tests.app module.
+    Returns a function (db_url, broker_url, conf=None, extra_env=None, module="tests.app")
+    -> the freshly imported app module (exposing ``app`` and ``leases``).
     """
     import importlib
 
     made = []
 
-    def make(db: str, broker: str, conf: dict | None = None, extra_env: dict | None = None):
+    def make(db: str, broker: str, conf: dict | None = None, extra_env: dict | None = None,
+             module: str = "tests.app"):
         for key, value in _env(db, broker, conf, extra_env).items():
             monkeypatch.setenv(key, value)
-        sys.modules.pop("tests.app", None)
-        module = importlib.import_module("tests.app")
-        made.append(module)
-        return module
+        sys.modules.pop(module, None)
+        mod = importlib.import_module(module)
+        made.append(mod)
+        return mod
 
     yield make
-    for module in made:
-        module.leases.store.dispose()
-        module.app.close()
-    sys.modules.pop("tests.app", None)
+    for mod in made:
+        mod.leases.store.dispose()
+        mod.app.close()
+        sys.modules.pop(mod.__name__, None)
 
 
 class Worker:
@@ -210,10 +212,10 @@ class Worker:
 
     def __init__(self, name: str, db: str, broker: str, logdir: Path, *, concurrency: int = 2,
                  pool: str = "prefork", conf: dict | None = None, extra_env: dict | None = None,
-                 queues: str | None = None) -> None:
+                 queues: str | None = None, module: str = "tests.app") -> None:
         self.name = name
         self.log_path = logdir / f"{name}-{uuid.uuid4().hex[:6]}.log"
-        self.args = [CELERY, "-A", "tests.app", "worker", "-n", f"{name}@testhost", "-P", pool,
+        self.args = [CELERY, "-A", module, "worker", "-n", f"{name}@testhost", "-P", pool,
                      "-c", str(concurrency), "-l", "INFO", "--without-mingle", "--without-gossip",
                      "--without-heartbeat"]
         if queues:
@@ -286,10 +288,11 @@ def workers(tmp_path):
 class Beat:
     """A real `celery beat` subprocess."""
 
-    def __init__(self, db: str, broker: str, workdir: Path, conf: dict | None = None) -> None:
+    def __init__(self, db: str, broker: str, workdir: Path, conf: dict | None = None,
+                 module: str = "tests.app") -> None:
         self.log_path = workdir / f"beat-{uuid.uuid4().hex[:6]}.log"
         schedule = workdir / f"beat-schedule-{uuid.uuid4().hex[:6]}"
-        self.args = [CELERY, "-A", "tests.app", "beat", "-l", "INFO", "-s", str(schedule)]
+        self.args = [CELERY, "-A", module, "beat", "-l", "INFO", "-s", str(schedule)]
         self.env = _env(db, broker, conf)
         self.proc = None
 
@@ -312,8 +315,8 @@ class Beat:
 def beats(tmp_path):
     started: list[Beat] = []
 
-    def start(db: str, broker: str, conf: dict | None = None) -> Beat:
-        beat = Beat(db, broker, tmp_path, conf)
+    def start(db: str, broker: str, conf: dict | None = None, module: str = "tests.app") -> Beat:
+        beat = Beat(db, broker, tmp_path, conf, module)
         started.append(beat)
         return beat.start()
 
