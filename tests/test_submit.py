@@ -1,0 +1,162 @@
+"""The producer boundary: bad input is refused at submit and stores nothing;
+transactional enqueue publishes only after COMMIT; configuration errors are clear."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import datetime, timedelta
+
+import pytest
+import redis
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_lease import CeleryLease, ConfigurationError, InvalidPayload, Status, UnknownKind
+from celery_lease.schema import jobs
+from tests.conftest import CELERY, ROOT, _env
+
+
+def count_jobs(url: str) -> int:
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        n = conn.execute(sa.select(sa.func.count()).select_from(jobs)).scalar()
+    engine.dispose()
+    return n
+
+
+def queued(broker: str, queue: str = "celery") -> int:
+    return redis.Redis.from_url(broker).llen(queue)
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"when": datetime(2026, 1, 1)}, "not JSON serializable"),
+    ({"x": float("nan")}, "Out of range float"),
+    ({"blob": "x" * (1024 * 1024 + 1)}, "over the cap"),
+])
+def test_bad_payload_raises_at_submit_and_stores_nothing(pg, broker, client_app, payload, message):
+    mod = client_app(pg, broker)
+    with pytest.raises(InvalidPayload, match=message):
+        mod.echo.submit(payload)
+    assert count_jobs(pg) == 0 and queued(broker) == 0
+
+
+def test_typed_payload_validation_fails_at_submit(pg, broker, client_app):
+    mod = client_app(pg, broker)
+    with pytest.raises(InvalidPayload, match="quantity"):
+        mod.typed_pd.submit({"sku": "A-1", "quantity": "many"})
+    with pytest.raises(InvalidPayload):
+        mod.typed_dc.submit({"x": 1})  # missing y
+    assert count_jobs(pg) == 0
+
+
+def test_unknown_kind_raises(pg, broker, client_app):
+    mod = client_app(pg, broker)
+    with pytest.raises(UnknownKind, match="no job handler for kind 'nope'"):
+        mod.leases.submit("nope", {})
+    assert count_jobs(pg) == 0
+
+
+def test_naive_run_after_is_refused(pg, broker, client_app):
+    mod = client_app(pg, broker)
+    with pytest.raises(InvalidPayload, match="timezone-aware"):
+        mod.echo.submit({}, run_after=datetime(2030, 1, 1))
+    assert count_jobs(pg) == 0
+
+
+def test_transactional_submit_publishes_only_after_commit(pg, broker, client_app, workers):
+    mod = client_app(pg, broker)
+    engine = sa.create_engine(pg)
+    with engine.begin() as conn:
+        job = mod.echo.submit({"value": "tx"}, connection=conn)
+        # Inside the transaction: no wakeup yet, and the row is invisible to others.
+        assert queued(broker) == 0
+        assert mod.leases.get(job.id) is None
+    assert queued(broker) == 1
+    workers(pg, broker)
+    assert mod.leases.wait(job.id, 20).status is Status.SUCCEEDED
+    engine.dispose()
+
+
+def test_rolled_back_submit_leaves_no_job_and_no_wakeup(pg, broker, client_app):
+    mod = client_app(pg, broker)
+    engine = sa.create_engine(pg)
+    with pytest.raises(RuntimeError):
+        with engine.begin() as conn:
+            job = mod.echo.submit({"value": "gone"}, connection=conn)
+            raise RuntimeError("caller aborts")
+    assert mod.leases.get(job.id) is None
+    assert count_jobs(pg) == 0 and queued(broker) == 0
+    # The same connection's next transaction does not carry the dropped wakeup over.
+    with engine.begin() as conn:
+        kept = mod.echo.submit({"value": "kept"}, connection=conn)
+    assert queued(broker) == 1 and mod.leases.get(kept.id) is not None
+    engine.dispose()
+
+
+def test_submit_many_is_one_insert(pg, broker, client_app):
+    mod = client_app(pg, broker)
+    statements = []
+    sa.event.listen(mod.leases.store.durable, "before_cursor_execute",
+                    lambda *a: statements.append(a[2]))
+    created = mod.echo.submit_many([{"value": i} for i in range(250)])
+    assert len(created) == 250 and len({j.id for j in created}) == 250
+    assert len(statements) == 1 and statements[0].lstrip().upper().startswith("INSERT")
+    assert count_jobs(pg) == 250 and queued(broker) == 250
+
+
+def test_statements_per_job_from_submit_to_success(pg, broker, client_app):
+    """Steady state: one statement at submit, one at claim, one at completion."""
+    from celery.contrib.testing.worker import start_worker
+
+    mod = client_app(pg, broker)
+    mod.echo.submit({"value": "warm-up"})  # connections and caches warmed outside the count
+    statements = []
+    for engine in (mod.leases.store.durable, mod.leases.store.fast):
+        sa.event.listen(engine, "before_cursor_execute", lambda *a: statements.append(a[2].split()[0]))
+    with start_worker(mod.app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        job = mod.echo.submit({"value": 1})
+        assert mod.leases.wait(job.id, 20).status is Status.SUCCEEDED
+        during = list(statements)
+    # warm-up job + measured job: each costs claim + completion; the measured one adds
+    # its INSERT; the waits' SELECTs are the test's own polling, not the job's cost.
+    cost = [s for s in during if s.upper() != "SELECT"]
+    assert cost.count("INSERT") == 1
+    assert cost.count("UPDATE") == 4, cost
+
+
+def test_database_url_precedence(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CELERY_LEASE_DATABASE_URL", raising=False)
+    app = Celery("p", broker="memory://")
+    assert CeleryLease(app).store.url.database == str(tmp_path / "celery-lease.sqlite3")
+    monkeypatch.setenv("CELERY_LEASE_DATABASE_URL", "sqlite:///from-env.db")
+    assert CeleryLease(Celery("p2", broker="memory://")).store.url.database == "from-env.db"
+    app3 = Celery("p3", broker="memory://")
+    app3.conf.lease_database_url = "sqlite:///from-conf.db"
+    assert CeleryLease(app3).store.url.database == "from-conf.db"
+    assert CeleryLease(Celery("p4", broker="memory://"), "sqlite:///explicit.db").store.url.database == "explicit.db"
+
+
+@pytest.mark.parametrize("url, message", [
+    ("not a url", "database_url is not a valid database URL"),
+    ("mysql://root@localhost/db", "unsupported database 'mysql'"),
+])
+def test_bad_database_url_fails_at_construction(url, message):
+    with pytest.raises(ConfigurationError, match=message):
+        CeleryLease(Celery("bad", broker="memory://"), url)
+
+
+def test_unreachable_database_stops_the_worker_with_one_clear_line(broker):
+    bad = "postgresql+psycopg2://root:topsecret@127.0.0.1:1/nowhere"
+    proc = subprocess.run(
+        [CELERY, "-A", "tests.app", "worker", "-P", "solo", "-l", "INFO", "--without-mingle",
+         "--without-gossip", "--without-heartbeat"],
+        env=_env(bad, broker), cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    line = [l for l in proc.stderr.splitlines() if l.startswith("celery-lease: cannot reach")]
+    assert line, proc.stderr[-2000:]
+    assert "the job database" in line[0] and "(database_url)" in line[0]
+    assert "ready." not in proc.stdout + proc.stderr
+    assert "topsecret" not in proc.stderr + proc.stdout
