@@ -1,0 +1,307 @@
+"""The HTTP API: jobs, runs, health and metrics over the job table.
+
+Started by ``celery -A proj lease serve [--host H] [--port P]`` (FastAPI on uvicorn;
+needs the ``api`` extra). Routes::
+
+    GET  /api/v1/jobs/{id}            one job
+    POST /api/v1/jobs/{id}/cancel     cancel a pending or running job
+    GET  /api/v1/jobs                 ?status=&kind=&limit=&cursor=  newest first
+    GET  /api/v1/runs/{id}/events     ?after=&limit=  a run's event log, oldest first
+    GET  /healthz                     200 when the database answers, else 503
+    GET  /metrics                     Prometheus text (see celery_lease.metrics)
+    GET  /openapi.json                the OpenAPI schema
+
+Tokens. Every ``/api/v1`` route needs ``Authorization: Bearer <token>``. The tokens
+come from ``app.conf.lease_api_tokens``, a dict mapping each token to the tenant it may
+see, or to None for every tenant::
+
+    app.conf.lease_api_tokens = {"ops-7f3a...": None, "acme-91bc...": "acme"}
+
+or, when that setting is absent, from the environment variable
+``CELERY_LEASE_API_TOKENS`` holding the same mapping as a JSON object::
+
+    CELERY_LEASE_API_TOKENS='{"ops-7f3a...": null, "acme-91bc...": "acme"}'
+
+With no tokens configured every ``/api/v1`` request is refused. A missing or unknown
+token gets 401 ``{"error": "unauthorized"}``. A token bound to a tenant sees only jobs
+submitted with that ``tenant=``: another tenant's job is 404, exactly like a job that
+does not exist (a 403 would confirm the id exists), lists and run events are filtered,
+and cancelling another tenant's job is 404. ``/healthz``, ``/metrics`` and
+``/openapi.json`` need no token (probes and Prometheus scrape them); metrics carry
+counts by kind and status, never job contents.
+
+Errors are JSON ``{"error": code, "detail": text}``: 400 ``bad_request`` for a
+malformed id, status, limit, cursor or parameter; 404 ``not_found``; 503
+``database_unavailable``. Bad input is refused before anything is read or changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import os
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Query, Request, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import listing, metrics
+from .errors import ConfigurationError, DatabaseUnavailable
+from .extension import parse_job_id
+from .job import Job
+
+if TYPE_CHECKING:
+    from .extension import CeleryLease
+
+log = logging.getLogger("celery_lease.api")
+
+TOKENS_SETTING = "lease_api_tokens"
+TOKENS_ENV = "CELERY_LEASE_API_TOKENS"
+MAX_EVENTS_LIMIT = 1000
+
+
+def load_tokens(app_conf: Any) -> dict[str, str | None]:
+    """Token -> tenant (None: every tenant), from app.conf or the environment."""
+    tokens = app_conf.get(TOKENS_SETTING) if app_conf is not None else None
+    source = f"app.conf.{TOKENS_SETTING}"
+    if tokens is None and os.environ.get(TOKENS_ENV):
+        source = TOKENS_ENV
+        try:
+            tokens = json.loads(os.environ[TOKENS_ENV])
+        except ValueError:
+            raise ConfigurationError(
+                f'{TOKENS_ENV} is not JSON (expected e.g. {{"token": "tenant", "admin-token": null}})'
+            ) from None
+    if tokens is None:
+        return {}
+    if not isinstance(tokens, dict) or not all(
+        isinstance(t, str) and t and (v is None or isinstance(v, str)) for t, v in tokens.items()
+    ):
+        raise ConfigurationError(
+            f"{source} must map non-empty token strings to a tenant name or None"
+        )
+    return dict(tokens)
+
+
+# --- wire shapes (these make the OpenAPI schema) ----------------------------------------
+
+
+class ErrorOut(BaseModel):
+    error: str
+    detail: str | None = None
+
+
+class JobOut(BaseModel):
+    id: str
+    kind: str
+    status: str
+    result: Any = None
+    error: str | None = None
+    progress: Any = None
+    attempt: int
+    max_attempts: int
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    run_id: str | None = None
+    parent_id: str | None = None
+
+
+class JobPageOut(BaseModel):
+    jobs: list[JobOut]
+    next_cursor: str | None = None
+
+
+class CancelOut(BaseModel):
+    id: str
+    #: True when this request moved the job to cancelled; False when it was terminal.
+    cancelled: bool
+    status: str
+
+
+class EventOut(BaseModel):
+    id: int
+    run_id: str
+    job_id: str
+    event: str
+    attempt: int
+    detail: str | None = None
+    created_at: datetime
+
+
+class EventPageOut(BaseModel):
+    run_id: str
+    events: list[EventOut]
+    #: Pass as ``after`` for the next page; None when this page is the last.
+    next_after: int | None = None
+
+
+class HealthOut(BaseModel):
+    status: str
+
+
+# --- errors -----------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, error: str, detail: str | None = None) -> None:
+        super().__init__(error)
+        self.status, self.error, self.detail = status, error, detail
+
+
+def _error(status: int, error: str, detail: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+_UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
+
+_ERRORS = {
+    400: {"model": ErrorOut, "description": "malformed id, status, limit, cursor or parameter"},
+    401: {"model": ErrorOut, "description": "missing or unknown bearer token"},
+    404: {"model": ErrorOut, "description": "no such job or run visible to this token"},
+    503: {"model": ErrorOut, "description": "the job database cannot be reached"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    #: The one tenant this caller may see; None means every tenant.
+    tenant: str | None
+
+    def sees(self, job: Job) -> bool:
+        return self.tenant is None or job.tenant == self.tenant
+
+
+def _parse_id(value: str, what: str) -> str:
+    try:
+        return parse_job_id(value)
+    except ValueError:
+        raise ApiError(400, "bad_request", f"malformed {what} id (expected a UUID)") from None
+
+
+def create_app(leases: "CeleryLease") -> FastAPI:
+    """The ASGI app serving ``leases``; reads the tokens now (ConfigurationError if bad)."""
+    tokens = load_tokens(leases.app.conf)
+    if not tokens:
+        log.warning("celery-lease: no API tokens configured (%s or %s): every /api/v1 request gets 401",
+                    f"app.conf.{TOKENS_SETTING}", TOKENS_ENV)
+    bearer = HTTPBearer(auto_error=False, description="a token from lease_api_tokens")
+
+    api = FastAPI(title="celery-lease", version="1", description="Durable Celery jobs: status, cancel, runs.")
+
+    @api.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError):
+        return _error(exc.status, exc.error, exc.detail, _UNAUTHORIZED if exc.status == 401 else None)
+
+    @api.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError):
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
+        )
+        return _error(400, "bad_request", problems[:500])
+
+    @api.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}"),
+                      None, getattr(exc, "headers", None))
+
+    @api.exception_handler(DatabaseUnavailable)
+    async def on_db_down(request: Request, exc: DatabaseUnavailable):
+        # The message names the URL without its password; the driver's text stays in the log.
+        return _error(503, "database_unavailable", None)
+
+    def caller(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> Caller:
+        if credentials is None:
+            raise ApiError(401, "unauthorized")
+        offered = credentials.credentials.encode()
+        match = None
+        # compare_digest against every token: the time taken does not depend on how
+        # much of a token was guessed right, nor on which one matched.
+        for token, tenant in tokens.items():
+            if hmac.compare_digest(offered, token.encode()):
+                match = Caller(tenant)
+        if match is None:
+            raise ApiError(401, "unauthorized")
+        return match
+
+    def visible_job(job_id: str, who: Caller) -> Job:
+        job = leases.store.get(_parse_id(job_id, "job"))
+        if job is None or not who.sees(job):
+            raise ApiError(404, "not_found")
+        return job
+
+    @api.get("/api/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS)
+    def get_job(job_id: str, who: Caller = Security(caller)):
+        return listing.api_view(visible_job(job_id, who))
+
+    @api.post("/api/v1/jobs/{job_id}/cancel", response_model=CancelOut, responses=_ERRORS)
+    def cancel_job(job_id: str, who: Caller = Security(caller)):
+        """Cancel a pending or running job; ``cancelled`` is false when it had already
+        finished (its status is unchanged)."""
+        job = visible_job(job_id, who)
+        cancelled = leases.cancel(job.id)
+        now = leases.store.get(job.id)
+        return {"id": job.id, "cancelled": cancelled, "status": (now or job).status.value}
+
+    @api.get("/api/v1/jobs", response_model=JobPageOut, responses=_ERRORS)
+    def list_jobs(
+        who: Caller = Security(caller),
+        status: str | None = Query(None, description="pending, running, succeeded, failed, expired or cancelled"),
+        kind: str | None = Query(None, max_length=listing.MAX_KIND_CHARS),
+        limit: int = Query(listing.DEFAULT_LIMIT, ge=1, le=listing.MAX_LIMIT),
+        cursor: str | None = Query(None, max_length=listing.MAX_CURSOR_CHARS,
+                                   description="next_cursor of the previous page"),
+    ):
+        try:
+            page = listing.list_page(leases, status=status, kind=kind, tenant=who.tenant, limit=limit,
+                                     cursor=cursor)
+        except ValueError as exc:
+            raise ApiError(400, "bad_request", str(exc)) from None
+        return {"jobs": [listing.api_view(j) for j in page.jobs], "next_cursor": page.next_cursor}
+
+    @api.get("/api/v1/runs/{run_id}/events", response_model=EventPageOut, responses=_ERRORS)
+    def run_events(
+        run_id: str,
+        who: Caller = Security(caller),
+        after: int = Query(0, ge=0, le=2**62, description="next_after of the previous page"),
+        limit: int = Query(100, ge=1, le=MAX_EVENTS_LIMIT),
+    ):
+        run_id = _parse_id(run_id, "run")
+        # A run is visible when it holds a job the caller may see.
+        if not leases.store.list(run_id=run_id, tenant=who.tenant, limit=1):
+            raise ApiError(404, "not_found")
+        rows = leases.store.run_events(run_id, after_id=after, limit=limit + 1, tenant=who.tenant)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        events = [{**r, "run_id": str(r["run_id"]), "job_id": str(r["job_id"])} for r in rows]
+        return {"run_id": run_id, "events": events, "next_after": rows[-1]["id"] if more else None}
+
+    @api.get("/healthz", response_model=HealthOut, responses={503: {"model": HealthOut}})
+    def healthz():
+        try:
+            leases.store.ping()
+        except DatabaseUnavailable:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @api.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}, 503: _ERRORS[503]})
+    def prometheus():
+        return Response(metrics.render(leases), media_type=metrics.CONTENT_TYPE)
+
+    return api
+
+
+def serve(leases: "CeleryLease", host: str, port: int) -> None:
+    """Run the API on uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(leases), host=host, port=port, log_level="info")

@@ -1,0 +1,242 @@
+"""``celery -A proj lease ...``: operate celery-lease from Celery's own CLI.
+
+Installed through the ``celery.commands`` entry point, so it runs with the app Celery
+loaded from ``-A`` and finds the CeleryLease instance at ``app.lease``::
+
+    celery -A proj lease migrate                 upgrade the job tables
+    celery -A proj lease show ID [--json]        one job
+    celery -A proj lease list [--status S] [--kind K] [--limit N] [--cursor C] [--json]
+    celery -A proj lease cancel ID [--json]      exit 1 when the job had already finished
+    celery -A proj lease cancel-run RUN [--json]
+    celery -A proj lease reap | sweep [--json]   what beat runs, once, now
+    celery -A proj lease prune [--older-than SECONDS] [--json]
+    celery -A proj lease serve [--host H] [--port P]   the HTTP API (celery_lease.api)
+
+Errors (unknown or malformed id, bad status, unreachable database, bad configuration)
+print exactly one line, ``celery-lease: <what is wrong>``, on stderr and exit non-zero:
+2 for input refused before anything was read, 1 otherwise. Never a traceback: the
+database driver's message (which can carry a host or a password) stays out of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from datetime import datetime
+from typing import Any, Callable
+
+import click
+
+from . import listing
+from .errors import LeaseError
+from .extension import parse_job_id
+from .job import Job
+
+#: Columns of ``lease list``: (heading, how to show it).
+LIST_COLUMNS: tuple[tuple[str, Callable[[Job], str]], ...] = (
+    ("ID", lambda j: j.id),
+    ("KIND", lambda j: j.kind),
+    ("STATUS", lambda j: j.status.value),
+    ("ATTEMPT", lambda j: f"{j.attempt}/{j.max_attempts}"),
+    ("CREATED", lambda j: _when(j.created_at)),
+    ("FINISHED", lambda j: _when(j.finished_at)),
+    ("ERROR", lambda j: (j.error or "")[:60]),
+)
+
+
+class CliError(click.ClickException):
+    """One line on stderr, no usage text, no traceback."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file=None) -> None:
+        click.echo(f"celery-lease: {self.format_message()}", err=True)
+
+
+def _when(value: datetime | None) -> str:
+    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _table(headings: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headings)]
+    lines = [headings, *rows]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _emit(as_json: bool, data: Any, text: str) -> None:
+    click.echo(json.dumps(data, indent=2, default=str) if as_json else text)
+
+
+def _id(value: str, what: str = "job") -> str:
+    try:
+        return parse_job_id(value)
+    except ValueError:
+        raise CliError(f"malformed {what} id {value[:64]!r} (expected a UUID)", exit_code=2) from None
+
+
+def _leases(ctx: click.Context):
+    app = ctx.find_root().obj.app
+    leases = getattr(app, "lease", None)
+    if leases is None:
+        raise CliError(f"the app {app.main!r} has no CeleryLease (create CeleryLease(app) in it)")
+    return leases
+
+
+def _boundary(fn: Callable) -> Callable:
+    """Turn celery-lease's own errors into the one-line exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LeaseError as exc:
+            raise CliError(str(exc)) from None
+
+    return wrapper
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+
+
+@click.group(help="Durable leased jobs: inspect, cancel, maintain, serve the API.")
+@click.pass_context
+def lease(ctx: click.Context) -> None:
+    # Store warnings (e.g. the driver's reason a connection failed) would otherwise
+    # reach stderr through logging's last-resort handler beside our one line.
+    if not logging.getLogger().handlers:
+        logging.getLogger("celery_lease").addHandler(logging.NullHandler())
+
+
+@lease.command(help="Apply the shipped migrations up to the latest revision.")
+@click.pass_context
+@_boundary
+def migrate(ctx: click.Context) -> None:
+    leases = _leases(ctx)
+    revision = leases.create_schema()
+    click.echo(f"celery-lease schema at revision {revision} ({leases.store.display_url})")
+
+
+@lease.command(help="Show one job.")
+@click.argument("job_id")
+@json_option
+@click.pass_context
+@_boundary
+def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
+    job_id = _id(job_id)
+    job = _leases(ctx).store.get(job_id)
+    if job is None:
+        raise CliError(f"no job {job_id}")
+    data = job.to_dict()
+    width = max(len(k) for k in data)
+    text = "\n".join(
+        f"{k.ljust(width)}  {json.dumps(v) if isinstance(v, (dict, list)) else ('' if v is None else v)}"
+        for k, v in data.items()
+    )
+    _emit(as_json, data, text)
+
+
+@lease.command("list", help="List jobs, newest first.")
+@click.option("--status", default=None, help="pending, running, succeeded, failed, expired or cancelled.")
+@click.option("--kind", default=None, help="Only jobs of this kind.")
+@click.option("--limit", default=str(listing.DEFAULT_LIMIT), show_default=True,
+              help=f"Jobs per page (1-{listing.MAX_LIMIT}).")
+@click.option("--cursor", default=None, help="The next-page cursor printed by a previous list.")
+@json_option
+@click.pass_context
+@_boundary
+def list_(ctx: click.Context, status: str | None, kind: str | None, limit: str, cursor: str | None,
+          as_json: bool) -> None:
+    try:
+        page = listing.list_page(_leases(ctx), status=status, kind=kind, limit=limit, cursor=cursor)
+    except ValueError as exc:
+        raise CliError(str(exc), exit_code=2) from None
+    data = {"jobs": [j.to_dict() for j in page.jobs], "next_cursor": page.next_cursor}
+    text = _table([h for h, _ in LIST_COLUMNS], [[cell(j) for _, cell in LIST_COLUMNS] for j in page.jobs])
+    if page.next_cursor:
+        text += f"\nmore: --cursor {page.next_cursor}"
+    _emit(as_json, data, text)
+
+
+@lease.command(help="Cancel a pending or running job (exit 1 if it had already finished).")
+@click.argument("job_id")
+@json_option
+@click.pass_context
+@_boundary
+def cancel(ctx: click.Context, job_id: str, as_json: bool) -> None:
+    job_id = _id(job_id)
+    leases = _leases(ctx)
+    if leases.store.get(job_id) is None:
+        raise CliError(f"no job {job_id}")
+    cancelled = leases.cancel(job_id)
+    job = leases.store.get(job_id)
+    status = job.status.value if job is not None else "pruned"
+    if not cancelled:
+        raise CliError(f"job {job_id} had already finished ({status}); nothing cancelled")
+    _emit(as_json, {"id": job_id, "cancelled": True, "status": status}, f"cancelled {job_id}")
+
+
+@lease.command("cancel-run", help="Cancel every unfinished job of a run; the run accepts no new jobs.")
+@click.argument("run_id")
+@json_option
+@click.pass_context
+@_boundary
+def cancel_run(ctx: click.Context, run_id: str, as_json: bool) -> None:
+    run_id = _id(run_id, "run")
+    count = _leases(ctx).cancel_run(run_id)
+    _emit(as_json, {"run_id": run_id, "cancelled": count}, f"cancelled {count} job(s) of run {run_id}")
+
+
+@lease.command(help="Requeue or expire jobs whose lease elapsed (what beat runs).")
+@json_option
+@click.pass_context
+@_boundary
+def reap(ctx: click.Context, as_json: bool) -> None:
+    counts = _leases(ctx).reap()
+    _emit(as_json, counts, ", ".join(f"{k}: {v}" for k, v in counts.items()))
+
+
+@lease.command(help="Re-send wakeups for due pending jobs (what beat runs).")
+@json_option
+@click.pass_context
+@_boundary
+def sweep(ctx: click.Context, as_json: bool) -> None:
+    sent = _leases(ctx).sweep()
+    _emit(as_json, {"sent": sent}, f"sent {sent} wakeup(s)")
+
+
+@lease.command(help="Delete finished jobs (and their events) older than the retention.")
+@click.option("--older-than", "older_than", default=None,
+              help="Seconds since the job finished (default: lease_retention_seconds).")
+@json_option
+@click.pass_context
+@_boundary
+def prune(ctx: click.Context, older_than: str | None, as_json: bool) -> None:
+    age = None
+    if older_than is not None:
+        try:
+            age = float(older_than)
+        except ValueError:
+            age = -1.0
+        if not 0 <= age < float("inf"):
+            raise CliError(f"--older-than must be a number of seconds >= 0, not {older_than[:40]!r}", 2)
+    deleted = _leases(ctx).prune(age)
+    _emit(as_json, {"deleted": deleted}, f"deleted {deleted} finished job(s)")
+
+
+@lease.command(help="Serve the HTTP API (needs the api extra).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.pass_context
+@_boundary
+def serve(ctx: click.Context, host: str, port: int) -> None:
+    leases = _leases(ctx)
+    try:
+        from . import api
+    except ImportError:
+        raise CliError("the HTTP API needs the api extra: pip install 'celery-lease[api]'") from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    leases.store.ping()  # refuse to start against a database that does not answer
+    api.serve(leases, host, port)

@@ -1,0 +1,118 @@
+"""Pages of jobs, shared by the CLI and the HTTP API.
+
+Filters are validated here, at the boundary, so both interfaces refuse the same bad
+input with the same message (a ValueError) before anything reaches the database.
+
+Pages are keyset pages on (created_at, id), newest first. The cursor is an opaque,
+URL-safe token naming the last row of the previous page; rows inserted while a client
+pages sort before that row, so they never shift, duplicate or skip the rows of later
+pages. A cursor carries no tenant: the tenant filter is applied on every page from the
+caller's credentials, so a cursor cannot widen what a caller sees.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+import uuid
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from .job import Job
+from .status import Status
+
+if TYPE_CHECKING:
+    from .extension import CeleryLease
+
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 500
+#: Longer than any cursor this module makes; a longer token is refused unread.
+MAX_CURSOR_CHARS = 200
+#: The width of the ``kind`` column: no longer kind can exist.
+MAX_KIND_CHARS = 200
+
+#: What the HTTP API shows of a job (the payload and lease internals stay private).
+API_FIELDS = ("id", "kind", "status", "result", "error", "progress", "attempt", "max_attempts",
+              "created_at", "started_at", "finished_at", "run_id", "parent_id")
+
+
+def parse_status(value: str | None) -> str | None:
+    if value is None or value == "":
+        return None
+    try:
+        return Status(value).value
+    except ValueError:
+        known = ", ".join(s.value for s in Status)
+        raise ValueError(f"unknown status {value[:40]!r} (one of: {known})") from None
+
+
+def parse_kind(value: str | None) -> str | None:
+    if value is None or value == "":
+        return None
+    # PostgreSQL text cannot hold NUL; refusing it here keeps it a 400, not a 500.
+    if len(value) > MAX_KIND_CHARS or "\x00" in value:
+        raise ValueError(f"not a job kind: at most {MAX_KIND_CHARS} characters, no NUL")
+    return value
+
+
+def parse_limit(value: Any) -> int:
+    try:
+        limit = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"limit must be an integer from 1 to {MAX_LIMIT}, not {str(value)[:40]!r}") from None
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit}")
+    return limit
+
+
+def encode_cursor(job: Job) -> str:
+    raw = json.dumps([job.created_at.isoformat(), job.id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(token: str | None) -> tuple[datetime, str] | None:
+    if token is None or token == "":
+        return None
+    bad = ValueError("malformed cursor (pass back the next_cursor of a previous page)")
+    if len(token) > MAX_CURSOR_CHARS:
+        raise bad
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        created, job_id = json.loads(raw)
+        created_at = datetime.fromisoformat(created)
+        job_id = str(uuid.UUID(job_id))
+    except (binascii.Error, UnicodeDecodeError, TypeError, ValueError, AttributeError):
+        raise bad from None
+    if created_at.tzinfo is None:
+        raise bad
+    return created_at, job_id
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    jobs: list[Job]
+    #: Pass back to get the next page; None on the last page.
+    next_cursor: str | None
+
+
+def list_page(leases: "CeleryLease", *, status: str | None = None, kind: str | None = None,
+              tenant: str | None = None, limit: Any = DEFAULT_LIMIT, cursor: str | None = None) -> Page:
+    """One page of jobs, newest first; raises ValueError for a bad filter or cursor.
+
+    ``tenant`` None means every tenant (an unrestricted caller).
+    """
+    limit = parse_limit(limit)
+    filters = {"status": parse_status(status), "kind": parse_kind(kind), "tenant": tenant,
+               "after": decode_cursor(cursor)}
+    # One row more than asked tells whether another page exists.
+    jobs = leases.store.list(**filters, limit=limit + 1)
+    more = len(jobs) > limit
+    jobs = jobs[:limit]
+    return Page(jobs, encode_cursor(jobs[-1]) if more else None)
+
+
+def api_view(job: Job) -> dict[str, Any]:
+    full = job.to_dict()
+    return {name: full[name] for name in API_FIELDS}

@@ -1,0 +1,133 @@
+"""Prometheus metrics, read from the job table at scrape time.
+
+celery-lease runs no daemon of its own, and its counters would otherwise live in many
+worker and beat processes; the job table already holds the truth, so every value here
+is an aggregate over the rows present when Prometheus scrapes. All are gauges: pruning
+deletes terminal jobs (and their events) after ``lease_retention_seconds``, so totals
+may go down. Use them for rates and alerts within the retention window.
+
+==========================================  ==============================================
+metric                                      meaning
+==========================================  ==============================================
+``celery_lease_jobs{status,kind}``          jobs in each status
+``celery_lease_claims{kind}``               attempts claimed by workers, summed over jobs
+                                            (``attempt``; a shutdown handoff gives its
+                                            attempt back)
+``celery_lease_lease_losses{kind}``         leases taken from a worker by the reaper (lease
+                                            expired) or by restart recovery, summed over
+                                            jobs (``lease_losses``; every cause)
+``celery_lease_lease_losses_by_cause``      the same split by ``cause``: ``lease_expired``
+``{cause}``                                 (the reaper) or ``worker_restart`` (restart
+                                            recovery). Counted from the run event logs, so
+                                            only jobs that belong to a run are included
+                                            (the table keeps one count per job, not its
+                                            causes). A cancel also revokes a running
+                                            lease; that shows as ``cancelled`` jobs
+``celery_lease_reaped``                     jobs the reaper took back (requeued or
+                                            expired), from the run event logs: equal to
+                                            the ``lease_expired`` cause above
+``celery_lease_run_events{event}``          rows of the run event logs by event type
+``celery_lease_running``                    jobs running under a lease
+``celery_lease_heartbeat_age_seconds``      seconds since the stalest running lease was
+                                            last renewed (or claimed). A healthy worker
+                                            keeps it near ``lease_seconds / 3`` plus the
+                                            renewal statement's latency; a value near
+                                            ``lease_seconds`` means heartbeats are late
+``celery_lease_leases_overdue``             running jobs whose lease has elapsed: the
+                                            reaper's backlog (non-zero for long means no
+                                            beat is running the reaper)
+``celery_lease_sweep_backlog``              due pending jobs with no wakeup for
+                                            ``lease_sweep_stale_seconds``: what the next
+                                            sweep will re-send (non-zero for long means
+                                            no beat is running the sweeper, or the broker
+                                            is down)
+==========================================  ==============================================
+
+The number of wakeups each sweep sent is not stored anywhere (the sweeper only stamps
+``woken_at``), so it has no metric here; the sweep backlog is what can be alerted on.
+A worker's own renewal-statement latency lives in that worker's process and is not
+visible to a scrape of the database.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from .status import Event
+
+if TYPE_CHECKING:
+    from .extension import CeleryLease
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class LeaseCollector:
+    """A prometheus-client collector that queries the job table on every scrape."""
+
+    def __init__(self, leases: "CeleryLease") -> None:
+        self._leases = leases
+
+    def collect(self) -> Iterator[Metric]:
+        stale = float(self._leases.settings["lease_sweep_stale_seconds"])
+        data = self._leases.store.metrics(stale)
+
+        jobs = GaugeMetricFamily("celery_lease_jobs", "Jobs in each status.", labels=["status", "kind"])
+        claims = GaugeMetricFamily("celery_lease_claims", "Attempts claimed by workers.", labels=["kind"])
+        losses = GaugeMetricFamily(
+            "celery_lease_lease_losses", "Leases lost to the reaper or restart recovery.", labels=["kind"]
+        )
+        per_kind: dict[str, list[int]] = {}
+        for status, kind, count, attempts, lost in data["jobs"]:
+            jobs.add_metric([status, kind], count)
+            totals = per_kind.setdefault(kind, [0, 0])
+            totals[0] += int(attempts or 0)
+            totals[1] += int(lost or 0)
+        for kind, (attempts, lost) in sorted(per_kind.items()):
+            claims.add_metric([kind], attempts)
+            losses.add_metric([kind], lost)
+        yield jobs
+        yield claims
+        yield losses
+
+        run_events = GaugeMetricFamily("celery_lease_run_events", "Rows of the run event logs.", labels=["event"])
+        by_event: dict[str, int] = {}
+        restarts = 0
+        for event, restart, count in data["events"]:
+            by_event[event] = by_event.get(event, 0) + count
+            if event == Event.REQUEUED.value and restart:
+                restarts += count
+        for event in Event:
+            run_events.add_metric([event.value], by_event.get(event.value, 0))
+        reaped = by_event.get(Event.REAPED.value, 0)
+        by_cause = GaugeMetricFamily(
+            "celery_lease_lease_losses_by_cause",
+            "Leases lost, by cause (jobs of runs only: counted from the run event logs).",
+            labels=["cause"],
+        )
+        by_cause.add_metric(["lease_expired"], reaped)
+        by_cause.add_metric(["worker_restart"], restarts)
+        yield run_events
+        yield by_cause
+        yield GaugeMetricFamily("celery_lease_reaped", "Reaper actions recorded in run event logs.", value=reaped)
+
+        running, age, overdue, unswept = data["leases"]
+        yield GaugeMetricFamily("celery_lease_running", "Jobs running under a lease.", value=running)
+        yield GaugeMetricFamily(
+            "celery_lease_heartbeat_age_seconds",
+            "Seconds since the stalest running lease was renewed or claimed.",
+            value=max(0.0, float(age or 0.0)),
+        )
+        yield GaugeMetricFamily("celery_lease_leases_overdue", "Running jobs whose lease elapsed.", value=overdue)
+        yield GaugeMetricFamily(
+            "celery_lease_sweep_backlog", "Due pending jobs without a fresh wakeup.", value=unswept
+        )
+
+
+def render(leases: "CeleryLease") -> bytes:
+    """The exposition text; raises the store's DatabaseUnavailable when it cannot read."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LeaseCollector(leases))
+    return generate_latest(registry)
