@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from celery import signals
 
+from . import notify
 from .context import SHUTDOWN
 from .errors import LeaseError
 from .task import LeaseTask
@@ -84,3 +85,4 @@ def notify_cancelled(leases: "CeleryLease", job_ids: list[str]) -> None:
     """Best-effort: the table already says cancelled; heartbeats enforce it."""
     if job_ids:
         log.info("celery-lease: cancelled %d job(s)", len(job_ids))
+        notify.publish(leases, job_ids)

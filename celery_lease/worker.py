@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Retry
 
+from . import notify
 from . import queries as q
 from .context import SHUTDOWN, Attempt, JobContext
 from .errors import Failure, JobCancelled, JobFailed, JobSuspended, LeaseLost
@@ -73,6 +74,7 @@ class Heartbeat:
                 self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._loop, name="celery-lease-heartbeat", daemon=True)
                 self._thread.start()
+                notify.listen(self._leases, self.wake)  # sooner than the next renewal
 
     def remove(self, attempt: Attempt) -> None:
         with self._lock:

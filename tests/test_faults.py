@@ -208,3 +208,174 @@ def test_cancelled_non_cooperative_job_writes_nothing(pg, broker, client_app, wo
              timeout=30, what="the cancelled job's completion to be refused")
     assert mod.leases.get(job.id).status is Status.CANCELLED
     assert effect_rows(db, job.id) == []
+
+
+# --- 5. cancel ------------------------------------------------------------------------
+
+
+def _cancel_running_and_check(mod, w, db, job, cancel) -> None:
+    wait_for(lambda: checkpoint_reached(db, job.id, 2), timeout=30, what="checkpoint 2")
+    cancel(job.id)
+    assert mod.leases.get(job.id).status is Status.CANCELLED  # at once, in the table
+    before = row(db, job.id)
+    # 100 steps of 0.3 s would run for 30 s more; the handler must stop long before.
+    wait_for(lambda: f"job {job.id}: stopped after cancel or lease loss" in w.log(),
+             timeout=20, what="the handler to stop at raise_if_cancelled")
+    after = row(db, job.id)
+    assert after["status"] == "cancelled"
+    assert (after["progress"], after["checkpoint"], after["lease_generation"]) == (
+        before["progress"], before["checkpoint"], before["lease_generation"])
+    assert after["checkpoint"]["i"] < 100 and after["result"] is None
+
+
+def test_cancel_running_job_stops_it_and_discards_its_later_writes(pg, broker, client_app, workers, db):
+    mod = client_app(pg, broker, extra_env=SHORT)
+    w = workers(pg, broker, extra_env=SHORT)
+    job = mod.steps.submit({"steps": 100, "sleep": 0.3})
+    _cancel_running_and_check(mod, w, db, job, mod.leases.cancel)
+
+
+def _cancel_waiter(pg, broker, client_app, workers, marker_dir, lease, cancel) -> None:
+    mod = client_app(pg, broker, extra_env=lease, module="tests.app_faults")
+    w = workers(pg, broker, extra_env=lease, module="tests.app_faults")
+    job = mod.waiter.submit({"polls": 600, "marker_dir": str(marker_dir)})  # 60 s of polling
+    pid_in(marker_dir / f"waiter-{job.id}")
+    cancel(mod, job.id)
+    assert mod.leases.get(job.id).status is Status.CANCELLED
+    wait_for(lambda: f"job {job.id}: stopped after cancel or lease loss" in w.log(),
+             timeout=20, what="the handler to stop at raise_if_cancelled")
+    assert mod.leases.get(job.id).status is Status.CANCELLED
+
+
+def test_cancel_is_noticed_by_the_heartbeat_alone(pg, broker, client_app, workers, marker_dir):
+    # The handler writes nothing, and the store's cancel sends no notice on Redis:
+    # only the heartbeat (every second with a 3 s lease) can tell it.
+    _cancel_waiter(pg, broker, client_app, workers, marker_dir, SHORT,
+                   lambda mod, job_id: mod.leases.store.cancel(job_id=job_id))
+
+
+def test_cancel_notice_reaches_the_worker_before_its_next_heartbeat(
+        pg, broker, client_app, workers, marker_dir):
+    # With a 300 s lease the next renewal is 100 s away: only the notice can be this quick.
+    _cancel_waiter(pg, broker, client_app, workers, marker_dir, LONG,
+                   lambda mod, job_id: mod.leases.cancel(job_id))
+
+
+def test_cancel_while_workers_are_down_holds_after_restart(
+        pg, broker, client_app, workers, db, marker_dir):
+    mod = client_app(pg, broker, extra_env=MEDIUM)
+    w1 = workers(pg, broker, name="w1", extra_env=MEDIUM)
+    running = mod.steps.submit({"steps": 30, "sleep": 0.2, "marker_dir": str(marker_dir)})
+    wait_for(lambda: checkpoint_reached(db, running.id, 1), timeout=30, what="the job to run")
+    w1.kill(signal.SIGKILL)
+    waiting = mod.echo.submit({"value": 1, "marker_dir": str(marker_dir)})  # wakeup sits in Redis
+    assert mod.leases.cancel(running.id) and mod.leases.cancel(waiting.id)
+    # Redelivered or duplicated wakeups, as a broker may hand out after an outage.
+    mod.app.send_task(running.task, task_id=running.id)
+
+    w1 = workers(pg, broker, name="w1", extra_env=MEDIUM)  # same node: restart recovery runs
+    probe = mod.echo.submit({"value": 2})
+    assert mod.leases.wait(probe.id, timeout=30).status is Status.SUCCEEDED
+    wait_for(lambda: w1.log().count("not claimable") >= 2, timeout=30, what="both wakeups consumed")
+    mod.leases.reap()
+    mod.leases.sweep()
+    for job in (running, waiting):
+        r = row(db, job.id)
+        assert r["status"] == "cancelled" and r["lease_owner"] is None
+    assert row(db, running.id)["attempt"] == 1 and row(db, waiting.id)["attempt"] == 0
+    assert not (marker_dir / f"echo-{waiting.id}").exists()
+    assert not (marker_dir / "start-2-0").exists() and not list(marker_dir.glob("start-2-*"))
+
+
+def test_cancel_run_cancels_every_non_terminal_job(pg, broker, client_app, workers, db):
+    from celery_lease.errors import LeaseError
+
+    mod = client_app(pg, broker, extra_env=MEDIUM)
+    w = workers(pg, broker, concurrency=2, extra_env=MEDIUM)
+    run_id = new_run()
+    finished = mod.echo.submit({"value": 0}, run_id=run_id)
+    assert mod.leases.wait(finished.id, timeout=30).status is Status.SUCCEEDED
+    running = [mod.steps.submit({"steps": 100, "sleep": 0.3}, run_id=run_id) for _ in range(2)]
+    wait_for(lambda: all(checkpoint_reached(db, j.id, 1) for j in running), timeout=30,
+             what="two jobs running")
+    queued = mod.steps.submit({"steps": 1}, run_id=run_id)  # both pool slots are busy
+    delayed = mod.echo.submit({"value": 9}, run_id=run_id, run_after=600)
+    other = mod.echo.submit({"value": 5}, run_after=600)  # another run is untouched
+
+    assert mod.leases.cancel_run(run_id) == 4
+    for job in (*running, queued, delayed):
+        assert mod.leases.get(job.id).status is Status.CANCELLED
+    assert mod.leases.get(finished.id).status is Status.SUCCEEDED
+    assert mod.leases.get(other.id).status is Status.PENDING
+    for job in running:
+        wait_for(lambda: f"job {job.id}: stopped after cancel or lease loss" in w.log(), timeout=20,
+                 what="running handlers to stop")
+    assert ("cancelled", None) in run_events(db, queued.id)
+    with pytest.raises(LeaseError):
+        mod.echo.submit({"value": 1}, run_id=run_id)
+    assert mod.leases.cancel_run(run_id) == 0
+
+
+# --- 6. deploy handoff ------------------------------------------------------------------
+
+
+def test_warm_shutdown_hands_the_job_to_another_worker(pg, broker, client_app, workers, db, marker_dir):
+    mod = client_app(pg, broker, extra_env=LONG)
+    w1 = workers(pg, broker, name="w1", extra_env=LONG)
+    run_id = new_run()
+    job = mod.steps.submit({"steps": 40, "sleep": 0.2, "marker_dir": str(marker_dir)}, run_id=run_id)
+    wait_for(lambda: checkpoint_reached(db, job.id, 3), timeout=30, what="checkpoint 3")
+    w1.stop()
+
+    # Back to pending at once (the 300 s lease is irrelevant), attempt not spent.
+    r = row(db, job.id)
+    assert r["status"] == "pending" and r["attempt"] == 0 and r["lease_owner"] is None
+    assert r["lease_losses"] == 0
+    saved = r["checkpoint"]["i"]
+    assert saved >= 3
+    assert ("requeued", "shutdown handoff") in run_events(db, job.id)
+
+    workers(pg, broker, name="w2", extra_env=LONG)
+    done = mod.leases.wait(job.id, timeout=60)
+    assert done.status is Status.SUCCEEDED and done.attempt == 1
+    assert done.result == {"counted": 40, "resumed_from": saved}
+
+
+# --- 7. restart recovery --------------------------------------------------------------
+
+
+def test_restarted_worker_requeues_its_interrupted_job_at_once(
+        pg, broker, client_app, workers, db, marker_dir):
+    mod = client_app(pg, broker, extra_env=LONG)
+    w1 = workers(pg, broker, name="w1", extra_env=LONG)
+    run_id = new_run()
+    job = mod.steps.submit({"steps": 30, "sleep": 0.2, "marker_dir": str(marker_dir)}, run_id=run_id)
+    wait_for(lambda: checkpoint_reached(db, job.id, 2), timeout=30, what="checkpoint 2")
+    w1.kill(signal.SIGKILL)
+    assert mod.leases.reap() == {"requeued": 0, "expired": 0}  # the lease has ~300 s left
+
+    workers(pg, broker, name="w1", extra_env=LONG)  # the same node name, a new boot
+    done = mod.leases.wait(job.id, timeout=60)  # far sooner than the lease would expire
+    assert done.status is Status.SUCCEEDED and done.attempt == 2 and done.lease_losses == 1
+    assert done.result["resumed_from"] >= 2
+    assert ("requeued", "interrupted by restart: pending") in run_events(db, job.id)
+
+
+def test_restart_recovery_fails_a_job_with_no_attempts_left(pg, broker, workers, db, make_job):
+    lease_end = datetime.now(timezone.utc) + timedelta(seconds=300)
+    common = dict(kind="steps", task="tests.app.steps", status="running", lease_generation=1,
+                  lease_expires_at=lease_end, payload={"steps": 1, "sleep": 0})
+    spent = make_job(pg, attempt=1, max_attempts=1, lease_owner="w1@testhost/4242/oldboot", **common)
+    retry = make_job(pg, attempt=1, max_attempts=3, lease_owner="w1@testhost/4242/oldboot", **common)
+    elsewhere = make_job(pg, attempt=1, max_attempts=1, lease_owner="w10@testhost/4242/oldboot", **common)
+
+    workers(pg, broker, name="w1")
+    r = wait_for(lambda: (lambda r: r if r["status"] != "running" else None)(row(db, spent)),
+                 timeout=30, what="recovery of the spent job")
+    assert r["status"] == "failed" and r["error"] == "interrupted by restart"
+    assert r["lease_owner"] is None and r["lease_losses"] == 1
+    done = wait_for(lambda: (lambda r: r if r["status"] == "succeeded" else None)(row(db, retry)),
+                    timeout=30, what="the requeued job to finish")
+    assert done["attempt"] == 2
+    other = row(db, elsewhere)  # another node's job is not this worker's to recover
+    assert other["status"] == "running" and other["lease_owner"] == "w10@testhost/4242/oldboot"
