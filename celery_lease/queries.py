@@ -51,9 +51,12 @@ def _now_default(element, compiler, **kw):
     return "now()"
 
 
+# SQLite keeps times as text, compared as text. SQLAlchemy writes bound datetimes with
+# microseconds ("... 12:00:05.120000"); strftime's %f gives milliseconds ("05.120"), so
+# three zeros are appended: both spellings of one instant are then the same string.
 @compiles(db_now, "sqlite")
 def _now_sqlite(element, compiler, **kw):
-    return f"strftime({_SQLITE_TS}, 'now')"
+    return f"(strftime({_SQLITE_TS}, 'now') || '000')"
 
 
 @compiles(db_now_plus)
@@ -66,9 +69,32 @@ def _now_plus_default(element, compiler, **kw):
 def _now_plus_sqlite(element, compiler, **kw):
     (seconds,) = element.clauses
     return (
-        f"strftime({_SQLITE_TS}, 'now', "
-        f"printf('%+.6f seconds', {compiler.process(seconds, **kw)}))"
+        f"(strftime({_SQLITE_TS}, 'now', "
+        f"printf('%+.6f seconds', {compiler.process(seconds, **kw)})) || '000')"
     )
+
+
+class ts_order_key(FunctionElement):
+    """A timestamp as a value that compares in time order.
+
+    On PostgreSQL the timestamp itself (so indexes apply). SQLite keeps timestamps as
+    text: db_now() writes milliseconds ("...:05.120") while a bound datetime renders
+    microseconds ("...:05.120000"), and as text those compare unequal; julianday()
+    parses both to the same instant.
+    """
+
+    type = sa.DateTime(timezone=True)
+    inherit_cache = True
+
+
+@compiles(ts_order_key)
+def _order_key_default(element, compiler, **kw):
+    return compiler.process(element.clauses, **kw)
+
+
+@compiles(ts_order_key, "sqlite")
+def _order_key_sqlite(element, compiler, **kw):
+    return f"julianday({compiler.process(element.clauses, **kw)})"
 
 
 def _seconds(name: str) -> sa.BindParameter:
@@ -112,7 +138,9 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
     else:  # pragma: no cover - create_store refuses other dialects
         raise AssertionError(dialect)
     if on_key_conflict_nothing:
-        stmt = stmt.on_conflict_do_nothing(index_elements=[_c.kind, _c.idempotency_key])
+        stmt = stmt.on_conflict_do_nothing(
+            index_elements=[_c.kind, _c.idempotency_key], index_where=_c.idempotency_key.is_not(None)
+        )
     return stmt.returning(*jobs.c)
 
 
@@ -179,9 +207,8 @@ def list_jobs(
         stmt = stmt.where(_c.run_id == run_id)
     if after is not None:
         created_at, job_id = after
-        stmt = stmt.where(
-            sa.or_(_c.created_at < created_at, sa.and_(_c.created_at == created_at, _c.id < job_id))
-        )
+        row_ts, cursor_ts = ts_order_key(_c.created_at), ts_order_key(sa.literal(created_at, _c.created_at.type))
+        stmt = stmt.where(sa.or_(row_ts < cursor_ts, sa.and_(row_ts == cursor_ts, _c.id < job_id)))
     return stmt.order_by(_c.created_at.desc(), _c.id.desc()).limit(limit)
 
 
@@ -189,12 +216,70 @@ def count_jobs_by_status_kind() -> sa.Select:
     return sa.select(_c.status, _c.kind, sa.func.count()).group_by(_c.status, _c.kind)
 
 
-def list_run_events(run_id: str, *, after_id: int = 0, limit: int = 1000) -> sa.Select:
-    return (
-        sa.select(events)
-        .where(events.c.run_id == run_id, events.c.id > after_id)
-        .order_by(events.c.id)
-        .limit(limit)
+def list_run_events(run_id: str, *, after_id: int = 0, limit: int = 1000,
+                    tenant: str | None = None) -> sa.Select:
+    """A run's events in order; with ``tenant``, only events of that tenant's jobs."""
+    stmt = sa.select(events).where(events.c.run_id == run_id, events.c.id > after_id)
+    if tenant is not None:
+        stmt = stmt.where(events.c.job_id.in_(sa.select(_c.id).where(_c.run_id == run_id, _c.tenant == tenant)))
+    return stmt.order_by(events.c.id).limit(limit)
+
+
+# --- metrics (read at scrape time) -----------------------------------------------------
+
+
+class epoch_seconds(FunctionElement):
+    """Seconds since the Unix epoch of a timestamp, as a float."""
+
+    type = sa.Float()
+    inherit_cache = True
+
+
+@compiles(epoch_seconds)
+def _epoch_default(element, compiler, **kw):
+    (ts,) = element.clauses
+    return f"extract(epoch from {compiler.process(ts, **kw)})"
+
+
+@compiles(epoch_seconds, "sqlite")
+def _epoch_sqlite(element, compiler, **kw):
+    (ts,) = element.clauses
+    return f"((julianday({compiler.process(ts, **kw)}) - 2440587.5) * 86400.0)"
+
+
+def job_totals() -> sa.Select:
+    """Per (status, kind): jobs, attempts claimed, leases lost (reaped or interrupted)."""
+    return sa.select(
+        _c.status, _c.kind, sa.func.count(), sa.func.sum(_c.attempt), sa.func.sum(_c.lease_losses)
+    ).group_by(_c.status, _c.kind)
+
+
+def event_totals() -> sa.Select:
+    """Per (event, detail prefix): rows of the run event logs. The detail tells a
+    requeue by restart recovery ("interrupted by restart: ...") from a shutdown handoff."""
+    restart = events.c.detail.startswith("interrupted by restart")
+    return sa.select(events.c.event, restart.label("restart"), sa.func.count()).group_by(
+        events.c.event, restart
+    )
+
+
+def lease_health() -> sa.Select:
+    """Running jobs, the age of the stalest lease renewal, leases past expiry (the
+    reaper's backlog) and due pending jobs without a fresh wakeup (the sweeper's)."""
+    running = _c.status == Status.RUNNING.value
+    # A lease is renewed to now + lease_seconds, so its last renewal (or claim) was
+    # lease_seconds before it expires.
+    renewal_age = epoch_seconds(db_now()) - epoch_seconds(_c.lease_expires_at) + _c.lease_seconds
+    unswept = sa.and_(
+        _c.status == Status.PENDING.value,
+        sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
+        sa.or_(_c.woken_at.is_(None), _c.woken_at < db_now_plus(-_seconds("stale_seconds"))),
+    )
+    return sa.select(
+        sa.func.count().filter(running),
+        sa.func.max(sa.case((running, renewal_age))),
+        sa.func.count().filter(_lease_elapsed),
+        sa.func.count().filter(unswept),
     )
 
 
@@ -226,6 +311,21 @@ def claim_job() -> sa.Update:
         )
         .returning(*CLAIMED_COLUMNS)
     )
+
+
+def claim_job_logged() -> sa.Select:
+    """claim_job, plus the run's 'claimed' event when the job belongs to a run, as ONE
+    statement (PostgreSQL data-modifying CTE): the claim stays a single round trip
+    and the event can never exist without the claim, nor the claim without it."""
+    claimed = claim_job().cte("claimed")
+    logged = sa.insert(events).from_select(
+        ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
+        sa.select(
+            claimed.c.run_id, claimed.c.id, sa.literal(Event.CLAIMED.value), claimed.c.attempt,
+            sa.bindparam("owner", type_=sa.Text), db_now(),
+        ).where(claimed.c.run_id.is_not(None)),
+    ).cte("logged")
+    return sa.select(claimed).add_cte(logged)
 
 
 def renew_leases(leases: Iterable[tuple[str, int]]) -> sa.Update:

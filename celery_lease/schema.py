@@ -69,13 +69,18 @@ jobs = sa.Table(
     sa.Column("finished_at", TS),
     sa.CheckConstraint(_in("status", Status), name="celery_lease_jobs_status_check"),
     sa.CheckConstraint("attempt >= 0 AND max_attempts >= 1", name="celery_lease_jobs_attempts_check"),
-    sa.UniqueConstraint("kind", "idempotency_key", name="celery_lease_jobs_idempotency_key"),
 )
 
-# claim is by primary key; these serve the maintenance scans and the API.
+# Every index is paid for by every non-HOT update of a job (each transition is one), so
+# the set is minimal and partial: a job is in an index only while a scan needs it.
+# Idempotency: unique per kind, and only rows that carry a key are indexed.
+sa.Index("celery_lease_jobs_idempotency_key", jobs.c.kind, jobs.c.idempotency_key, unique=True,
+         **_partial("idempotency_key IS NOT NULL"))
+
+# Claim is by primary key; these serve the maintenance scans and the API.
 sa.Index("celery_lease_jobs_pending", jobs.c.run_after, **_partial("status = 'pending'"))
 sa.Index("celery_lease_jobs_running", jobs.c.lease_expires_at, **_partial("status = 'running'"))
-sa.Index("celery_lease_jobs_owner", jobs.c.lease_owner, **_partial("status = 'running'"))
+# (Restart recovery finds a node's jobs through the running index: running rows are few.)
 sa.Index(
     "celery_lease_jobs_finished",
     jobs.c.finished_at,

@@ -92,8 +92,7 @@ class Store:
         self.url = parsed
         self.source = source
         self.dialect = parsed.get_backend_name()
-        self._durable: Engine | None = None
-        self._fast: Engine | None = None
+        self._engines: dict[tuple[bool, bool], Engine] = {}
         self._pid = os.getpid()
 
     # --- engines ---------------------------------------------------------------------
@@ -102,7 +101,7 @@ class Store:
     def display_url(self) -> str:
         return self.url.render_as_string(hide_password=True)
 
-    def _create_engine(self, *, fast: bool) -> Engine:
+    def _create_engine(self, *, fast: bool, single: bool) -> Engine:
         kwargs: dict[str, Any] = {}
         if self.dialect == "sqlite":
             kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
@@ -112,6 +111,9 @@ class Store:
             kwargs["connect_args"] = {"connect_timeout": 10, "application_name": "celery-lease"}
             if fast:
                 kwargs["connect_args"]["options"] = "-c synchronous_commit=off"
+            if single:
+                # One statement is its own transaction: no BEGIN and COMMIT round trips.
+                kwargs["isolation_level"] = "AUTOCOMMIT"
         try:
             engine = sa.create_engine(self.url, **kwargs)
         except (sa_exc.NoSuchModuleError, ImportError) as exc:
@@ -123,36 +125,36 @@ class Store:
             sa.event.listen(engine, "begin", _on_sqlite_begin)
         return engine
 
-    def _check_fork(self) -> None:
+    def engine(self, *, fast: bool = False, single: bool = False) -> Engine:
+        """The engine for durable or fast commits, transactional or single-statement.
+
+        SQLite has one engine: one file, no asynchronous commit, no network round trip.
+        """
         # Pooled connections must never cross a fork: a child that inherited them
         # drops them (without closing the parent's sockets) and connects afresh.
         if os.getpid() != self._pid:
-            for engine in (self._durable, self._fast):
-                if engine is not None:
-                    engine.dispose(close=False)
+            for engine in self._engines.values():
+                engine.dispose(close=False)
+            self._engines.clear()
             self._pid = os.getpid()
+        key = (False, False) if self.dialect == "sqlite" else (fast, single)
+        engine = self._engines.get(key)
+        if engine is None:
+            engine = self._engines[key] = self._create_engine(fast=key[0], single=key[1])
+        return engine
 
     @property
     def durable(self) -> Engine:
-        self._check_fork()
-        if self._durable is None:
-            self._durable = self._create_engine(fast=False)
-        return self._durable
+        return self.engine()
 
     @property
     def fast(self) -> Engine:
-        self._check_fork()
-        if self.dialect == "sqlite":
-            return self.durable  # one file, one engine: SQLite has no async commit
-        if self._fast is None:
-            self._fast = self._create_engine(fast=True)
-        return self._fast
+        return self.engine(fast=True)
 
     def dispose(self) -> None:
-        for engine in (self._durable, self._fast):
-            if engine is not None:
-                engine.dispose()
-        self._durable = self._fast = None
+        for engine in self._engines.values():
+            engine.dispose()
+        self._engines.clear()
 
     def ping(self) -> None:
         """Connect once; raise DatabaseUnavailable naming the setting on failure."""
@@ -202,7 +204,8 @@ class Store:
                 result = conn.execute(stmt, rows)
             return [Job.from_row(r) for r in result.mappings()]
 
-        return self.run(self.durable, work, connection=connection)
+        # The INSERT is one statement: outside a caller's transaction it commits alone.
+        return self.run(self.engine(single=True), work, connection=connection)
 
     def get_jobs_by_keys(self, kind: str, keys: Sequence[str], *, connection=None) -> list[Job]:
         def work(conn):
@@ -236,22 +239,39 @@ class Store:
             self.durable, lambda c: [Job.from_row(r) for r in c.execute(q.list_jobs(**filters)).mappings()]
         )
 
-    def run_events(self, run_id: str, *, after_id: int = 0, limit: int = 1000) -> list[dict]:
-        return self.run(
-            self.durable,
-            lambda c: [dict(r) for r in c.execute(q.list_run_events(run_id, after_id=after_id, limit=limit)).mappings()],
-        )
+    def run_events(self, run_id: str, *, after_id: int = 0, limit: int = 1000,
+                   tenant: str | None = None) -> list[dict]:
+        stmt = q.list_run_events(run_id, after_id=after_id, limit=limit, tenant=tenant)
+        return self.run(self.durable, lambda c: [dict(r) for r in c.execute(stmt).mappings()])
 
     def counts(self) -> list[tuple[str, str, int]]:
         return self.run(self.durable, lambda c: [tuple(r) for r in c.execute(q.count_jobs_by_status_kind())])
+
+    def metrics(self, stale_seconds: float) -> dict[str, Any]:
+        """The aggregates behind /metrics, read in one transaction."""
+
+        def work(conn):
+            return {
+                "jobs": [tuple(r) for r in conn.execute(q.job_totals())],
+                "events": [tuple(r) for r in conn.execute(q.event_totals())],
+                "leases": tuple(conn.execute(q.lease_health(), {"stale_seconds": stale_seconds}).one()),
+            }
+
+        return self.run(self.durable, work)
 
     # --- lease life ------------------------------------------------------------------
 
     def claim(self, job_id: str, owner: str) -> dict[str, Any] | None:
         """Claim a job for one attempt; None when the delivery is a duplicate."""
 
+        params = {"job_id": job_id, "owner": owner}
+        if self.dialect == "postgresql":
+            row = self.run(self.engine(fast=True, single=True),
+                           lambda conn: conn.execute(q.claim_job_logged(), params).mappings().first())
+            return None if row is None else dict(row)
+
         def work(conn):
-            row = conn.execute(q.claim_job(), {"job_id": job_id, "owner": owner}).mappings().first()
+            row = conn.execute(q.claim_job(), params).mappings().first()
             if row is not None and row["run_id"] is not None:
                 self._append(conn, [q.event_row(row["run_id"], job_id, Event.CLAIMED, row["attempt"], owner)])
             return None if row is None else dict(row)
@@ -264,14 +284,15 @@ class Store:
         def work(conn):
             return {str(r[0]) for r in conn.execute(q.renew_leases(leases))}
 
-        return self.run(self.fast, work)
+        return self.run(self.engine(fast=True, single=True), work)
 
     def fenced(self, conn: Connection, stmt, **params) -> bool:
         """Run a guarded write of an attempt; False means the lease is lost."""
         return conn.execute(stmt, params).rowcount == 1
 
     def write_fenced(self, stmt, **params) -> bool:
-        return self.run(self.fast, lambda conn: self.fenced(conn, stmt, **params))
+        """One fenced statement of an attempt, committed on its own."""
+        return self.run(self.engine(fast=True, single=True), lambda conn: self.fenced(conn, stmt, **params))
 
     def hand_off(self, job_id: str, generation: int) -> dict | None:
         def work(conn):

@@ -254,7 +254,9 @@ class WorkerState:
             ], connection=conn)
             return children
 
-        children = self.store.run(self.store.fast, work)
+        # The common case, nothing but the status to write, is one statement alone.
+        alone = not (staged.effects or children_rows or attempt.run_id)
+        children = self.store.run(self.store.engine(fast=True, single=alone), work)
         self.leases.publish_wakeups(children)
         return result
 

@@ -341,7 +341,9 @@ def make_job():
     def make(db: str, *, kind: str = "echo", task: str = "tests.app.echo", status: str = "pending",
              **columns) -> str:
         engine = engines.setdefault(db, sa.create_engine(db))
-        now = sa.func.now() if engine.dialect.name == "postgresql" else sa.func.strftime("%Y-%m-%d %H:%M:%f", "now")
+        from celery_lease.queries import db_now
+
+        now = db_now()
         values = {
             "id": str(uuid.uuid4()), "kind": kind, "task": task, "status": status, "attempt": 0,
             "max_attempts": 3, "lease_seconds": 30, "lease_generation": 0, "payload": {},

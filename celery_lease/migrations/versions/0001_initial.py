@@ -57,13 +57,12 @@ def upgrade() -> None:
         sa.Column("finished_at", TS),
         sa.CheckConstraint(f"status IN ({STATUSES})", name="celery_lease_jobs_status_check"),
         sa.CheckConstraint("attempt >= 0 AND max_attempts >= 1", name="celery_lease_jobs_attempts_check"),
-        sa.UniqueConstraint("kind", "idempotency_key", name="celery_lease_jobs_idempotency_key"),
     )
+    op.create_index("celery_lease_jobs_idempotency_key", "celery_lease_jobs", ["kind", "idempotency_key"],
+                    unique=True, **_partial("idempotency_key IS NOT NULL"))
     op.create_index("celery_lease_jobs_pending", "celery_lease_jobs", ["run_after"],
                     **_partial("status = 'pending'"))
     op.create_index("celery_lease_jobs_running", "celery_lease_jobs", ["lease_expires_at"],
-                    **_partial("status = 'running'"))
-    op.create_index("celery_lease_jobs_owner", "celery_lease_jobs", ["lease_owner"],
                     **_partial("status = 'running'"))
     op.create_index("celery_lease_jobs_finished", "celery_lease_jobs", ["finished_at"],
                     **_partial(f"status IN ({TERMINAL})"))
