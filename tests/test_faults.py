@@ -379,3 +379,206 @@ def test_restart_recovery_fails_a_job_with_no_attempts_left(pg, broker, workers,
     assert done["attempt"] == 2
     other = row(db, elsewhere)  # another node's job is not this worker's to recover
     assert other["status"] == "running" and other["lease_owner"] == "w10@testhost/4242/oldboot"
+
+
+# --- 8. sweeper -----------------------------------------------------------------------
+
+
+def queue_length(redis_server, queue: str = "celery") -> int:
+    import redis
+
+    return redis.Redis(port=redis_server.port).llen(queue)
+
+
+def test_sweeper_delivers_lost_wakeups_once_stale(
+        pg, broker, redis_server, client_app, workers, db, make_job):
+    conf = {"lease_sweep_stale_seconds": 5}
+    mod = client_app(pg, broker, conf=conf)
+    job = mod.echo.submit({"value": 1})
+    redis_server.flush()  # its wakeup is lost
+    never_woken = make_job(pg, payload={"value": 2})  # committed, never published
+    assert mod.leases.sweep() == 1  # only the one without any wakeup; the other's is recent
+    assert queue_length(redis_server) == 1
+
+    workers(pg, broker, conf=conf)
+    assert mod.leases.wait(never_woken, timeout=30).status is Status.SUCCEEDED
+    assert row(db, job.id)["status"] == "pending"  # nothing else will wake it...
+    wait_for(lambda: mod.leases.sweep() == 1, timeout=30, interval=0.5, what="its wakeup to go stale")
+    done = mod.leases.wait(job.id, timeout=30)  # ...but the sweeper does
+    assert done.status is Status.SUCCEEDED and done.attempt == 1
+
+
+def test_delayed_job_is_not_claimable_early_and_is_swept_when_due(
+        pg, broker, redis_server, client_app, workers, db, marker_dir):
+    mod = client_app(pg, broker)
+    job = mod.echo.submit({"value": 1, "marker_dir": str(marker_dir)}, run_after=8)
+    assert queue_length(redis_server) == 0  # no ETA message parked in Redis
+    assert row(db, job.id)["woken_at"] is None
+    w = workers(pg, broker)
+    mod.app.send_task(job.task, task_id=job.id)  # a wakeup before it is due
+    wait_for(lambda: f"job {job.id}: duplicate or not claimable" in w.log(), timeout=30,
+             what="the early wakeup to be consumed")
+    r = row(db, job.id)
+    assert r["status"] == "pending" and r["attempt"] == 0
+    assert not (marker_dir / f"echo-{job.id}").exists()
+    assert mod.leases.sweep() == 0  # not due yet
+
+    wait_for(lambda: mod.leases.sweep() == 1, timeout=30, interval=0.25, what="the job to fall due")
+    done = mod.leases.wait(job.id, timeout=30)
+    assert done.status is Status.SUCCEEDED and done.attempt == 1
+    assert done.started_at >= r["run_after"]
+
+
+def test_submit_while_redis_is_down_is_delivered_by_the_sweeper_later(
+        pg, broker, redis_server, client_app, workers, db):
+    mod = client_app(pg, broker)
+    redis_server.stop()
+    try:
+        job = mod.echo.submit({"value": 1})  # must not raise: the row is the truth
+        r = row(db, job.id)
+        assert r["status"] == "pending" and r["woken_at"] is None  # left to the sweeper
+    finally:
+        redis_server.start()
+    workers(pg, broker)
+
+    def delivered():
+        mod.leases.sweep()
+        return mod.leases.get(job.id).terminal
+
+    wait_for(delivered, timeout=40, interval=0.5, what="the sweeper to deliver the job")
+    done = mod.leases.get(job.id)
+    assert done.status is Status.SUCCEEDED and done.attempt == 1
+
+
+def _concurrently(fn, n: int = 4) -> list:
+    barrier = threading.Barrier(n)
+    results: list = [None] * n
+
+    def call(i):
+        barrier.wait()
+        results[i] = fn()
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_concurrent_sweeps_never_publish_a_wakeup_twice(pg, broker, redis_server, client_app, make_job):
+    mod = client_app(pg, broker, conf={"lease_batch_size": 7})
+    ids = [make_job(pg, payload={"value": i}) for i in range(150)]
+    sent = _concurrently(mod.leases.sweep)
+    assert sum(sent) == len(ids)
+    assert queue_length(redis_server) == len(ids)
+
+
+def test_concurrent_reaps_never_requeue_a_job_twice(pg, broker, redis_server, client_app, make_job, db):
+    mod = client_app(pg, broker, conf={"lease_batch_size": 7})
+    expired = datetime.now(timezone.utc) - timedelta(seconds=5)
+    ids = [make_job(pg, status="running", attempt=1, lease_generation=1, lease_owner="gone@host/1/x",
+                    lease_expires_at=expired, payload={"value": i}) for i in range(150)]
+    counts = _concurrently(mod.leases.reap)
+    assert sum(c["requeued"] for c in counts) == len(ids)
+    assert sum(c["expired"] for c in counts) == 0
+    assert queue_length(redis_server) == len(ids)
+    with db.connect() as conn:
+        states = set(conn.execute(sa.select(jobs.c.status, jobs.c.lease_generation, jobs.c.lease_losses)))
+    assert states == {("pending", 2, 1)}
+
+
+# --- 9. PostgreSQL faults ---------------------------------------------------------------
+
+
+def terminate_worker_backends(admin) -> int:
+    """Terminate every celery-lease connection to the test database but this one."""
+    with admin.connect() as conn:
+        return conn.execute(sa.text(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = 'celery-lease' "
+            "AND pid <> pg_backend_pid()")).scalar()
+
+
+def assert_clean_outcome(db, ids: list[str]) -> dict[str, int]:
+    """Every job terminal and consistent; exactly one effect per success; returns counts."""
+    with db.connect() as conn:
+        rows = {str(r["id"]): r for r in conn.execute(sa.select(jobs).where(jobs.c.id.in_(ids))).mappings()}
+        doubled = conn.execute(sa.select(effects.c.job_id).group_by(effects.c.job_id)
+                               .having(sa.func.count() > 1)).all()
+    assert len(rows) == len(ids)
+    assert doubled == []
+    by_job = dict(effect_rows(db))
+    counts: dict[str, int] = {}
+    for job_id, r in rows.items():
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+        assert r["status"] in ("succeeded", "expired", "failed"), (job_id, r["status"])
+        assert r["lease_owner"] is None and r["lease_expires_at"] is None and r["finished_at"] is not None
+        assert 1 <= r["attempt"] <= r["max_attempts"]
+        if r["status"] == "succeeded":
+            assert r["result"] is not None and r["checkpoint"] is None
+            assert by_job.get(job_id) == r["attempt"]  # written by the attempt that won
+        else:
+            assert job_id not in by_job
+    return counts
+
+
+def drive_until_terminal(leases, db, ids: list[str], timeout: float) -> None:
+    """Play beat: reap and sweep until every job is terminal."""
+    def done():
+        leases.reap()
+        leases.sweep()
+        with db.connect() as conn:
+            return conn.execute(sa.select(sa.func.count()).where(
+                jobs.c.id.in_(ids), jobs.c.status.in_(["pending", "running"]))).scalar() == 0
+
+    wait_for(done, timeout=timeout, interval=0.5, what="every job to finish")
+
+
+def test_terminated_database_backends_neither_corrupt_nor_hang(pg, broker, client_app, workers, db):
+    conf = {"lease_sweep_stale_seconds": 3}
+    env = {**SHORT, "CL_CHAOS_ATTEMPTS": "8"}
+    mod = client_app(pg, broker, conf=conf, extra_env=env, module="tests.app_faults")
+    ws = [workers(pg, broker, name=f"w{i}", conf=conf, extra_env=env, module="tests.app_faults")
+          for i in (1, 2)]
+    ids = [j.id for j in mod.chaos.submit_many([{"steps": 4, "sleep": 0.15}] * 40)]
+    admin = sa.create_engine(pg, isolation_level="AUTOCOMMIT")
+    terminated = 0
+    try:
+        # Claims, checkpoints, heartbeats and completions are all in flight meanwhile.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            terminated += terminate_worker_backends(admin)
+            time.sleep(0.3)
+    finally:
+        admin.dispose()
+    assert terminated > 0
+    drive_until_terminal(mod.leases, db, ids, timeout=120)
+    counts = assert_clean_outcome(db, ids)
+    assert counts.get("succeeded", 0) == len(ids)
+    assert all(w.proc.poll() is None for w in ws)
+    # Both workers still take work: no pool child is wedged on a dead connection.
+    probes = [j.id for j in mod.chaos.submit_many([{"steps": 1, "sleep": 0.5}] * 8)]
+    for job_id in probes:
+        assert mod.leases.wait(job_id, timeout=60).status is Status.SUCCEEDED
+
+
+# --- 10. beat drives the reaper and the sweeper -----------------------------------------
+
+
+def test_beat_reaps_and_sweeps_end_to_end(pg, broker, client_app, workers, beats, db, make_job):
+    conf = {"lease_reap_interval": 1, "lease_sweep_interval": 1, "lease_sweep_stale_seconds": 2}
+    mod = client_app(pg, broker, conf=conf, extra_env=SHORT)
+    w1 = workers(pg, broker, name="w1", conf=conf, extra_env=SHORT)
+    beat = beats(pg, broker, conf=conf)
+    job = mod.steps.submit({"steps": 20, "sleep": 0.2})
+    wait_for(lambda: checkpoint_reached(db, job.id, 2), timeout=30, what="checkpoint 2")
+    w1.kill(signal.SIGKILL)
+    never_woken = make_job(pg, payload={"value": 1})
+
+    workers(pg, broker, name="w2", conf=conf, extra_env=SHORT)  # another node: no recovery
+    # Nothing in this process reaps or sweeps: only beat's ticks can finish these.
+    done = mod.leases.wait(job.id, timeout=90)
+    assert done.status is Status.SUCCEEDED and done.attempt == 2 and done.lease_losses == 1
+    assert mod.leases.wait(never_woken, timeout=60).status is Status.SUCCEEDED
+    assert "celery_lease.reap" in beat.log() and "celery_lease.sweep" in beat.log()
