@@ -154,6 +154,26 @@ class Demo:
 
         return sample.build(self.source_url, rows=self.args.rows)
 
+    def connect(self) -> None:
+        """Open the job database (migrating it) and the broker, or say why not."""
+        from celery_lease import LeaseError
+
+        try:
+            from tasks.app import leases
+
+            leases.create_schema()
+        except LeaseError as exc:
+            raise DemoError(str(exc)) from None
+        self.leases = leases
+        # The demo plays beat: re-send a wakeup lost with the killed worker (it had
+        # reserved it, unacknowledged work dies with it) after 2 s, not 30 s.
+        leases.settings["lease_sweep_stale_seconds"] = 2.0
+        try:
+            with leases.app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=2, interval_start=0.2, interval_step=0.2)
+        except Exception as exc:  # kombu raises the transport's own errors
+            raise DemoError(f"cannot reach the broker {self.broker_url} ({type(exc).__name__})") from None
+
     def start_workers(self) -> None:
         for i in range(1, self.args.workers + 1):
             worker = Worker(node=f"w{i}@demo", log_path=self.dir / "logs" / f"w{i}.log")
@@ -184,16 +204,10 @@ class Demo:
         console.rule("[bold]celery-lease demo")
         try:
             counts = self.prepare()
+            self.connect()
             self.start_workers()
-            from tasks.app import leases
             from tasks import pipeline
-
-            self.leases = leases
-            # The demo plays beat: re-send a wakeup lost with the killed worker (it had
-            # reserved it, unacknowledged work dies with it) after 2 s, not 30 s.
-            leases.settings["lease_sweep_stale_seconds"] = 2.0
-            leases.create_schema()
-            console.print(f"job database  {leases.store.display_url}")
+            console.print(f"job database  {self.leases.store.display_url}")
             console.print(f"broker        {self.broker_url}" + ("  (files in .demo/broker: no server)"
                                                                  if self.broker_url.startswith("filesystem") else ""))
             console.print(f"source        {self.source_url}  "
@@ -215,7 +229,7 @@ class Demo:
             self.stop_workers()
             ok = self.summary(jobs, counts)
         except DemoError as exc:
-            console.print(f"[red]demo failed:[/] {exc}")
+            print(f"celery-lease demo: {exc}", file=sys.stderr)
             ok = False
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/]")
