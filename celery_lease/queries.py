@@ -16,6 +16,7 @@ depend on the clocks of the worker and beat hosts agreeing.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Sequence
 
 import sqlalchemy as sa
@@ -23,7 +24,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
-from .schema import events, jobs, runs
+from .schema import ID, events, jobs, runs
 from .status import TERMINAL, Event, Status
 
 # --- database time -----------------------------------------------------------------
@@ -375,6 +376,44 @@ def complete_job() -> sa.Update:
             updated_at=db_now(),
             **_lease_cleared,
         )
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def complete_jobs(count: int) -> sa.Update:
+    """complete_jobs: complete_job for ``count`` attempts in one statement (PostgreSQL).
+
+    Rows come as a derived table of bound job_id_N, generation_N, new_result_N,
+    new_progress_N; each row is fenced exactly like complete_job. Returns the ids
+    completed: an attempt missing from the result had lost its lease.
+    """
+    rows = [
+        sa.select(
+            sa.cast(sa.bindparam(f"job_id_{i}", type_=sa.Text), ID).label("id"),
+            sa.bindparam(f"generation_{i}", type_=sa.BigInteger).label("generation"),
+            sa.bindparam(f"new_result_{i}", type_=_c.result.type).label("result"),
+            sa.bindparam(f"new_progress_{i}", type_=_c.progress.type).label("progress"),
+        )
+        for i in range(count)
+    ]
+    done = (rows[0] if count == 1 else sa.union_all(*rows)).subquery("done")
+    return (
+        sa.update(jobs)
+        .where(
+            _c.id == done.c.id,
+            _c.lease_generation == done.c.generation,
+            _c.status == Status.RUNNING.value,
+        )
+        .values(
+            status=Status.SUCCEEDED.value,
+            result=done.c.result,
+            progress=sa.func.coalesce(done.c.progress, _c.progress),
+            checkpoint=None,
+            finished_at=db_now(),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+        .returning(_c.id)
     )
 
 

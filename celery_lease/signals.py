@@ -1,16 +1,13 @@
 """Celery's moments mapped onto lease transitions. Handlers stay thin.
 
-==========================  ========================================================
-Celery signal               celery-lease
-==========================  ========================================================
-``worker_init``             check the database is reachable; exit with a clear line
-``worker_ready``            restart recovery, before the worker takes new work
-``task_prerun``             claim the job (one atomic statement) and start heartbeats
-(task body)                 run the handler; record success / failure / retry
-``task_postrun``            stop heartbeats for the attempt
-``worker_shutting_down``    warm shutdown: handlers stop at their next
-                            ``raise_if_cancelled()`` and hand their job off
-==========================  ========================================================
+- ``worker_init``: check the database is reachable; exit with one clear line if not.
+- ``worker_ready``: restart recovery, before the worker takes new work.
+- ``task_prerun``: claim the job (one atomic statement) and start its heartbeats.
+- (the task body): run the handler; record success / failure / retry.
+- ``task_postrun``: stop the attempt's heartbeats.
+- ``worker_shutting_down``: warm shutdown; handlers stop at their next
+  ``raise_if_cancelled()`` and hand their job off.
+- ``worker_process_shutdown`` / ``worker_shutdown``: write batched successes before exit.
 
 Celery signals are process-global, so every handler first checks that the sender
 belongs to this CeleryLease's app.
@@ -78,7 +75,13 @@ def connect(leases: "CeleryLease") -> None:
         if how == "Warm":
             SHUTDOWN.value = 1
 
-    app._celery_lease_signal_handlers = (check_database, recover, claim, release, suspend)
+    @signals.worker_process_shutdown.connect(weak=False)  # a prefork child exits
+    @signals.worker_shutdown.connect(weak=False)  # the main process (solo, threads pools)
+    def flush(sender=None, **_):
+        # Batched successes land before the process exits.
+        leases.worker.flush()
+
+    app._celery_lease_signal_handlers = (check_database, recover, claim, release, suspend, flush)
 
 
 def notify_cancelled(leases: "CeleryLease", job_ids: list[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 import socket
 import threading
@@ -129,6 +130,76 @@ class Heartbeat:
         return True
 
 
+class Completer:
+    """Writes this process's plain successes in batches: one statement per batch.
+
+    A success with nothing else to commit (no effects, children or run events) does
+    not need the handler to wait: the attempt's outcome is final once the body has
+    returned, and its write stays fenced by the lease generation. So the body returns
+    at once and this thread writes every success queued within LINGER seconds in one
+    ``complete_jobs`` statement. If the process dies before the write, the job is still
+    running under its lease and the reaper requeues it, exactly as if it had died a
+    moment earlier inside the body. Warm exits flush (signals.worker_process_shutdown).
+    """
+
+    LINGER = 0.002
+    MAX_BATCH = 64
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self._queue: "queue.Queue[tuple[Attempt, Any, Any]]" = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._loop, name="celery-lease-completer", daemon=True)
+                self._thread.start()
+        self._queue.put((attempt, result, progress))
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every queued success is written (or given up)."""
+        if self._thread is not None and self._pid == os.getpid():
+            deadline = time.monotonic() + timeout
+            while self._queue.unfinished_tasks and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    def _loop(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            deadline = time.monotonic() + self.LINGER
+            while len(batch) < self.MAX_BATCH:
+                try:
+                    batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            try:
+                self._write(batch)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    def _write(self, batch: list[tuple[Attempt, Any, Any]]) -> None:
+        params: dict[str, Any] = {}
+        for i, (attempt, result, progress) in enumerate(batch):
+            params.update({f"job_id_{i}": attempt.job_id, f"generation_{i}": attempt.generation,
+                           f"new_result_{i}": result, f"new_progress_{i}": progress})
+        stmt = q.complete_jobs(len(batch))
+        try:
+            done = self._store.run(self._store.engine(fast=True, single=True),
+                                   lambda conn: {str(r[0]) for r in conn.execute(stmt, params)})
+        except Exception:
+            # Left running under their leases: the reaper requeues them.
+            log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
+            return
+        for attempt, _, _ in batch:
+            if attempt.job_id not in done:
+                log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
+
+
 def backoff(attempt: int, base: float, cap: float) -> float:
     """Exponential backoff with jitter: base * 2^(attempt-1), capped, times 0.5..1.5."""
     return min(cap, base * 2 ** max(0, attempt - 1)) * random.uniform(0.5, 1.5)
@@ -141,6 +212,8 @@ class WorkerState:
         self.leases = leases
         self.store = leases.store
         self.heartbeat = Heartbeat(leases)
+        #: Batches plain successes on PostgreSQL, where each statement is a round trip.
+        self.completer = Completer(self.store) if self.store.dialect == "postgresql" else None
 
     # --- task_prerun / task_postrun ------------------------------------------------
 
@@ -171,6 +244,10 @@ class WorkerState:
     def end(self, attempt: Attempt | None) -> None:
         if attempt is not None:
             self.heartbeat.remove(attempt)
+
+    def flush(self) -> None:
+        if self.completer is not None:
+            self.completer.flush()
 
     # --- the body --------------------------------------------------------------------
 
@@ -236,6 +313,9 @@ class WorkerState:
 
     def _succeed(self, ctx: JobContext, attempt: Attempt, result: Any) -> Any:
         staged = ctx.staged
+        if self.completer is not None and not (staged.effects or staged.children or attempt.run_id):
+            self.completer.add(attempt, result, ctx.pending_progress)
+            return result
         children_rows = [self.leases.job_row(child, payload, options)
                          for child, payload, options in staged.children]
 
@@ -254,8 +334,7 @@ class WorkerState:
             ], connection=conn)
             return children
 
-        # The common case, nothing but the status to write, is one statement alone.
-        alone = not (staged.effects or children_rows or attempt.run_id)
+        alone = not (staged.effects or children_rows or attempt.run_id)  # SQLite: nothing to batch
         children = self.store.run(self.store.engine(fast=True, single=alone), work)
         self.leases.publish_wakeups(children)
         return result
