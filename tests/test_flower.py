@@ -1,0 +1,96 @@
+"""Flower, unchanged, shows leased jobs under their job ids: a real Flower process
+reading the events of a real worker, asked through Flower's own HTTP API."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import httpx
+import pytest
+
+from celery_lease import Status
+from tests.conftest import CELERY, ROOT, _env, free_port, wait_for
+
+EVENTS = {"worker_send_task_events": True}
+
+
+@pytest.fixture
+def flower(pg, broker, tmp_path):
+    port = free_port()
+    log_path = tmp_path / "flower.log"
+    env = _env(pg, broker, EVENTS, {
+        # Flower 2 serves its API only with authentication configured or this set.
+        "FLOWER_UNAUTHENTICATED_API": "true",
+    })
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [CELERY, "-A", "tests.app", "flower", f"--port={port}", "--address=127.0.0.1", "--persistent=False"],
+            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
+
+    def up():
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        try:
+            return client.get("/api/tasks").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(up, timeout=60, interval=0.2, what="Flower to serve its API")
+    yield client
+    client.close()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _flower_task(flower, job_id: str) -> dict | None:
+    response = flower.get(f"/api/task/info/{job_id}")
+    return response.json() if response.status_code == 200 else None
+
+
+def _state_in_flower(flower, job_id: str, state: str):
+    return wait_for(lambda: (t := _flower_task(flower, job_id)) and t.get("state") == state and t,
+                    timeout=30, interval=0.2, what=f"Flower to show {job_id} as {state}")
+
+
+def test_flower_shows_jobs_by_job_id_with_their_state_and_retries(pg, broker, client_app, workers, flower):
+    mod = client_app(pg, broker, conf=EVENTS)
+    workers(pg, broker, conf=EVENTS)
+
+    job = mod.echo.submit({"value": 5})
+    assert mod.leases.wait(job.id, 30).status is Status.SUCCEEDED
+    shown = _state_in_flower(flower, job.id, "SUCCESS")
+    assert shown["uuid"] == job.id and shown["name"] == "tests.app.echo"
+    listed = flower.get("/api/tasks", params={"taskname": "tests.app.echo"}).json()
+    assert job.id in listed and listed[job.id]["state"] == "SUCCESS"
+
+    # A job that fails its first attempt: Flower shows RETRY while the job waits for
+    # its backoff (only the sweeper delivers the retry, and nobody sweeps yet)...
+    flaky = mod.flaky.submit({"ok_at": 2})
+    retrying = _state_in_flower(flower, flaky.id, "RETRY")
+    assert retrying["name"] == "tests.app.flaky"
+    between = mod.leases.get(flaky.id)
+    assert between.status is Status.PENDING and between.attempt == 1
+    # ...and no trace of the handler's exception text (it may carry a secret).
+    assert "password" not in str(retrying)
+
+    # ...then SUCCESS under the same id once the sweeper delivers the second attempt.
+    def finished():
+        mod.leases.sweep()
+        current = mod.leases.get(flaky.id)
+        return current if current.terminal else None
+
+    done = wait_for(finished, timeout=30, interval=0.2, what="the retry to run")
+    assert done.status is Status.SUCCEEDED and done.attempt == 2
+    _state_in_flower(flower, flaky.id, "SUCCESS")
+
+
+def test_flower_shows_a_failed_job_with_its_stored_error_only(pg, broker, client_app, workers, flower):
+    mod = client_app(pg, broker, conf=EVENTS)
+    workers(pg, broker, conf=EVENTS)
+    job = mod.flaky.submit({"failure": "source table is empty"})
+    assert mod.leases.wait(job.id, 30).status is Status.FAILED
+    shown = _state_in_flower(flower, job.id, "FAILURE")
+    assert "source table is empty" in shown["exception"]
