@@ -45,7 +45,7 @@ import os
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Query, Request, Security
+from fastapi import Depends, FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -56,6 +56,7 @@ from . import listing, metrics
 from .errors import ConfigurationError, DatabaseUnavailable
 from .extension import parse_job_id
 from .job import Job
+from .status import Status
 
 if TYPE_CHECKING:
     from .extension import CeleryLease
@@ -171,6 +172,11 @@ _ERRORS = {
 }
 
 
+# Declared as UUIDs in the schema but parsed here, so a malformed id gets this
+# module's 400 message rather than a validation dump.
+JOB_ID = Path(description="the job's id, a UUID", json_schema_extra={"format": "uuid"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Caller:
     #: The one tenant this caller may see; None means every tenant.
@@ -187,6 +193,20 @@ def _parse_id(value: str, what: str) -> str:
         raise ApiError(400, "bad_request", f"malformed {what} id (expected a UUID)") from None
 
 
+def _refuse_unknown_query(request: Request) -> None:
+    """A misspelt filter (``?stauts=failed``) is an error, not a silently wider list;
+    so is a repeated one (``?kind=a&kind=b`` would otherwise keep only one)."""
+    route = request.scope.get("route")
+    known = {p.alias for p in route.dependant.query_params} if route is not None else set()
+    seen: set[str] = set()
+    for name, _ in request.query_params.multi_items():
+        if name not in known:
+            raise ApiError(400, "bad_request", f"unknown query parameter {name[:40]!r}")
+        if name in seen:
+            raise ApiError(400, "bad_request", f"query parameter {name!r} given more than once")
+        seen.add(name)
+
+
 def create_app(leases: "CeleryLease") -> FastAPI:
     """The ASGI app serving ``leases``; reads the tokens now (ConfigurationError if bad)."""
     tokens = load_tokens(leases.app.conf)
@@ -195,7 +215,8 @@ def create_app(leases: "CeleryLease") -> FastAPI:
                     f"app.conf.{TOKENS_SETTING}", TOKENS_ENV)
     bearer = HTTPBearer(auto_error=False, description="a token from lease_api_tokens")
 
-    api = FastAPI(title="celery-lease", version="1", description="Durable Celery jobs: status, cancel, runs.")
+    api = FastAPI(title="celery-lease", version="1", description="Durable Celery jobs: status, cancel, runs.",
+                  dependencies=[Depends(_refuse_unknown_query)])
 
     @api.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):
@@ -239,11 +260,11 @@ def create_app(leases: "CeleryLease") -> FastAPI:
         return job
 
     @api.get("/api/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS)
-    def get_job(job_id: str, who: Caller = Security(caller)):
+    def get_job(job_id: str = JOB_ID, who: Caller = Security(caller)):
         return listing.api_view(visible_job(job_id, who))
 
     @api.post("/api/v1/jobs/{job_id}/cancel", response_model=CancelOut, responses=_ERRORS)
-    def cancel_job(job_id: str, who: Caller = Security(caller)):
+    def cancel_job(job_id: str = JOB_ID, who: Caller = Security(caller)):
         """Cancel a pending or running job; ``cancelled`` is false when it had already
         finished (its status is unchanged)."""
         job = visible_job(job_id, who)
@@ -254,22 +275,23 @@ def create_app(leases: "CeleryLease") -> FastAPI:
     @api.get("/api/v1/jobs", response_model=JobPageOut, responses=_ERRORS)
     def list_jobs(
         who: Caller = Security(caller),
-        status: str | None = Query(None, description="pending, running, succeeded, failed, expired or cancelled"),
-        kind: str | None = Query(None, max_length=listing.MAX_KIND_CHARS),
+        status: str | None = Query(None, json_schema_extra={"enum": [s.value for s in Status]}),
+        kind: str | None = Query(None, max_length=listing.MAX_KIND_CHARS,
+                                 json_schema_extra={"pattern": "^[^\\x00]*$"}),
         limit: int = Query(listing.DEFAULT_LIMIT, ge=1, le=listing.MAX_LIMIT),
         cursor: str | None = Query(None, max_length=listing.MAX_CURSOR_CHARS,
                                    description="next_cursor of the previous page"),
     ):
         try:
-            page = listing.list_page(leases, status=status, kind=kind, tenant=who.tenant, limit=limit,
-                                     cursor=cursor)
+            query = listing.Query.parse(status=status, kind=kind, limit=limit, cursor=cursor)
         except ValueError as exc:
             raise ApiError(400, "bad_request", str(exc)) from None
+        page = listing.list_page(leases, query, tenant=who.tenant)
         return {"jobs": [listing.api_view(j) for j in page.jobs], "next_cursor": page.next_cursor}
 
     @api.get("/api/v1/runs/{run_id}/events", response_model=EventPageOut, responses=_ERRORS)
     def run_events(
-        run_id: str,
+        run_id: str = Path(description="the run's id, a UUID", json_schema_extra={"format": "uuid"}),
         who: Caller = Security(caller),
         after: int = Query(0, ge=0, le=2**62, description="next_after of the previous page"),
         limit: int = Query(100, ge=1, le=MAX_EVENTS_LIMIT),

@@ -150,9 +150,10 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
 def list_(ctx: click.Context, status: str | None, kind: str | None, limit: str, cursor: str | None,
           as_json: bool) -> None:
     try:
-        page = listing.list_page(_leases(ctx), status=status, kind=kind, limit=limit, cursor=cursor)
+        query = listing.Query.parse(status=status, kind=kind, limit=limit, cursor=cursor)
     except ValueError as exc:
         raise CliError(str(exc), exit_code=2) from None
+    page = listing.list_page(_leases(ctx), query)
     data = {"jobs": [j.to_dict() for j in page.jobs], "next_cursor": page.next_cursor}
     text = _table([h for h, _ in LIST_COLUMNS], [[cell(j) for _, cell in LIST_COLUMNS] for j in page.jobs])
     if page.next_cursor:

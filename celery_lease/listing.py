@@ -39,7 +39,7 @@ API_FIELDS = ("id", "kind", "status", "result", "error", "progress", "attempt", 
 
 
 def parse_status(value: str | None) -> str | None:
-    if value is None or value == "":
+    if value is None:
         return None
     try:
         return Status(value).value
@@ -49,7 +49,7 @@ def parse_status(value: str | None) -> str | None:
 
 
 def parse_kind(value: str | None) -> str | None:
-    if value is None or value == "":
+    if value is None:
         return None
     # PostgreSQL text cannot hold NUL; refusing it here keeps it a 400, not a 500.
     if len(value) > MAX_KIND_CHARS or "\x00" in value:
@@ -73,7 +73,7 @@ def encode_cursor(job: Job) -> str:
 
 
 def decode_cursor(token: str | None) -> tuple[datetime, str] | None:
-    if token is None or token == "":
+    if token is None:
         return None
     bad = ValueError("malformed cursor (pass back the next_cursor of a previous page)")
     if len(token) > MAX_CURSOR_CHARS:
@@ -91,25 +91,35 @@ def decode_cursor(token: str | None) -> tuple[datetime, str] | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Query:
+    """A validated request for one page."""
+
+    status: str | None = None
+    kind: str | None = None
+    limit: int = DEFAULT_LIMIT
+    after: tuple[datetime, str] | None = None
+
+    @classmethod
+    def parse(cls, *, status: str | None = None, kind: str | None = None, limit: Any = DEFAULT_LIMIT,
+              cursor: str | None = None) -> "Query":
+        """Raises ValueError, naming what is wrong, before anything is read."""
+        return cls(parse_status(status), parse_kind(kind), parse_limit(limit), decode_cursor(cursor))
+
+
+@dataclasses.dataclass(frozen=True)
 class Page:
     jobs: list[Job]
     #: Pass back to get the next page; None on the last page.
     next_cursor: str | None
 
 
-def list_page(leases: "CeleryLease", *, status: str | None = None, kind: str | None = None,
-              tenant: str | None = None, limit: Any = DEFAULT_LIMIT, cursor: str | None = None) -> Page:
-    """One page of jobs, newest first; raises ValueError for a bad filter or cursor.
-
-    ``tenant`` None means every tenant (an unrestricted caller).
-    """
-    limit = parse_limit(limit)
-    filters = {"status": parse_status(status), "kind": parse_kind(kind), "tenant": tenant,
-               "after": decode_cursor(cursor)}
+def list_page(leases: "CeleryLease", query: Query, *, tenant: str | None = None) -> Page:
+    """One page of jobs, newest first. ``tenant`` None means every tenant."""
     # One row more than asked tells whether another page exists.
-    jobs = leases.store.list(**filters, limit=limit + 1)
-    more = len(jobs) > limit
-    jobs = jobs[:limit]
+    jobs = leases.store.list(status=query.status, kind=query.kind, tenant=tenant, after=query.after,
+                             limit=query.limit + 1)
+    more = len(jobs) > query.limit
+    jobs = jobs[:query.limit]
     return Page(jobs, encode_cursor(jobs[-1]) if more else None)
 
 
