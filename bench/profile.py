@@ -1,0 +1,153 @@
+"""``python -m bench profile``: where a celery-lease pool child spends its time per job.
+
+Starts a celery-lease (PostgreSQL) worker as in the side-by-side run, submits no-op
+jobs from this process one at a time (the end-to-end phase), and records one pool
+child with py-spy (``--idle``, so waiting counts: the child is single-threaded apart
+from the heartbeat thread, so its wall time per job is what throughput pays). Each
+sampled stack is put in the first category whose rule matches, leaf first; the
+summary divides each category's time by the jobs that child completed in the window.
+Writes results/profile.txt (py-spy's raw collapsed stacks) and profile.md.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from bench import harness
+from bench.systems import Lease
+
+RATE = 500  # samples per second
+
+# (category, regex on a frame "function (path:line)"); first match wins, walking from
+# the outermost frame inward, so the outermost lease moment owns the time below it.
+RULES = [
+    ("heartbeat thread", r"^_loop \(.*celery_lease/worker\.py"),
+    ("claim (task_prerun: claim statement)", r"^(begin|claim) \(.*celery_lease/(worker|store|signals)\.py"),
+    ("completion (complete statement / batch flush)",
+     r"^(_succeed|_complete\w*|complete\w*|flush\w*|end|release) \(.*celery_lease/"),
+    ("publish (wakeups)", r"^publish_wakeups "),
+    ("handler body + JobContext", r"bench/apps/|celery_lease/context\.py"),
+    ("Celery trace (task accounting, signals)", r"celery/app/trace\.py"),
+    ("pool IPC: waiting for / reading the next message, sending the result", r"billiard/"),
+]
+_RULES = [(cat, re.compile(rx)) for cat, rx in RULES]
+
+
+def categorize(stack: list[str]) -> str:
+    for frame in stack:
+        for category, rx in _RULES:
+            if rx.search(frame):
+                return category
+    return "other"
+
+
+def db_split(stack: list[str]) -> str:
+    """Within a lease category: in the driver (round trip + server), in SQLAlchemy, or else."""
+    joined = ";".join(stack)
+    if "psycopg2" in joined or "do_execute" in joined or "do_commit" in joined or "_rollback_impl" in joined:
+        return "driver round trip"
+    if "sqlalchemy" in joined:
+        return "SQLAlchemy (compile, pool, result)"
+    return "Python"
+
+
+def main(args, log) -> int:
+    if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
+        log("py-spy is not installed: pip install py-spy")
+        return 2
+    pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    dbs = harness.Databases()
+    with tempfile.TemporaryDirectory(prefix="celery-lease-profile-") as tmp:
+        out = Path(tmp)
+        redis = harness.RedisServer(out)
+        redis.start()
+        worker = None
+        try:
+            system = Lease("lease-pg", "celery-lease (PostgreSQL)", dbs.create("profile"), redis.url, True)
+            worker = harness.WorkerProcess(system.worker_args(), system.env(redis.url, out), out).start()
+            child = worker.children()[0]
+            raw = args.results / "profile.txt"
+            args.results.mkdir(parents=True, exist_ok=True)
+            stop = threading.Event()
+
+            def submit():
+                for _ in range(args.n):
+                    if stop.is_set():
+                        return
+                    system.submit_one("noop")
+
+            submitter = threading.Thread(target=submit, daemon=True)
+            submitter.start()
+            time.sleep(1.0)  # the e2e run is under way
+            before = _completed_by(system, worker, child)
+            log(f"recording pool child {child} for {args.duration}s")
+            subprocess.run([pyspy, "record", "--pid", str(child), "--duration", str(args.duration),
+                            "--rate", str(RATE), "--idle", "--format", "raw", "--output", str(raw)],
+                           check=True, capture_output=True)
+            jobs = _completed_by(system, worker, child) - before
+            stop.set()
+            submitter.join()
+        finally:
+            if worker is not None:
+                worker.stop()
+            redis.stop()
+            dbs.close()
+    table = summarize(raw, jobs, args.duration)
+    (args.results / "profile.md").write_text(table)
+    print(table)
+    return 0
+
+
+def _completed_by(system: Lease, worker, child: int) -> int:
+    """Jobs completed by this pool child so far (its pid is in lease_owner)."""
+    system.engine
+    return system._conn.exec_driver_sql(
+        "SELECT count(*) FROM celery_lease_jobs WHERE status = 'succeeded' AND lease_owner LIKE %s",
+        (f"%/{child}/%",)).scalar_one()
+
+
+def summarize(raw: Path, jobs: int, duration: float) -> str:
+    by_cat: Counter = Counter()
+    by_split: Counter = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack_text, _, count = line.rpartition(" ")
+        if not stack_text:
+            continue
+        stack = stack_text.split(";")
+        n = int(count)
+        total += n
+        cat = categorize(stack)
+        by_cat[cat] += n
+        if cat.startswith(("claim", "completion", "heartbeat", "publish")):
+            by_split[(cat, db_split(stack))] += n
+    # The heartbeat thread is sampled beside the main thread (mostly sleeping): its
+    # samples are shown but not counted in the child's wall time.
+    heartbeat = by_cat.pop("heartbeat thread", 0)
+    main = total - heartbeat
+    seconds = main / RATE
+    per_job = 1e6 / RATE / max(jobs, 1)
+    lines = [
+        f"py-spy, one pool child, main thread {seconds:.1f}s sampled at {RATE} Hz (idle included), "
+        f"{jobs} jobs completed by it in {duration}s: {per_job * main:,.0f} µs of wall time per job.",
+        "",
+        "| where (main thread) | µs per job | share |",
+        "|---|---:|---:|",
+    ]
+    for cat, n in by_cat.most_common():
+        lines.append(f"| {cat} | {per_job * n:,.0f} | {100 * n / main:.0f}% |")
+        for (c, split), m in sorted(by_split.items(), key=lambda kv: -kv[1]):
+            if c == cat:
+                lines.append(f"| &nbsp;&nbsp;↳ {split} | {per_job * m:,.0f} | {100 * m / main:.0f}% |")
+    hb_busy = sum(m for (c, split), m in by_split.items() if c == "heartbeat thread" and split != "Python")
+    lines += ["", f"Heartbeat thread: {heartbeat} samples, {hb_busy} of them in SQLAlchemy or the driver "
+              f"({per_job * hb_busy:,.1f} µs per job)."]
+    return "\n".join(lines) + "\n"
