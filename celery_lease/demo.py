@@ -213,7 +213,8 @@ class Demo:
             console.print(f"source        {self.source_url}  "
                           + ", ".join(f"{name} {n:,}" for name, n in counts.items()) + " rows")
             console.print(f"workers       {', '.join(w.node for w in self.workers)} (prefork, 2 processes each); "
-                          f"lease {self.args.lease_seconds} s, heartbeat every {self.args.lease_seconds / 3:.1f} s")
+                          f"lease {self.args.lease_seconds} s, heartbeat every {self.args.lease_seconds / 3:.1f} s\n"
+                          "              (a short lease: a dead worker's job is reaped once its lease elapses)")
             with console.status("starting workers..."):
                 self.wait_for_workers()
             console.print(f"[green]workers ready[/] after {time.monotonic() - started:.1f} s\n")
@@ -340,7 +341,7 @@ class Demo:
             worker.killed = True
             self.killed_at = time.monotonic()
             self.killed = worker
-            self.victims = {j.id: {"attempt": j.attempt, "label": _label(j)} for j in held}
+            self.victims = {j.id: {"attempt": j.attempt, "label": _label(j), "reaped": False} for j in held}
             self.console.print(
                 f"[red bold]✗ SIGKILL[/] worker {node} (main pid {worker.proc.pid} and its pool) while "
                 f"{_label(job).strip()} was at {p['rows']:,}/{p['of']:,} rows. It was running: "
@@ -353,11 +354,17 @@ class Demo:
         """What `celery beat` runs in production (every 10 s and 5 s by default)."""
         counts = self.leases.reap()
         if counts.get("requeued") or counts.get("expired"):
-            names = ", ".join(v["label"].strip() for v in self.victims.values())
+            # The killed worker's jobs no longer leased to it: this reap took them back.
+            taken = []
+            for job_id, victim in self.victims.items():
+                owner = self.leases.get(job_id).lease_owner or ""
+                if not victim["reaped"] and not owner.startswith(self.killed.node + "/"):
+                    victim["reaped"] = True
+                    taken.append(victim["label"])
             after = time.monotonic() - self.killed_at if self.killed else 0.0
-            self.console.print(f"[yellow]⟳ reaper[/]: {after:.1f} s after the kill the lease had elapsed -> "
-                               f"{counts.get('requeued', 0)} job(s) requeued, {counts.get('expired', 0)} expired "
-                               f"({names})")
+            self.console.print(f"[yellow]⟳ reaper[/]: {after:.1f} s after the kill, lease elapsed -> "
+                               f"{counts.get('requeued', 0)} requeued, {counts.get('expired', 0)} expired"
+                               + (f" ({', '.join(taken)})" if taken else ""))
         self.leases.sweep()
 
     def stop_workers(self) -> None:
