@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Sequence
 import sqlalchemy as sa
 from celery import Celery
 
-from . import maintenance, migrate, signals
+from . import maintenance, migrate, schedule, signals
 from .errors import InvalidPayload, LeaseError, UnknownKind
 from .job import Job
 from .payload import DEFAULT_MAX_CHECKPOINT_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, Codec
@@ -92,6 +92,7 @@ class CeleryLease:
         app.lease = self  # found by the CLI plugin: `celery -A proj lease ...`
         signals.connect(self)
         maintenance.register(self, install_beat=install_beat)
+        self.beat_jobs = schedule.BeatJobs(self)
 
     # --- registration ----------------------------------------------------------------
 
@@ -336,6 +337,12 @@ class CeleryLease:
 
     def run_events(self, run_id: str, **kw) -> list[dict]:
         return self.store.run_events(parse_job_id(run_id), **kw)
+
+    def periodic(self, name: str, task: "str | LeaseTask", every: Any, payload: Any = None) -> "schedule.Periodic":
+        """Put a leased job in the beat schedule: each slot of ``every`` (seconds, a
+        timedelta, or a Celery schedule or crontab) submits ``payload`` once, keyed by
+        the slot, however many beat processes fire it. See :mod:`celery_lease.schedule`."""
+        return self.beat_jobs.add(name, task, every, payload)
 
     # --- maintenance (beat runs these) -----------------------------------------------
 

@@ -22,7 +22,7 @@ from celery.exceptions import Retry
 from . import notify
 from . import queries as q
 from .context import SHUTDOWN, Attempt, JobContext
-from .errors import Failure, JobCancelled, JobFailed, JobSuspended, LeaseLost
+from .errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSuspended, LeaseLost
 from .payload import cap_error
 from .status import Event
 
@@ -259,9 +259,11 @@ class WorkerState:
         raised outside any ``except`` block so no traceback of the handler's exception
         (and its text) is chained into Celery's log line or event.
         """
-        ctx = JobContext(self.leases, task, attempt)
         outcome: tuple[str, Any]
         try:
+            # Inside the try: a stored checkpoint over the cap fails this attempt as an
+            # internal error (logged with the job id), it does not escape the lease.
+            ctx = JobContext(self.leases, task, attempt)
             result = task.fn(ctx, task.codec.load_payload(attempt.payload))
             outcome = ("succeeded", task.codec.dump_result(result))
         except Failure as exc:
@@ -278,7 +280,17 @@ class WorkerState:
         signal: Exception | None = None  # what Celery is told, after the write
         try:
             if status == "succeeded":
-                return self._succeed(ctx, attempt, value)
+                try:
+                    return self._succeed(ctx, attempt, value)
+                except (LeaseLost, DatabaseUnavailable):
+                    raise
+                except Exception:
+                    # An effect or a child insert raised: the success transaction rolled
+                    # back whole, the job still runs under this lease, and the attempt
+                    # ends like a handler that raised.
+                    log.exception("celery-lease: job %s (%s) attempt %d: success transaction failed",
+                                  attempt.job_id, task.kind, attempt.attempt)
+                    status = "error"
             if status == "suspended":
                 self._hand_off(attempt)
             elif status == "cancelled":
