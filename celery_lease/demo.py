@@ -207,8 +207,9 @@ class Demo:
             self.connect()
             self.start_workers()
             from tasks import pipeline
+
             console.print(f"job database  {self.leases.store.display_url}")
-            console.print(f"broker        {self.broker_url}" + ("  (files in .demo/broker: no server)"
+            console.print(f"broker        {self.broker_url}" + (f"  (files in {self.dir / 'broker'}: no server)"
                                                                  if self.broker_url.startswith("filesystem") else ""))
             console.print(f"source        {self.source_url}  "
                           + ", ".join(f"{name} {n:,}" for name, n in counts.items()) + " rows")
