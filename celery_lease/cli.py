@@ -238,6 +238,7 @@ def serve(ctx: click.Context, host: str, port: int) -> None:
         from . import api
     except ImportError:
         raise CliError("the HTTP API needs the api extra: pip install 'celery-lease[api]'") from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     leases.store.ping()  # refuse to start against a database that does not answer
+    # From here on the server's log is the place for the store's warnings.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api.serve(leases, host, port)

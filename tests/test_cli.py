@@ -1,0 +1,174 @@
+"""`celery -A tests.app lease ...` as a real subprocess against PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.schema import jobs
+from tests.conftest import CELERY, ROOT, _env
+
+
+@pytest.fixture
+def cli(pg, broker):
+    """cli(*args, db=None, env=None) -> CompletedProcess of `celery -A tests.app lease *args`."""
+
+    def run(*args: str, db: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([CELERY, "-A", "tests.app", "lease", *args], env=_env(db or pg, broker, extra=env),
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    return run
+
+
+def _rows(db: str) -> dict[str, dict]:
+    with sa.create_engine(db).connect() as conn:
+        return {str(r["id"]): dict(r) for r in conn.execute(sa.select(jobs)).mappings()}
+
+
+def _one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0, proc.stdout
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("celery-lease: "), proc.stderr
+    return lines[0]
+
+
+def test_migrate_is_repeatable(cli):
+    for _ in range(2):
+        proc = cli("migrate")
+        assert proc.returncode == 0, proc.stderr
+        assert "schema at revision" in proc.stdout
+
+
+def test_show_as_text_and_json(cli, pg, make_job):
+    job = make_job(pg, status="failed", attempt=3, error="source table is empty", result=None,
+                   progress={"rows": 120}, finished_at=sa.func.now())
+    proc = cli("show", job)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(None, 1) for line in proc.stdout.splitlines() if len(line.split(None, 1)) == 2)
+    assert lines["id"] == job and lines["status"] == "failed"
+    assert lines["error"] == "source table is empty" and json.loads(lines["progress"]) == {"rows": 120}
+    data = json.loads(cli("show", job, "--json").stdout)
+    assert data["id"] == job and data["status"] == "failed" and data["attempt"] == 3
+    assert data["progress"] == {"rows": 120} and data["finished_at"]
+
+
+def test_list_filters_and_renders_an_aligned_table(cli, pg, make_job):
+    failed = {make_job(pg, status="failed", error="boom", finished_at=sa.func.now()) for _ in range(2)}
+    pending = make_job(pg, status="pending")
+    steps = make_job(pg, status="pending", kind="steps", task="tests.app.steps")
+
+    proc = cli("list")
+    assert proc.returncode == 0, proc.stderr
+    header, *rows = proc.stdout.splitlines()
+    assert header.split() == ["ID", "KIND", "STATUS", "ATTEMPT", "CREATED", "FINISHED", "ERROR"]
+    assert len(rows) == 4
+    status_col = header.index("STATUS")
+    assert all(row[status_col:].split()[0] in ("failed", "pending") for row in rows)  # aligned
+
+    data = json.loads(cli("list", "--status", "failed", "--json").stdout)
+    assert {j["id"] for j in data["jobs"]} == failed and data["next_cursor"] is None
+    data = json.loads(cli("list", "--kind", "steps", "--json").stdout)
+    assert [j["id"] for j in data["jobs"]] == [steps]
+    assert pending in {j["id"] for j in json.loads(cli("list", "--status", "pending", "--json").stdout)["jobs"]}
+
+
+def test_list_pages_with_the_cursor(cli, pg, make_job):
+    tie = datetime.now(timezone.utc) - timedelta(minutes=1)
+    made = {make_job(pg, created_at=tie) for _ in range(3)} | {make_job(pg) for _ in range(2)}
+    seen, cursor = [], None
+    while True:
+        args = ["list", "--limit", "2", "--json"] + (["--cursor", cursor] if cursor else [])
+        data = json.loads(cli(*args).stdout)
+        seen += [j["id"] for j in data["jobs"]]
+        cursor = data["next_cursor"]
+        if cursor is None:
+            break
+    assert len(seen) == len(set(seen)) == 5 and set(seen) == made
+    # The text form says how to get the next page.
+    assert "more: --cursor " in cli("list", "--limit", "2").stdout
+
+
+def test_cancel_and_cancel_run(cli, pg, make_job):
+    job = make_job(pg, status="pending")
+    proc = cli("cancel", job, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"id": job, "cancelled": True, "status": "cancelled"}
+    assert _rows(pg)[job]["status"] == "cancelled"
+    # A finished job is not cancelled again: one line and a non-zero exit.
+    assert "already finished (cancelled)" in _one_line_error(cli("cancel", job))
+
+    run = str(uuid.uuid4())
+    in_run = [make_job(pg, status=s, run_id=run) for s in ("pending", "running", "succeeded")]
+    proc = cli("cancel-run", run, "--json")
+    assert json.loads(proc.stdout) == {"run_id": run, "cancelled": 2}
+    rows = _rows(pg)
+    assert [rows[j]["status"] for j in in_run] == ["cancelled", "cancelled", "succeeded"]
+
+
+def test_reap_sweep_prune(cli, pg, make_job):
+    expired_lease = make_job(pg, status="running", attempt=1, lease_owner="gone/1/boot",
+                             lease_expires_at=sa.text("now() - interval '5 seconds'"))
+    held_lease = make_job(pg, status="running", attempt=1, lease_owner="alive/1/boot",
+                          lease_expires_at=sa.text("now() + interval '60 seconds'"))
+    unwoken = make_job(pg, status="pending", woken_at=None)
+    old = make_job(pg, status="succeeded", finished_at=sa.text("now() - interval '2 hours'"))
+    recent = make_job(pg, status="succeeded", finished_at=sa.func.now())
+
+    assert json.loads(cli("reap", "--json").stdout) == {"requeued": 1, "expired": 0}
+    rows = _rows(pg)
+    assert rows[expired_lease]["status"] == "pending" and rows[expired_lease]["lease_losses"] == 1
+    assert rows[held_lease]["status"] == "running"
+
+    sent = json.loads(cli("sweep", "--json").stdout)["sent"]
+    assert sent == 1  # the unwoken job; the reaped one was woken by the reaper
+    assert _rows(pg)[unwoken]["woken_at"] is not None
+
+    assert json.loads(cli("prune", "--older-than", "3600", "--json").stdout) == {"deleted": 1}
+    rows = _rows(pg)
+    assert old not in rows and recent in rows
+    assert cli("prune").returncode == 0  # default retention: a week; deletes nothing here
+    assert recent in _rows(pg)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["show", "not-a-uuid"], "malformed job id"),
+    (["show", "00000000-0000-4000-8000-000000000000"], "no job 00000000-0000-4000-8000-000000000000"),
+    (["cancel", "00000000-0000-4000-8000-000000000000"], "no job"),
+    (["cancel", "1234"], "malformed job id"),
+    (["cancel-run", "run-7"], "malformed run id"),
+    (["list", "--status", "done"], "unknown status 'done'"),
+    (["list", "--limit", "0"], "limit must be an integer from 1 to 500"),
+    (["list", "--limit", "many"], "limit must be an integer"),
+    (["list", "--cursor", "bogus"], "malformed cursor"),
+    (["prune", "--older-than", "soon"], "--older-than must be a number"),
+    (["prune", "--older-than", "nan"], "--older-than must be a number"),
+])
+def test_bad_input_is_one_line_and_changes_nothing(cli, pg, make_job, args, says):
+    job = make_job(pg, status="succeeded", finished_at=sa.text("now() - interval '1 day'"))
+    before = _rows(pg)
+    line = _one_line_error(cli(*args))
+    assert says in line
+    assert "Traceback" not in line
+    assert _rows(pg) == before and job in before
+
+
+@pytest.mark.parametrize("args", [["list"], ["show", "00000000-0000-4000-8000-000000000000"],
+                                  ["cancel", "00000000-0000-4000-8000-000000000000"], ["reap"], ["sweep"],
+                                  ["prune"], ["migrate"], ["serve", "--port", "0"]])
+def test_unreachable_database_is_one_line_without_the_password(cli, args):
+    # Nothing listens on port 1; the URL carries a password that must not be echoed.
+    db = "postgresql+psycopg2://root:hunter2-secret@127.0.0.1:1/nowhere"
+    line = _one_line_error(cli(*args, db=db))
+    assert "cannot reach the job database" in line
+    assert "hunter2-secret" not in line
+
+
+def test_serve_refuses_a_malformed_token_setting(cli):
+    line = _one_line_error(cli("serve", "--port", "0", env={"CELERY_LEASE_API_TOKENS": "admin=all"}))
+    assert "CELERY_LEASE_API_TOKENS is not JSON" in line
