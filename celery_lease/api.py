@@ -236,7 +236,7 @@ def create_app(leases: "CeleryLease") -> FastAPI:
 
     @api.exception_handler(DatabaseUnavailable)
     async def on_db_down(request: Request, exc: DatabaseUnavailable):
-        # The message names the URL without its password; the driver's text stays in the log.
+        # No detail: where the database is and why it failed is for the server's log.
         return _error(503, "database_unavailable", None)
 
     def caller(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> Caller:
@@ -293,7 +293,8 @@ def create_app(leases: "CeleryLease") -> FastAPI:
     def run_events(
         run_id: str = Path(description="the run's id, a UUID", json_schema_extra={"format": "uuid"}),
         who: Caller = Security(caller),
-        after: int = Query(0, ge=0, le=2**62, description="next_after of the previous page"),
+        # Event ids are BIGINT; SQLite's driver cannot even bind a larger integer.
+        after: int = Query(0, ge=0, le=2**63 - 1, description="next_after of the previous page"),
         limit: int = Query(100, ge=1, le=MAX_EVENTS_LIMIT),
     ):
         run_id = _parse_id(run_id, "run")
