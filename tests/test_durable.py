@@ -181,7 +181,9 @@ def test_resume_from_the_checkpoint_after_the_worker_is_killed_and_reaped(db, br
                                                                           marker_dir, sql):
     mod = durable_app(db, broker, extra_env={"CL_TEST_LEASE": "3"})
     w1 = workers(db, broker, name="w1", module=MODULE)
-    job = mod.steps.submit({"steps": 40, "sleep": 0.1, "marker_dir": str(marker_dir)})
+    # With an effect, success goes through the transactional completion (the plain one
+    # is covered by the retry test): both clear the checkpoint.
+    job = mod.steps.submit({"steps": 40, "sleep": 0.1, "marker_dir": str(marker_dir), "effect": True})
     wait_for(lambda: (stored(sql, db, job.id, "checkpoint") or {}).get("i", 0) >= 3, timeout=30,
              what="a few checkpoints")
     w1.kill()
@@ -193,6 +195,8 @@ def test_resume_from_the_checkpoint_after_the_worker_is_killed_and_reaped(db, br
     assert done.status is Status.SUCCEEDED and done.attempt == 2
     assert done.result == {"counted": 40, "resumed_from": saved}
     assert (marker_dir / "start-1-0").exists() and (marker_dir / f"start-2-{saved}").exists()
+    assert stored(sql, db, job.id, "checkpoint") is None
+    assert effect_rows(sql, db, job.id) == [(job.id, 2, "steps")]
 
 
 def test_oversized_stored_checkpoint_fails_the_attempt_as_internal_error(db, broker, durable_app, workers,
@@ -426,9 +430,9 @@ def test_cancel_run_cancels_its_jobs_refuses_submits_and_discards_late_results(d
     assert [e["event"] for e in log if e["job_id"] == waiting.id] == ["dispatched", "cancelled"]
 
 
-def test_run_event_log_records_each_jobs_life_in_order(pg, broker, durable_app, workers, marker_dir):
-    mod = durable_app(pg, broker, extra_env={"CL_TEST_GATED_LEASE": "3"})
-    w1 = workers(pg, broker, name="w1", module=MODULE)
+def test_run_event_log_records_each_jobs_life_in_order(db, broker, durable_app, workers, marker_dir):
+    mod = durable_app(db, broker, extra_env={"CL_TEST_GATED_LEASE": "3"})
+    w1 = workers(db, broker, name="w1", module=MODULE)
     run_id = str(uuid.uuid4())
     retried = mod.flaky.submit({"ok_at": 2}, run_id=run_id)
     failed = mod.flaky.submit({"failure": "no source table"}, run_id=run_id)
@@ -441,7 +445,7 @@ def test_run_event_log_records_each_jobs_life_in_order(pg, broker, durable_app, 
     w1.kill()
     (marker_dir / "open-2").touch()
     reap_one(mod)
-    workers(pg, broker, name="w2", module=MODULE)
+    workers(db, broker, name="w2", module=MODULE)
     assert mod.leases.wait(reaped.id, 30).status is Status.SUCCEEDED
 
     log = mod.leases.run_events(run_id)
@@ -540,10 +544,10 @@ def test_periodic_entries_are_checked_and_slots_are_aligned(pg, broker, durable_
 _BEAT_RESULT = re.compile(r"Task celery_lease\.beat_submit\[[^\]]+\] succeeded in [^:]+: (\{.*\})")
 
 
-def test_two_beats_submit_each_slot_once(pg, broker, durable_app, workers, beats, sql):
-    mod = durable_app(pg, broker)
-    w = workers(pg, broker, module=MODULE)
-    pair = [beats(pg, broker, module=MODULE), beats(pg, broker, module=MODULE)]
+def test_two_beats_submit_each_slot_once(db, broker, durable_app, workers, beats, sql):
+    mod = durable_app(db, broker)
+    w = workers(db, broker, module=MODULE)
+    pair = [beats(db, broker, module=MODULE), beats(db, broker, module=MODULE)]
 
     def sends(beat) -> int:
         return beat.log().count("Sending due task durable-tick (celery_lease.beat_submit)")
