@@ -338,7 +338,9 @@ class WorkerState:
             self._fenced(conn, q.complete_job(), attempt, new_result=result, new_progress=ctx.pending_progress)
             for fn in staged.effects:
                 fn(conn)
-            children = self.store.insert_jobs(children_rows, keyed=False, connection=conn) if children_rows else []
+            # keyed: a child submitted with an idempotency key that already exists is that
+            # job, as with submit; only the children actually inserted are returned.
+            children = self.store.insert_jobs(children_rows, keyed=True, connection=conn) if children_rows else []
             self._record(conn, attempt, Event.SUCCEEDED)
             self.store.append_events([
                 q.event_row(c.run_id, c.id, Event.DISPATCHED, 0, f"child of {attempt.job_id}")

@@ -109,5 +109,13 @@ def parent_effect_fails(ctx: JobContext, payload: dict) -> dict:
     return {"children": len(payload.get("children", []))}
 
 
+@leases.job(kind="parent_keyed", max_attempts=1)
+def parent_keyed(ctx: JobContext, payload: dict) -> dict:
+    """Submits one echo child per key in payload["keys"], with that idempotency key."""
+    for key in payload["keys"]:
+        ctx.submit("echo", {"value": key}, idempotency_key=key)
+    return {"children": len(payload["keys"])}
+
+
 # One beat entry for tests/test_durable.py's two-beat test; idle unless a beat runs.
 leases.periodic("durable-tick", "echo", float(os.environ.get("CL_TEST_PERIOD", "2")), {"value": "tick"})

@@ -400,6 +400,19 @@ def test_no_child_and_no_effect_without_the_parents_success(db, broker, durable_
     assert effect_rows(sql, db) == []
 
 
+def test_a_child_with_an_existing_idempotency_key_is_that_job(db, broker, durable_app, workers, sql):
+    mod = durable_app(db, broker)
+    first = mod.echo.submit({"value": "first"}, idempotency_key="child-1")
+    workers(db, broker, module=MODULE)
+    parent = mod.parent_keyed.submit({"keys": ["child-1", "child-2"]})
+    assert mod.leases.wait(parent.id, 30).status is Status.SUCCEEDED
+    assert count_jobs(sql, db, jobs.c.idempotency_key == "child-1") == 1
+    assert mod.leases.get(first.id).parent_id is None  # untouched by the parent
+    (child,) = [j for j in mod.leases.store.list(kind="echo", limit=10) if j.idempotency_key == "child-2"]
+    assert child.parent_id == parent.id
+    assert mod.leases.wait(child.id, 30).result["echo"] == "child-2"
+
+
 def test_cancel_run_cancels_its_jobs_refuses_submits_and_discards_late_results(db, broker, durable_app,
                                                                                workers, marker_dir, sql):
     mod = durable_app(db, broker)
