@@ -32,7 +32,8 @@ counts by kind and status, never job contents.
 
 Errors are JSON ``{"error": code, "detail": text}``: 400 ``bad_request`` for a
 malformed id, status, limit, cursor or parameter; 404 ``not_found``; 503
-``database_unavailable``. Bad input is refused before anything is read or changed.
+``database_unavailable`` or ``schema_not_migrated``. Bad input is refused before
+anything is read or changed.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import listing, metrics
@@ -168,7 +170,7 @@ _ERRORS = {
     400: {"model": ErrorOut, "description": "malformed id, status, limit, cursor or parameter"},
     401: {"model": ErrorOut, "description": "missing or unknown bearer token"},
     404: {"model": ErrorOut, "description": "no such job or run visible to this token"},
-    503: {"model": ErrorOut, "description": "the job database cannot be reached"},
+    503: {"model": ErrorOut, "description": "the job database cannot be reached, or is not migrated"},
 }
 
 
@@ -238,6 +240,14 @@ def create_app(leases: "CeleryLease") -> FastAPI:
     async def on_db_down(request: Request, exc: DatabaseUnavailable):
         # No detail: where the database is and why it failed is for the server's log.
         return _error(503, "database_unavailable", None)
+
+    @api.exception_handler(sa_exc.ProgrammingError)
+    async def on_schema_mismatch(request: Request, exc: sa_exc.ProgrammingError):
+        # Our statements are fixed; one the database refuses means its tables are
+        # missing or older than this version of celery-lease.
+        log.error("celery-lease: the job database lacks celery-lease's tables or columns "
+                  "(run: celery -A <app> lease migrate): %s", exc.orig)
+        return _error(503, "schema_not_migrated", None)
 
     def caller(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> Caller:
         if credentials is None:

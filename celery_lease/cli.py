@@ -27,6 +27,7 @@ from datetime import datetime
 from typing import Any, Callable
 
 import click
+from sqlalchemy import exc as sa_exc
 
 from . import listing
 from .errors import LeaseError
@@ -94,6 +95,11 @@ def _boundary(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except LeaseError as exc:
             raise CliError(str(exc)) from None
+        except sa_exc.ProgrammingError as exc:
+            # Our statements are fixed; one the database refuses means its tables are
+            # missing or older than this version of celery-lease.
+            raise CliError(f"the job database lacks celery-lease's tables or columns "
+                           f"(run: celery -A <app> lease migrate): {type(exc.orig).__name__}") from None
 
     return wrapper
 

@@ -365,6 +365,26 @@ def test_health_and_api_report_an_unreachable_database(redis_server, tmp_path):
         admin_engine.dispose()
 
 
+def test_an_unmigrated_database_is_a_503_not_a_500(redis_server, tmp_path):
+    name = f"celery_lease_api_empty_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    admin_engine = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin_engine.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    srv = Server(sa.engine.make_url(PG_ADMIN).set(database=name).render_as_string(hide_password=False),
+                 redis_server.url, tmp_path)
+    try:
+        with srv.client(ADMIN) as c:
+            for path in ("/api/v1/jobs", f"/api/v1/jobs/{uuid.uuid4()}"):
+                r = c.get(path)
+                assert (r.status_code, r.json()["error"]) == (503, "schema_not_migrated")
+        assert httpx.get(srv.url + "/metrics").status_code == 503
+    finally:
+        srv.stop()
+        with admin_engine.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin_engine.dispose()
+
+
 def test_openapi_schema_declares_the_routes_and_bearer_auth(server):
     schema = httpx.get(server.url + "/openapi.json").json()
     assert {"/api/v1/jobs/{job_id}", "/api/v1/jobs/{job_id}/cancel", "/api/v1/jobs",
