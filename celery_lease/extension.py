@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Sequence
 import sqlalchemy as sa
 from celery import Celery
 
-from . import maintenance, migrate, schedule, signals
+from . import maintenance, migrate, schedule, signals, wakeups
 from .errors import InvalidPayload, LeaseError, UnknownKind
 from .job import Job
 from .payload import DEFAULT_MAX_CHECKPOINT_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, Codec
@@ -37,7 +37,6 @@ DEFAULTS = {
     "lease_max_payload_bytes": DEFAULT_MAX_PAYLOAD_BYTES,
 }
 
-_PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
 _COMMIT_WAKEUPS = "celery_lease.wakeups"
 
 
@@ -280,26 +279,17 @@ class CeleryLease:
             return 0
         items = [(j.id, j.task, j.queue) if isinstance(j, Job) else (str(j["id"]), j["task"], j["queue"])
                  for j in jobs]
-        sent: set[str] = set()
         try:
-            with self.app.producer_or_acquire() as producer:
-                for job_id, task, queue in items:
-                    self.app.send_task(
-                        task, task_id=job_id, queue=queue, producer=producer,
-                        add_to_parent=False, retry_policy=_PUBLISH_RETRY,
-                    )
-                    sent.add(job_id)
+            wakeups.publish(self.app, items)
+            return len(items)
         except Exception as exc:
-            # Broker down: the rest would fail the same way after their retries.
-            log.warning("celery-lease: cannot publish wakeups (%s); the sweeper will deliver them",
-                        type(exc).__name__)
-        failed = [job_id for job_id, _, _ in items if job_id not in sent]
-        if failed:
-            try:
-                self.store.mark_not_woken(failed)
-            except LeaseError:
-                log.warning("celery-lease: %d wakeups left to the sweeper's staleness threshold", len(failed))
-        return len(sent)
+            log.warning("celery-lease: cannot publish %d wakeup(s) (%s); the sweeper will deliver them",
+                        len(items), type(exc).__name__)
+        try:
+            self.store.mark_not_woken([job_id for job_id, _, _ in items])
+        except LeaseError:
+            log.warning("celery-lease: %d wakeups left to the sweeper's staleness threshold", len(items))
+        return 0
 
     # --- reads and control -----------------------------------------------------------
 

@@ -124,9 +124,14 @@ class Heartbeat:
         for a in attempts:
             if a.job_id in held:
                 a.renewed_at = now
-            else:
+                continue
+            a.lost.set()
+            with self._lock:
+                still_running = self._attempts.get(a.job_id) is a
+            # An attempt that completed while the statement ran simply had nothing left
+            # to renew; only a running one has really lost its lease.
+            if still_running:
                 log.warning("celery-lease: job %s: lease lost (cancelled or reaped)", a.job_id)
-                a.lost.set()
         return True
 
 
