@@ -75,29 +75,6 @@ def _now_plus_sqlite(element, compiler, **kw):
     )
 
 
-class ts_order_key(FunctionElement):
-    """A timestamp as a value that compares in time order.
-
-    On PostgreSQL the timestamp itself (so indexes apply). SQLite keeps timestamps as
-    text: db_now() writes milliseconds ("...:05.120") while a bound datetime renders
-    microseconds ("...:05.120000"), and as text those compare unequal; julianday()
-    parses both to the same instant.
-    """
-
-    type = sa.DateTime(timezone=True)
-    inherit_cache = True
-
-
-@compiles(ts_order_key)
-def _order_key_default(element, compiler, **kw):
-    return compiler.process(element.clauses, **kw)
-
-
-@compiles(ts_order_key, "sqlite")
-def _order_key_sqlite(element, compiler, **kw):
-    return f"julianday({compiler.process(element.clauses, **kw)})"
-
-
 def _seconds(name: str) -> sa.BindParameter:
     return sa.bindparam(name, type_=sa.Float)
 
@@ -208,8 +185,10 @@ def list_jobs(
         stmt = stmt.where(_c.run_id == run_id)
     if after is not None:
         created_at, job_id = after
-        row_ts, cursor_ts = ts_order_key(_c.created_at), ts_order_key(sa.literal(created_at, _c.created_at.type))
-        stmt = stmt.where(sa.or_(row_ts < cursor_ts, sa.and_(row_ts == cursor_ts, _c.id < job_id)))
+        # On SQLite this compares text: db_now() spells times as bound datetimes do.
+        stmt = stmt.where(
+            sa.or_(_c.created_at < created_at, sa.and_(_c.created_at == created_at, _c.id < job_id))
+        )
     return stmt.order_by(_c.created_at.desc(), _c.id.desc()).limit(limit)
 
 
