@@ -195,7 +195,10 @@ def client_app(monkeypatch):
              module: str = "tests.app"):
         for key, value in _env(db, broker, conf, extra_env).items():
             monkeypatch.setenv(key, value)
-        sys.modules.pop(module, None)
+        # App modules read the environment at import: drop every cached one (an app
+        # module may import tests.app) so this import sees this test's settings.
+        for name in [n for n in sys.modules if n == module or n.startswith("tests.app")]:
+            sys.modules.pop(name)
         mod = importlib.import_module(module)
         made.append(mod)
         return mod
