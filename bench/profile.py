@@ -5,7 +5,8 @@ jobs from this process one at a time (the end-to-end phase), and records one poo
 child with py-spy (``--idle``, so waiting counts: the child is single-threaded apart
 from the heartbeat thread, so its wall time per job is what throughput pays). Each
 sampled stack is put in the first category whose rule matches, leaf first; the
-summary divides each category's time by the jobs that child completed in the window.
+summary divides each category's time by the jobs that child completed in the window
+(half of all completed: completed rows no longer name their owner).
 Writes results/profile.txt (py-spy's raw collapsed stacks) and profile.md.
 """
 
@@ -26,14 +27,15 @@ from bench.systems import Lease
 
 RATE = 500  # samples per second
 
-# (category, regex on a frame "function (path:line)"); first match wins, walking from
-# the outermost frame inward, so the outermost lease moment owns the time below it.
+# (category, regex on a frame "function (path:line)"): a stack goes to the first rule
+# any of its frames matches, so a lease moment owns its time even inside Celery's trace.
+M = r"^(?:[\w<>]+\.)*"  # py-spy names frames by qualified name: "Heartbeat._loop (path:line)"
 RULES = [
-    ("heartbeat thread", r"^_loop \(.*celery_lease/worker\.py"),
-    ("claim (task_prerun: claim statement)", r"^(begin|claim) \(.*celery_lease/(worker|store|signals)\.py"),
+    ("background thread", M + r"(_loop|_listen) \(.*celery_lease/(worker|notify)\.py"),
+    ("claim (task_prerun: claim statement)", M + r"(begin|claim) \(.*celery_lease/(worker|store|signals)\.py"),
     ("completion (complete statement / batch flush)",
-     r"^(_succeed|_complete\w*|complete\w*|flush\w*|end|release) \(.*celery_lease/"),
-    ("publish (wakeups)", r"^publish_wakeups "),
+     M + r"(_succeed|_complete\w*|complete\w*|flush\w*|end|release) \(.*celery_lease/"),
+    ("publish (wakeups)", M + r"publish_wakeups "),
     ("handler body + JobContext", r"bench/apps/|celery_lease/context\.py"),
     ("Celery trace (task accounting, signals)", r"celery/app/trace\.py"),
     ("pool IPC: waiting for / reading the next message, sending the result", r"billiard/"),
@@ -41,10 +43,18 @@ RULES = [
 _RULES = [(cat, re.compile(rx)) for cat, rx in RULES]
 
 
+#: The worker's background threads, told apart by what their loop calls.
+THREADS = {"completer thread": re.compile(M + r"(Completer\._loop|_write|get) \(.*(celery_lease/worker|queue)\.py"),
+           "cancel-notice thread": re.compile(r"celery_lease/notify\.py"),
+           "heartbeat thread": re.compile(r".")}
+
+
 def categorize(stack: list[str]) -> str:
-    for frame in stack:
-        for category, rx in _RULES:
+    for category, rx in _RULES:
+        for frame in stack:
             if rx.search(frame):
+                if category == "background thread":
+                    return next(t for t, trx in THREADS.items() if any(trx.search(f) for f in stack))
                 return category
     return "other"
 
@@ -87,12 +97,14 @@ def main(args, log) -> int:
             submitter = threading.Thread(target=submit, daemon=True)
             submitter.start()
             time.sleep(1.0)  # the e2e run is under way
-            before = _completed_by(system, worker, child)
+            before = _completed(system)
             log(f"recording pool child {child} for {args.duration}s")
             subprocess.run([pyspy, "record", "--pid", str(child), "--duration", str(args.duration),
                             "--rate", str(RATE), "--idle", "--format", "raw", "--output", str(raw)],
                            check=True, capture_output=True)
-            jobs = _completed_by(system, worker, child) - before
+            # Completed rows no longer name their owner: the child's share is half the
+            # jobs the two pool children completed in the window.
+            jobs = (_completed(system) - before) // 2
             stop.set()
             submitter.join()
         finally:
@@ -106,12 +118,8 @@ def main(args, log) -> int:
     return 0
 
 
-def _completed_by(system: Lease, worker, child: int) -> int:
-    """Jobs completed by this pool child so far (its pid is in lease_owner)."""
-    system.engine
-    return system._conn.exec_driver_sql(
-        "SELECT count(*) FROM celery_lease_jobs WHERE status = 'succeeded' AND lease_owner LIKE %s",
-        (f"%/{child}/%",)).scalar_one()
+def _completed(system: Lease) -> int:
+    return system.completed(Path("."))
 
 
 def summarize(raw: Path, jobs: int, duration: float) -> str:
@@ -127,12 +135,12 @@ def summarize(raw: Path, jobs: int, duration: float) -> str:
         total += n
         cat = categorize(stack)
         by_cat[cat] += n
-        if cat.startswith(("claim", "completion", "heartbeat", "publish")):
+        if cat.startswith(("claim", "completion", "heartbeat", "completer", "cancel", "publish")):
             by_split[(cat, db_split(stack))] += n
-    # The heartbeat thread is sampled beside the main thread (mostly sleeping): its
-    # samples are shown but not counted in the child's wall time.
-    heartbeat = by_cat.pop("heartbeat thread", 0)
-    main = total - heartbeat
+    # The background threads are sampled beside the main thread (mostly waiting): their
+    # samples are shown apart and not counted in the child's wall time.
+    threads = {name: by_cat.pop(name, 0) for name in THREADS}
+    main = total - sum(threads.values())
     seconds = main / RATE
     per_job = 1e6 / RATE / max(jobs, 1)
     lines = [
@@ -147,7 +155,9 @@ def summarize(raw: Path, jobs: int, duration: float) -> str:
         for (c, split), m in sorted(by_split.items(), key=lambda kv: -kv[1]):
             if c == cat:
                 lines.append(f"| &nbsp;&nbsp;↳ {split} | {per_job * m:,.0f} | {100 * m / main:.0f}% |")
-    hb_busy = sum(m for (c, split), m in by_split.items() if c == "heartbeat thread" and split != "Python")
-    lines += ["", f"Heartbeat thread: {heartbeat} samples, {hb_busy} of them in SQLAlchemy or the driver "
-              f"({per_job * hb_busy:,.1f} µs per job)."]
+    lines.append("")
+    for name, samples in threads.items():
+        busy = sum(m for (c, split), m in by_split.items() if c == name and split != "Python")
+        lines.append(f"{name}: {samples} samples, {busy} of them in SQLAlchemy or the driver "
+                     f"({per_job * busy:,.1f} µs per job).")
     return "\n".join(lines) + "\n"

@@ -15,6 +15,8 @@ import json
 import statistics
 import time
 
+import sqlalchemy as sa
+
 from bench import harness
 from bench.apps.lease import make_app
 from bench.run import percentile
@@ -28,7 +30,7 @@ SELECT gen_random_uuid(), 'noop', 'bench.lease.noop',
     '{}'::jsonb, '{"ok": true}'::jsonb,
     now() - make_interval(secs => i), now() - make_interval(secs => i),
     now() - make_interval(secs => i), now() - make_interval(secs => i)
-FROM generate_series(1, %(rows)s) AS i
+FROM generate_series(1, :rows) AS i
 """
 
 
@@ -64,7 +66,7 @@ def main(args, log) -> int:
         log(f"empty table: {results['empty']}")
         started = time.monotonic()
         with leases.store.durable.begin() as conn:
-            conn.exec_driver_sql(FILL, {"rows": args.rows})
+            conn.execute(sa.text(FILL), {"rows": args.rows})
         with leases.store.durable.connect() as conn:
             conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("VACUUM ANALYZE celery_lease_jobs")
         results["fill_seconds"] = round(time.monotonic() - started, 1)
