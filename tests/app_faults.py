@@ -7,15 +7,10 @@ Run by workers as ``celery -A tests.app_faults worker``; imported in-process thr
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-# tests.app reads CL_TEST_* at import; re-import it so this module's app sees the
-# environment client_app just set, as tests.app itself does.
-sys.modules.pop("tests.app", None)
-
-from tests.app import _marker, app, effects, leases  # noqa: E402,F401
-from celery_lease import JobContext  # noqa: E402
+from celery_lease import JobContext
+from tests.app import _marker, app, effects, leases  # noqa: F401  (app: celery -A finds it here)
 
 LEASE = int(os.environ.get("CL_TEST_LEASE", "6"))
 
