@@ -10,6 +10,10 @@ Statements are SQLAlchemy Core constructs with bound parameters; statuses come f
   attempt still running holds a stale token from that moment on;
 * nothing ever matches a terminal status, so a finished job never changes again.
 
+Statements with no arguments are built once (``functools.cache``): a construct is
+immutable, and building one costs more Python time than running it on a warm
+connection.
+
 Time is the database's clock (``now()`` on PostgreSQL), so lease expiry does not
 depend on the clocks of the worker and beat hosts agreeing.
 """
@@ -103,6 +107,7 @@ WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
 # --- producer ------------------------------------------------------------------------
 
 
+@functools.cache
 def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
     """insert_jobs: new pending rows; values are bound per row by the caller.
 
@@ -119,12 +124,8 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
         stmt = stmt.on_conflict_do_nothing(
             index_elements=[_c.kind, _c.idempotency_key], index_where=_c.idempotency_key.is_not(None)
         )
-    return stmt.returning(*jobs.c)
-
-
-def job_row_defaults() -> dict[str, Any]:
-    """Column values every inserted job shares; computed by the database."""
-    return {"created_at": db_now(), "updated_at": db_now()}
+    # created_at / updated_at come from the database clock, like every other time.
+    return stmt.values(created_at=db_now(), updated_at=db_now()).returning(*jobs.c)
 
 
 def get_jobs_by_keys(kind: str, keys: Sequence[str]) -> sa.Select:
@@ -192,6 +193,7 @@ def list_jobs(
     return stmt.order_by(_c.created_at.desc(), _c.id.desc()).limit(limit)
 
 
+@functools.cache
 def count_jobs_by_status_kind() -> sa.Select:
     return sa.select(_c.status, _c.kind, sa.func.count()).group_by(_c.status, _c.kind)
 
@@ -227,6 +229,7 @@ def _epoch_sqlite(element, compiler, **kw):
     return f"((julianday({compiler.process(ts, **kw)}) - 2440587.5) * 86400.0)"
 
 
+@functools.cache
 def job_totals() -> sa.Select:
     """Per (status, kind): jobs, attempts claimed, leases lost (reaped or interrupted)."""
     return sa.select(
@@ -234,6 +237,7 @@ def job_totals() -> sa.Select:
     ).group_by(_c.status, _c.kind)
 
 
+@functools.cache
 def event_totals() -> sa.Select:
     """Per (event, detail prefix): rows of the run event logs. The detail tells a
     requeue by restart recovery ("interrupted by restart: ...") from a shutdown handoff."""
@@ -243,6 +247,7 @@ def event_totals() -> sa.Select:
     )
 
 
+@functools.cache
 def lease_health() -> sa.Select:
     """Running jobs, the age of the stalest lease renewal, leases past expiry (the
     reaper's backlog) and due pending jobs without a fresh wakeup (the sweeper's)."""
@@ -266,6 +271,7 @@ def lease_health() -> sa.Select:
 # --- the lease life (worker) ---------------------------------------------------------
 
 
+@functools.cache
 def claim_job() -> sa.Update:
     """claim_job: pending -> running for one attempt, atomically.
 
@@ -293,6 +299,7 @@ def claim_job() -> sa.Update:
     )
 
 
+@functools.cache
 def claim_job_logged() -> sa.Select:
     """claim_job, plus the run's 'claimed' event when the job belongs to a run, as ONE
     statement (PostgreSQL data-modifying CTE): the claim stays a single round trip
@@ -324,6 +331,7 @@ def renew_leases(leases: Iterable[tuple[str, int]]) -> sa.Update:
     )
 
 
+@functools.cache
 def save_checkpoint() -> sa.Update:
     return (
         sa.update(jobs)
@@ -332,6 +340,7 @@ def save_checkpoint() -> sa.Update:
     )
 
 
+@functools.cache
 def publish_progress() -> sa.Update:
     return (
         sa.update(jobs)
@@ -340,6 +349,7 @@ def publish_progress() -> sa.Update:
     )
 
 
+@functools.cache
 def complete_job() -> sa.Update:
     """complete_job: running -> succeeded; clears the checkpoint in the same write."""
     return (
@@ -358,7 +368,7 @@ def complete_job() -> sa.Update:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def complete_jobs(count: int) -> sa.Update:
     """complete_jobs: complete_job for ``count`` attempts in one statement (PostgreSQL).
 
@@ -396,6 +406,7 @@ def complete_jobs(count: int) -> sa.Update:
     )
 
 
+@functools.cache
 def fail_job() -> sa.Update:
     """fail_job: running -> failed with a sanitized error; the checkpoint is kept."""
     return (
@@ -411,6 +422,7 @@ def fail_job() -> sa.Update:
     )
 
 
+@functools.cache
 def retry_job() -> sa.Update:
     """retry_job: running -> pending, due after the backoff; the sweeper wakes it."""
     return (
@@ -426,6 +438,7 @@ def retry_job() -> sa.Update:
     )
 
 
+@functools.cache
 def hand_off_job() -> sa.Update:
     """hand_off_job: running -> pending at once without spending the attempt.
 
@@ -467,6 +480,7 @@ def cancel_jobs(*, job_id: str | None = None, run_id: str | None = None) -> sa.U
     )
 
 
+@functools.cache
 def cancel_run() -> sa.Update:
     return (
         sa.update(runs)
@@ -506,6 +520,7 @@ def _batch(where: sa.ColumnElement, order_by, limit_param: str) -> sa.ScalarSele
 _lease_elapsed = sa.and_(_c.status == Status.RUNNING.value, _c.lease_expires_at < db_now())
 
 
+@functools.cache
 def reap_expired() -> sa.Update:
     """reap_expired: running jobs whose lease elapsed -> pending, or expired when their
     attempts are spent. Bounded by :limit; safe with several beats (SKIP LOCKED)."""
@@ -545,6 +560,7 @@ def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
     )
 
 
+@functools.cache
 def claim_due_wakeups() -> sa.Update:
     """claim_due_wakeups: due pending jobs with no wakeup since :stale_seconds.
 
@@ -565,6 +581,7 @@ def claim_due_wakeups() -> sa.Update:
     )
 
 
+@functools.cache
 def prunable_jobs() -> sa.Select:
     """A bounded batch of terminal jobs finished before :cutoff_seconds ago."""
     return (
@@ -588,6 +605,7 @@ def delete_job_events(ids: Sequence[str]) -> sa.Delete:
 # --- the run event log ---------------------------------------------------------------
 
 
+@functools.cache
 def append_events() -> sa.Insert:
     """append_events: rows of (run_id, job_id, event, attempt, detail)."""
     return sa.insert(events).values(created_at=db_now())

@@ -195,7 +195,7 @@ class Store:
     # --- producer --------------------------------------------------------------------
 
     def insert_jobs(self, rows: list[dict[str, Any]], *, keyed: bool, connection=None) -> list[Job]:
-        stmt = q.insert_jobs(self.dialect, on_key_conflict_nothing=keyed).values(**q.job_row_defaults())
+        stmt = q.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
 
         def work(conn: Connection) -> list[Job]:
             if len(rows) == 1:
