@@ -33,6 +33,7 @@ DEFAULTS = {
     "lease_prune_interval": 3600.0,  # beat: delete old terminal jobs
     "lease_retention_seconds": 7 * 86400.0,  # terminal jobs are kept this long
     "lease_batch_size": 500,  # rows per reap / sweep / prune statement
+    "lease_maintenance_queue": "celery_lease",  # beat's reap/sweep/prune ticks; every worker consumes it
     "lease_max_checkpoint_bytes": DEFAULT_MAX_CHECKPOINT_BYTES,
     "lease_max_payload_bytes": DEFAULT_MAX_PAYLOAD_BYTES,
 }

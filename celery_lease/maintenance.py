@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from celery.signals import celeryd_after_setup
+
 from .status import Status
 
 if TYPE_CHECKING:
@@ -113,12 +115,21 @@ def register(leases: "CeleryLease", *, install_beat: bool) -> None:
         SWEEP_TASK: (sweep_task, s["lease_sweep_interval"]),
         PRUNE_TASK: (prune_task, s["lease_prune_interval"]),
     }
+    queue = s["lease_maintenance_queue"]
     for name, (fn, interval) in tasks.items():
         app.task(name=name, shared=False, ignore_result=True, _force_evaluate=True)(fn)
         if install_beat:
-            # expires: a tick that waited longer than its interval in the queue (workers
-            # down) is dropped rather than run late in a pile-up.
+            # Own queue: behind a backlog of wakeups on the default queue, a tick would
+            # wait (and expire) while reaping is most needed. expires: a tick that
+            # waited longer than its interval (workers down) is dropped, not piled up.
+            options = {"expires": float(interval), "queue": queue}
             app.conf.beat_schedule = {
                 **(app.conf.beat_schedule or {}),
-                name: {"task": name, "schedule": float(interval), "options": {"expires": float(interval)}},
+                name: {"task": name, "schedule": float(interval), "options": options},
             }
+
+    @celeryd_after_setup.connect(weak=False)
+    def consume_maintenance_queue(sender=None, instance=None, **_):
+        # Every worker of this app also consumes the maintenance queue, whatever -Q says.
+        if instance is not None and instance.app is app:
+            instance.app.amqp.queues.select_add(queue)

@@ -1,13 +1,12 @@
-"""Applies celery-lease's Alembic migrations (shipped inside the package)."""
+"""Applies celery-lease's Alembic migrations (shipped inside the package).
+
+Alembic is imported when a migration runs, not with the package: every worker process
+imports celery-lease, and none of them needs Alembic's memory to run jobs.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 
 from .store import Store
 
@@ -15,7 +14,9 @@ MIGRATIONS = Path(__file__).with_name("migrations")
 VERSION_TABLE = "celery_lease_alembic_version"
 
 
-def _config(connection) -> Config:
+def _config(connection):
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     cfg.attributes["connection"] = connection
@@ -24,6 +25,8 @@ def _config(connection) -> Config:
 
 def upgrade(store: Store, revision: str = "head") -> str:
     """Upgrade the schema to ``revision``; returns the revision now applied."""
+    from alembic import command
+    from alembic.runtime.migration import MigrationContext
 
     def work(conn):
         command.upgrade(_config(conn), revision)
@@ -33,4 +36,6 @@ def upgrade(store: Store, revision: str = "head") -> str:
 
 
 def head() -> str:
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(_config(None)).get_current_head()

@@ -226,7 +226,12 @@ class WorkerState:
         """Claim the job named by the delivery; None when it is not claimable."""
         job_id = task.request.id
         if SHUTDOWN.value:
-            return None  # warm shutdown: leave it pending for another worker
+            # Warm shutdown: leave the job pending, and since this (early-acked)
+            # delivery is spent, wake another worker for it now rather than after the
+            # sweeper's staleness threshold.
+            queue = (task.request.delivery_info or {}).get("routing_key")
+            self.leases.publish_wakeups([{"id": job_id, "task": task.name, "queue": queue}])
+            return None
         row = self.store.claim(job_id, owner_of(task.request.hostname))
         if row is None:
             log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)

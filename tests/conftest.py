@@ -228,10 +228,11 @@ class Worker:
 
     def start(self, wait: bool = True) -> "Worker":
         self._log = open(self.log_path, "a")
+        since = len(self.log())  # a restart appends: only this boot's "ready." counts
         self.proc = subprocess.Popen(self.args, env=self.env, cwd=ROOT, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         if wait:
-            wait_for(lambda: "ready." in self.log() or self.proc.poll() is not None, timeout=30,
+            wait_for(lambda: "ready." in self.log()[since:] or self.proc.poll() is not None, timeout=30,
                      what=f"worker {self.name} to be ready")
             assert self.proc.poll() is None, f"worker {self.name} exited:\n{self.log()[-3000:]}"
         return self
