@@ -33,6 +33,7 @@ DEFAULTS = {
     "lease_prune_interval": 3600.0,  # beat: delete old terminal jobs
     "lease_retention_seconds": 7 * 86400.0,  # terminal jobs are kept this long
     "lease_batch_size": 500,  # rows per reap / sweep / prune statement
+    "lease_prepare_statements": True,  # PostgreSQL: PREPARE the per-job statements (see prepared.py)
     "lease_maintenance_queue": "celery_lease",  # beat's reap/sweep/prune ticks; every worker consumes it
     "lease_max_checkpoint_bytes": DEFAULT_MAX_CHECKPOINT_BYTES,
     "lease_max_payload_bytes": DEFAULT_MAX_PAYLOAD_BYTES,
@@ -75,7 +76,6 @@ class CeleryLease:
                  **settings: Any) -> None:
         url, source = resolve_database_url(database_url, app.conf)
         self.app = app
-        self.store = Store(url, source=source)
         self.settings = dict(DEFAULTS)
         for key in DEFAULTS:
             if app.conf.get(key) is not None:
@@ -84,6 +84,7 @@ class CeleryLease:
             if f"lease_{key}" not in DEFAULTS:
                 raise TypeError(f"CeleryLease got an unknown setting {key!r}")
             self.settings[f"lease_{key}"] = value
+        self.store = Store(url, source=source, prepare_statements=bool(self.settings["lease_prepare_statements"]))
         self.max_checkpoint_bytes = int(self.settings["lease_max_checkpoint_bytes"])
         self._tasks: dict[str, LeaseTask] = {}
         self._worker: WorkerState | None = None

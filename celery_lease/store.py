@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -30,6 +31,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from . import queries as q
 from .errors import ConfigurationError, DatabaseUnavailable
 from .job import Job
+from .prepared import Prepared
 from .status import Event
 
 log = logging.getLogger("celery_lease")
@@ -76,7 +78,7 @@ def _on_sqlite_begin(conn) -> None:
 class Store:
     """Owns the engines and runs every named statement of :mod:`celery_lease.queries`."""
 
-    def __init__(self, url: str, *, source: str = "database_url") -> None:
+    def __init__(self, url: str, *, source: str = "database_url", prepare_statements: bool = True) -> None:
         try:
             parsed = make_url(url)
         except sa_exc.ArgumentError:
@@ -93,7 +95,12 @@ class Store:
         self.source = source
         self.dialect = parsed.get_backend_name()
         self._engines: dict[tuple[bool, bool], Engine] = {}
+        self._hot = threading.local()  # per thread: a held connection for prepared statements
         self._pid = os.getpid()
+        #: The per-job statements, prepared server-side (PostgreSQL only).
+        self._prepared: dict[str, Prepared] | None = None
+        if self.dialect == "postgresql" and prepare_statements:
+            self._prepared = {"claim": Prepared(q.claim_job_logged())}
 
     # --- engines ---------------------------------------------------------------------
 
@@ -136,6 +143,7 @@ class Store:
             for engine in self._engines.values():
                 engine.dispose(close=False)
             self._engines.clear()
+            self._hot = threading.local()
             self._pid = os.getpid()
         key = (False, False) if self.dialect == "sqlite" else (fast, single)
         engine = self._engines.get(key)
@@ -152,6 +160,10 @@ class Store:
         return self.engine(fast=True)
 
     def dispose(self) -> None:
+        raw = getattr(self._hot, "raw", None)
+        if raw is not None:
+            raw.close()
+        self._hot = threading.local()
         for engine in self._engines.values():
             engine.dispose()
         self._engines.clear()
@@ -183,6 +195,40 @@ class Store:
                     raise DatabaseUnavailable(
                         f"cannot reach the job database {self.display_url} ({self.source}): "
                         f"{type(exc.orig).__name__}"
+                    ) from None
+                raise
+        raise AssertionError("unreachable")
+
+    def execute_prepared(self, stmt: Prepared, params: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run a hot-path statement alone (fast, autocommit) as a server-side prepared
+        statement on a raw driver connection; same retry and error rules as run()."""
+        engine = self.engine(fast=True, single=True)
+        for attempt in range(1, RECONNECT_ATTEMPTS + 1):
+            # Each thread keeps one connection for these statements (the claiming
+            # thread, the completer): no pool checkout, reset and checkin per job.
+            raw = getattr(self._hot, "raw", None)
+            if raw is None:
+                raw = self._hot.raw = engine.raw_connection()
+            try:
+                columns, rows = stmt.execute(raw.dbapi_connection, raw.info, params)
+                return [dict(zip(columns, row)) for row in rows]
+            except engine.dialect.loaded_dbapi.Error as exc:
+                dropped = engine.dialect.is_disconnect(exc, raw.dbapi_connection, None)
+                self._hot.raw = None
+                if dropped:
+                    raw.invalidate(exc)
+                else:
+                    raw.close()
+                if dropped and attempt < RECONNECT_ATTEMPTS:
+                    log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
+                    time.sleep(0.05 * attempt)
+                    continue
+                if isinstance(exc, (engine.dialect.loaded_dbapi.OperationalError,
+                                    engine.dialect.loaded_dbapi.InterfaceError)):
+                    log.warning("celery-lease: database error: %s", exc)
+                    raise DatabaseUnavailable(
+                        f"cannot reach the job database {self.display_url} ({self.source}): "
+                        f"{type(exc).__name__}"
                     ) from None
                 raise
         raise AssertionError("unreachable")
@@ -265,6 +311,9 @@ class Store:
         """Claim a job for one attempt; None when the delivery is a duplicate."""
 
         params = {"job_id": job_id, "owner": owner}
+        if self._prepared is not None:
+            rows = self.execute_prepared(self._prepared["claim"], params)
+            return rows[0] if rows else None
         if self.dialect == "postgresql":
             row = self.run(self.engine(fast=True, single=True),
                            lambda conn: conn.execute(q.claim_job_logged(), params).mappings().first())
@@ -285,6 +334,15 @@ class Store:
             return {str(r[0]) for r in conn.execute(q.renew_leases(leases))}
 
         return self.run(self.engine(fast=True, single=True), work)
+
+    def complete_many(self, params: dict[str, Any], count: int) -> set[str]:
+        """complete_jobs for ``count`` attempts; returns the ids that completed."""
+        if self._prepared is not None:
+            key = f"complete_{count}"
+            stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(q.complete_jobs(count)))
+            return {str(r["id"]) for r in self.execute_prepared(stmt, params)}
+        return self.run(self.engine(fast=True, single=True),
+                        lambda conn: {str(r[0]) for r in conn.execute(q.complete_jobs(count), params)})
 
     def fenced(self, conn: Connection, stmt, **params) -> bool:
         """Run a guarded write of an attempt; False means the lease is lost."""

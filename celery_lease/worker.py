@@ -192,10 +192,8 @@ class Completer:
         for i, (attempt, result, progress) in enumerate(batch):
             params.update({f"job_id_{i}": attempt.job_id, f"generation_{i}": attempt.generation,
                            f"new_result_{i}": result, f"new_progress_{i}": progress})
-        stmt = q.complete_jobs(len(batch))
         try:
-            done = self._store.run(self._store.engine(fast=True, single=True),
-                                   lambda conn: {str(r[0]) for r in conn.execute(stmt, params)})
+            done = self._store.complete_many(params, len(batch))
         except Exception:
             # Left running under their leases: the reaper requeues them.
             log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))

@@ -115,15 +115,28 @@ def test_submit_many_is_one_insert(pg, broker, client_app, statements):
     assert count_jobs(pg) == 250 and queued(broker) == 250
 
 
-def test_statements_per_job_from_submit_to_success(pg, broker, client_app, statements):
-    """Steady state: one statement at submit, one at claim, one at completion."""
+@pytest.mark.parametrize("prepare", [False, True])
+def test_statements_per_job_from_submit_to_success(pg, broker, client_app, statements, monkeypatch, prepare):
+    """Steady state: one statement at submit, one at claim, one at completion; with
+    prepared statements on, claim and completion are EXECUTEs of prepared statements."""
     from celery.contrib.testing.worker import start_worker
 
-    mod = client_app(pg, broker)
+    from celery_lease.prepared import Prepared
+
+    executed: list[str] = []
+    real_execute = Prepared.execute
+
+    def counted(self, dbapi_connection, info, params):
+        executed.append(self.prepare_sql.split(" AS ", 1)[1].split()[0].upper())
+        return real_execute(self, dbapi_connection, info, params)
+
+    monkeypatch.setattr(Prepared, "execute", counted)
+    mod = client_app(pg, broker, conf={"lease_prepare_statements": prepare})
     with start_worker(mod.app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
         warm = mod.echo.submit({"value": "warm-up"})  # connect outside the count
         mod.leases.wait(warm.id, 20)
         statements.clear()
+        executed.clear()
         job = mod.echo.submit({"value": 1})
         submitted = list(statements)
         assert mod.leases.wait(job.id, 20).status is Status.SUCCEEDED
@@ -132,7 +145,9 @@ def test_statements_per_job_from_submit_to_success(pg, broker, client_app, state
     cost = [s.split()[0].upper() for s in during if not s.lstrip().upper().startswith("SELECT")
             or s.lstrip().upper().startswith("WITH")]
     assert [s.split()[0].upper() for s in submitted] == ["INSERT"]
-    assert cost == ["INSERT", "WITH", "UPDATE"], cost  # submit; claim (+run event); completion
+    # submit; claim (+ its run event, in one statement); completion
+    assert cost + executed == ["INSERT", "WITH", "UPDATE"], (cost, executed)
+    assert len(executed) == (2 if prepare else 0)
 
 
 def test_database_url_precedence(monkeypatch, tmp_path):

@@ -1,0 +1,70 @@
+"""Server-side prepared statements for the per-job statements on PostgreSQL.
+
+Every job pays for its claim and its completion. Sent as text, each is parsed and
+planned by PostgreSQL every time and walked by SQLAlchemy's execution machinery in
+the worker; together that cost more than the statements' own work. A
+:class:`Prepared` statement is compiled from its construct in :mod:`queries` once, is
+PREPAREd once per database connection, and runs as ``EXECUTE`` on the raw driver
+connection.
+
+Invariant: the text is still the one named statement of :mod:`queries`; only the way
+it is sent changes. Set ``lease_prepare_statements = False`` behind a pooler that does
+not keep sessions (pgbouncer in transaction mode before 1.21).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any, Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
+
+# Compiles with $1, $2 ... placeholders (what PREPARE takes) and their order.
+_DOLLAR = PGDialect_psycopg2(paramstyle="numeric_dollar")
+_names = (f"celery_lease_{n}" for n in itertools.count())
+_KEY = "celery_lease.prepared"
+
+
+class Prepared:
+    """One statement, prepared lazily on each connection that runs it."""
+
+    def __init__(self, stmt: sa.ClauseElement) -> None:
+        compiled = stmt.compile(dialect=_DOLLAR)
+        self.name = next(_names)
+        self._order = list(compiled.positiontup)
+        self._defaults = dict(compiled.params)  # the construct's own constants
+        self._json = set()
+        types = []
+        for key in self._order:
+            bind_type = compiled.binds[key].type
+            if isinstance(bind_type, sa.types.NullType):
+                types.append("TEXT")
+                continue
+            impl = bind_type.dialect_impl(_DOLLAR)
+            if isinstance(impl, sa.JSON):
+                self._json.add(key)
+            types.append(impl.compile(dialect=_DOLLAR))
+        self.prepare_sql = f"PREPARE {self.name} ({', '.join(types)}) AS {compiled.string}"
+        placeholders = ", ".join(["%s"] * len(self._order))
+        self.execute_sql = f"EXECUTE {self.name} ({placeholders})" if self._order else f"EXECUTE {self.name}"
+
+    def values(self, params: dict[str, Any]) -> list[Any]:
+        merged = {**self._defaults, **params}
+        return [
+            (None if merged[k] is None else json.dumps(merged[k])) if k in self._json else merged[k]
+            for k in self._order
+        ]
+
+    def execute(self, dbapi_connection, info: dict, params: dict[str, Any]) -> tuple[list[str], Sequence[tuple]]:
+        """Run on a raw driver connection; returns (column names, rows)."""
+        prepared = info.setdefault(_KEY, set())
+        with dbapi_connection.cursor() as cur:
+            if self.name not in prepared:
+                cur.execute(self.prepare_sql)
+                prepared.add(self.name)
+            cur.execute(self.execute_sql, self.values(params))
+            if cur.description is None:
+                return [], []
+            return [d[0] for d in cur.description], cur.fetchall()
