@@ -56,6 +56,8 @@ class Codec:
     def dump_payload(self, payload: Any) -> Any:
         """Validate and serialize; raises InvalidPayload, having stored nothing."""
         tp = self.payload_type
+        if payload is None:
+            raise InvalidPayload("payload is required: pass {} for a job that needs no input")
         try:
             if _is_pydantic(tp):
                 model = payload if isinstance(payload, tp) else tp.model_validate(payload)

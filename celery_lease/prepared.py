@@ -30,11 +30,13 @@ _KEY = "celery_lease.prepared"
 class Prepared:
     """One statement, prepared lazily on each connection that runs it."""
 
-    def __init__(self, stmt: sa.ClauseElement) -> None:
-        compiled = stmt.compile(dialect=_DOLLAR)
+    def __init__(self, stmt: sa.ClauseElement, column_keys: Sequence[str] | None = None) -> None:
+        # column_keys: for an INSERT, the columns it binds (a missing value binds NULL).
+        compiled = stmt.compile(dialect=_DOLLAR, column_keys=column_keys)
         self.name = next(_names)
         self._order = list(compiled.positiontup)
-        self._defaults = dict(compiled.params)  # the construct's own constants
+        # The construct's own constants; a value the caller must give has none.
+        self._defaults = {k: v for k, v in compiled.params.items() if not compiled.binds[k].required}
         self._json = set()
         types = []
         for key in self._order:
@@ -53,7 +55,7 @@ class Prepared:
     def values(self, params: dict[str, Any]) -> list[Any]:
         merged = {**self._defaults, **params}
         return [
-            (None if merged[k] is None else json.dumps(merged[k])) if k in self._json else merged[k]
+            (None if merged.get(k) is None else json.dumps(merged[k])) if k in self._json else merged.get(k)
             for k in self._order
         ]
 

@@ -107,6 +107,10 @@ WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
 # --- producer ------------------------------------------------------------------------
 
 
+#: The columns a submit binds; the database fills created_at / updated_at.
+INSERTED_COLUMNS = tuple(c.name for c in jobs.c if c.name not in ("created_at", "updated_at"))
+
+
 @functools.cache
 def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
     """insert_jobs: new pending rows; values are bound per row by the caller.

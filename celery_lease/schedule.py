@@ -118,6 +118,7 @@ class BeatJobs:
         if name in self._entries:
             raise ValueError(f"periodic job {name!r} is already scheduled")
         task = self._leases.task_for(task)
+        payload = {} if payload is None else payload  # a job always has a payload
         entry = Periodic(name, task, _as_schedule(every, self._leases.app), task.codec.dump_payload(payload))
         self._entries[name] = entry
         app = self._leases.app

@@ -100,7 +100,11 @@ class Store:
         #: The per-job statements, prepared server-side (PostgreSQL only).
         self._prepared: dict[str, Prepared] | None = None
         if self.dialect == "postgresql" and prepare_statements:
-            self._prepared = {"claim": Prepared(q.claim_job_logged())}
+            self._prepared = {
+                "claim": Prepared(q.claim_job_logged()),
+                "insert": Prepared(q.insert_jobs(self.dialect, on_key_conflict_nothing=False),
+                                   column_keys=q.INSERTED_COLUMNS),
+            }
 
     # --- engines ---------------------------------------------------------------------
 
@@ -160,9 +164,10 @@ class Store:
         return self.engine(fast=True)
 
     def dispose(self) -> None:
-        raw = getattr(self._hot, "raw", None)
-        if raw is not None:
-            raw.close()
+        for slot in ("fast", "durable"):
+            raw = getattr(self._hot, slot, None)
+            if raw is not None:
+                raw.close()
         self._hot = threading.local()
         for engine in self._engines.values():
             engine.dispose()
@@ -199,22 +204,26 @@ class Store:
                 raise
         raise AssertionError("unreachable")
 
-    def execute_prepared(self, stmt: Prepared, params: dict[str, Any]) -> list[dict[str, Any]]:
-        """Run a hot-path statement alone (fast, autocommit) as a server-side prepared
-        statement on a raw driver connection; same retry and error rules as run()."""
-        engine = self.engine(fast=True, single=True)
+    def execute_prepared(self, stmt: Prepared, params: dict[str, Any], *, fast: bool = True) -> list[dict[str, Any]]:
+        """Run a per-job statement alone (autocommit; asynchronous commit when ``fast``)
+        as a server-side prepared statement on a raw driver connection; same retry and
+        error rules as run()."""
+        engine = self.engine(fast=fast, single=True)
+        slot = "fast" if fast else "durable"
         for attempt in range(1, RECONNECT_ATTEMPTS + 1):
-            # Each thread keeps one connection for these statements (the claiming
-            # thread, the completer): no pool checkout, reset and checkin per job.
-            raw = getattr(self._hot, "raw", None)
+            # Each thread keeps one connection per engine for these statements (the
+            # claiming thread, the completer, a submitting thread): no pool checkout,
+            # reset and checkin per job.
+            raw = getattr(self._hot, slot, None)
             if raw is None:
-                raw = self._hot.raw = engine.raw_connection()
+                raw = engine.raw_connection()
+                setattr(self._hot, slot, raw)
             try:
                 columns, rows = stmt.execute(raw.dbapi_connection, raw.info, params)
                 return [dict(zip(columns, row)) for row in rows]
             except engine.dialect.loaded_dbapi.Error as exc:
                 dropped = engine.dialect.is_disconnect(exc, raw.dbapi_connection, None)
-                self._hot.raw = None
+                setattr(self._hot, slot, None)
                 if dropped:
                     raw.invalidate(exc)
                 else:
@@ -241,6 +250,9 @@ class Store:
     # --- producer --------------------------------------------------------------------
 
     def insert_jobs(self, rows: list[dict[str, Any]], *, keyed: bool, connection=None) -> list[Job]:
+        if self._prepared is not None and len(rows) == 1 and not keyed and connection is None:
+            # A plain single submit: one prepared INSERT, committed durably.
+            return [Job.from_row(r) for r in self.execute_prepared(self._prepared["insert"], rows[0], fast=False)]
         stmt = q.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
 
         def work(conn: Connection) -> list[Job]:

@@ -540,7 +540,7 @@ def test_periodic_entries_are_checked_and_slots_are_aligned(pg, broker, durable_
     assert tick.slot_key(t + 2) == "beat:durable-tick:2026-11-30T12:00:06+00:00"
     nightly = mod.leases.periodic("nightly", "echo", crontab(minute=0, hour=3), {"value": "n"})
     assert nightly.slot_key(t + 30) == "beat:nightly:2026-11-30T12:00:00+00:00"
-    assert mod.leases.periodic("every-minute", mod.echo, timedelta(minutes=1)).payload is None
+    assert mod.leases.periodic("every-minute", mod.echo, timedelta(minutes=1)).payload == {}
     with pytest.raises(UnknownKind):
         mod.leases.periodic("x", "nope", 5)
     with pytest.raises(InvalidPayload):
