@@ -197,11 +197,6 @@ def list_jobs(
     return stmt.order_by(_c.created_at.desc(), _c.id.desc()).limit(limit)
 
 
-@functools.cache
-def count_jobs_by_status_kind() -> sa.Select:
-    return sa.select(_c.status, _c.kind, sa.func.count()).group_by(_c.status, _c.kind)
-
-
 def list_run_events(run_id: str, *, after_id: int = 0, limit: int = 1000,
                     tenant: str | None = None) -> sa.Select:
     """A run's events in order; with ``tenant``, only events of that tenant's jobs."""

@@ -21,8 +21,7 @@ import logging
 import os
 import threading
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -242,11 +241,6 @@ class Store:
                 raise
         raise AssertionError("unreachable")
 
-    @contextmanager
-    def transaction(self, engine: Engine | None = None) -> Iterator[Connection]:
-        with (engine or self.durable).begin() as conn:
-            yield conn
-
     # --- producer --------------------------------------------------------------------
 
     def insert_jobs(self, rows: list[dict[str, Any]], *, keyed: bool, connection=None) -> list[Job]:
@@ -301,9 +295,6 @@ class Store:
                    tenant: str | None = None) -> list[dict]:
         stmt = q.list_run_events(run_id, after_id=after_id, limit=limit, tenant=tenant)
         return self.run(self.durable, lambda c: [dict(r) for r in c.execute(stmt).mappings()])
-
-    def counts(self) -> list[tuple[str, str, int]]:
-        return self.run(self.durable, lambda c: [tuple(r) for r in c.execute(q.count_jobs_by_status_kind())])
 
     def metrics(self, stale_seconds: float) -> dict[str, Any]:
         """The aggregates behind /metrics, read in one transaction."""
@@ -363,13 +354,6 @@ class Store:
     def write_fenced(self, stmt, **params) -> bool:
         """One fenced statement of an attempt, committed on its own."""
         return self.run(self.engine(fast=True, single=True), lambda conn: self.fenced(conn, stmt, **params))
-
-    def hand_off(self, job_id: str, generation: int) -> dict | None:
-        def work(conn):
-            row = conn.execute(q.hand_off_job(), {"job_id": job_id, "generation": generation}).mappings().first()
-            return None if row is None else dict(row)
-
-        return self.run(self.fast, work)
 
     def _append(self, conn: Connection, rows: list[dict]) -> None:
         if rows:

@@ -4,8 +4,7 @@ transactional enqueue publishes only after COMMIT; configuration errors are clea
 from __future__ import annotations
 
 import subprocess
-import sys
-from datetime import datetime, timedelta
+from datetime import datetime
 
 import pytest
 import redis
