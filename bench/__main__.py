@@ -1,4 +1,4 @@
-"""``python -m bench [run] [options]``, ``python -m bench scale``, ``python -m bench profile``.
+"""``python -m bench [run] [options]``, ``python -m bench scale | profile | cpu``.
 
 See bench/README.md for what each measures.
 """
@@ -43,7 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     prof_p.add_argument("--n", type=int, default=20000, help="no-op jobs submitted (default 20000)")
     prof_p.add_argument("--duration", type=int, default=10, help="seconds recorded (default 10)")
     prof_p.add_argument("--results", type=Path, default=RESULTS)
+    cpu_p = sub.add_parser("cpu", help="CPU per job by process (worker, pool, PostgreSQL, Redis) during a drain")
+    cpu_p.add_argument("--n", type=int, default=6000, help="no-op jobs drained per system (default 6000)")
+    cpu_p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+
+    if args.command == "cpu":
+        from bench.cpu import main as cpu_main
+
+        return cpu_main(args, log)
 
     if args.command == "scale":
         from bench.scale import main as scale_main

@@ -64,6 +64,11 @@ def db_split(stack: list[str]) -> str:
     joined = ";".join(stack)
     if "psycopg2" in joined or "do_execute" in joined or "do_commit" in joined or "_rollback_impl" in joined:
         return "driver round trip"
+    # Prepared statements call the driver's cursor.execute (C code, invisible to py-spy)
+    # straight from Prepared.execute: a sample whose innermost frame is that function is
+    # waiting in the driver.
+    if stack and "Prepared.execute (celery_lease/prepared.py" in stack[-1]:
+        return "driver round trip"
     if "sqlalchemy" in joined:
         return "SQLAlchemy (compile, pool, result)"
     return "Python"
