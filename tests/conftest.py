@@ -25,6 +25,18 @@ PG_ADMIN = os.environ.get("CL_TEST_PG_ADMIN", "postgresql+psycopg2://root@127.0.
 CELERY = str(Path(sys.executable).with_name("celery"))
 
 
+#: One-line results that tests want in the terminal summary (e.g. the chaos line).
+SUMMARY_LINES = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lines = config.stash.get(SUMMARY_LINES, [])
+    if lines:
+        terminalreporter.section("summary lines")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

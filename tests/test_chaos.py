@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos import LEASE_CONF, Scenario, run_lease_scenario
+from tests.conftest import SUMMARY_LINES
 
 
 def _run(pg, broker, redis_server, client_app, tmp_path, request, scenario: Scenario):
@@ -29,9 +30,8 @@ def _run(pg, broker, redis_server, client_app, tmp_path, request, scenario: Scen
     line = "chaos: " + outcome.line()
     summary = Path(os.environ.get("CHAOS_SUMMARY") or tmp_path / "chaos-summary.txt")
     summary.write_text(line + "\n")
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("\n" + line)
+    # Shown in pytest's terminal summary (tests/conftest.py), so CI's log carries it.
+    request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
     print(line)
 
     assert outcome.jobs == scenario.jobs
