@@ -346,9 +346,19 @@ class WorkerState:
             self._fenced(conn, q.complete_job(), attempt, new_result=result, new_progress=ctx.pending_progress)
             for fn in staged.effects:
                 fn(conn)
+            # A child placed in another run than this job's must respect that run as a
+            # submit would: the run is created if new, and a cancelled one takes no job.
+            # (This job's own run cannot be cancelled here: cancel_run would have
+            # revoked this lease and the fenced update above would have failed.)
+            refused = {run for run in {r["run_id"] for r in children_rows} - {attempt.run_id, None}
+                       if not self.store.ensure_run(run, connection=conn)}
+            for row in [r for r in children_rows if r["run_id"] in refused]:
+                log.warning("celery-lease: job %s: child %s not created: run %s is cancelled",
+                            attempt.job_id, row["kind"], row["run_id"])
+            rows = [r for r in children_rows if r["run_id"] not in refused]
             # keyed: a child submitted with an idempotency key that already exists is that
             # job, as with submit; only the children actually inserted are returned.
-            children = self.store.insert_jobs(children_rows, keyed=True, connection=conn) if children_rows else []
+            children = self.store.insert_jobs(rows, keyed=True, connection=conn) if rows else []
             self._record(conn, attempt, Event.SUCCEEDED)
             self.store.append_events([
                 q.event_row(c.run_id, c.id, Event.DISPATCHED, 0, f"child of {attempt.job_id}")

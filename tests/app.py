@@ -119,8 +119,9 @@ def typed_pd(ctx: JobContext, payload: Order) -> Order:
 
 @leases.job(kind="parent", max_attempts=2)
 def parent(ctx: JobContext, payload: dict) -> dict:
+    placed = {"run_id": payload["child_run"]} if "child_run" in payload else {}
     for value in payload.get("children", []):
-        ctx.submit("echo", {"value": value})
+        ctx.submit("echo", {"value": value}, **placed)
     if payload.get("fail_after_submit"):
         raise Failure("parent failed after staging children")
     return {"children": len(payload.get("children", []))}

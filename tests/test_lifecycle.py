@@ -152,3 +152,27 @@ def test_keyset_pages_cover_every_job_once(db, request, make_job):
         after = (page[-1].created_at, page[-1].id)
     store.dispose()
     assert len(seen) == len(set(seen)) == 25 and set(seen) == made
+
+
+def test_children_placed_in_another_run_respect_that_run(pg, broker, client_app, workers):
+    """A child submitted into a cancelled run is not created (as a submit would be
+    refused); one submitted into a new run creates that run."""
+    import uuid
+
+    from celery_lease.schema import runs
+
+    mod = client_app(pg, broker)
+    cancelled_run, new_run = str(uuid.uuid4()), str(uuid.uuid4())
+    mod.leases.cancel_run(cancelled_run)
+    workers(pg, broker)
+    refused = mod.parent.submit({"children": [1, 2], "child_run": cancelled_run})
+    placed = mod.parent.submit({"children": [3], "child_run": new_run})
+    assert mod.leases.wait(refused.id, 20).status is Status.SUCCEEDED
+    assert mod.leases.wait(placed.id, 20).status is Status.SUCCEEDED
+    engine = sa.create_engine(pg)
+    with engine.connect() as conn:
+        kids = conn.execute(sa.select(jobs.c.parent_id, jobs.c.run_id).where(jobs.c.parent_id.is_not(None))).all()
+        run_ids = {str(r[0]) for r in conn.execute(sa.select(runs.c.id))}
+    engine.dispose()
+    assert [(str(p), str(r)) for p, r in kids] == [(placed.id, new_run)]
+    assert new_run in run_ids
