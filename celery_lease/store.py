@@ -224,7 +224,11 @@ class Store:
                 dropped = engine.dialect.is_disconnect(exc, raw.dbapi_connection, None)
                 setattr(self._hot, slot, None)
                 if dropped:
+                    # As SQLAlchemy does on a disconnect: the pool's other idle
+                    # connections likely died with this one (a restarted or
+                    # terminating server), so replace the pool, not just this one.
                     raw.invalidate(exc)
+                    engine.dispose()
                 else:
                     raw.close()
                 if dropped and attempt < RECONNECT_ATTEMPTS:
