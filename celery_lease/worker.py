@@ -135,6 +135,10 @@ class Heartbeat:
         return True
 
 
+#: Queued by Completer.flush: write what is gathered now.
+_FLUSH = object()
+
+
 class Completer:
     """Writes this process's plain successes in batches: one statement per batch.
 
@@ -166,25 +170,28 @@ class Completer:
         self._queue.put((attempt, result, progress))
 
     def flush(self, timeout: float = 10.0) -> None:
-        """Wait until every queued success is written (or given up)."""
+        """Write every queued success now and wait for it (or give up after timeout)."""
         if self._thread is not None and self._pid == os.getpid():
+            self._queue.put(_FLUSH)  # ends the batch being gathered without lingering
             deadline = time.monotonic() + timeout
             while self._queue.unfinished_tasks and time.monotonic() < deadline:
                 time.sleep(0.005)
 
     def _loop(self) -> None:
         while True:
-            batch = [self._queue.get()]
+            items = [self._queue.get()]
             deadline = time.monotonic() + self.LINGER
-            while len(batch) < self.MAX_BATCH:
+            while len(items) < self.MAX_BATCH and items[-1] is not _FLUSH:
                 try:
-                    batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                    items.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
+            batch = [item for item in items if item is not _FLUSH]
             try:
-                self._write(batch)
+                if batch:
+                    self._write(batch)
             finally:
-                for _ in batch:
+                for _ in items:
                     self._queue.task_done()
 
     def _write(self, batch: list[tuple[Attempt, Any, Any]]) -> None:

@@ -4,6 +4,7 @@ transactional enqueue publishes only after COMMIT; configuration errors are clea
 from __future__ import annotations
 
 import subprocess
+import time
 from datetime import datetime
 
 import pytest
@@ -13,7 +14,7 @@ from celery import Celery
 
 from celery_lease import CeleryLease, ConfigurationError, InvalidPayload, Status, UnknownKind
 from celery_lease.schema import jobs
-from tests.conftest import CELERY, ROOT, _env
+from tests.conftest import CELERY, ROOT, _env, wait_for
 
 
 @pytest.fixture
@@ -184,3 +185,19 @@ def test_unreachable_database_stops_the_worker_with_one_clear_line(broker):
     assert "the job database" in line[0] and "(database_url)" in line[0]
     assert "ready." not in proc.stdout + proc.stderr
     assert "topsecret" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_batched_successes_are_written_before_the_worker_exits(pg, broker, client_app, workers, pool):
+    """Plain successes wait in the completer for a batch; a warm stop must write them
+    (worker_process_shutdown in a pool child, worker_shutdown in a solo worker), not
+    leave them running for the reaper."""
+    mod = client_app(pg, broker)
+    w = workers(pg, broker, pool=pool, concurrency=1, extra_env={"CL_TEST_COMPLETION_LINGER": "60"})
+    job = mod.echo.submit({"value": "held"})
+    wait_for(lambda: job.id in w.log() and "succeeded in" in w.log(), timeout=20,
+             what="the body to return")
+    time.sleep(0.5)
+    assert mod.leases.get(job.id).status is Status.RUNNING  # its success sits in the batch
+    assert w.stop() == 0
+    assert mod.leases.get(job.id).status is Status.SUCCEEDED
