@@ -79,7 +79,7 @@ def work(self, payload: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.chaos import Fleet, FaultInjector, Outcome, Scenario, private_redis, throwaway_database
+    from tests.chaos import Fleet, FaultInjector, Outcome, Scenario, private_redis, scenario_database
     from tests.conftest import wait_for
 
     parser = argparse.ArgumentParser(prog="python -m bench.chaos_plain_celery", description=__doc__,
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         e.dispose()
 
     with tempfile.TemporaryDirectory(prefix="plain-chaos-") as tmp, \
-            private_redis(Path(tmp)) as redis_server, throwaway_database(prepare) as db:
+            private_redis(Path(tmp)) as redis_server, scenario_database(prepare) as db:
         fleet = Fleet(db, redis_server, Path(tmp), scenario, module="bench.chaos_plain_celery",
                       extra_env={"PLAIN_VISIBILITY_TIMEOUT": str(args.visibility)})
         counter = sa.create_engine(db)

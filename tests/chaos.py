@@ -18,7 +18,6 @@ import os
 import random
 import signal
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Callable, Iterator
 
 import sqlalchemy as sa
 
-from tests.conftest import PG_ADMIN, Beat, RedisServer, Worker, wait_for
+from tests.conftest import Beat, RedisServer, Worker, throwaway_database, wait_for
 
 FAULTS = ("kill_worker", "kill_child", "restart_redis", "terminate_pg")
 #: Relative frequency of each fault kind.
@@ -93,22 +92,11 @@ class Outcome:
 
 
 @contextmanager
-def throwaway_database(prepare: Callable[[str], None]) -> Iterator[str]:
+def scenario_database(prepare: Callable[[str], None]) -> Iterator[str]:
     """A fresh PostgreSQL database for one scenario run outside pytest; dropped after."""
-    name = f"celery_lease_chaos_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = sa.engine.make_url(PG_ADMIN).set(database=name).render_as_string(hide_password=False)
-    try:
+    with throwaway_database("celery_lease_chaos") as url:
         prepare(url)
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
-        admin.dispose()
 
 
 @contextmanager

@@ -15,7 +15,9 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -56,30 +58,35 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05, what: str
 # --- PostgreSQL -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def pg_url():
-    """A throwaway database for this run, migrated once; dropped at the end."""
-    name = f"celery_lease_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+@contextmanager
+def throwaway_database(prefix: str) -> Iterator[str]:
+    """Create an empty PostgreSQL database named after ``prefix``; yield its URL; drop
+    it afterwards, closing whatever sessions are still connected to it."""
+    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = sa.engine.make_url(PG_ADMIN).set(database=name).render_as_string(hide_password=False)
-    from celery_lease.store import Store
+    try:
+        yield sa.engine.make_url(PG_ADMIN).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """A throwaway database for this run, migrated once; dropped at the end."""
     from celery_lease import migrate
+    from celery_lease.store import Store
     from tests.app import test_metadata
 
-    store = Store(url)
-    migrate.upgrade(store)
-    test_metadata.create_all(store.durable)
-    store.dispose()
-    yield url
-    with admin.connect() as conn:
-        conn.exec_driver_sql(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-            (name,),
-        )
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
-    admin.dispose()
+    with throwaway_database("celery_lease_test") as url:
+        store = Store(url)
+        migrate.upgrade(store)
+        test_metadata.create_all(store.durable)
+        store.dispose()
+        yield url
 
 
 TABLES = ("celery_lease_events", "celery_lease_runs", "celery_lease_jobs", "test_effects")

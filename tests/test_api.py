@@ -26,7 +26,7 @@ from celery_lease import migrate
 from celery_lease.api import load_tokens
 from celery_lease.schema import events, jobs
 from celery_lease.store import Store
-from tests.conftest import CELERY, PG_ADMIN, ROOT, _env, free_port, wait_for
+from tests.conftest import CELERY, PG_ADMIN, ROOT, _env, free_port, throwaway_database, wait_for
 
 ADMIN = "admin-token-4f1c"  # every tenant
 ACME = "acme-token-9b2e"  # tenant "acme" only
@@ -337,52 +337,40 @@ def test_metrics_are_computed_from_the_job_table(server, pg, broker, client_app,
 
 def test_health_and_api_report_an_unreachable_database(redis_server, tmp_path):
     """The database goes away under a running server: 503s with JSON, never a 500."""
-    name = f"celery_lease_api_down_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    admin_engine = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin_engine.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = sa.engine.make_url(PG_ADMIN).set(database=name).render_as_string(hide_password=False)
-    store = Store(url)
-    migrate.upgrade(store)
-    store.dispose()
-    srv = Server(url, redis_server.url, tmp_path)
-    try:
-        assert httpx.get(srv.url + "/healthz").status_code == 200
-        with admin_engine.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
-        r = httpx.get(srv.url + "/healthz")
-        assert (r.status_code, r.json()) == (503, {"status": "unavailable"})
-        with srv.client(ADMIN) as c:
-            for path in ("/api/v1/jobs", f"/api/v1/jobs/{uuid.uuid4()}"):
-                r = c.get(path)
-                assert (r.status_code, r.json()["error"]) == (503, "database_unavailable")
-        assert httpx.get(srv.url + "/metrics").status_code == 503
-        assert srv.proc.poll() is None
-    finally:
-        srv.stop()
-        with admin_engine.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin_engine.dispose()
+    with throwaway_database("celery_lease_api_down") as url:
+        store = Store(url)
+        migrate.upgrade(store)
+        store.dispose()
+        srv = Server(url, redis_server.url, tmp_path)
+        try:
+            assert httpx.get(srv.url + "/healthz").status_code == 200
+            admin_engine = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+            with admin_engine.connect() as conn:
+                conn.exec_driver_sql(f'DROP DATABASE "{sa.engine.make_url(url).database}" WITH (FORCE)')
+            admin_engine.dispose()
+            r = httpx.get(srv.url + "/healthz")
+            assert (r.status_code, r.json()) == (503, {"status": "unavailable"})
+            with srv.client(ADMIN) as c:
+                for path in ("/api/v1/jobs", f"/api/v1/jobs/{uuid.uuid4()}"):
+                    r = c.get(path)
+                    assert (r.status_code, r.json()["error"]) == (503, "database_unavailable")
+            assert httpx.get(srv.url + "/metrics").status_code == 503
+            assert srv.proc.poll() is None
+        finally:
+            srv.stop()
 
 
 def test_an_unmigrated_database_is_a_503_not_a_500(redis_server, tmp_path):
-    name = f"celery_lease_api_empty_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    admin_engine = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin_engine.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    srv = Server(sa.engine.make_url(PG_ADMIN).set(database=name).render_as_string(hide_password=False),
-                 redis_server.url, tmp_path)
-    try:
-        with srv.client(ADMIN) as c:
-            for path in ("/api/v1/jobs", f"/api/v1/jobs/{uuid.uuid4()}"):
-                r = c.get(path)
-                assert (r.status_code, r.json()["error"]) == (503, "schema_not_migrated")
-        assert httpx.get(srv.url + "/metrics").status_code == 503
-    finally:
-        srv.stop()
-        with admin_engine.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin_engine.dispose()
+    with throwaway_database("celery_lease_api_empty") as url:
+        srv = Server(url, redis_server.url, tmp_path)
+        try:
+            with srv.client(ADMIN) as c:
+                for path in ("/api/v1/jobs", f"/api/v1/jobs/{uuid.uuid4()}"):
+                    r = c.get(path)
+                    assert (r.status_code, r.json()["error"]) == (503, "schema_not_migrated")
+            assert httpx.get(srv.url + "/metrics").status_code == 503
+        finally:
+            srv.stop()
 
 
 def test_openapi_schema_declares_the_routes_and_bearer_auth(server):

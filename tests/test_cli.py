@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -12,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.schema import jobs
-from tests.conftest import CELERY, PG_ADMIN, ROOT, _env
+from tests.conftest import CELERY, ROOT, _env, throwaway_database
 
 
 @pytest.fixture
@@ -176,17 +175,8 @@ def test_serve_refuses_a_malformed_token_setting(cli):
 
 
 def test_an_unmigrated_database_says_to_migrate(cli):
-    name = f"celery_lease_cli_empty_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    db = sa.engine.make_url(PG_ADMIN).set(database=name).render_as_string(hide_password=False)
-    try:
+    with throwaway_database("celery_lease_cli_empty") as db:
         for args in (["list"], ["show", str(uuid.uuid4())], ["reap"]):
             assert "lease migrate" in _one_line_error(cli(*args, db=db))
         assert cli("migrate", db=db).returncode == 0
         assert cli("list", db=db).returncode == 0
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()

@@ -14,7 +14,6 @@ import shlex
 import signal
 import subprocess
 import tomllib
-import uuid
 
 import httpx
 import pytest
@@ -23,7 +22,7 @@ import yaml
 
 from celery_lease import Status
 from celery_lease.migrate import VERSION_TABLE
-from tests.conftest import CELERY, PG_ADMIN, ROOT, free_port, wait_for
+from tests.conftest import CELERY, ROOT, free_port, throwaway_database, wait_for
 from tests.test_pipeline import pipeline  # noqa: F401  (fixture)
 
 COMPOSE = ROOT / "docker" / "compose.yaml"
@@ -131,17 +130,8 @@ def run_service(compose, tmp_path):
 @pytest.fixture
 def empty_db():
     """A database with no tables at all, for the migrate step."""
-    name = f"celery_lease_compose_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    yield sa.engine.make_url(PG_ADMIN).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-            (name,))
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
-    admin.dispose()
+    with throwaway_database("celery_lease_compose") as url:
+        yield url
 
 
 def _log(path) -> str:

@@ -4,7 +4,6 @@ real `celery -A tasks.app worker` processes, one of them SIGKILLed mid-extract."
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import uuid
 
@@ -13,7 +12,7 @@ import sqlalchemy as sa
 
 from celery_lease import InvalidPayload, LeaseError, Status
 from celery_lease.schema import events
-from tests.conftest import PG_ADMIN, wait_for
+from tests.conftest import throwaway_database, wait_for
 
 LEASE = "3"  # seconds: a killed worker's job is reaped this long after its last heartbeat
 
@@ -23,19 +22,8 @@ def source_db():
     """A PostgreSQL database holding the sample shop tables (tasks/sample.py)."""
     from tasks import sample
 
-    name = f"celery_lease_source_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = sa.engine.make_url(PG_ADMIN).set(database=name).render_as_string(hide_password=False)
-    counts = sample.build(url, rows=12_000)
-    yield url, counts
-    with admin.connect() as conn:
-        conn.exec_driver_sql(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-            (name,))
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
-    admin.dispose()
+    with throwaway_database("celery_lease_source") as url:
+        yield url, sample.build(url, rows=12_000)
 
 
 def _env(db: str, broker: str) -> dict:

@@ -10,6 +10,7 @@ from alembic.migration import MigrationContext
 from celery_lease import migrate
 from celery_lease.schema import metadata
 from celery_lease.store import Store
+from tests.conftest import throwaway_database
 
 
 def _diff(url: str) -> list:
@@ -75,22 +76,14 @@ CATALOG = {
 
 def test_migrations_reproduce_create_all_exactly_in_the_catalog(pg):
     """Stronger than autogenerate: CHECK constraints and partial-index predicates too."""
-    admin = sa.create_engine(pg, isolation_level="AUTOCOMMIT")
-    name = sa.engine.make_url(pg).database + "_declared"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    declared_url = sa.engine.make_url(pg).set(database=name)
-    declared = sa.create_engine(declared_url)
-    migrated = sa.create_engine(pg)
-    try:
-        metadata.create_all(declared)
-        with declared.connect() as d, migrated.connect() as m:
-            for what, sql in CATALOG.items():
-                assert d.execute(sa.text(sql)).all() == m.execute(sa.text(sql)).all(), what
-    finally:
-        declared.dispose()
-        migrated.dispose()
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
-        admin.dispose()
+    with throwaway_database("celery_lease_declared") as declared_url:
+        declared = sa.create_engine(declared_url)
+        migrated = sa.create_engine(pg)
+        try:
+            metadata.create_all(declared)
+            with declared.connect() as d, migrated.connect() as m:
+                for what, sql in CATALOG.items():
+                    assert d.execute(sa.text(sql)).all() == m.execute(sa.text(sql)).all(), what
+        finally:
+            declared.dispose()
+            migrated.dispose()
