@@ -14,10 +14,11 @@ import sqlalchemy as sa
 from celery import Celery
 
 from . import maintenance, migrate, schedule, signals, wakeups
+from . import queries as q
 from .errors import InvalidPayload, LeaseError, UnknownKind
 from .job import Job
 from .payload import DEFAULT_MAX_CHECKPOINT_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, Codec
-from .status import Status
+from .status import Event, Status
 from .store import Store, resolve_database_url
 from .task import LeaseTask, run_leased
 from .worker import WorkerState
@@ -221,23 +222,32 @@ class CeleryLease:
         if not rows:
             return []
         run_id = rows[0]["run_id"]
-        if run_id is not None and not self.store.ensure_run(run_id, connection=connection):
-            raise LeaseError(f"run {run_id} is cancelled; it accepts no new jobs")
-        inserted = self.store.insert_jobs(rows, keyed=keys is not None, connection=connection)
-        if keys is not None:
-            # Conflicting keys inserted nothing: return the jobs that hold them.
-            by_key = {j.idempotency_key: j for j in inserted}
-            missing = [k for k in keys if k not in by_key]
-            if missing:
-                for j in self.store.get_jobs_by_keys(task.kind, missing, connection=connection):
-                    by_key[j.idempotency_key] = j
-            jobs = [by_key[k] for k in keys]
+
+        def write(conn: sa.Connection | None) -> tuple[list[Job], list[Job]]:
+            if run_id is not None and not self.store.ensure_run(run_id, connection=conn):
+                raise LeaseError(f"run {run_id} is cancelled; it accepts no new jobs")
+            inserted = self.store.insert_jobs(rows, keyed=keys is not None, connection=conn)
+            if keys is None:
+                jobs = inserted
+            else:
+                # Conflicting keys inserted nothing: return the jobs that hold them.
+                by_key = {j.idempotency_key: j for j in inserted}
+                missing = [k for k in keys if k not in by_key]
+                if missing:
+                    for j in self.store.get_jobs_by_keys(task.kind, missing, connection=conn):
+                        by_key[j.idempotency_key] = j
+                jobs = [by_key[k] for k in keys]
+            if run_id is not None:
+                self.store.append_events(
+                    [q.event_row(run_id, j.id, Event.DISPATCHED, 0) for j in inserted], connection=conn)
+            return inserted, jobs
+
+        if connection is not None or (run_id is None and keys is None):
+            # In the caller's transaction, or a lone INSERT that commits by itself.
+            inserted, jobs = write(connection)
         else:
-            jobs = inserted
-        if run_id is not None:
-            self.store.append_events(
-                [{"run_id": j.run_id, "job_id": j.id, "event": "dispatched", "attempt": 0, "detail": None}
-                 for j in inserted], connection=connection)
+            # The run, the rows and their events (or the key lookups) commit together.
+            inserted, jobs = self.store.run(self.store.durable, write)
         due = [j for j in inserted if j.run_after is None]
         if connection is None:
             self.publish_wakeups(due)
