@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One entry point for a fresh clone:
 #   bash dev.sh demo   the example pipeline end to end on SQLite + a filesystem broker
-#   bash dev.sh test   the whole test suite against real PostgreSQL, Redis and workers
+#   bash dev.sh test   lint, types, the unit tier, then the suite against real PostgreSQL,
+#                      Redis and workers (with arguments: just `pytest ARGS`)
 #   bash dev.sh bench  the side-by-side benchmarks (bench/README.md)
 # Each command creates .venv and installs what it needs; `test` also starts (and if
 # missing installs) PostgreSQL and Redis. Idempotent: run it as often as you like.
@@ -76,9 +77,22 @@ case "$cmd" in
     ;;
   test)
     venv test
+    if [ $# -eq 0 ]; then
+      # Fast feedback first: lint, types and the service-free unit tier (seconds).
+      log "ruff check / ruff format --check / mypy"
+      "$VENV/bin/ruff" check celery_lease tests tasks bench
+      "$VENV/bin/ruff" format --check celery_lease tests tasks bench
+      "$VENV/bin/mypy"
+      log "unit tier (no services)"
+      "$VENV/bin/python" -m pytest tests/unit -q -x
+    fi
     ensure_postgres
     ensure_redis
     export CL_TEST_PG_ADMIN=${CL_TEST_PG_ADMIN:-postgresql+psycopg2://$(id -un)@127.0.0.1:5432/postgres}
+    if [ $# -eq 0 ]; then
+      log "integration and end-to-end tiers (PostgreSQL, Redis, worker processes)"
+      exec "$VENV/bin/python" -m pytest tests --ignore=tests/unit
+    fi
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   bench)

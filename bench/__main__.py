@@ -32,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--n-sleep", type=int, default=500, help="10 ms jobs per phase (default 500)")
         p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
         p.add_argument("--batch", type=int, default=1000, help="jobs per batch submit call (default 1000)")
-        p.add_argument("--systems", default=",".join(SYSTEMS),
-                       help=f"comma-separated, plain Celery first (default {','.join(SYSTEMS)})")
+        p.add_argument(
+            "--systems", default=",".join(SYSTEMS), help=f"comma-separated, plain Celery first (default {','.join(SYSTEMS)})"
+        )
         p.add_argument("--results", type=Path, default=RESULTS, help="output directory")
     scale_p = sub.add_parser("scale", help="reaper/sweeper idle tick and claim latency vs table size")
     scale_p.add_argument("--rows", type=int, default=1_000_000, help="terminal rows (default 1,000,000)")
@@ -77,10 +78,18 @@ def run_main(args) -> int:
         redis.start()
         try:
             systems = make_systems(names, dbs, redis.url, workdir)
-            log(f"systems: {', '.join(s.name for s in systems)}; N={args.n_noop} no-op, "
-                f"{args.n_sleep} 10 ms; {args.reps} reps")
-            cells = run.run(systems, n_noop=args.n_noop, n_sleep=args.n_sleep, reps=args.reps,
-                            chunk=args.batch, workdir=workdir, broker=redis, dbs=dbs, log=log)
+            log(f"systems: {', '.join(s.name for s in systems)}; N={args.n_noop} no-op, {args.n_sleep} 10 ms; {args.reps} reps")
+            cells = run.run(
+                systems,
+                n_noop=args.n_noop,
+                n_sleep=args.n_sleep,
+                reps=args.reps,
+                chunk=args.batch,
+                workdir=workdir,
+                broker=redis,
+                dbs=dbs,
+                log=log,
+            )
             for s in systems:
                 s.close()
         finally:
@@ -90,8 +99,12 @@ def run_main(args) -> int:
     meta = {
         "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "n_noop": args.n_noop, "n_sleep": args.n_sleep, "reps": args.reps, "batch": args.batch,
-        "systems": names, "seconds": round(time.monotonic() - started, 1),
+        "n_noop": args.n_noop,
+        "n_sleep": args.n_sleep,
+        "reps": args.reps,
+        "batch": args.batch,
+        "systems": names,
+        "seconds": round(time.monotonic() - started, 1),
     }
     table = report.write(args.results, meta, cells, rows)
     print(table)

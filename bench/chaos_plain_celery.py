@@ -61,14 +61,19 @@ _engine_pid = 0
 def engine() -> sa.Engine:
     global _engine, _engine_pid
     if _engine is None or _engine_pid != os.getpid():
-        _engine = sa.create_engine(os.environ["CL_TEST_DB"], pool_pre_ping=True,
-                                   connect_args={"application_name": APP_NAME})
+        _engine = sa.create_engine(os.environ["CL_TEST_DB"], pool_pre_ping=True, connect_args={"application_name": APP_NAME})
         _engine_pid = os.getpid()
     return _engine
 
 
-@app.task(name=TASK, bind=True, autoretry_for=(sa.exc.OperationalError, sa.exc.InterfaceError),
-          retry_backoff=0.2, retry_backoff_max=1, max_retries=10)
+@app.task(
+    name=TASK,
+    bind=True,
+    autoretry_for=(sa.exc.OperationalError, sa.exc.InterfaceError),
+    retry_backoff=0.2,
+    retry_backoff_max=1,
+    max_retries=10,
+)
 def work(self, payload: dict) -> None:
     time.sleep(payload["steps"] * payload["sleep"])
     with engine().begin() as conn:
@@ -79,11 +84,12 @@ def work(self, payload: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.chaos import Fleet, FaultInjector, Outcome, Scenario, private_redis, scenario_database
+    from tests.chaos import FaultInjector, Fleet, Outcome, Scenario, private_redis, scenario_database
     from tests.conftest import wait_for
 
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos_plain_celery", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.chaos_plain_celery", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     defaults = Scenario()
     parser.add_argument("--seconds", type=float, default=defaults.seconds)
     parser.add_argument("--jobs", type=int, default=defaults.jobs)
@@ -97,17 +103,27 @@ def main(argv: list[str] | None = None) -> int:
         metadata.create_all(e)
         e.dispose()
 
-    with tempfile.TemporaryDirectory(prefix="plain-chaos-") as tmp, \
-            private_redis(Path(tmp)) as redis_server, scenario_database(prepare) as db:
-        fleet = Fleet(db, redis_server, Path(tmp), scenario, module="bench.chaos_plain_celery",
-                      extra_env={"PLAIN_VISIBILITY_TIMEOUT": str(args.visibility)})
+    with (
+        tempfile.TemporaryDirectory(prefix="plain-chaos-") as tmp,
+        private_redis(Path(tmp)) as redis_server,
+        scenario_database(prepare) as db,
+    ):
+        fleet = Fleet(
+            db,
+            redis_server,
+            Path(tmp),
+            scenario,
+            module="bench.chaos_plain_celery",
+            extra_env={"PLAIN_VISIBILITY_TIMEOUT": str(args.visibility)},
+        )
         counter = sa.create_engine(db)
         client = Celery("plain_chaos_client", broker=redis_server.url)
 
         def counts() -> dict[str, int]:
             with counter.connect() as conn:
-                return dict(conn.execute(sa.select(plain_effects.c.job_id, sa.func.count())
-                                         .group_by(plain_effects.c.job_id)).all())
+                return dict(
+                    conn.execute(sa.select(plain_effects.c.job_id, sa.func.count()).group_by(plain_effects.c.job_id)).all()
+                )
 
         try:
             fleet.start()
@@ -119,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                     ids.append(job_id)
             faults = FaultInjector(fleet, scenario, db=db, app_name=APP_NAME).run(scenario.seconds)
             try:
-                wait_for(lambda: len(counts()) == len(ids), timeout=scenario.drain_seconds, interval=1.0,
-                         what="every task's effect")
+                wait_for(
+                    lambda: len(counts()) == len(ids), timeout=scenario.drain_seconds, interval=1.0, what="every task's effect"
+                )
             except AssertionError:
                 pass
             # Redeliveries after the visibility timeout may still land: give them one more.
@@ -133,8 +150,11 @@ def main(argv: list[str] | None = None) -> int:
 
     landed = sum(1 for j in ids if per_job.get(j, 0) > 0)
     outcome = Outcome(
-        jobs=len(ids), statuses={"succeeded": landed}, lost=len(ids) - landed,
-        duplicate_effects=sum(1 for j in ids if per_job.get(j, 0) > 1), faults=faults,
+        jobs=len(ids),
+        statuses={"succeeded": landed},
+        lost=len(ids) - landed,
+        duplicate_effects=sum(1 for j in ids if per_job.get(j, 0) > 1),
+        faults=faults,
         extra={"extra_effect_rows": sum(max(0, n - 1) for n in per_job.values())},
     )
     print(f"plain-celery (acks_late, visibility_timeout={args.visibility:g}s): {outcome.line()}")

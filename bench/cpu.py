@@ -53,15 +53,19 @@ def main(args, log) -> int:
                 before_redis = _cpu([redis_proc(redis)])
                 worker = harness.WorkerProcess(system.worker_args(), system.env(redis.url, out), out).start()
                 started = time.monotonic()
-                harness.wait_for(lambda: system.completed(out) >= args.n, timeout=600, interval=0.1,
-                                 what=f"{system.label} to drain")
+                harness.wait_for(
+                    lambda: system.completed(out) >= args.n, timeout=600, interval=0.1, what=f"{system.label} to drain"
+                )
                 elapsed = time.monotonic() - started
                 main_proc = psutil.Process(worker.proc.pid)
                 children = main_proc.children(recursive=True)
                 pg = sum(_cpu([p]) - before_pg.get(p.pid, 0.0) for p in _named("postgres"))
                 row = {
-                    "system": system.label, "jobs/s": args.n / elapsed,
-                    "main": _cpu([main_proc]), "children": _cpu(children), "postgres": pg,
+                    "system": system.label,
+                    "jobs/s": args.n / elapsed,
+                    "main": _cpu([main_proc]),
+                    "children": _cpu(children),
+                    "postgres": pg,
                     "redis": _cpu([redis_proc(redis)]) - before_redis,
                 }
                 worker.stop()
@@ -80,8 +84,9 @@ def main(args, log) -> int:
     ]
     for r in rows:
         parts = [r[k] * 1e6 / args.n for k in ("main", "children", "postgres", "redis")]
-        lines.append(f"| {r['system']} | {r['jobs/s']:,.0f} | " + " | ".join(f"{p:,.0f}" for p in parts)
-                     + f" | {sum(parts):,.0f} |")
+        lines.append(
+            f"| {r['system']} | {r['jobs/s']:,.0f} | " + " | ".join(f"{p:,.0f}" for p in parts) + f" | {sum(parts):,.0f} |"
+        )
     text = "\n".join(lines) + "\n"
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "cpu.md").write_text(text)

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -51,8 +50,8 @@ class Databases:
         name = sa.engine.make_url(url).database
         with self.admin.connect() as conn:
             return conn.exec_driver_sql(
-                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
-                (name,)).scalar_one()
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s", (name,)
+            ).scalar_one()
 
     def quiesce(self, url: str, timeout: float = 15.0) -> None:
         """Wait until no session is connected to the database (all counters flushed)."""
@@ -60,8 +59,7 @@ class Databases:
 
         def idle():
             with self.admin.connect() as conn:
-                return conn.exec_driver_sql(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (name,)).scalar_one() == 0
+                return conn.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (name,)).scalar_one() == 0
 
         wait_for(idle, timeout=timeout, what=f"sessions on {name} to close")
 
@@ -69,8 +67,9 @@ class Databases:
         with self.admin.connect() as conn:
             for name in self.names:
                 conn.exec_driver_sql(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE datname = %s AND pid <> pg_backend_pid()", (name,))
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (name,),
+                )
                 conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
         self.admin.dispose()
 
@@ -92,16 +91,18 @@ class WorkerProcess:
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
 
-    def start(self, timeout: float = 60.0) -> "WorkerProcess":
+    def start(self, timeout: float = 60.0) -> WorkerProcess:
         (self.out / "ready").unlink(missing_ok=True)
         self._log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.args, env=self.env, cwd=ROOT, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self._stop.clear()
         self._sampler = threading.Thread(target=self._sample, daemon=True)
         self._sampler.start()
-        wait_for(lambda: (self.out / "ready").exists() or self.proc.poll() is not None,
-                 timeout=timeout, what="worker to be ready")
+        wait_for(
+            lambda: (self.out / "ready").exists() or self.proc.poll() is not None, timeout=timeout, what="worker to be ready"
+        )
         if self.proc.poll() is not None:
             raise RuntimeError(f"worker exited at start:\n{self.log_path.read_text()[-3000:]}")
         return self

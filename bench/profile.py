@@ -31,12 +31,14 @@ RATE = 500  # samples per second
 # any of its frames matches, so a lease moment owns its time even inside Celery's trace.
 M = r"^(?:[\w<>]+\.)*"  # py-spy names frames by qualified name: "Heartbeat._loop (path:line)"
 RULES = [
-    ("background thread", M + r"(_loop|_listen) \(.*celery_lease/(worker|notify)\.py"),
-    ("claim (task_prerun: claim statement)", M + r"(begin|claim) \(.*celery_lease/(worker|store|signals)\.py"),
-    ("completion (complete statement / batch flush)",
-     M + r"(_succeed|_complete\w*|complete\w*|flush\w*|end|release) \(.*celery_lease/"),
+    ("background thread", M + r"(_loop|_listen) \(.*celery_lease/(worker/heartbeat|worker/completion|cancel_notice)\.py"),
+    ("claim (task_prerun: claim statement)", M + r"(begin|claim) \(.*celery_lease/(worker/executor|db/store|worker/signals)\.py"),
+    (
+        "completion (complete statement / batch flush)",
+        M + r"(_succeed|_complete\w*|complete\w*|flush\w*|end|release) \(.*celery_lease/",
+    ),
     ("publish (wakeups)", M + r"publish_wakeups "),
-    ("handler body + JobContext", r"bench/apps/|celery_lease/context\.py"),
+    ("handler body + JobContext", r"bench/apps/|celery_lease/worker/context\.py"),
     ("Celery trace (task accounting, signals)", r"celery/app/trace\.py"),
     ("pool IPC: waiting for / reading the next message, sending the result", r"billiard/"),
 ]
@@ -44,9 +46,11 @@ _RULES = [(cat, re.compile(rx)) for cat, rx in RULES]
 
 
 #: The worker's background threads, told apart by what their loop calls.
-THREADS = {"completer thread": re.compile(M + r"(Completer\._loop|_write|get) \(.*(celery_lease/worker|queue)\.py"),
-           "cancel-notice thread": re.compile(r"celery_lease/notify\.py"),
-           "heartbeat thread": re.compile(r".")}
+THREADS = {
+    "completer thread": re.compile(M + r"(Completer\._loop|_write|get) \(.*(celery_lease/worker/completion|queue)\.py"),
+    "cancel-notice thread": re.compile(r"celery_lease/cancel_notice\.py"),
+    "heartbeat thread": re.compile(r"."),
+}
 
 
 def categorize(stack: list[str]) -> str:
@@ -104,9 +108,25 @@ def main(args, log) -> int:
             time.sleep(1.0)  # the e2e run is under way
             before = _completed(system)
             log(f"recording pool child {child} for {args.duration}s")
-            subprocess.run([pyspy, "record", "--pid", str(child), "--duration", str(args.duration),
-                            "--rate", str(RATE), "--idle", "--format", "raw", "--output", str(raw)],
-                           check=True, capture_output=True)
+            subprocess.run(
+                [
+                    pyspy,
+                    "record",
+                    "--pid",
+                    str(child),
+                    "--duration",
+                    str(args.duration),
+                    "--rate",
+                    str(RATE),
+                    "--idle",
+                    "--format",
+                    "raw",
+                    "--output",
+                    str(raw),
+                ],
+                check=True,
+                capture_output=True,
+            )
             # Completed rows no longer name their owner: the child's share is half the
             # jobs the two pool children completed in the window.
             jobs = (_completed(system) - before) // 2
@@ -163,6 +183,5 @@ def summarize(raw: Path, jobs: int, duration: float) -> str:
     lines.append("")
     for name, samples in threads.items():
         busy = sum(m for (c, split), m in by_split.items() if c == name and split != "Python")
-        lines.append(f"{name}: {samples} samples, {busy} of them in SQLAlchemy or the driver "
-                     f"({per_job * busy:,.1f} µs per job).")
+        lines.append(f"{name}: {samples} samples, {busy} of them in SQLAlchemy or the driver ({per_job * busy:,.1f} µs per job).")
     return "\n".join(lines) + "\n"

@@ -54,8 +54,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         stmts_p = row.get("producer_statements_per_job", row.get("producer_xacts_per_job"))
         stmts_w = row.get("worker_statements_per_job", row.get("worker_xacts_per_job"))
         rss_delta = row.get("rss_delta_mb")
-        rss = _fmt(row["peak_rss_mb"], ".0f") + (
-            "" if row["system"] == "celery" or rss_delta is None else f" ({rss_delta:+.0f})")
+        rss = _fmt(row["peak_rss_mb"], ".0f") + ("" if row["system"] == "celery" or rss_delta is None else f" ({rss_delta:+.0f})")
         lines.append(
             f"| {LABELS.get(row['system'], row['system'])} | {row['body']} "
             f"| {_fmt(row['submit_rate'])}{_ratio(row, 'submit_rate')} "
@@ -64,7 +63,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {_fmt(row['drain_rate'])}{_ratio(row, 'drain_rate')} "
             f"| {_fmt(row['latency_p50_ms'], '.2f')} | {_fmt(row['latency_p99_ms'], '.2f')} "
             f"| {_fmt(stmts_p, '.2f')} | {_fmt(stmts_w, '.2f')} "
-            f"| {_fmt(row.get('worker_xacts_per_job'), '.2f')} | {rss} |")
+            f"| {_fmt(row.get('worker_xacts_per_job'), '.2f')} | {rss} |"
+        )
     lines += ["", "Targets (celery-lease on PostgreSQL, no-op jobs):", ""]
     by = {(r["system"], r["body"]): r for r in rows}
     for what, system, path, test, bound, reads in TARGETS:
@@ -81,8 +81,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
             row = by.get((other, "noop"))
             if row is not None:
                 ahead = lease["e2e_rate"] > row["e2e_rate"]
-                lines.append(f"- end-to-end no-op ahead of {other}: {lease['e2e_rate']:,.0f}/s vs "
-                             f"{row['e2e_rate']:,.0f}/s — {'met' if ahead else 'NOT met'}")
+                lines.append(
+                    f"- end-to-end no-op ahead of {other}: {lease['e2e_rate']:,.0f}/s vs "
+                    f"{row['e2e_rate']:,.0f}/s — {'met' if ahead else 'NOT met'}"
+                )
         if "worker_statements" in lease:
             parts = ", ".join(f"{k} {v:g}" for k, v in lease["worker_statements"].items())
             lines += ["", f"celery-lease (PostgreSQL) worker statements per no-op job: {parts}."]
@@ -119,8 +121,7 @@ def chart(rows: list[dict], path: Path) -> None:
 
 def write(results_dir: Path, meta: dict, cells: list[dict], rows: list[dict]) -> str:
     results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / "latest.json").write_text(json.dumps({"meta": meta, "summary": rows, "cells": cells},
-                                                        indent=2, default=str))
+    (results_dir / "latest.json").write_text(json.dumps({"meta": meta, "summary": rows, "cells": cells}, indent=2, default=str))
     table = markdown(rows, meta)
     (results_dir / "latest.md").write_text(table)
     chart(rows, results_dir / "latest.png")

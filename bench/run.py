@@ -42,8 +42,7 @@ def percentile(values: list[float], p: float) -> float:
 
 
 class Cell:
-    def __init__(self, system: System, body: str, n: int, rep: int, out: Path, broker, dbs,
-                 chunk: int, log) -> None:
+    def __init__(self, system: System, body: str, n: int, rep: int, out: Path, broker, dbs, chunk: int, log) -> None:
         self.system, self.body, self.n, self.rep = system, body, n, rep
         self.out, self.broker, self.dbs, self.chunk, self.log = out, broker, dbs, chunk, log
 
@@ -57,8 +56,12 @@ class Cell:
 
     def _wait_completed(self, target: int) -> None:
         timeout = 120 + target * (0.05 if self.body == "sleep10" else 0.01)
-        harness.wait_for(lambda: self.system.completed(self.out) >= target, timeout=timeout,
-                         interval=0.1, what=f"{self.system.name} to complete {target} {self.body} jobs")
+        harness.wait_for(
+            lambda: self.system.completed(self.out) >= target,
+            timeout=timeout,
+            interval=0.1,
+            what=f"{self.system.name} to complete {target} {self.body} jobs",
+        )
 
     def _submit(self, batch: bool) -> tuple[float, dict]:
         before = dict(counting.STATEMENTS)
@@ -128,8 +131,7 @@ class Cell:
         return r
 
 
-METRICS = ("submit_rate", "submit_many_rate", "e2e_rate", "drain_rate",
-           "latency_p50_ms", "latency_p99_ms", "peak_rss_mb")
+METRICS = ("submit_rate", "submit_many_rate", "e2e_rate", "drain_rate", "latency_p50_ms", "latency_p99_ms", "peak_rss_mb")
 
 
 def add_ratios(cells: list[dict]) -> None:
@@ -146,8 +148,9 @@ def add_ratios(cells: list[dict]) -> None:
 def summarize(cells: list[dict]) -> list[dict]:
     """Median over repetitions of every figure and ratio, per system and body."""
     rows = []
-    keys = sorted({(c["system"], c["body"]) for c in cells},
-                  key=lambda k: (BODIES.index(k[1]), [c["system"] for c in cells].index(k[0])))
+    keys = sorted(
+        {(c["system"], c["body"]) for c in cells}, key=lambda k: (BODIES.index(k[1]), [c["system"] for c in cells].index(k[0]))
+    )
     for system, body in keys:
         group = [c for c in cells if c["system"] == system and c["body"] == body]
         row: dict = {"system": system, "body": body, "n": group[0]["n"], "reps": len(group)}
@@ -157,8 +160,7 @@ def summarize(cells: list[dict]) -> list[dict]:
                 row[key] = statistics.median(values)
                 row[f"{key}_range"] = [min(values), max(values)]
         if "ratio" in group[0]:
-            row["ratio"] = {m: statistics.median(c["ratio"][m] for c in group if m in c["ratio"])
-                            for m in group[0]["ratio"]}
+            row["ratio"] = {m: statistics.median(c["ratio"][m] for c in group if m in c["ratio"]) for m in group[0]["ratio"]}
         for key in ("worker_statements", "producer_statements"):
             if key in group[0]:
                 row[key] = group[-1][key]
@@ -166,8 +168,9 @@ def summarize(cells: list[dict]) -> list[dict]:
     return rows
 
 
-def run(systems: list[System], *, n_noop: int, n_sleep: int, reps: int, chunk: int,
-        workdir: Path, broker, dbs, log) -> list[dict]:
+def run(
+    systems: list[System], *, n_noop: int, n_sleep: int, reps: int, chunk: int, workdir: Path, broker, dbs, log
+) -> list[dict]:
     cells = []
     for rep in range(1, reps + 1):
         for body in BODIES:
@@ -177,9 +180,11 @@ def run(systems: list[System], *, n_noop: int, n_sleep: int, reps: int, chunk: i
                 started = time.monotonic()
                 cell = Cell(system, body, n, rep, out, broker, dbs, chunk, log).run()
                 cells.append(cell)
-                log(f"rep {rep} {body:7} {system.name:13} e2e {cell['e2e_rate']:7.0f}/s  "
+                log(
+                    f"rep {rep} {body:7} {system.name:13} e2e {cell['e2e_rate']:7.0f}/s  "
                     f"drain {cell['drain_rate']:7.0f}/s  submit {cell['submit_rate']:6.0f}/s  "
                     f"batch {cell['submit_many_rate']:7.0f}/s  p50 {cell['latency_p50_ms']:.2f} ms  "
-                    f"rss {cell['peak_rss_mb']:.0f} MB  ({time.monotonic() - started:.0f}s)")
+                    f"rss {cell['peak_rss_mb']:.0f} MB  ({time.monotonic() - started:.0f}s)"
+                )
     add_ratios(cells)
     return cells

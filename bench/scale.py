@@ -80,12 +80,14 @@ def main(args, log) -> int:
         f"| figure | empty table: median / p99 ms | {args.rows:,} terminal rows: median / p99 ms |",
         "|---|---:|---:|",
     ]
-    names = {"reap_idle": "leases.reap(), nothing to reap", "sweep_idle": "leases.sweep(), nothing to sweep",
-             "claim": "claim (store.claim of a pending job)"}
+    names = {
+        "reap_idle": "leases.reap(), nothing to reap",
+        "sweep_idle": "leases.sweep(), nothing to sweep",
+        "claim": "claim (store.claim of a pending job)",
+    }
     for key, name in names.items():
         e, f = results["empty"][key], results["full"][key]
-        lines.append(f"| {name} | {e['median_ms']:.3f} / {e['p99_ms']:.3f} "
-                     f"| {f['median_ms']:.3f} / {f['p99_ms']:.3f} |")
+        lines.append(f"| {name} | {e['median_ms']:.3f} / {e['p99_ms']:.3f} | {f['median_ms']:.3f} / {f['p99_ms']:.3f} |")
     table = "\n".join(lines) + "\n"
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "scale.json").write_text(json.dumps(results, indent=2))

@@ -20,8 +20,18 @@ from bench import harness
 
 #: Celery's worker options, the same for plain Celery and celery-lease. WARNING keeps
 #: both from logging two lines per task; mingle/gossip/heartbeat are off as in the tests.
-CELERY_WORKER = ["worker", "-P", "prefork", "-c", "2", "-l", "WARNING",
-                 "--without-mingle", "--without-gossip", "--without-heartbeat"]
+CELERY_WORKER = [
+    "worker",
+    "-P",
+    "prefork",
+    "-c",
+    "2",
+    "-l",
+    "WARNING",
+    "--without-mingle",
+    "--without-gossip",
+    "--without-heartbeat",
+]
 
 PLAIN_LINE = len(f"{time.time():.6f} {time.time():.6f}\n")
 
@@ -44,8 +54,15 @@ class System:
 
     def env(self, broker: str, out: Path) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({"BENCH_BROKER": broker, "BENCH_OUT": str(out), "BENCH_DB": self.db or "",
-                    "PYTHONPATH": str(harness.ROOT), "PYTHONUNBUFFERED": "1"})
+        env.update(
+            {
+                "BENCH_BROKER": broker,
+                "BENCH_OUT": str(out),
+                "BENCH_DB": self.db or "",
+                "PYTHONPATH": str(harness.ROOT),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         return env
 
     def worker_args(self) -> list[str]:
@@ -87,7 +104,7 @@ class _SqlPolling(System):
         return self._engine
 
     def _scalar(self, sql: str):
-        self.engine
+        self.engine  # noqa: B018 (opens the connection on first use)
         self.polls += 1
         return self._conn.exec_driver_sql(sql).scalar_one()
 
@@ -95,7 +112,7 @@ class _SqlPolling(System):
         return self._scalar(self.count_sql)
 
     def records(self, out: Path) -> list[tuple[float, float]]:
-        self.engine
+        self.engine  # noqa: B018 (opens the connection on first use)
         self.polls += 1
         return [(_epoch(s), _epoch(e)) for s, e in self._conn.exec_driver_sql(self.times_sql)]
 
@@ -197,8 +214,10 @@ class Lease(_SqlPolling):
 class Procrastinate(_SqlPolling):
     name, label = "procrastinate", "procrastinate"
     count_sql = "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'"
-    times_sql = ("SELECT s.at, d.at FROM procrastinate_events s JOIN procrastinate_events d "
-                 "ON d.job_id = s.job_id AND d.type = 'succeeded' WHERE s.type = 'started'")
+    times_sql = (
+        "SELECT s.at, d.at FROM procrastinate_events s JOIN procrastinate_events d "
+        "ON d.job_id = s.job_id AND d.type = 'succeeded' WHERE s.type = 'started'"
+    )
 
     def __init__(self, db: str) -> None:
         super().__init__()
@@ -243,8 +262,10 @@ class PgQueuer(_SqlPolling):
     name, label = "pgqueuer", "pgqueuer"
     # pgqueuer deletes a finished job from its queue table and logs each transition.
     count_sql = "SELECT count(*) FROM pgqueuer_log WHERE status = 'successful'"
-    times_sql = ("SELECT p.created, s.created FROM pgqueuer_log p JOIN pgqueuer_log s "
-                 "ON s.job_id = p.job_id AND s.status = 'successful' WHERE p.status = 'picked'")
+    times_sql = (
+        "SELECT p.created, s.created FROM pgqueuer_log p JOIN pgqueuer_log s "
+        "ON s.job_id = p.job_id AND s.status = 'successful' WHERE p.status = 'picked'"
+    )
 
     def __init__(self, db: str) -> None:
         super().__init__()
@@ -301,7 +322,7 @@ class PgQueuer(_SqlPolling):
             self._queries = None
 
 
-def make_systems(names: list[str], dbs: "harness.Databases", broker: str, workdir: Path) -> list[System]:
+def make_systems(names: list[str], dbs: harness.Databases, broker: str, workdir: Path) -> list[System]:
     made: list[System] = []
     for name in names:
         if name == "celery":

@@ -4,8 +4,7 @@ The job row in SQL is the truth (status, attempts, lease, fencing generation, re
 error, checkpoint, progress); the broker only carries wakeups.
 """
 
-from .context import JobContext
-from .errors import (
+from celery_lease.errors import (
     CheckpointTooLarge,
     ConfigurationError,
     DatabaseUnavailable,
@@ -17,9 +16,10 @@ from .errors import (
     LeaseLost,
     UnknownKind,
 )
-from .extension import CeleryLease
-from .job import Job
-from .status import Status
+from celery_lease.extension import CeleryLease
+from celery_lease.job import Job
+from celery_lease.status import Status
+from celery_lease.worker.context import JobContext
 
 __all__ = [
     "CeleryLease",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import uuid
+from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any
 
-from .status import Status
+from celery_lease.status import Status
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -43,7 +45,7 @@ class Job:
     queue: str | None
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> "Job":
+    def from_row(cls, row: Mapping[Any, Any]) -> Job:
         return cls(
             id=str(row["id"]),
             kind=row["kind"],
@@ -59,7 +61,7 @@ class Job:
             lease_generation=row["lease_generation"],
             lease_losses=row["lease_losses"],
             run_after=_utc(row["run_after"]),
-            created_at=_utc(row["created_at"]),
+            created_at=_utc(row["created_at"]) or row["created_at"],
             started_at=_utc(row["started_at"]),
             finished_at=_utc(row["finished_at"]),
             run_id=None if row["run_id"] is None else str(row["run_id"]),
@@ -85,3 +87,11 @@ class Job:
                 value = value.value
             out[field.name] = value
         return out
+
+
+def parse_job_id(value: Any) -> str:
+    """Validate a job (or run) id at the boundary; raises ValueError."""
+    try:
+        return str(uuid.UUID(str(value)))
+    except ValueError:
+        raise ValueError(f"not a job id (expected a UUID): {str(value)[:64]!r}") from None

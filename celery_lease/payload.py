@@ -11,9 +11,10 @@ import dataclasses
 import inspect
 import json
 import typing
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from .errors import CheckpointTooLarge, InvalidPayload
+from celery_lease.errors import CheckpointTooLarge, InvalidPayload
 
 #: Default cap on a serialized payload (bytes). Payloads are wakeup-sized references
 #: to work, not the work itself: put bulk data in your own tables or object store.
@@ -39,23 +40,20 @@ def _dumps(value: Any) -> str:
 class Codec:
     """Converts one handler's payload and result between Python and JSON."""
 
-    def __init__(self, fn: Callable, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+    def __init__(self, fn: Callable) -> None:
         params = list(inspect.signature(fn).parameters.values())
         if len(params) != 2:
-            raise TypeError(
-                f"job handler {fn.__qualname__} must take (ctx, payload), got {len(params)} parameters"
-            )
+            raise TypeError(f"job handler {fn.__qualname__} must take (ctx, payload), got {len(params)} parameters")
         try:
             hints = typing.get_type_hints(fn)
         except Exception:  # unresolvable forward references: treat as untyped
             hints = {}
         self.payload_type = hints.get(params[1].name)
         self.result_type = hints.get("return")
-        self.max_payload_bytes = max_payload_bytes
 
-    def dump_payload(self, payload: Any) -> Any:
+    def dump_payload(self, payload: Any, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Any:
         """Validate and serialize; raises InvalidPayload, having stored nothing."""
-        tp = self.payload_type
+        tp: Any = self.payload_type
         if payload is None:
             raise InvalidPayload("payload is required: pass {} for a job that needs no input")
         try:
@@ -74,14 +72,12 @@ class Codec:
             # pydantic's ValidationError is a ValueError; its text describes the
             # caller's own input, so it is safe and useful to show.
             raise InvalidPayload(f"payload refused: {exc}") from None
-        if len(text.encode()) > self.max_payload_bytes:
-            raise InvalidPayload(
-                f"payload is {len(text.encode())} bytes, over the cap of {self.max_payload_bytes}"
-            )
+        if len(text.encode()) > max_bytes:
+            raise InvalidPayload(f"payload is {len(text.encode())} bytes, over the cap of {max_bytes}")
         return json.loads(text) if value is not payload else value
 
     def load_payload(self, stored: Any) -> Any:
-        tp = self.payload_type
+        tp: Any = self.payload_type
         if _is_pydantic(tp):
             return tp.model_validate(stored)
         if _is_dataclass_type(tp):

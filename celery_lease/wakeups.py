@@ -6,7 +6,8 @@ never loses, duplicates or corrupts a job, because the claim decides who runs it
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from celery import Celery
 
@@ -36,7 +37,8 @@ def _send_all(app: Celery, producer, wakeups: Iterable[tuple[str, str, str | Non
     for job_id, task, queue in wakeups:
         # The first message to a destination declares its queue and binding (the Redis
         # transport routes through them); repeating that per message only costs time.
-        options = {} if (task, queue) not in declared else {"declare": []}
+        options: dict[str, Any] = {} if (task, queue) not in declared else {"declare": []}
         declared.add((task, queue))
-        app.send_task(task, task_id=job_id, queue=queue, producer=producer,
-                      add_to_parent=False, retry_policy=RETRY_POLICY, **options)
+        app.send_task(
+            task, task_id=job_id, queue=queue, producer=producer, add_to_parent=False, retry_policy=RETRY_POLICY, **options
+        )

@@ -119,8 +119,7 @@ class Load:
     def __post_init__(self) -> None:
         _check_table(self.table)
         for column in self.columns:
-            if not isinstance(column, dict) or set(column) != {"name", "type"} or \
-                    column["type"] not in warehouse.COLUMN_TYPES:
+            if not isinstance(column, dict) or set(column) != {"name", "type"} or column["type"] not in warehouse.COLUMN_TYPES:
                 raise ValueError("columns must be a list of {name, type} with type integer, float, boolean or text")
 
 
@@ -129,8 +128,7 @@ def check_source(ctx: JobContext, spec: SourceRef) -> dict:
     """Does the source database answer?"""
     with source.connect(spec.source) as conn:
         conn.execute(sa.text("SELECT 1"))
-        return {"source": source.display(spec.source), "dialect": conn.dialect.name,
-                "tables": len(source.table_names(conn))}
+        return {"source": source.display(spec.source), "dialect": conn.dialect.name, "tables": len(source.table_names(conn))}
 
 
 @leases.job(kind="discover", max_attempts=3, lease_seconds=LEASE_SECONDS)
@@ -146,14 +144,16 @@ def discover(ctx: JobContext, spec: Discover) -> dict:
             ctx.raise_if_cancelled()
             table = source.reflect(conn, name)
             key = [c.name for c in table.primary_key.columns]
-            found.append({"table": name, "rows": source.count_rows(conn, table), "primary_key": key,
-                          "extractable": _extractable(table)})
+            found.append(
+                {"table": name, "rows": source.count_rows(conn, table), "primary_key": key, "extractable": _extractable(table)}
+            )
             ctx.publish({"tables": len(found), "of": len(spec.tables or names)})
     if spec.extract:
         for info in found:
             if info["extractable"]:
-                ctx.submit("extract", Extract(source=spec.source, table=info["table"],
-                                              chunk_rows=spec.chunk_rows, pause=spec.pause))
+                ctx.submit(
+                    "extract", Extract(source=spec.source, table=info["table"], chunk_rows=spec.chunk_rows, pause=spec.pause)
+                )
     return {"tables": found}
 
 
@@ -208,8 +208,9 @@ def extract(ctx: JobContext, spec: Extract) -> dict:
                 break
             time.sleep(spec.pause)
     if spec.load:
-        ctx.submit("load", Load(extract_id=ctx.job_id, table=spec.table, columns=columns,
-                                rows=state["rows"], chunks=state["chunk"]))
+        ctx.submit(
+            "load", Load(extract_id=ctx.job_id, table=spec.table, columns=columns, rows=state["rows"], chunks=state["chunk"])
+        )
     return {"table": spec.table, "rows": state["rows"], "chunks": state["chunk"], "resumed_from": resumed_from}
 
 
@@ -221,8 +222,9 @@ def load(ctx: JobContext, spec: Load) -> dict:
     jobs_db = leases.store.durable
     chunks, rows = warehouse.staged_totals(jobs_db, spec.extract_id)
     if (chunks, rows) != (spec.chunks, spec.rows):
-        raise Failure(f"staging of extract {spec.extract_id} holds {rows} rows in {chunks} chunks, "
-                      f"expected {spec.rows} in {spec.chunks}")
+        raise Failure(
+            f"staging of extract {spec.extract_id} holds {rows} rows in {chunks} chunks, expected {spec.rows} in {spec.chunks}"
+        )
     destination = warehouse.destination_table(spec.table, spec.columns)
     warehouse.ensure_destination(jobs_db, destination)
     ctx.raise_if_cancelled()

@@ -13,7 +13,8 @@ import sqlalchemy as sa
 metadata = sa.MetaData()
 
 customers = sa.Table(
-    "customers", metadata,
+    "customers",
+    metadata,
     sa.Column("id", sa.Integer, primary_key=True),
     sa.Column("name", sa.String(80), nullable=False),
     sa.Column("email", sa.String(120), nullable=False),
@@ -21,7 +22,8 @@ customers = sa.Table(
     sa.Column("vip", sa.Boolean, nullable=False),
 )
 orders = sa.Table(
-    "orders", metadata,
+    "orders",
+    metadata,
     sa.Column("id", sa.Integer, primary_key=True),
     sa.Column("customer_id", sa.Integer, nullable=False),
     sa.Column("ordered_on", sa.Date, nullable=False),
@@ -29,7 +31,8 @@ orders = sa.Table(
     sa.Column("status", sa.String(12), nullable=False),
 )
 payments = sa.Table(
-    "payments", metadata,
+    "payments",
+    metadata,
     sa.Column("id", sa.Integer, primary_key=True),
     sa.Column("order_id", sa.Integer, nullable=False),
     sa.Column("amount", sa.Numeric(12, 2), nullable=False),
@@ -50,20 +53,45 @@ def build(url: str, rows: int = 40_000, seed: int = 7) -> dict[str, int]:
         metadata.drop_all(engine)
         metadata.create_all(engine)
         with engine.begin() as conn:
-            conn.execute(customers.insert(), [
-                {"id": i, "name": f"Customer {i}", "email": f"c{i}@example.com",
-                 "country": rnd.choice(["DE", "FR", "NL", "US", "JP"]), "vip": rnd.random() < 0.1}
-                for i in range(1, counts["customers"] + 1)])
+            conn.execute(
+                customers.insert(),
+                [
+                    {
+                        "id": i,
+                        "name": f"Customer {i}",
+                        "email": f"c{i}@example.com",
+                        "country": rnd.choice(["DE", "FR", "NL", "US", "JP"]),
+                        "vip": rnd.random() < 0.1,
+                    }
+                    for i in range(1, counts["customers"] + 1)
+                ],
+            )
             start = date(2025, 1, 1)
-            conn.execute(orders.insert(), [
-                {"id": i, "customer_id": rnd.randint(1, counts["customers"]),
-                 "ordered_on": start + timedelta(days=rnd.randint(0, 364)),
-                 "total": round(rnd.uniform(5, 500), 2), "status": rnd.choice(["new", "paid", "shipped"])}
-                for i in range(1, counts["orders"] + 1)])
-            conn.execute(payments.insert(), [
-                {"id": i, "order_id": rnd.randint(1, counts["orders"]),
-                 "amount": f"{rnd.uniform(5, 500):.2f}", "method": rnd.choice(["card", "iban", "paypal"])}
-                for i in range(1, counts["payments"] + 1)])
+            conn.execute(
+                orders.insert(),
+                [
+                    {
+                        "id": i,
+                        "customer_id": rnd.randint(1, counts["customers"]),
+                        "ordered_on": start + timedelta(days=rnd.randint(0, 364)),
+                        "total": round(rnd.uniform(5, 500), 2),
+                        "status": rnd.choice(["new", "paid", "shipped"]),
+                    }
+                    for i in range(1, counts["orders"] + 1)
+                ],
+            )
+            conn.execute(
+                payments.insert(),
+                [
+                    {
+                        "id": i,
+                        "order_id": rnd.randint(1, counts["orders"]),
+                        "amount": f"{rnd.uniform(5, 500):.2f}",
+                        "method": rnd.choice(["card", "iban", "paypal"]),
+                    }
+                    for i in range(1, counts["payments"] + 1)
+                ],
+            )
     finally:
         engine.dispose()
     return counts

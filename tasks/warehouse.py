@@ -14,7 +14,8 @@ chunk it was writing when it died without staging anything twice.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -60,15 +61,18 @@ def stage_chunk(engine: sa.Engine, extract_id: str, chunk: int, rows: list[dict]
     with engine.begin() as conn:
         key = (staging.c.extract_id == extract_id) & (staging.c.chunk == chunk)
         conn.execute(staging.delete().where(key))
-        conn.execute(staging.insert().values(
-            extract_id=extract_id, chunk=chunk, row_count=len(rows),
-            rows=json.dumps(rows, separators=(",", ":"))))
+        conn.execute(
+            staging.insert().values(
+                extract_id=extract_id, chunk=chunk, row_count=len(rows), rows=json.dumps(rows, separators=(",", ":"))
+            )
+        )
 
 
 def staged_totals(engine: sa.Engine, extract_id: str) -> tuple[int, int]:
     """(chunks, rows) staged by one extract."""
     stmt = sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(staging.c.row_count), 0)).where(
-        staging.c.extract_id == extract_id)
+        staging.c.extract_id == extract_id
+    )
     with engine.connect() as conn:
         chunks, rows = conn.execute(stmt).one()
     return int(chunks), int(rows)

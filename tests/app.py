@@ -31,7 +31,7 @@ leases = CeleryLease(app, os.environ.get("CL_TEST_DB"))
 
 if os.environ.get("CL_TEST_COMPLETION_LINGER"):
     # Hold plain successes in the completer's batch this long (tests of its flush).
-    from celery_lease.worker import Completer
+    from celery_lease.worker.completion import Completer
 
     Completer.LINGER = float(os.environ["CL_TEST_COMPLETION_LINGER"])
 
@@ -61,8 +61,13 @@ def echo(ctx: JobContext, payload: dict) -> dict:
     return {"echo": payload.get("value"), "attempt": ctx.attempt}
 
 
-@leases.job(kind="steps", max_attempts=3, lease_seconds=int(os.environ.get("CL_TEST_LEASE", "6")),
-            retry_backoff=0.2, retry_backoff_max=0.5)
+@leases.job(
+    kind="steps",
+    max_attempts=3,
+    lease_seconds=int(os.environ.get("CL_TEST_LEASE", "6")),
+    retry_backoff=0.2,
+    retry_backoff_max=0.5,
+)
 def steps(ctx: JobContext, payload: dict) -> dict:
     """Counts to payload["steps"], sleeping payload["sleep"] each step, checkpointing
     and publishing progress; resumes from its checkpoint."""
@@ -74,8 +79,7 @@ def steps(ctx: JobContext, payload: dict) -> dict:
         ctx.publish({"done": i + 1, "of": payload["steps"]})
         ctx.save_checkpoint({"i": i + 1})
     if payload.get("effect"):
-        ctx.effect(lambda conn: conn.execute(
-            effects.insert().values(job_id=ctx.job_id, attempt=ctx.attempt, note="steps")))
+        ctx.effect(lambda conn: conn.execute(effects.insert().values(job_id=ctx.job_id, attempt=ctx.attempt, note="steps")))
     return {"counted": payload["steps"], "resumed_from": start}
 
 
@@ -95,8 +99,7 @@ def sleepy(ctx: JobContext, payload: dict) -> dict:
     """Sleeps without cooperating (no raise_if_cancelled), then writes an effect."""
     _marker(payload, f"sleepy-{ctx.job_id}-{ctx.attempt}")
     time.sleep(payload.get("sleep", 1.0))
-    ctx.effect(lambda conn: conn.execute(
-        effects.insert().values(job_id=ctx.job_id, attempt=ctx.attempt, note="sleepy")))
+    ctx.effect(lambda conn: conn.execute(effects.insert().values(job_id=ctx.job_id, attempt=ctx.attempt, note="sleepy")))
     return {"slept": payload.get("sleep", 1.0)}
 
 

@@ -11,7 +11,7 @@ import time
 import sqlalchemy as sa
 
 from celery_lease import CheckpointTooLarge, Failure, JobContext
-from tests.app import *  # noqa: F401,F403 - the app, leases and the shared handlers
+from tests.app import *  # noqa: F403 - the app, leases and the shared handlers
 from tests.app import effects, leases
 
 #: How long a gated handler waits for its gate before giving up (a test bug, not a pass).
@@ -36,9 +36,12 @@ def gated(ctx: JobContext, payload: dict) -> dict:
             raise RuntimeError("gate never opened")
         time.sleep(0.05)
     attempt = ctx.attempt
-    ctx.effect(lambda conn: conn.execute(effects.insert(), [
-        {"job_id": ctx.job_id, "attempt": attempt, "note": f"row {i}"} for i in range(payload.get("rows", 3))
-    ]))
+    ctx.effect(
+        lambda conn: conn.execute(
+            effects.insert(),
+            [{"job_id": ctx.job_id, "attempt": attempt, "note": f"row {i}"} for i in range(payload.get("rows", 3))],
+        )
+    )
     return {"attempt": attempt}
 
 

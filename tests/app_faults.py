@@ -26,8 +26,13 @@ def waiter(ctx: JobContext, payload: dict) -> dict:
     return {"polled": payload.get("polls", 300)}
 
 
-@leases.job(kind="chaos", max_attempts=int(os.environ.get("CL_CHAOS_ATTEMPTS", "6")), lease_seconds=LEASE,
-            retry_backoff=0.2, retry_backoff_max=1.0)
+@leases.job(
+    kind="chaos",
+    max_attempts=int(os.environ.get("CL_CHAOS_ATTEMPTS", "6")),
+    lease_seconds=LEASE,
+    retry_backoff=0.2,
+    retry_backoff_max=1.0,
+)
 def chaos(ctx: JobContext, payload: dict) -> dict:
     """payload["steps"] checkpointed steps of payload["sleep"] seconds, then one effect
     row written in the transaction that records success."""
@@ -36,6 +41,5 @@ def chaos(ctx: JobContext, payload: dict) -> dict:
         ctx.raise_if_cancelled()
         time.sleep(payload["sleep"])
         ctx.save_checkpoint({"i": i + 1})
-    ctx.effect(lambda conn: conn.execute(
-        effects.insert().values(job_id=ctx.job_id, attempt=ctx.attempt, note="chaos")))
+    ctx.effect(lambda conn: conn.execute(effects.insert().values(job_id=ctx.job_id, attempt=ctx.attempt, note="chaos")))
     return {"steps": payload["steps"], "resumed_from": start, "attempt": ctx.attempt}

@@ -18,10 +18,10 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import sqlalchemy as sa
 
@@ -45,7 +45,7 @@ class Scenario:
     seed: int = 7
 
     @classmethod
-    def from_env(cls, **defaults) -> "Scenario":
+    def from_env(cls, **defaults) -> Scenario:
         """CHAOS_SECONDS / CHAOS_JOBS / CHAOS_SEED override the defaults."""
         s = cls(**defaults)
         if os.environ.get("CHAOS_SECONDS"):
@@ -83,9 +83,11 @@ class Outcome:
         faults = sum(self.faults.values())
         detail = " ".join(f"{k}={v}" for k, v in self.faults.items())
         extra = "".join(f" {k}={v}" for k, v in self.extra.items())
-        return (f"jobs={self.jobs} succeeded={s.get('succeeded', 0)} expired={s.get('expired', 0)} "
-                f"failed={s.get('failed', 0)} lost={self.lost} duplicate_effects={self.duplicate_effects}"
-                f"{extra} faults={faults} ({detail})")
+        return (
+            f"jobs={self.jobs} succeeded={s.get('succeeded', 0)} expired={s.get('expired', 0)} "
+            f"failed={s.get('failed', 0)} lost={self.lost} duplicate_effects={self.duplicate_effects}"
+            f"{extra} faults={faults} ({detail})"
+        )
 
 
 # --- services ---------------------------------------------------------------------------
@@ -112,12 +114,21 @@ def private_redis(workdir: Path) -> Iterator[RedisServer]:
 class Fleet:
     """The scenario's workers (and beat), restartable under the same node names."""
 
-    def __init__(self, db: str, redis_server: RedisServer, logdir: Path, scenario: Scenario, *,
-                 module: str, conf: dict | None = None, extra_env: dict | None = None,
-                 queues: str | None = None, with_beat: bool = False) -> None:
+    def __init__(
+        self,
+        db: str,
+        redis_server: RedisServer,
+        logdir: Path,
+        scenario: Scenario,
+        *,
+        module: str,
+        conf: dict | None = None,
+        extra_env: dict | None = None,
+        queues: str | None = None,
+        with_beat: bool = False,
+    ) -> None:
         self.db, self.redis, self.logdir, self.scenario = db, redis_server, logdir, scenario
-        self.options = dict(module=module, conf=conf, extra_env=extra_env, queues=queues,
-                            concurrency=scenario.concurrency)
+        self.options = dict(module=module, conf=conf, extra_env=extra_env, queues=queues, concurrency=scenario.concurrency)
         self.workers: list[Worker] = []
         self.beat: Beat | None = None
         self.with_beat = with_beat
@@ -125,11 +136,10 @@ class Fleet:
     def _worker(self, name: str) -> Worker:
         return Worker(name, self.db, self.redis.url, self.logdir, **self.options).start()
 
-    def start(self) -> "Fleet":
+    def start(self) -> Fleet:
         self.workers = [self._worker(f"w{i + 1}") for i in range(self.scenario.workers)]
         if self.with_beat:
-            self.beat = Beat(self.db, self.redis.url, self.logdir, self.options["conf"],
-                             self.options["module"]).start()
+            self.beat = Beat(self.db, self.redis.url, self.logdir, self.options["conf"], self.options["module"]).start()
         return self
 
     def restart(self, index: int) -> None:
@@ -194,10 +204,14 @@ class FaultInjector:
 
     def terminate_pg(self) -> bool:
         with self.admin.connect() as conn:
-            n = conn.execute(sa.text(
-                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND application_name = :app "
-                "AND pid <> pg_backend_pid()"), {"app": self.app_name}).scalar()
+            n = conn.execute(
+                sa.text(
+                    "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name = :app "
+                    "AND pid <> pg_backend_pid()"
+                ),
+                {"app": self.app_name},
+            ).scalar()
         return n > 0
 
 
@@ -214,16 +228,26 @@ LEASE_CONF = {
 LEASE_QUEUES = "celery,celery_lease"
 
 
-def run_lease_scenario(db: str, redis_server: RedisServer, workdir: Path, scenario: Scenario,
-                       *, submit: Callable[[list[dict]], list[str]]) -> Outcome:
+def run_lease_scenario(
+    db: str, redis_server: RedisServer, workdir: Path, scenario: Scenario, *, submit: Callable[[list[dict]], list[str]]
+) -> Outcome:
     """Run the scenario against tests.app_faults workers; ``submit`` enqueues the
     payloads (in the caller's process) and returns the job ids."""
-    from celery_lease.schema import jobs
+    from celery_lease.db.schema import jobs
     from tests.app import effects
 
     env = {"CL_TEST_LEASE": str(scenario.lease)}
-    fleet = Fleet(db, redis_server, workdir, scenario, module="tests.app_faults", conf=LEASE_CONF,
-                  extra_env=env, queues=LEASE_QUEUES, with_beat=True)
+    fleet = Fleet(
+        db,
+        redis_server,
+        workdir,
+        scenario,
+        module="tests.app_faults",
+        conf=LEASE_CONF,
+        extra_env=env,
+        queues=LEASE_QUEUES,
+        with_beat=True,
+    )
     engine = sa.create_engine(db)  # no application_name: the injector leaves it alone
     try:
         fleet.start()
@@ -232,8 +256,7 @@ def run_lease_scenario(db: str, redis_server: RedisServer, workdir: Path, scenar
 
         def settled() -> bool:
             with engine.connect() as conn:
-                return conn.execute(sa.select(sa.func.count()).where(
-                    jobs.c.status.in_(["pending", "running"]))).scalar() == 0
+                return conn.execute(sa.select(sa.func.count()).where(jobs.c.status.in_(["pending", "running"]))).scalar() == 0
 
         try:
             wait_for(settled, timeout=scenario.drain_seconds, interval=1.0, what="the jobs to settle")
@@ -241,8 +264,7 @@ def run_lease_scenario(db: str, redis_server: RedisServer, workdir: Path, scenar
             pass  # reported below as lost / stuck running
         with engine.connect() as conn:
             statuses = dict(conn.execute(sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)).all())
-            per_job = dict(conn.execute(sa.select(effects.c.job_id, sa.func.count())
-                                        .group_by(effects.c.job_id)).all())
+            per_job = dict(conn.execute(sa.select(effects.c.job_id, sa.func.count()).group_by(effects.c.job_id)).all())
             succeeded = {str(r[0]) for r in conn.execute(sa.select(jobs.c.id).where(jobs.c.status == "succeeded"))}
             losses = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(jobs.c.lease_losses), 0))).scalar()
     finally:
@@ -252,8 +274,11 @@ def run_lease_scenario(db: str, redis_server: RedisServer, workdir: Path, scenar
     missing_effect = sum(1 for job_id in succeeded if per_job.get(job_id, 0) == 0)
     stray_effect = sum(1 for job_id in per_job if job_id not in succeeded)
     return Outcome(
-        jobs=len(ids), statuses=statuses, lost=unfinished + missing_effect,
-        duplicate_effects=sum(1 for n in per_job.values() if n > 1), faults=faults,
+        jobs=len(ids),
+        statuses=statuses,
+        lost=unfinished + missing_effect,
+        duplicate_effects=sum(1 for n in per_job.values() if n > 1),
+        faults=faults,
         stuck_running=statuses.get("running", 0),
         extra={"stray_effects": stray_effect, "lease_losses": int(losses)},
     )

@@ -15,9 +15,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -77,8 +77,8 @@ def throwaway_database(prefix: str) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def pg_url():
     """A throwaway database for this run, migrated once; dropped at the end."""
-    from celery_lease import migrate
-    from celery_lease.store import Store
+    from celery_lease.db import migrate
+    from celery_lease.db.store import Store
     from tests.app import test_metadata
 
     with throwaway_database("celery_lease_test") as url:
@@ -106,8 +106,8 @@ def pg(pg_url):
 def sqlite_url(tmp_path):
     """A fresh SQLite file, migrated."""
     url = f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
-    from celery_lease.store import Store
-    from celery_lease import migrate
+    from celery_lease.db import migrate
+    from celery_lease.db.store import Store
     from tests.app import test_metadata
 
     store = Store(url)
@@ -134,9 +134,21 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         wait_for(self.ping, timeout=10, what="redis to start")
 
@@ -187,13 +199,15 @@ def broker(redis_server):
 
 def _env(db: str, broker: str, conf: dict | None = None, extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    env.update({
-        "CL_TEST_DB": db,
-        "CL_TEST_BROKER": broker,
-        "CL_TEST_CONF": json.dumps(conf or {}),
-        "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "CL_TEST_DB": db,
+            "CL_TEST_BROKER": broker,
+            "CL_TEST_CONF": json.dumps(conf or {}),
+            "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -209,8 +223,7 @@ def client_app(monkeypatch):
 
     made = []
 
-    def make(db: str, broker: str, conf: dict | None = None, extra_env: dict | None = None,
-             module: str = "tests.app"):
+    def make(db: str, broker: str, conf: dict | None = None, extra_env: dict | None = None, module: str = "tests.app"):
         for key, value in _env(db, broker, conf, extra_env).items():
             monkeypatch.setenv(key, value)
         # App modules read the environment at import: drop every cached one (an app
@@ -231,27 +244,56 @@ def client_app(monkeypatch):
 class Worker:
     """A real `celery worker` subprocess running tests.app."""
 
-    def __init__(self, name: str, db: str, broker: str, logdir: Path, *, concurrency: int = 2,
-                 pool: str = "prefork", conf: dict | None = None, extra_env: dict | None = None,
-                 queues: str | None = None, module: str = "tests.app") -> None:
+    def __init__(
+        self,
+        name: str,
+        db: str,
+        broker: str,
+        logdir: Path,
+        *,
+        concurrency: int = 2,
+        pool: str = "prefork",
+        conf: dict | None = None,
+        extra_env: dict | None = None,
+        queues: str | None = None,
+        module: str = "tests.app",
+    ) -> None:
         self.name = name
         self.log_path = logdir / f"{name}-{uuid.uuid4().hex[:6]}.log"
-        self.args = [CELERY, "-A", module, "worker", "-n", f"{name}@testhost", "-P", pool,
-                     "-c", str(concurrency), "-l", "INFO", "--without-mingle", "--without-gossip",
-                     "--without-heartbeat"]
+        self.args = [
+            CELERY,
+            "-A",
+            module,
+            "worker",
+            "-n",
+            f"{name}@testhost",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-l",
+            "INFO",
+            "--without-mingle",
+            "--without-gossip",
+            "--without-heartbeat",
+        ]
         if queues:
             self.args += ["-Q", queues]
         self.env = _env(db, broker, conf, extra_env)
         self.proc: subprocess.Popen | None = None
 
-    def start(self, wait: bool = True) -> "Worker":
+    def start(self, wait: bool = True) -> Worker:
         self._log = open(self.log_path, "a")
         since = len(self.log())  # a restart appends: only this boot's "ready." counts
-        self.proc = subprocess.Popen(self.args, env=self.env, cwd=ROOT, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         if wait:
-            wait_for(lambda: "ready." in self.log()[since:] or self.proc.poll() is not None, timeout=30,
-                     what=f"worker {self.name} to be ready")
+            wait_for(
+                lambda: "ready." in self.log()[since:] or self.proc.poll() is not None,
+                timeout=30,
+                what=f"worker {self.name} to be ready",
+            )
             assert self.proc.poll() is None, f"worker {self.name} exited:\n{self.log()[-3000:]}"
         return self
 
@@ -286,7 +328,7 @@ class Worker:
             self.kill()
             raise AssertionError(f"worker {self.name} did not stop in {timeout}s")
 
-    def restart(self) -> "Worker":
+    def restart(self) -> Worker:
         self.kill()
         return self.start()
 
@@ -310,18 +352,18 @@ def workers(tmp_path):
 class Beat:
     """A real `celery beat` subprocess."""
 
-    def __init__(self, db: str, broker: str, workdir: Path, conf: dict | None = None,
-                 module: str = "tests.app") -> None:
+    def __init__(self, db: str, broker: str, workdir: Path, conf: dict | None = None, module: str = "tests.app") -> None:
         self.log_path = workdir / f"beat-{uuid.uuid4().hex[:6]}.log"
         schedule = workdir / f"beat-schedule-{uuid.uuid4().hex[:6]}"
         self.args = [CELERY, "-A", module, "beat", "-l", "INFO", "-s", str(schedule)]
         self.env = _env(db, broker, conf)
         self.proc = None
 
-    def start(self) -> "Beat":
+    def start(self) -> Beat:
         self._log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.args, env=self.env, cwd=ROOT, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         return self
 
     def log(self) -> str:
@@ -356,20 +398,27 @@ def make_job():
 
     For tests of transitions that should not depend on a worker getting there first.
     """
-    from celery_lease.schema import jobs
+    from celery_lease.db.schema import jobs
 
     engines: dict[str, sa.Engine] = {}
 
-    def make(db: str, *, kind: str = "echo", task: str = "tests.app.echo", status: str = "pending",
-             **columns) -> str:
+    def make(db: str, *, kind: str = "echo", task: str = "tests.app.echo", status: str = "pending", **columns) -> str:
         engine = engines.setdefault(db, sa.create_engine(db))
-        from celery_lease.queries import db_now
+        from celery_lease.db.queries import db_now
 
         now = db_now()
         values = {
-            "id": str(uuid.uuid4()), "kind": kind, "task": task, "status": status, "attempt": 0,
-            "max_attempts": 3, "lease_seconds": 30, "lease_generation": 0, "payload": {},
-            "created_at": now, "updated_at": now,
+            "id": str(uuid.uuid4()),
+            "kind": kind,
+            "task": task,
+            "status": status,
+            "attempt": 0,
+            "max_attempts": 3,
+            "lease_seconds": 30,
+            "lease_generation": 0,
+            "payload": {},
+            "created_at": now,
+            "updated_at": now,
         }
         values.update(columns)
         with engine.begin() as conn:

@@ -16,16 +16,16 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
-from schemathesis.generation.modes import GenerationMode
-from schemathesis.specs.openapi.checks import positive_data_acceptance
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from prometheus_client.parser import text_string_to_metric_families
+from schemathesis.generation.modes import GenerationMode
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from celery_lease import migrate
-from celery_lease.api import load_tokens
-from celery_lease.schema import events, jobs
-from celery_lease.store import Store
+from celery_lease.db import migrate
+from celery_lease.db.schema import events, jobs
+from celery_lease.db.store import Store
+from celery_lease.ops.api import load_tokens
 from tests.conftest import CELERY, PG_ADMIN, ROOT, _env, free_port, throwaway_database, wait_for
 
 ADMIN = "admin-token-4f1c"  # every tenant
@@ -33,8 +33,21 @@ ACME = "acme-token-9b2e"  # tenant "acme" only
 GLOBEX = "globex-token-77aa"  # tenant "globex" only
 TOKENS = {ADMIN: None, ACME: "acme", GLOBEX: "globex"}
 
-JOB_FIELDS = {"id", "kind", "status", "result", "error", "progress", "attempt", "max_attempts",
-              "created_at", "started_at", "finished_at", "run_id", "parent_id"}
+JOB_FIELDS = {
+    "id",
+    "kind",
+    "status",
+    "result",
+    "error",
+    "progress",
+    "attempt",
+    "max_attempts",
+    "created_at",
+    "started_at",
+    "finished_at",
+    "run_id",
+    "parent_id",
+}
 
 
 class Server:
@@ -48,7 +61,11 @@ class Server:
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
             [CELERY, "-A", "tests.app", "lease", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
-            env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=env,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         wait_for(self._up, timeout=30, what="the API server to answer")
 
@@ -104,11 +121,20 @@ def _row(db: str, job_id: str) -> dict:
 def test_every_api_route_needs_a_valid_bearer_token(server, pg, make_job):
     job = make_job(pg, status="pending")
     run = str(uuid.uuid4())
-    routes = [("GET", f"/api/v1/jobs/{job}"), ("POST", f"/api/v1/jobs/{job}/cancel"),
-              ("GET", "/api/v1/jobs"), ("GET", f"/api/v1/runs/{run}/events")]
-    for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": f"Basic {ADMIN}"},
-                    {"Authorization": f"Bearer {ADMIN}x"}, {"Authorization": "Bearer"},
-                    {"Authorization": f"bearer-{ADMIN}"}):
+    routes = [
+        ("GET", f"/api/v1/jobs/{job}"),
+        ("POST", f"/api/v1/jobs/{job}/cancel"),
+        ("GET", "/api/v1/jobs"),
+        ("GET", f"/api/v1/runs/{run}/events"),
+    ]
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong-token"},
+        {"Authorization": f"Basic {ADMIN}"},
+        {"Authorization": f"Bearer {ADMIN}x"},
+        {"Authorization": "Bearer"},
+        {"Authorization": f"bearer-{ADMIN}"},
+    ):
         for method, path in routes:
             r = httpx.request(method, server.url + path, headers=headers)
             assert r.status_code == 401, (headers, path, r.text)
@@ -140,8 +166,16 @@ def test_tokens_come_from_app_conf_or_the_environment(monkeypatch):
 
 
 def test_get_job_returns_its_fields(admin, pg, make_job):
-    job = make_job(pg, status="succeeded", attempt=2, result={"rows": 10}, progress={"done": 10},
-                   payload={"secret": "not-for-the-api"}, started_at=sa.func.now(), finished_at=sa.func.now())
+    job = make_job(
+        pg,
+        status="succeeded",
+        attempt=2,
+        result={"rows": 10},
+        progress={"done": 10},
+        payload={"secret": "not-for-the-api"},
+        started_at=sa.func.now(),
+        finished_at=sa.func.now(),
+    )
     r = admin.get(f"/api/v1/jobs/{job}")
     assert r.status_code == 200
     body = r.json()
@@ -154,13 +188,19 @@ def test_get_job_returns_its_fields(admin, pg, make_job):
 
 def test_unknown_job_is_404_and_malformed_ids_are_400(admin, pg):
     unknown = str(uuid.uuid4())
-    for method, path in (("GET", f"/api/v1/jobs/{unknown}"), ("POST", f"/api/v1/jobs/{unknown}/cancel"),
-                         ("GET", f"/api/v1/runs/{unknown}/events")):
+    for method, path in (
+        ("GET", f"/api/v1/jobs/{unknown}"),
+        ("POST", f"/api/v1/jobs/{unknown}/cancel"),
+        ("GET", f"/api/v1/runs/{unknown}/events"),
+    ):
         r = admin.request(method, path)
         assert r.status_code == 404 and r.json()["error"] == "not_found", path
     for bad in ("not-a-uuid", "1", "%00", "ffffffff-ffff-ffff-ffff-fffffffffffff"):
-        for method, path in (("GET", f"/api/v1/jobs/{bad}"), ("POST", f"/api/v1/jobs/{bad}/cancel"),
-                             ("GET", f"/api/v1/runs/{bad}/events")):
+        for method, path in (
+            ("GET", f"/api/v1/jobs/{bad}"),
+            ("POST", f"/api/v1/jobs/{bad}/cancel"),
+            ("GET", f"/api/v1/runs/{bad}/events"),
+        ):
             r = admin.request(method, path)
             assert r.status_code == 400 and r.json()["error"] == "bad_request", (path, r.text)
 
@@ -187,7 +227,11 @@ def test_tenant_token_sees_only_its_tenant(server, pg, make_job):
         for other in (theirs, untenanted):
             r = acme.get(f"/api/v1/jobs/{other}")
             # Indistinguishable from a job that does not exist.
-            assert (r.status_code, r.json()) == (unknown.status_code, unknown.json()) == (404, {"error": "not_found", "detail": None})
+            assert (
+                (r.status_code, r.json())
+                == (unknown.status_code, unknown.json())
+                == (404, {"error": "not_found", "detail": None})
+            )
             r = acme.post(f"/api/v1/jobs/{other}/cancel")
             assert r.status_code == 404
             assert _row(pg, other)["status"] == "pending"
@@ -209,11 +253,24 @@ def test_list_filters_by_status_and_kind(admin, pg, make_job):
     assert r.json() == {"jobs": [], "next_cursor": None}
 
 
-@pytest.mark.parametrize("params", [
-    {"status": "done"}, {"status": "PENDING"}, {"limit": "0"}, {"limit": "501"}, {"limit": "ten"},
-    {"limit": "-1"}, {"cursor": "garbage"}, {"cursor": "!!!"}, {"cursor": "W10"},
-    {"cursor": "WyJ5ZXN0ZXJkYXkiLCJ4Il0"}, {"cursor": "x" * 300}, {"kind": "a\x00b"}, {"kind": "k" * 201},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"status": "done"},
+        {"status": "PENDING"},
+        {"limit": "0"},
+        {"limit": "501"},
+        {"limit": "ten"},
+        {"limit": "-1"},
+        {"cursor": "garbage"},
+        {"cursor": "!!!"},
+        {"cursor": "W10"},
+        {"cursor": "WyJ5ZXN0ZXJkYXkiLCJ4Il0"},
+        {"cursor": "x" * 300},
+        {"kind": "a\x00b"},
+        {"kind": "k" * 201},
+    ],
+)
 def test_bad_list_parameters_are_400(admin, params):
     r = admin.get("/api/v1/jobs", params=params)
     assert r.status_code == 400, r.text
@@ -253,7 +310,7 @@ def test_pagination_is_stable_under_concurrent_inserts(admin, pg, make_job):
     assert original <= set(seen), "a row was skipped"
     # Only rows that existed before the first page may appear: later inserts sort
     # before the cursor.
-    assert set(seen) - original <= set(inserted[:first_page_new + 1])
+    assert set(seen) - original <= set(inserted[: first_page_new + 1])
     assert len(inserted) > first_page_new + 5
 
 
@@ -277,7 +334,8 @@ def test_run_events_are_paged_and_tenant_filtered(server, pg, broker, client_app
                 break
         assert [e["id"] for e in events] == sorted({e["id"] for e in events})
         assert sorted((e["job_id"], e["event"]) for e in events) == sorted(
-            [(j, "dispatched") for j in acme_jobs + [globex_job]] + [(j, "cancelled") for j in acme_jobs + [globex_job]])
+            [(j, "dispatched") for j in acme_jobs + [globex_job]] + [(j, "cancelled") for j in acme_jobs + [globex_job]]
+        )
         acme_events = acme.get(f"/api/v1/runs/{run}/events").json()["events"]
         assert {e["job_id"] for e in acme_events} == set(acme_jobs)
         globex_only = str(uuid.uuid4())
@@ -293,8 +351,11 @@ def test_run_events_are_paged_and_tenant_filtered(server, pg, broker, client_app
 
 def _metrics(server) -> dict[tuple[str, tuple], float]:
     text = httpx.get(server.url + "/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_are_computed_from_the_job_table(server, pg, broker, client_app, make_job):
@@ -304,10 +365,23 @@ def test_metrics_are_computed_from_the_job_table(server, pg, broker, client_app,
         make_job(pg, status="failed", attempt=3, lease_losses=1, finished_at=sa.func.now())
     make_job(pg, status="succeeded", kind="steps", task="tests.app.steps", attempt=1, finished_at=sa.func.now())
     # Renewed 10 s ago (a 30 s lease with 20 s left); and one whose lease elapsed, in a run.
-    make_job(pg, status="running", attempt=1, lease_seconds=30, lease_owner="w/1/b",
-             lease_expires_at=sa.text("now() + interval '20 seconds'"))
-    make_job(pg, status="running", attempt=1, lease_seconds=30, lease_owner="w/1/b", run_id=run,
-             lease_expires_at=sa.text("now() - interval '5 seconds'"))
+    make_job(
+        pg,
+        status="running",
+        attempt=1,
+        lease_seconds=30,
+        lease_owner="w/1/b",
+        lease_expires_at=sa.text("now() + interval '20 seconds'"),
+    )
+    make_job(
+        pg,
+        status="running",
+        attempt=1,
+        lease_seconds=30,
+        lease_owner="w/1/b",
+        run_id=run,
+        lease_expires_at=sa.text("now() - interval '5 seconds'"),
+    )
     make_job(pg, status="pending", woken_at=None)  # never woken: the sweeper's backlog
 
     m = _metrics(server)
@@ -375,8 +449,14 @@ def test_an_unmigrated_database_is_a_503_not_a_500(redis_server, tmp_path):
 
 def test_openapi_schema_declares_the_routes_and_bearer_auth(server):
     schema = httpx.get(server.url + "/openapi.json").json()
-    assert {"/api/v1/jobs/{job_id}", "/api/v1/jobs/{job_id}/cancel", "/api/v1/jobs",
-            "/api/v1/runs/{run_id}/events", "/healthz", "/metrics"} <= set(schema["paths"])
+    assert {
+        "/api/v1/jobs/{job_id}",
+        "/api/v1/jobs/{job_id}/cancel",
+        "/api/v1/jobs",
+        "/api/v1/runs/{run_id}/events",
+        "/healthz",
+        "/metrics",
+    } <= set(schema["paths"])
     assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     assert set(schema["components"]["schemas"]["JobOut"]["properties"]) == JOB_FIELDS
 
@@ -394,12 +474,26 @@ def seeded(pg_url):
     with engine.begin() as conn:
         for tenant in ("acme", "globex", None):
             ids.append(str(uuid.uuid4()))
-            conn.execute(jobs.insert().values(
-                id=ids[-1], kind="echo", task="tests.app.echo", status="pending", attempt=0,
-                max_attempts=3, lease_seconds=30, lease_generation=0, payload={}, run_id=run,
-                tenant=tenant, created_at=sa.func.now(), updated_at=sa.func.now()))
-            conn.execute(events.insert().values(run_id=run, job_id=ids[-1], event="dispatched", attempt=0,
-                                                created_at=sa.func.now()))
+            conn.execute(
+                jobs.insert().values(
+                    id=ids[-1],
+                    kind="echo",
+                    task="tests.app.echo",
+                    status="pending",
+                    attempt=0,
+                    max_attempts=3,
+                    lease_seconds=30,
+                    lease_generation=0,
+                    payload={},
+                    run_id=run,
+                    tenant=tenant,
+                    created_at=sa.func.now(),
+                    updated_at=sa.func.now(),
+                )
+            )
+            conn.execute(
+                events.insert().values(run_id=run, job_id=ids[-1], event="dispatched", attempt=0, created_at=sa.func.now())
+            )
     engine.dispose()
     return {"job_id": ids[0], "run_id": run}
 
@@ -427,12 +521,12 @@ def test_no_generated_request_gets_a_server_error(server, seeded):
             strategies.append(operation.as_strategy(generation_mode=mode, path_parameters=known))
 
         for strategy in strategies:
+
             @given(case=strategy)
             @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
             def check(case):
                 # Each request is sent as an unrestricted and as a tenant-bound caller.
                 for token in (ADMIN, ACME):
-                    case.call_and_validate(headers={"Authorization": f"Bearer {token}"},
-                                           excluded_checks=excluded)
+                    case.call_and_validate(headers={"Authorization": f"Bearer {token}"}, excluded_checks=excluded)
 
             check()

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 import sqlalchemy as sa
 
-from celery_lease.schema import jobs
+from celery_lease.db.schema import jobs
 from tests.conftest import CELERY, ROOT, _env, throwaway_database
 
 
@@ -19,8 +19,14 @@ def cli(pg, broker):
     """cli(*args, db=None, env=None) -> CompletedProcess of `celery -A tests.app lease *args`."""
 
     def run(*args: str, db: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([CELERY, "-A", "tests.app", "lease", *args], env=_env(db or pg, broker, extra=env),
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [CELERY, "-A", "tests.app", "lease", *args],
+            env=_env(db or pg, broker, extra=env),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     return run
 
@@ -46,8 +52,15 @@ def test_migrate_is_repeatable(cli):
 
 
 def test_show_as_text_and_json(cli, pg, make_job):
-    job = make_job(pg, status="failed", attempt=3, error="source table is empty", result=None,
-                   progress={"rows": 120}, finished_at=sa.func.now())
+    job = make_job(
+        pg,
+        status="failed",
+        attempt=3,
+        error="source table is empty",
+        result=None,
+        progress={"rows": 120},
+        finished_at=sa.func.now(),
+    )
     proc = cli("show", job)
     assert proc.returncode == 0, proc.stderr
     lines = dict(line.split(None, 1) for line in proc.stdout.splitlines() if len(line.split(None, 1)) == 2)
@@ -112,10 +125,12 @@ def test_cancel_and_cancel_run(cli, pg, make_job):
 
 
 def test_reap_sweep_prune(cli, pg, make_job):
-    expired_lease = make_job(pg, status="running", attempt=1, lease_owner="gone/1/boot",
-                             lease_expires_at=sa.text("now() - interval '5 seconds'"))
-    held_lease = make_job(pg, status="running", attempt=1, lease_owner="alive/1/boot",
-                          lease_expires_at=sa.text("now() + interval '60 seconds'"))
+    expired_lease = make_job(
+        pg, status="running", attempt=1, lease_owner="gone/1/boot", lease_expires_at=sa.text("now() - interval '5 seconds'")
+    )
+    held_lease = make_job(
+        pg, status="running", attempt=1, lease_owner="alive/1/boot", lease_expires_at=sa.text("now() + interval '60 seconds'")
+    )
     unwoken = make_job(pg, status="pending", woken_at=None)
     old = make_job(pg, status="succeeded", finished_at=sa.text("now() - interval '2 hours'"))
     recent = make_job(pg, status="succeeded", finished_at=sa.func.now())
@@ -136,19 +151,22 @@ def test_reap_sweep_prune(cli, pg, make_job):
     assert recent in _rows(pg)
 
 
-@pytest.mark.parametrize("args, says", [
-    (["show", "not-a-uuid"], "malformed job id"),
-    (["show", "00000000-0000-4000-8000-000000000000"], "no job 00000000-0000-4000-8000-000000000000"),
-    (["cancel", "00000000-0000-4000-8000-000000000000"], "no job"),
-    (["cancel", "1234"], "malformed job id"),
-    (["cancel-run", "run-7"], "malformed run id"),
-    (["list", "--status", "done"], "unknown status 'done'"),
-    (["list", "--limit", "0"], "limit must be an integer from 1 to 500"),
-    (["list", "--limit", "many"], "limit must be an integer"),
-    (["list", "--cursor", "bogus"], "malformed cursor"),
-    (["prune", "--older-than", "soon"], "--older-than must be a number"),
-    (["prune", "--older-than", "nan"], "--older-than must be a number"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["show", "not-a-uuid"], "malformed job id"),
+        (["show", "00000000-0000-4000-8000-000000000000"], "no job 00000000-0000-4000-8000-000000000000"),
+        (["cancel", "00000000-0000-4000-8000-000000000000"], "no job"),
+        (["cancel", "1234"], "malformed job id"),
+        (["cancel-run", "run-7"], "malformed run id"),
+        (["list", "--status", "done"], "unknown status 'done'"),
+        (["list", "--limit", "0"], "limit must be an integer from 1 to 500"),
+        (["list", "--limit", "many"], "limit must be an integer"),
+        (["list", "--cursor", "bogus"], "malformed cursor"),
+        (["prune", "--older-than", "soon"], "--older-than must be a number"),
+        (["prune", "--older-than", "nan"], "--older-than must be a number"),
+    ],
+)
 def test_bad_input_is_one_line_and_changes_nothing(cli, pg, make_job, args, says):
     job = make_job(pg, status="succeeded", finished_at=sa.text("now() - interval '1 day'"))
     before = _rows(pg)
@@ -158,9 +176,19 @@ def test_bad_input_is_one_line_and_changes_nothing(cli, pg, make_job, args, says
     assert _rows(pg) == before and job in before
 
 
-@pytest.mark.parametrize("args", [["list"], ["show", "00000000-0000-4000-8000-000000000000"],
-                                  ["cancel", "00000000-0000-4000-8000-000000000000"], ["reap"], ["sweep"],
-                                  ["prune"], ["migrate"], ["serve", "--port", "0"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["list"],
+        ["show", "00000000-0000-4000-8000-000000000000"],
+        ["cancel", "00000000-0000-4000-8000-000000000000"],
+        ["reap"],
+        ["sweep"],
+        ["prune"],
+        ["migrate"],
+        ["serve", "--port", "0"],
+    ],
+)
 def test_unreachable_database_is_one_line_without_the_password(cli, args):
     # Nothing listens on port 1; the URL carries a password that must not be echoed.
     db = "postgresql+psycopg2://root:hunter2-secret@127.0.0.1:1/nowhere"

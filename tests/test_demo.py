@@ -10,13 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
+
 SCRIPT = str(Path(sys.executable).with_name("celery-lease"))
 
 
 def _demo(tmp_path, *extra: str) -> str:
     proc = subprocess.run(
         [SCRIPT, "demo", "--dir", str(tmp_path / ".demo"), "--rows", "8000", *extra],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -46,15 +51,19 @@ def test_demo_on_postgresql_and_redis(tmp_path, pg, broker):
     _check(out)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--workers", "1"], "--workers must be at least 2"),
-    (["--rows", "5"], "--rows must be from 1000"),
-    (["--database-url", "mysql://x/y"], "unsupported database"),
-    (["--database-url", "postgresql+psycopg2://nobody@127.0.0.1:1/x"], "cannot reach the job database"),
-    (["--broker-url", "redis://127.0.0.1:1/0"], "cannot reach the broker"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workers", "1"], "--workers must be at least 2"),
+        (["--rows", "5"], "--rows must be from 1000"),
+        (["--database-url", "mysql://x/y"], "unsupported database"),
+        (["--database-url", "postgresql+psycopg2://nobody@127.0.0.1:1/x"], "cannot reach the job database"),
+        (["--broker-url", "redis://127.0.0.1:1/0"], "cannot reach the broker"),
+    ],
+)
 def test_demo_refuses_bad_options(tmp_path, args, message):
-    proc = subprocess.run([SCRIPT, "demo", "--dir", str(tmp_path / ".demo"), *args],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [SCRIPT, "demo", "--dir", str(tmp_path / ".demo"), *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0 and message in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr

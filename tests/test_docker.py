@@ -13,15 +13,15 @@ import re
 import shlex
 import signal
 import subprocess
-import tomllib
 
 import httpx
 import pytest
 import sqlalchemy as sa
+import tomllib
 import yaml
 
 from celery_lease import Status
-from celery_lease.migrate import VERSION_TABLE
+from celery_lease.db.migrate import VERSION_TABLE
 from tests.conftest import CELERY, ROOT, free_port, throwaway_database, wait_for
 from tests.test_pipeline import pipeline  # noqa: F401  (fixture)
 
@@ -75,8 +75,9 @@ def test_dockerfile_builds_the_package_from_the_repository(compose):
     context = (COMPOSE.parent / compose["services"]["worker"]["build"]["context"]).resolve()
     assert context == ROOT
     assert (context / compose["services"]["worker"]["build"]["dockerfile"]).resolve() == DOCKERFILE
-    instructions = [line.strip() for line in DOCKERFILE.read_text().splitlines()
-                    if line.strip() and not line.strip().startswith("#")]
+    instructions = [
+        line.strip() for line in DOCKERFILE.read_text().splitlines() if line.strip() and not line.strip().startswith("#")
+    ]
     copies = [shlex.split(line)[1:-1] for line in instructions if line.startswith("COPY ")]
     copied = {src for srcs in copies for src in srcs}
     for src in copied:
@@ -115,8 +116,7 @@ def run_service(compose, tmp_path):
                 command[i] = arg.replace("0.0.0.0", "127.0.0.1")
         log_path = tmp_path / f"{name}.log"
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         started.append(proc)
         return proc, log_path, port
 
@@ -167,8 +167,12 @@ def test_worker_command_runs_pipeline_jobs(run_service, pg, broker, pipeline):  
 def test_beat_command_schedules_the_maintenance_tasks(run_service, pg, broker):
     proc, log, _ = run_service("beat", pg, broker)
     # The sweeper's entry (every 5 s by default) is the first due.
-    wait_for(lambda: "Sending due task celery_lease.sweep" in _log(log) or proc.poll() is not None,
-             timeout=60, interval=0.2, what="beat to send the sweep task")
+    wait_for(
+        lambda: "Sending due task celery_lease.sweep" in _log(log) or proc.poll() is not None,
+        timeout=60,
+        interval=0.2,
+        what="beat to send the sweep task",
+    )
     assert proc.poll() is None, _log(log)[-3000:]
 
 

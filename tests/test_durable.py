@@ -27,9 +27,10 @@ from celery_lease import (
     Status,
     UnknownKind,
 )
-from celery_lease.context import PROGRESS_MIN_INTERVAL, Attempt
-from celery_lease.maintenance import MAX_BATCHES
-from celery_lease.schema import events, jobs, runs
+from celery_lease.beat.maintenance import MAX_BATCHES
+from celery_lease.db.schema import events, jobs, runs
+from celery_lease.worker.attempt import Attempt
+from celery_lease.worker.context import PROGRESS_MIN_INTERVAL
 from tests.conftest import ROOT, _env, wait_for
 
 MODULE = "tests.app_durable"
@@ -98,8 +99,7 @@ def finish(mod, job_id: str, timeout: float = 60.0):
 
 
 def reap_one(mod, timeout: float = 30.0) -> None:
-    wait_for(lambda: mod.leases.reap()["requeued"] == 1, timeout=timeout, interval=0.5,
-             what="the reaper to requeue the job")
+    wait_for(lambda: mod.leases.reap()["requeued"] == 1, timeout=timeout, interval=0.5, what="the reaper to requeue the job")
 
 
 # --- 1. checkpoints -------------------------------------------------------------------
@@ -107,14 +107,24 @@ def reap_one(mod, timeout: float = 30.0) -> None:
 
 def test_checkpoint_save_is_capped_fenced_and_configurable(db, broker, durable_app, make_job, sql):
     mod = durable_app(db, broker, conf={"lease_max_checkpoint_bytes": 200})
-    assert mod.leases.max_checkpoint_bytes == 200
-    job_id = make_job(db, kind="steps", task="tests.app.steps", status="running",
-                      lease_generation=5, checkpoint={"v": 1})
+    assert mod.leases.settings.max_checkpoint_bytes == 200
+    job_id = make_job(db, kind="steps", task="tests.app.steps", status="running", lease_generation=5, checkpoint={"v": 1})
 
     def context(generation: int) -> JobContext:
-        return JobContext(mod.leases, mod.steps, Attempt(
-            job_id=job_id, generation=generation, attempt=1, max_attempts=3, lease_seconds=30,
-            run_id=None, parent_id=None, tenant=None, payload={}, checkpoint={"v": 1}))
+        return mod.leases.worker.context(
+            Attempt(
+                job_id=job_id,
+                generation=generation,
+                attempt=1,
+                max_attempts=3,
+                lease_seconds=30,
+                run_id=None,
+                parent_id=None,
+                tenant=None,
+                payload={},
+                checkpoint={"v": 1},
+            )
+        )
 
     live = context(5)
     assert live.checkpoint == {"v": 1}
@@ -143,9 +153,20 @@ def test_checkpoint_save_is_capped_fenced_and_configurable(db, broker, durable_a
 
     # The load side is capped too.
     with pytest.raises(CheckpointTooLarge):
-        JobContext(mod.leases, mod.steps, Attempt(
-            job_id=job_id, generation=7, attempt=2, max_attempts=3, lease_seconds=30, run_id=None,
-            parent_id=None, tenant=None, payload={}, checkpoint={"blob": "x" * 300}))
+        mod.leases.worker.context(
+            Attempt(
+                job_id=job_id,
+                generation=7,
+                attempt=2,
+                max_attempts=3,
+                lease_seconds=30,
+                run_id=None,
+                parent_id=None,
+                tenant=None,
+                payload={},
+                checkpoint={"blob": "x" * 300},
+            )
+        )
 
 
 def test_retry_keeps_the_checkpoint_and_the_next_attempt_resumes_from_it(db, broker, durable_app, workers, sql):
@@ -153,8 +174,11 @@ def test_retry_keeps_the_checkpoint_and_the_next_attempt_resumes_from_it(db, bro
     workers(db, broker, module=MODULE)
     job = mod.ckpt.submit({"mode": "retry"})
     # Attempt 1 saved a checkpoint and raised: the retry is pending until swept.
-    wait_for(lambda: (j := mod.leases.get(job.id)).status is Status.PENDING and j.attempt == 1,
-             timeout=30, what="the first attempt to be retried")
+    wait_for(
+        lambda: (j := mod.leases.get(job.id)).status is Status.PENDING and j.attempt == 1,
+        timeout=30,
+        what="the first attempt to be retried",
+    )
     assert stored(sql, db, job.id, "checkpoint") == {"from": 1}
     done = finish(mod, job.id)
     assert done.status is Status.SUCCEEDED
@@ -177,15 +201,13 @@ def test_failure_keeps_the_checkpoint_and_a_refused_save_writes_nothing(db, brok
     assert stored(sql, db, capped.id, "checkpoint") == {"a": 1}
 
 
-def test_resume_from_the_checkpoint_after_the_worker_is_killed_and_reaped(db, broker, durable_app, workers,
-                                                                          marker_dir, sql):
+def test_resume_from_the_checkpoint_after_the_worker_is_killed_and_reaped(db, broker, durable_app, workers, marker_dir, sql):
     mod = durable_app(db, broker, extra_env={"CL_TEST_LEASE": "3"})
     w1 = workers(db, broker, name="w1", module=MODULE)
     # With an effect, success goes through the transactional completion (the plain one
     # is covered by the retry test): both clear the checkpoint.
     job = mod.steps.submit({"steps": 40, "sleep": 0.1, "marker_dir": str(marker_dir), "effect": True})
-    wait_for(lambda: (stored(sql, db, job.id, "checkpoint") or {}).get("i", 0) >= 3, timeout=30,
-             what="a few checkpoints")
+    wait_for(lambda: (stored(sql, db, job.id, "checkpoint") or {}).get("i", 0) >= 3, timeout=30, what="a few checkpoints")
     w1.kill()
     saved = stored(sql, db, job.id, "checkpoint")["i"]
     reap_one(mod)
@@ -199,14 +221,20 @@ def test_resume_from_the_checkpoint_after_the_worker_is_killed_and_reaped(db, br
     assert effect_rows(sql, db, job.id) == [(job.id, 2, "steps")]
 
 
-def test_oversized_stored_checkpoint_fails_the_attempt_as_internal_error(db, broker, durable_app, workers,
-                                                                         make_job, marker_dir, sql):
+def test_oversized_stored_checkpoint_fails_the_attempt_as_internal_error(
+    db, broker, durable_app, workers, make_job, marker_dir, sql
+):
     mod = durable_app(db, broker)
     w = workers(db, broker, module=MODULE, conf={"lease_max_checkpoint_bytes": 1000})
     # Stored under a larger cap (or by an older version): over this worker's cap.
-    job_id = make_job(db, kind="ckpt", task="tests.app_durable.ckpt", max_attempts=2,
-                      payload={"mode": "retry", "dir": str(marker_dir)},
-                      checkpoint={"blob": "x" * 5000})
+    job_id = make_job(
+        db,
+        kind="ckpt",
+        task="tests.app_durable.ckpt",
+        max_attempts=2,
+        payload={"mode": "retry", "dir": str(marker_dir)},
+        checkpoint={"blob": "x" * 5000},
+    )
     mod.leases.publish_wakeups([{"id": job_id, "task": "tests.app_durable.ckpt", "queue": None}])
     done = finish(mod, job_id)
     assert done.status is Status.FAILED and done.attempt == 2
@@ -223,8 +251,12 @@ def test_progress_is_visible_while_running_and_the_last_value_lands(db, broker, 
     mod = durable_app(db, broker)
     workers(db, broker, module=MODULE)
     job = mod.steps.submit({"steps": 12, "sleep": 0.3})
-    seen = wait_for(lambda: (j := mod.leases.get(job.id)).status is Status.RUNNING and j.progress,
-                    timeout=30, interval=0.05, what="progress while running")
+    seen = wait_for(
+        lambda: (j := mod.leases.get(job.id)).status is Status.RUNNING and j.progress,
+        timeout=30,
+        interval=0.05,
+        what="progress while running",
+    )
     assert seen["of"] == 12 and 1 <= seen["done"] < 12
     done = mod.leases.wait(job.id, 30)
     assert done.status is Status.SUCCEEDED and done.progress == {"done": 12, "of": 12}
@@ -262,13 +294,11 @@ def test_progress_is_emitted_as_a_celery_event(pg, broker, durable_app, workers)
     thread = threading.Thread(target=capture, daemon=True)
     thread.start()
     client = redis.Redis.from_url(broker)
-    wait_for(lambda: client.pubsub_numpat() or client.pubsub_channels(), timeout=20,
-             what="the event receiver to subscribe")
+    wait_for(lambda: client.pubsub_numpat() or client.pubsub_channels(), timeout=20, what="the event receiver to subscribe")
     try:
         job = mod.steps.submit({"steps": 8, "sleep": 0.3})
         assert mod.leases.wait(job.id, 30).status is Status.SUCCEEDED
-        mine = wait_for(lambda: [e for e in got if e.get("uuid") == job.id], timeout=20,
-                        what="task-progress events")
+        mine = wait_for(lambda: [e for e in got if e.get("uuid") == job.id], timeout=20, what="task-progress events")
     finally:
         receivers[0].should_stop = True
         thread.join(10)
@@ -332,8 +362,9 @@ def test_bad_payloads_raise_at_submit_and_store_nothing(db, broker, durable_app,
 
 
 @pytest.mark.parametrize("stale_first", [True, False], ids=["stale-finishes-first", "fresh-finishes-first"])
-def test_stale_and_fresh_attempts_race_and_one_set_of_effect_rows_lands(db, broker, durable_app, workers,
-                                                                        marker_dir, sql, stale_first):
+def test_stale_and_fresh_attempts_race_and_one_set_of_effect_rows_lands(
+    db, broker, durable_app, workers, marker_dir, sql, stale_first
+):
     mod = durable_app(db, broker, extra_env={"CL_TEST_GATED_LEASE": "3"})
     w1 = workers(db, broker, name="w1", concurrency=1, module=MODULE)
     job = mod.gated.submit({"dir": str(marker_dir), "rows": 3})
@@ -376,7 +407,7 @@ def test_children_are_created_with_the_parents_success_in_its_run(db, broker, du
     run_id = str(uuid.uuid4())
     parent = mod.parent.submit({"children": [1, 2, 3]}, run_id=run_id)
     assert mod.leases.wait(parent.id, 30).status is Status.SUCCEEDED
-    children = [j for j in mod.leases.store.list(run_id=run_id, limit=10) if j.id != parent.id]
+    children = [j for j in mod.leases.store.list_jobs(run_id=run_id, limit=10) if j.id != parent.id]
     assert len(children) == 3
     assert {c.parent_id for c in children} == {parent.id} and {c.run_id for c in children} == {run_id}
     done = [mod.leases.wait(c.id, 30) for c in children]
@@ -408,13 +439,12 @@ def test_a_child_with_an_existing_idempotency_key_is_that_job(db, broker, durabl
     assert mod.leases.wait(parent.id, 30).status is Status.SUCCEEDED
     assert count_jobs(sql, db, jobs.c.idempotency_key == "child-1") == 1
     assert mod.leases.get(first.id).parent_id is None  # untouched by the parent
-    (child,) = [j for j in mod.leases.store.list(kind="echo", limit=10) if j.idempotency_key == "child-2"]
+    (child,) = [j for j in mod.leases.store.list_jobs(kind="echo", limit=10) if j.idempotency_key == "child-2"]
     assert child.parent_id == parent.id
     assert mod.leases.wait(child.id, 30).result["echo"] == "child-2"
 
 
-def test_cancel_run_cancels_its_jobs_refuses_submits_and_discards_late_results(db, broker, durable_app,
-                                                                               workers, marker_dir, sql):
+def test_cancel_run_cancels_its_jobs_refuses_submits_and_discards_late_results(db, broker, durable_app, workers, marker_dir, sql):
     mod = durable_app(db, broker)
     w = workers(db, broker, concurrency=1, module=MODULE)
     run_id = str(uuid.uuid4())
@@ -431,8 +461,11 @@ def test_cancel_run_cancels_its_jobs_refuses_submits_and_discards_late_results(d
     # The handler, which never checks for cancel, finishes anyway: its result and its
     # effect rows are discarded and the job stays cancelled.
     (marker_dir / "open").touch()
-    wait_for(lambda: f"job {running.id}: lease lost; succeeded outcome discarded" in w.log(), timeout=30,
-             what="the late result to be discarded")
+    wait_for(
+        lambda: f"job {running.id}: lease lost; succeeded outcome discarded" in w.log(),
+        timeout=30,
+        what="the late result to be discarded",
+    )
     late = mod.leases.get(running.id)
     assert late.status is Status.CANCELLED and late.result is None
     assert effect_rows(sql, db) == []
@@ -468,14 +501,11 @@ def test_run_event_log_records_each_jobs_life_in_order(db, broker, durable_app, 
     def life(job_id):
         return [(e["event"], e["attempt"]) for e in log if e["job_id"] == job_id]
 
-    assert life(retried.id) == [("dispatched", 0), ("claimed", 1), ("retried", 1), ("claimed", 2),
-                                ("succeeded", 2)]
+    assert life(retried.id) == [("dispatched", 0), ("claimed", 1), ("retried", 1), ("claimed", 2), ("succeeded", 2)]
     assert life(failed.id) == [("dispatched", 0), ("claimed", 1), ("failed", 1)]
     assert life(cancelled.id) == [("dispatched", 0), ("cancelled", 0)]
-    assert life(reaped.id) == [("dispatched", 0), ("claimed", 1), ("reaped", 1), ("claimed", 2),
-                               ("succeeded", 2)]
-    assert next(e["detail"] for e in log if e["job_id"] == failed.id and e["event"] == "failed") == \
-        "no source table"
+    assert life(reaped.id) == [("dispatched", 0), ("claimed", 1), ("reaped", 1), ("claimed", 2), ("succeeded", 2)]
+    assert next(e["detail"] for e in log if e["job_id"] == failed.id and e["event"] == "failed") == "no source table"
 
 
 # --- 6. idempotency under concurrent submits ---------------------------------------------
@@ -509,8 +539,17 @@ def test_concurrent_submits_from_processes_make_one_job(pg, broker, durable_app,
         "print(m.echo.submit({'value': os.getpid()}, idempotency_key='proc-key').id)\n"
     )
     env = _env(pg, broker)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(n)
+    ]
     try:
         wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == n, timeout=60, what="submitters to be ready")
         (tmp_path / "go").touch()
@@ -569,8 +608,7 @@ def test_two_beats_submit_each_slot_once(db, broker, durable_app, workers, beats
     for beat in pair:
         beat.kill()
     total = sum(sends(b) for b in pair)
-    wait_for(lambda: len(_BEAT_RESULT.findall(w.log())) == total, timeout=60, interval=0.5,
-             what="every tick to be handled")
+    wait_for(lambda: len(_BEAT_RESULT.findall(w.log())) == total, timeout=60, interval=0.5, what="every tick to be handled")
     results = [ast.literal_eval(m) for m in _BEAT_RESULT.findall(w.log())]
     by_key: dict[str, set[str]] = {}
     for r in results:
@@ -578,9 +616,8 @@ def test_two_beats_submit_each_slot_once(db, broker, durable_app, workers, beats
     # Every tick of a slot, from either beat, got the same job.
     assert all(len(ids) == 1 for ids in by_key.values()), by_key
     # Both beats fired the same slots, and each slot's duplicate tick stored nothing.
-    assert len(by_key) < total and any(
-        sum(r["key"] == key for r in results) == 2 for key in by_key), results
-    keyed = mod.leases.store.list(kind="echo", limit=1000)
+    assert len(by_key) < total and any(sum(r["key"] == key for r in results) == 2 for key in by_key), results
+    keyed = mod.leases.store.list_jobs(kind="echo", limit=1000)
     assert sorted(j.idempotency_key for j in keyed) == sorted(by_key)
     for key in by_key:
         slot = datetime.fromisoformat(key.removeprefix("beat:durable-tick:"))
@@ -594,8 +631,7 @@ def test_two_beats_submit_each_slot_once(db, broker, durable_app, workers, beats
 # --- 8. retention -------------------------------------------------------------------------
 
 
-def test_prune_deletes_old_terminal_jobs_and_their_events_in_bounded_batches(db, broker, durable_app,
-                                                                             make_job, sql):
+def test_prune_deletes_old_terminal_jobs_and_their_events_in_bounded_batches(db, broker, durable_app, make_job, sql):
     mod = durable_app(db, broker, conf={"lease_batch_size": 2})
     old = datetime.now(timezone.utc) - timedelta(days=10)
     recent = datetime.now(timezone.utc) - timedelta(minutes=1)
@@ -606,9 +642,10 @@ def test_prune_deletes_old_terminal_jobs_and_their_events_in_bounded_batches(db,
     kept += [make_job(db, status="pending", created_at=old), make_job(db, status="running", created_at=old)]
     run_id = str(uuid.uuid4())
     with sql(db).begin() as conn:
-        conn.execute(events.insert(), [
-            {"run_id": run_id, "job_id": j, "event": "succeeded", "attempt": 1, "created_at": old}
-            for j in doomed + kept])
+        conn.execute(
+            events.insert(),
+            [{"run_id": run_id, "job_id": j, "event": "succeeded", "attempt": 1, "created_at": old} for j in doomed + kept],
+        )
 
     deleted_per_statement: list[int] = []
 

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease import Status
-from celery_lease.schema import events, jobs
+from celery_lease.db.schema import events, jobs
 from tests.app import effects
 from tests.conftest import wait_for
 
@@ -42,9 +42,7 @@ def row(db, job_id: str) -> dict:
 
 def lease_in_future(db, job_id: str) -> bool:
     with db.connect() as conn:
-        return conn.execute(
-            sa.select(jobs.c.lease_expires_at > sa.func.now()).where(jobs.c.id == job_id)
-        ).scalar()
+        return conn.execute(sa.select(jobs.c.lease_expires_at > sa.func.now()).where(jobs.c.id == job_id)).scalar()
 
 
 def effect_rows(db, job_id: str | None = None) -> list[tuple[str, int]]:
@@ -57,8 +55,12 @@ def effect_rows(db, job_id: str | None = None) -> list[tuple[str, int]]:
 
 def run_events(db, job_id: str) -> list[tuple[str, str | None]]:
     with db.connect() as conn:
-        return [tuple(r) for r in conn.execute(
-            sa.select(events.c.event, events.c.detail).where(events.c.job_id == job_id).order_by(events.c.id))]
+        return [
+            tuple(r)
+            for r in conn.execute(
+                sa.select(events.c.event, events.c.detail).where(events.c.job_id == job_id).order_by(events.c.id)
+            )
+        ]
 
 
 def checkpoint_reached(db, job_id: str, i: int) -> bool:
@@ -116,8 +118,7 @@ def test_heartbeat_keeps_a_job_running_past_its_lease(pg, broker, client_app, wo
 # --- 2. SIGKILL of a whole worker -----------------------------------------------------
 
 
-def test_killed_worker_job_is_reaped_and_resumed_from_checkpoint(
-        pg, broker, client_app, workers, db, marker_dir):
+def test_killed_worker_job_is_reaped_and_resumed_from_checkpoint(pg, broker, client_app, workers, db, marker_dir):
     mod = client_app(pg, broker, extra_env=MEDIUM)
     w1 = workers(pg, broker, name="w1", extra_env=MEDIUM)
     run_id = new_run()
@@ -147,8 +148,7 @@ def test_killed_worker_job_is_reaped_and_resumed_from_checkpoint(
 # --- 3. SIGKILL of one pool child ------------------------------------------------------
 
 
-def test_killed_pool_child_job_is_reaped_and_finished_by_the_same_worker(
-        pg, broker, client_app, workers, db, marker_dir):
+def test_killed_pool_child_job_is_reaped_and_finished_by_the_same_worker(pg, broker, client_app, workers, db, marker_dir):
     mod = client_app(pg, broker, extra_env=MEDIUM)
     w1 = workers(pg, broker, name="w1", extra_env=MEDIUM)
     run_id = new_run()
@@ -189,8 +189,11 @@ def test_stale_completion_after_reap_is_discarded(pg, broker, client_app, worker
     finally:
         os.killpg(w1.pid, signal.SIGCONT)
     # The first attempt wakes past its sleep and tries to record success: refused.
-    wait_for(lambda: f"job {job.id}: lease lost; succeeded outcome discarded" in w1.log(),
-             timeout=30, what="the stale completion to be refused")
+    wait_for(
+        lambda: f"job {job.id}: lease lost; succeeded outcome discarded" in w1.log(),
+        timeout=30,
+        what="the stale completion to be refused",
+    )
     after = row(db, job.id)
     assert after["status"] == "succeeded" and after["attempt"] == 2
     assert after["finished_at"] == done.finished_at
@@ -204,8 +207,11 @@ def test_cancelled_non_cooperative_job_writes_nothing(pg, broker, client_app, wo
     pid_in(marker_dir / f"sleepy-{job.id}-1")
     assert mod.leases.cancel(job.id) is True
     assert mod.leases.get(job.id).status is Status.CANCELLED
-    wait_for(lambda: f"job {job.id}: lease lost; succeeded outcome discarded" in w1.log(),
-             timeout=30, what="the cancelled job's completion to be refused")
+    wait_for(
+        lambda: f"job {job.id}: lease lost; succeeded outcome discarded" in w1.log(),
+        timeout=30,
+        what="the cancelled job's completion to be refused",
+    )
     assert mod.leases.get(job.id).status is Status.CANCELLED
     assert effect_rows(db, job.id) == []
 
@@ -219,12 +225,18 @@ def _cancel_running_and_check(mod, w, db, job, cancel) -> None:
     assert mod.leases.get(job.id).status is Status.CANCELLED  # at once, in the table
     before = row(db, job.id)
     # 100 steps of 0.3 s would run for 30 s more; the handler must stop long before.
-    wait_for(lambda: f"job {job.id}: stopped after cancel or lease loss" in w.log(),
-             timeout=20, what="the handler to stop at raise_if_cancelled")
+    wait_for(
+        lambda: f"job {job.id}: stopped after cancel or lease loss" in w.log(),
+        timeout=20,
+        what="the handler to stop at raise_if_cancelled",
+    )
     after = row(db, job.id)
     assert after["status"] == "cancelled"
     assert (after["progress"], after["checkpoint"], after["lease_generation"]) == (
-        before["progress"], before["checkpoint"], before["lease_generation"])
+        before["progress"],
+        before["checkpoint"],
+        before["lease_generation"],
+    )
     assert after["checkpoint"]["i"] < 100 and after["result"] is None
 
 
@@ -242,27 +254,26 @@ def _cancel_waiter(pg, broker, client_app, workers, marker_dir, lease, cancel) -
     pid_in(marker_dir / f"waiter-{job.id}")
     cancel(mod, job.id)
     assert mod.leases.get(job.id).status is Status.CANCELLED
-    wait_for(lambda: f"job {job.id}: stopped after cancel or lease loss" in w.log(),
-             timeout=20, what="the handler to stop at raise_if_cancelled")
+    wait_for(
+        lambda: f"job {job.id}: stopped after cancel or lease loss" in w.log(),
+        timeout=20,
+        what="the handler to stop at raise_if_cancelled",
+    )
     assert mod.leases.get(job.id).status is Status.CANCELLED
 
 
 def test_cancel_is_noticed_by_the_heartbeat_alone(pg, broker, client_app, workers, marker_dir):
     # The handler writes nothing, and the store's cancel sends no notice on Redis:
     # only the heartbeat (every second with a 3 s lease) can tell it.
-    _cancel_waiter(pg, broker, client_app, workers, marker_dir, SHORT,
-                   lambda mod, job_id: mod.leases.store.cancel(job_id=job_id))
+    _cancel_waiter(pg, broker, client_app, workers, marker_dir, SHORT, lambda mod, job_id: mod.leases.store.cancel(job_id=job_id))
 
 
-def test_cancel_notice_reaches_the_worker_before_its_next_heartbeat(
-        pg, broker, client_app, workers, marker_dir):
+def test_cancel_notice_reaches_the_worker_before_its_next_heartbeat(pg, broker, client_app, workers, marker_dir):
     # With a 300 s lease the next renewal is 100 s away: only the notice can be this quick.
-    _cancel_waiter(pg, broker, client_app, workers, marker_dir, LONG,
-                   lambda mod, job_id: mod.leases.cancel(job_id))
+    _cancel_waiter(pg, broker, client_app, workers, marker_dir, LONG, lambda mod, job_id: mod.leases.cancel(job_id))
 
 
-def test_cancel_while_workers_are_down_holds_after_restart(
-        pg, broker, client_app, workers, db, marker_dir):
+def test_cancel_while_workers_are_down_holds_after_restart(pg, broker, client_app, workers, db, marker_dir):
     mod = client_app(pg, broker, extra_env=MEDIUM)
     w1 = workers(pg, broker, name="w1", extra_env=MEDIUM)
     running = mod.steps.submit({"steps": 30, "sleep": 0.2, "marker_dir": str(marker_dir)})
@@ -296,8 +307,7 @@ def test_cancel_run_cancels_every_non_terminal_job(pg, broker, client_app, worke
     finished = mod.echo.submit({"value": 0}, run_id=run_id)
     assert mod.leases.wait(finished.id, timeout=30).status is Status.SUCCEEDED
     running = [mod.steps.submit({"steps": 100, "sleep": 0.3}, run_id=run_id) for _ in range(2)]
-    wait_for(lambda: all(checkpoint_reached(db, j.id, 1) for j in running), timeout=30,
-             what="two jobs running")
+    wait_for(lambda: all(checkpoint_reached(db, j.id, 1) for j in running), timeout=30, what="two jobs running")
     queued = mod.steps.submit({"steps": 1}, run_id=run_id)  # both pool slots are busy
     delayed = mod.echo.submit({"value": 9}, run_id=run_id, run_after=600)
     other = mod.echo.submit({"value": 5}, run_after=600)  # another run is untouched
@@ -308,8 +318,9 @@ def test_cancel_run_cancels_every_non_terminal_job(pg, broker, client_app, worke
     assert mod.leases.get(finished.id).status is Status.SUCCEEDED
     assert mod.leases.get(other.id).status is Status.PENDING
     for job in running:
-        wait_for(lambda: f"job {job.id}: stopped after cancel or lease loss" in w.log(), timeout=20,
-                 what="running handlers to stop")
+        wait_for(
+            lambda: f"job {job.id}: stopped after cancel or lease loss" in w.log(), timeout=20, what="running handlers to stop"
+        )
     assert ("cancelled", None) in run_events(db, queued.id)
     with pytest.raises(LeaseError):
         mod.echo.submit({"value": 1}, run_id=run_id)
@@ -344,8 +355,7 @@ def test_warm_shutdown_hands_the_job_to_another_worker(pg, broker, client_app, w
 # --- 7. restart recovery --------------------------------------------------------------
 
 
-def test_restarted_worker_requeues_its_interrupted_job_at_once(
-        pg, broker, client_app, workers, db, marker_dir):
+def test_restarted_worker_requeues_its_interrupted_job_at_once(pg, broker, client_app, workers, db, marker_dir):
     mod = client_app(pg, broker, extra_env=LONG)
     w1 = workers(pg, broker, name="w1", extra_env=LONG)
     run_id = new_run()
@@ -363,19 +373,29 @@ def test_restarted_worker_requeues_its_interrupted_job_at_once(
 
 def test_restart_recovery_fails_a_job_with_no_attempts_left(pg, broker, workers, db, make_job):
     lease_end = datetime.now(timezone.utc) + timedelta(seconds=300)
-    common = dict(kind="steps", task="tests.app.steps", status="running", lease_generation=1,
-                  lease_expires_at=lease_end, payload={"steps": 1, "sleep": 0})
+    common = dict(
+        kind="steps",
+        task="tests.app.steps",
+        status="running",
+        lease_generation=1,
+        lease_expires_at=lease_end,
+        payload={"steps": 1, "sleep": 0},
+    )
     spent = make_job(pg, attempt=1, max_attempts=1, lease_owner="w1@testhost/4242/oldboot", **common)
     retry = make_job(pg, attempt=1, max_attempts=3, lease_owner="w1@testhost/4242/oldboot", **common)
     elsewhere = make_job(pg, attempt=1, max_attempts=1, lease_owner="w10@testhost/4242/oldboot", **common)
 
     workers(pg, broker, name="w1")
-    r = wait_for(lambda: (lambda r: r if r["status"] != "running" else None)(row(db, spent)),
-                 timeout=30, what="recovery of the spent job")
+    r = wait_for(
+        lambda: (lambda r: r if r["status"] != "running" else None)(row(db, spent)), timeout=30, what="recovery of the spent job"
+    )
     assert r["status"] == "failed" and r["error"] == "interrupted by restart"
     assert r["lease_owner"] is None and r["lease_losses"] == 1
-    done = wait_for(lambda: (lambda r: r if r["status"] == "succeeded" else None)(row(db, retry)),
-                    timeout=30, what="the requeued job to finish")
+    done = wait_for(
+        lambda: (lambda r: r if r["status"] == "succeeded" else None)(row(db, retry)),
+        timeout=30,
+        what="the requeued job to finish",
+    )
     assert done["attempt"] == 2
     other = row(db, elsewhere)  # another node's job is not this worker's to recover
     assert other["status"] == "running" and other["lease_owner"] == "w10@testhost/4242/oldboot"
@@ -390,8 +410,7 @@ def queue_length(redis_server, queue: str = "celery") -> int:
     return redis.Redis(port=redis_server.port).llen(queue)
 
 
-def test_sweeper_delivers_lost_wakeups_once_stale(
-        pg, broker, redis_server, client_app, workers, db, make_job):
+def test_sweeper_delivers_lost_wakeups_once_stale(pg, broker, redis_server, client_app, workers, db, make_job):
     conf = {"lease_sweep_stale_seconds": 5}
     mod = client_app(pg, broker, conf=conf)
     job = mod.echo.submit({"value": 1})
@@ -408,16 +427,14 @@ def test_sweeper_delivers_lost_wakeups_once_stale(
     assert done.status is Status.SUCCEEDED and done.attempt == 1
 
 
-def test_delayed_job_is_not_claimable_early_and_is_swept_when_due(
-        pg, broker, redis_server, client_app, workers, db, marker_dir):
+def test_delayed_job_is_not_claimable_early_and_is_swept_when_due(pg, broker, redis_server, client_app, workers, db, marker_dir):
     mod = client_app(pg, broker)
     job = mod.echo.submit({"value": 1, "marker_dir": str(marker_dir)}, run_after=8)
     assert queue_length(redis_server) == 0  # no ETA message parked in Redis
     assert row(db, job.id)["woken_at"] is None
     w = workers(pg, broker)
     mod.app.send_task(job.task, task_id=job.id)  # a wakeup before it is due
-    wait_for(lambda: f"job {job.id}: duplicate or not claimable" in w.log(), timeout=30,
-             what="the early wakeup to be consumed")
+    wait_for(lambda: f"job {job.id}: duplicate or not claimable" in w.log(), timeout=30, what="the early wakeup to be consumed")
     r = row(db, job.id)
     assert r["status"] == "pending" and r["attempt"] == 0
     assert not (marker_dir / f"echo-{job.id}").exists()
@@ -429,8 +446,7 @@ def test_delayed_job_is_not_claimable_early_and_is_swept_when_due(
     assert done.started_at >= r["run_after"]
 
 
-def test_submit_while_redis_is_down_is_delivered_by_the_sweeper_later(
-        pg, broker, redis_server, client_app, workers, db):
+def test_submit_while_redis_is_down_is_delivered_by_the_sweeper_later(pg, broker, redis_server, client_app, workers, db):
     mod = client_app(pg, broker)
     redis_server.stop()
     try:
@@ -477,8 +493,18 @@ def test_concurrent_sweeps_never_publish_a_wakeup_twice(pg, broker, redis_server
 def test_concurrent_reaps_never_requeue_a_job_twice(pg, broker, redis_server, client_app, make_job, db):
     mod = client_app(pg, broker, conf={"lease_batch_size": 7})
     expired = datetime.now(timezone.utc) - timedelta(seconds=5)
-    ids = [make_job(pg, status="running", attempt=1, lease_generation=1, lease_owner="gone@host/1/x",
-                    lease_expires_at=expired, payload={"value": i}) for i in range(150)]
+    ids = [
+        make_job(
+            pg,
+            status="running",
+            attempt=1,
+            lease_generation=1,
+            lease_owner="gone@host/1/x",
+            lease_expires_at=expired,
+            payload={"value": i},
+        )
+        for i in range(150)
+    ]
     counts = _concurrently(mod.leases.reap)
     assert sum(c["requeued"] for c in counts) == len(ids)
     assert sum(c["expired"] for c in counts) == 0
@@ -494,18 +520,20 @@ def test_concurrent_reaps_never_requeue_a_job_twice(pg, broker, redis_server, cl
 def terminate_worker_backends(admin) -> int:
     """Terminate every celery-lease connection to the test database but this one."""
     with admin.connect() as conn:
-        return conn.execute(sa.text(
-            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND application_name = 'celery-lease' "
-            "AND pid <> pg_backend_pid()")).scalar()
+        return conn.execute(
+            sa.text(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name = 'celery-lease' "
+                "AND pid <> pg_backend_pid()"
+            )
+        ).scalar()
 
 
 def assert_clean_outcome(db, ids: list[str]) -> dict[str, int]:
     """Every job terminal and consistent; exactly one effect per success; returns counts."""
     with db.connect() as conn:
         rows = {str(r["id"]): r for r in conn.execute(sa.select(jobs).where(jobs.c.id.in_(ids))).mappings()}
-        doubled = conn.execute(sa.select(effects.c.job_id).group_by(effects.c.job_id)
-                               .having(sa.func.count() > 1)).all()
+        doubled = conn.execute(sa.select(effects.c.job_id).group_by(effects.c.job_id).having(sa.func.count() > 1)).all()
     assert len(rows) == len(ids)
     assert doubled == []
     by_job = dict(effect_rows(db))
@@ -525,12 +553,17 @@ def assert_clean_outcome(db, ids: list[str]) -> dict[str, int]:
 
 def drive_until_terminal(leases, db, ids: list[str], timeout: float) -> None:
     """Play beat: reap and sweep until every job is terminal."""
+
     def done():
         leases.reap()
         leases.sweep()
         with db.connect() as conn:
-            return conn.execute(sa.select(sa.func.count()).where(
-                jobs.c.id.in_(ids), jobs.c.status.in_(["pending", "running"]))).scalar() == 0
+            return (
+                conn.execute(
+                    sa.select(sa.func.count()).where(jobs.c.id.in_(ids), jobs.c.status.in_(["pending", "running"]))
+                ).scalar()
+                == 0
+            )
 
     wait_for(done, timeout=timeout, interval=0.5, what="every job to finish")
 
@@ -539,8 +572,7 @@ def test_terminated_database_backends_neither_corrupt_nor_hang(pg, broker, clien
     conf = {"lease_sweep_stale_seconds": 3}
     env = {**SHORT, "CL_CHAOS_ATTEMPTS": "8"}
     mod = client_app(pg, broker, conf=conf, extra_env=env, module="tests.app_faults")
-    ws = [workers(pg, broker, name=f"w{i}", conf=conf, extra_env=env, module="tests.app_faults")
-          for i in (1, 2)]
+    ws = [workers(pg, broker, name=f"w{i}", conf=conf, extra_env=env, module="tests.app_faults") for i in (1, 2)]
     ids = [j.id for j in mod.chaos.submit_many([{"steps": 4, "sleep": 0.15}] * 40)]
     admin = sa.create_engine(pg, isolation_level="AUTOCOMMIT")
     terminated = 0

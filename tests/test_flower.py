@@ -20,14 +20,23 @@ EVENTS = {"worker_send_task_events": True}
 def flower(pg, broker, tmp_path):
     port = free_port()
     log_path = tmp_path / "flower.log"
-    env = _env(pg, broker, EVENTS, {
-        # Flower 2 serves its API only with authentication configured or this set.
-        "FLOWER_UNAUTHENTICATED_API": "true",
-    })
+    env = _env(
+        pg,
+        broker,
+        EVENTS,
+        {
+            # Flower 2 serves its API only with authentication configured or this set.
+            "FLOWER_UNAUTHENTICATED_API": "true",
+        },
+    )
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [CELERY, "-A", "tests.app", "flower", f"--port={port}", "--address=127.0.0.1", "--persistent=False"],
-            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
 
@@ -51,8 +60,12 @@ def _flower_task(flower, job_id: str) -> dict | None:
 
 
 def _state_in_flower(flower, job_id: str, state: str):
-    return wait_for(lambda: (t := _flower_task(flower, job_id)) and t.get("state") == state and t,
-                    timeout=30, interval=0.2, what=f"Flower to show {job_id} as {state}")
+    return wait_for(
+        lambda: (t := _flower_task(flower, job_id)) and t.get("state") == state and t,
+        timeout=30,
+        interval=0.2,
+        what=f"Flower to show {job_id} as {state}",
+    )
 
 
 def test_flower_shows_jobs_by_job_id_with_their_state_and_retries(pg, broker, client_app, workers, flower):

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease import Status
-from celery_lease.schema import events, jobs, runs
+from celery_lease.db.schema import events, jobs, runs
 from tests.conftest import wait_for
 
 
@@ -138,14 +138,14 @@ def test_keyset_pages_cover_every_job_once(db, request, make_job):
     """Many jobs share a created_at (same millisecond); pages must neither repeat nor
     skip them. On SQLite times are text, so the stored and the bound spelling of one
     instant must compare equal."""
-    from celery_lease.store import Store
+    from celery_lease.db.store import Store
 
     url = request.getfixturevalue(db)
     made = {make_job(url) for _ in range(25)}
     store = Store(url)
     seen, after = [], None
     for _ in range(20):  # 7 pages are enough; a cursor that repeats rows must not loop forever
-        page = store.list(limit=4, after=after)
+        page = store.list_jobs(limit=4, after=after)
         if not page:
             break
         seen.extend(j.id for j in page)
@@ -159,7 +159,7 @@ def test_children_placed_in_another_run_respect_that_run(pg, broker, client_app,
     refused); one submitted into a new run creates that run."""
     import uuid
 
-    from celery_lease.schema import runs
+    from celery_lease.db.schema import runs
 
     mod = client_app(pg, broker)
     cancelled_run, new_run = str(uuid.uuid4()), str(uuid.uuid4())

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease import InvalidPayload, LeaseError, Status
-from celery_lease.schema import events
+from celery_lease.db.schema import events
 from tests.conftest import throwaway_database, wait_for
 
 LEASE = "3"  # seconds: a killed worker's job is reaped this long after its last heartbeat
@@ -57,7 +57,7 @@ def _start(workers, db, broker, name):
 
 
 def _run_jobs(leases, run_id):
-    return sorted(leases.store.list(run_id=run_id, limit=1000), key=lambda j: j.created_at)
+    return sorted(leases.store.list_jobs(run_id=run_id, limit=1000), key=lambda j: j.created_at)
 
 
 def _finish(leases, run_id, timeout=90):
@@ -81,9 +81,15 @@ def _loaded(db: str, table: str, load_id: str) -> tuple[int, int, int]:
         with engine.connect() as conn:
             dest = sa.Table(warehouse.destination_name(table), sa.MetaData(), autoload_with=conn)
             mine = dest.c[warehouse.LOAD_JOB_COLUMN] == load_id
-            return tuple(conn.execute(sa.select(
-                sa.func.count(), sa.func.count(sa.distinct(dest.c.id)), sa.func.coalesce(sa.func.sum(dest.c.id), 0),
-            ).where(mine)).one())
+            return tuple(
+                conn.execute(
+                    sa.select(
+                        sa.func.count(),
+                        sa.func.count(sa.distinct(dest.c.id)),
+                        sa.func.coalesce(sa.func.sum(dest.c.id), 0),
+                    ).where(mine)
+                ).one()
+            )
     finally:
         engine.dispose()
 
@@ -95,14 +101,18 @@ def test_discover_extract_load_chained_survives_a_sigkilled_worker(pg, broker, s
     w2 = _start(workers, pg, broker, "w2")
     by_node = {"w1@testhost": w1, "w2@testhost": w2}
     run_id = str(uuid.uuid4())
-    discover = p.discover.submit({"source": source_url, "extract": True, "chunk_rows": 300, "pause": 0.2},
-                                 run_id=run_id)
+    discover = p.discover.submit({"source": source_url, "extract": True, "chunk_rows": 300, "pause": 0.2}, run_id=run_id)
 
     def an_extract_a_third_done():
         for job in _run_jobs(p.leases, run_id):
             prog = job.progress or {}
-            if job.kind == "extract" and job.status is Status.RUNNING and prog.get("of") \
-                    and prog.get("rows", 0) * 3 >= prog["of"] and prog["rows"] < prog["of"]:
+            if (
+                job.kind == "extract"
+                and job.status is Status.RUNNING
+                and prog.get("of")
+                and prog.get("rows", 0) * 3 >= prog["of"]
+                and prog["rows"] < prog["of"]
+            ):
                 return job
         return None
 
@@ -134,8 +144,9 @@ def test_discover_extract_load_chained_survives_a_sigkilled_worker(pg, broker, s
     assert resumed.result["resumed_from"] >= seen_rows > 0
     assert resumed.result["rows"] == counts[victim.payload["table"]]
     with sa.create_engine(pg).connect() as conn:
-        kinds = [r.event for r in conn.execute(
-            sa.select(events.c.event).where(events.c.job_id == victim.id).order_by(events.c.id))]
+        kinds = [
+            r.event for r in conn.execute(sa.select(events.c.event).where(events.c.job_id == victim.id).order_by(events.c.id))
+        ]
     assert "reaped" in kinds and kinds[-1] == "succeeded"
 
     # Exactly once: each destination table holds every source row, once.
@@ -148,8 +159,11 @@ def test_discover_extract_load_chained_survives_a_sigkilled_worker(pg, broker, s
     from tasks import warehouse
 
     with sa.create_engine(pg).connect() as conn:
-        leftover = conn.execute(sa.select(sa.func.count()).select_from(warehouse.staging).where(
-            warehouse.staging.c.extract_id.in_([j.id for j in extracts.values()]))).scalar_one()
+        leftover = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(warehouse.staging)
+            .where(warehouse.staging.c.extract_id.in_([j.id for j in extracts.values()]))
+        ).scalar_one()
     assert leftover == 0  # each load dropped its staged chunks with its success
 
 
@@ -161,16 +175,23 @@ def test_cancel_run_stops_the_chain(pg, broker, source_db, pipeline, workers):
     p.discover.submit({"source": source_url, "extract": True, "chunk_rows": 200, "pause": 0.3}, run_id=run_id)
 
     def a_running_extract():
-        return next((j for j in _run_jobs(p.leases, run_id) if j.kind == "extract"
-                     and j.status is Status.RUNNING and (j.progress or {}).get("rows")), None)
+        return next(
+            (
+                j
+                for j in _run_jobs(p.leases, run_id)
+                if j.kind == "extract" and j.status is Status.RUNNING and (j.progress or {}).get("rows")
+            ),
+            None,
+        )
 
     running = wait_for(a_running_extract, timeout=60, what="an extract to be under way")
     assert p.leases.cancel_run(run_id) >= 1
     jobs = _finish(p.leases, run_id, timeout=30)
     assert p.leases.get(running.id).status is Status.CANCELLED
     # The handler stopped at its next raise_if_cancelled, and wrote nothing after.
-    wait_for(lambda: f"job {running.id}: stopped after cancel" in w.log(), timeout=20,
-             what="the worker to stop the cancelled extract")
+    wait_for(
+        lambda: f"job {running.id}: stopped after cancel" in w.log(), timeout=20, what="the worker to stop the cancelled extract"
+    )
     # A load exists only for an extract that succeeded: none for a cancelled one.
     cancelled = {j.id for j in jobs if j.kind == "extract" and j.status is Status.CANCELLED}
     assert cancelled and not [j for j in jobs if j.kind == "load" and j.parent_id in cancelled]
@@ -201,18 +222,21 @@ def test_test_preview_and_clear_failures(pg, broker, source_db, pipeline, worker
     assert missing.status is Status.FAILED and missing.error == "the source has no table 'nope'"
 
 
-@pytest.mark.parametrize("kind, payload", [
-    ("extract", {"source": "not a url", "table": "orders"}),
-    ("extract", {"source": "sqlite:///x.db", "table": "orders", "chunk_rows": 0}),
-    ("extract", {"source": "sqlite:///x.db", "table": "orders", "pause": 60}),
-    ("extract", {"source": "sqlite:///x.db", "table": ""}),
-    ("preview", {"source": "sqlite:///x.db", "table": "orders", "limit": 10_000}),
-    ("discover", {"source": "sqlite:///x.db", "tables": "orders"}),
-    ("discover", {"source": "sqlite:///x.db", "colour": "blue"}),
-    ("load", {"extract_id": "x", "table": "t", "columns": [{"name": "a", "type": "blob"}]}),
-])
+@pytest.mark.parametrize(
+    "kind, payload",
+    [
+        ("extract", {"source": "not a url", "table": "orders"}),
+        ("extract", {"source": "sqlite:///x.db", "table": "orders", "chunk_rows": 0}),
+        ("extract", {"source": "sqlite:///x.db", "table": "orders", "pause": 60}),
+        ("extract", {"source": "sqlite:///x.db", "table": ""}),
+        ("preview", {"source": "sqlite:///x.db", "table": "orders", "limit": 10_000}),
+        ("discover", {"source": "sqlite:///x.db", "tables": "orders"}),
+        ("discover", {"source": "sqlite:///x.db", "colour": "blue"}),
+        ("load", {"extract_id": "x", "table": "t", "columns": [{"name": "a", "type": "blob"}]}),
+    ],
+)
 def test_bad_payloads_are_refused_at_submit(pg, broker, pipeline, kind, payload):
     p = pipeline(pg, broker)
     with pytest.raises(InvalidPayload):
         p.leases.submit(kind, payload)
-    assert p.leases.store.list(limit=10) == []
+    assert p.leases.store.list_jobs(limit=10) == []

@@ -7,9 +7,9 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from celery_lease import migrate
-from celery_lease.schema import metadata
-from celery_lease.store import Store
+from celery_lease.db import migrate
+from celery_lease.db.schema import metadata
+from celery_lease.db.store import Store
 from tests.conftest import throwaway_database
 
 
@@ -17,14 +17,20 @@ def _diff(url: str) -> list:
     engine = sa.create_engine(url)
     try:
         with engine.connect() as conn:
-            ctx = MigrationContext.configure(conn, opts={
-                "compare_type": True,
-                "compare_server_default": True,
-                "include_name": lambda name, type_, parent: type_ != "table" or name.startswith("celery_lease_"),
-            })
+            ctx = MigrationContext.configure(
+                conn,
+                opts={
+                    "compare_type": True,
+                    "compare_server_default": True,
+                    "include_name": lambda name, type_, parent: type_ != "table" or name.startswith("celery_lease_"),
+                },
+            )
             ignored = {"test_effects", migrate.VERSION_TABLE}  # not part of the declared schema
-            return [d for d in compare_metadata(ctx, metadata)
-                    if not (isinstance(d, tuple) and d[0] == "remove_table" and d[1].name in ignored)]
+            return [
+                d
+                for d in compare_metadata(ctx, metadata)
+                if not (isinstance(d, tuple) and d[0] == "remove_table" and d[1].name in ignored)
+            ]
     finally:
         engine.dispose()
 
@@ -42,8 +48,9 @@ def test_migrated_sqlite_schema_equals_declared(tmp_path):
 def test_partial_indexes_on_postgresql(pg):
     engine = sa.create_engine(pg)
     with engine.connect() as conn:
-        defs = dict(conn.exec_driver_sql(
-            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'celery_lease_jobs'").all())
+        defs = dict(
+            conn.exec_driver_sql("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'celery_lease_jobs'").all()
+        )
     engine.dispose()
     assert "WHERE" in defs["celery_lease_jobs_pending"] and "'pending'" in defs["celery_lease_jobs_pending"]
     assert "'running'" in defs["celery_lease_jobs_running"]

@@ -4,6 +4,7 @@ transactional enqueue publishes only after COMMIT; configuration errors are clea
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from datetime import datetime
 
@@ -13,17 +14,34 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_lease import CeleryLease, ConfigurationError, InvalidPayload, Status, UnknownKind
-from celery_lease.schema import jobs
+from celery_lease.db.schema import jobs
 from tests.conftest import CELERY, ROOT, _env, wait_for
+
+
+class Statements(list):
+    """Statements seen, and the thread that sent each one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def clear(self) -> None:
+        super().clear()
+        self.threads.clear()
+
+    def of_this_thread(self) -> list[str]:
+        me = threading.get_ident()
+        return [s for s, t in zip(self, self.threads) if t == me]
 
 
 @pytest.fixture
 def statements():
     """Every SQL statement this process sends, on any engine."""
-    seen: list[str] = []
+    seen = Statements()
 
     def record(conn, cursor, statement, *args):
         seen.append(statement)
+        seen.threads.append(threading.get_ident())
 
     sa.event.listen(sa.engine.Engine, "before_cursor_execute", record)
     yield seen
@@ -42,11 +60,14 @@ def queued(broker: str, queue: str = "celery") -> int:
     return redis.Redis.from_url(broker).llen(queue)
 
 
-@pytest.mark.parametrize("payload, message", [
-    ({"when": datetime(2026, 1, 1)}, "not JSON serializable"),
-    ({"x": float("nan")}, "Out of range float"),
-    ({"blob": "x" * (1024 * 1024 + 1)}, "over the cap"),
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        ({"when": datetime(2026, 1, 1)}, "not JSON serializable"),
+        ({"x": float("nan")}, "Out of range float"),
+        ({"blob": "x" * (1024 * 1024 + 1)}, "over the cap"),
+    ],
+)
 def test_bad_payload_raises_at_submit_and_stores_nothing(pg, broker, client_app, payload, message):
     mod = client_app(pg, broker)
     with pytest.raises(InvalidPayload, match=message):
@@ -121,15 +142,19 @@ def test_statements_per_job_from_submit_to_success(pg, broker, client_app, state
     prepared statements on, claim and completion are EXECUTEs of prepared statements."""
     from celery.contrib.testing.worker import start_worker
 
-    from celery_lease.prepared import Prepared
+    from celery_lease.db.prepared import Prepared
 
     executed: list[str] = []
+    executed_here: list[str] = []  # by the submitting thread (the worker claims in another)
     real_execute = Prepared.execute
 
     def counted(self, dbapi_connection, info, params):
         executed.append(self.prepare_sql.split(" AS ", 1)[1].split()[0].upper())
+        if threading.get_ident() == main:
+            executed_here.append(executed[-1])
         return real_execute(self, dbapi_connection, info, params)
 
+    main = threading.get_ident()
     monkeypatch.setattr(Prepared, "execute", counted)
     mod = client_app(pg, broker, conf={"lease_prepare_statements": prepare})
     with start_worker(mod.app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
@@ -137,13 +162,17 @@ def test_statements_per_job_from_submit_to_success(pg, broker, client_app, state
         mod.leases.wait(warm.id, 20)
         statements.clear()
         executed.clear()
+        executed_here.clear()
         job = mod.echo.submit({"value": 1})
-        submitted = [s.split()[0].upper() for s in statements] + executed
+        submitted = [s.split()[0].upper() for s in statements.of_this_thread()] + executed_here
         assert mod.leases.wait(job.id, 20).status is Status.SUCCEEDED
         during = [s for s in statements if "celery_lease_jobs" in s]
     # The waits' SELECTs are the test's own polling, not the job's cost.
-    cost = [s.split()[0].upper() for s in during if not s.lstrip().upper().startswith("SELECT")
-            or s.lstrip().upper().startswith("WITH")]
+    cost = [
+        s.split()[0].upper()
+        for s in during
+        if not s.lstrip().upper().startswith("SELECT") or s.lstrip().upper().startswith("WITH")
+    ]
     assert submitted == ["INSERT"]
     # submit; claim (+ its run event, in one statement); completion
     assert sorted(cost + executed) == ["INSERT", "UPDATE", "WITH"], (cost, executed)
@@ -163,10 +192,13 @@ def test_database_url_precedence(monkeypatch, tmp_path):
     assert CeleryLease(Celery("p4", broker="memory://"), "sqlite:///explicit.db").store.url.database == "explicit.db"
 
 
-@pytest.mark.parametrize("url, message", [
-    ("not a url", "database_url is not a valid database URL"),
-    ("mysql://root@localhost/db", "unsupported database 'mysql'"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("not a url", "database_url is not a valid database URL"),
+        ("mysql://root@localhost/db", "unsupported database 'mysql'"),
+    ],
+)
 def test_bad_database_url_fails_at_construction(url, message):
     with pytest.raises(ConfigurationError, match=message):
         CeleryLease(Celery("bad", broker="memory://"), url)
@@ -175,9 +207,24 @@ def test_bad_database_url_fails_at_construction(url, message):
 def test_unreachable_database_stops_the_worker_with_one_clear_line(broker):
     bad = "postgresql+psycopg2://root:topsecret@127.0.0.1:1/nowhere"
     proc = subprocess.run(
-        [CELERY, "-A", "tests.app", "worker", "-P", "solo", "-l", "INFO", "--without-mingle",
-         "--without-gossip", "--without-heartbeat"],
-        env=_env(bad, broker), cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [
+            CELERY,
+            "-A",
+            "tests.app",
+            "worker",
+            "-P",
+            "solo",
+            "-l",
+            "INFO",
+            "--without-mingle",
+            "--without-gossip",
+            "--without-heartbeat",
+        ],
+        env=_env(bad, broker),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode != 0
     line = [l for l in proc.stderr.splitlines() if l.startswith("celery-lease: cannot reach")]
@@ -195,8 +242,7 @@ def test_batched_successes_are_written_before_the_worker_exits(pg, broker, clien
     mod = client_app(pg, broker)
     w = workers(pg, broker, pool=pool, concurrency=1, extra_env={"CL_TEST_COMPLETION_LINGER": "60"})
     job = mod.echo.submit({"value": "held"})
-    wait_for(lambda: job.id in w.log() and "succeeded in" in w.log(), timeout=20,
-             what="the body to return")
+    wait_for(lambda: job.id in w.log() and "succeeded in" in w.log(), timeout=20, what="the body to return")
     time.sleep(0.5)
     assert mod.leases.get(job.id).status is Status.RUNNING  # its success sits in the batch
     assert w.stop() == 0

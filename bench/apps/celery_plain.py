@@ -48,8 +48,7 @@ def _prerun(task_id=None, **_):
 def _postrun(task_id=None, **_):
     global _records
     if _records is None:
-        _records = open(os.path.join(os.environ["BENCH_OUT"], f"records-{os.getpid()}.txt"), "a",
-                        buffering=1)
+        _records = open(os.path.join(os.environ["BENCH_OUT"], f"records-{os.getpid()}.txt"), "a", buffering=1)
     _records.write(f"{_started.pop(task_id, 0.0):.6f} {time.time():.6f}\n")
 
 

@@ -26,8 +26,7 @@ def statement_key(statement: str) -> str:
     verb = upper[0] if upper else "?"
     targets = {"UPDATE": 1, "INSERT": 2, "DELETE": 2, "SELECT": None}
     if verb == "WITH":
-        writes = [f"{w} {words[i + targets[w]]}" for i, w in enumerate(upper)
-                  if targets.get(w) and i + targets[w] < len(words)]
+        writes = [f"{w} {words[i + targets[w]]}" for i, w in enumerate(upper) if targets.get(w) and i + targets[w] < len(words)]
         return "WITH " + " + ".join(writes) if writes else "WITH SELECT"
     for i, word in enumerate(upper):
         if word in ("FROM", "INTO", "UPDATE") and i + 1 < len(words):
@@ -48,7 +47,7 @@ def _count_prepared() -> None:
     raw driver connection, which SQLAlchemy's events do not see: count those by the
     statement each one runs."""
     try:
-        from celery_lease.prepared import Prepared
+        from celery_lease.db.prepared import Prepared
     except ImportError:
         return
     execute = Prepared.execute

@@ -51,15 +51,16 @@ visible to a scrape of the database.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from .status import Event
+from celery_lease.status import Event
 
 if TYPE_CHECKING:
-    from .extension import CeleryLease
+    from celery_lease.extension import CeleryLease
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -67,18 +68,16 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class LeaseCollector:
     """A prometheus-client collector that queries the job table on every scrape."""
 
-    def __init__(self, leases: "CeleryLease") -> None:
+    def __init__(self, leases: CeleryLease) -> None:
         self._leases = leases
 
     def collect(self) -> Iterator[Metric]:
-        stale = float(self._leases.settings["lease_sweep_stale_seconds"])
+        stale = self._leases.settings.sweep_stale_seconds
         data = self._leases.store.metrics(stale)
 
         jobs = GaugeMetricFamily("celery_lease_jobs", "Jobs in each status.", labels=["status", "kind"])
         claims = GaugeMetricFamily("celery_lease_claims", "Attempts claimed by workers.", labels=["kind"])
-        losses = GaugeMetricFamily(
-            "celery_lease_lease_losses", "Leases lost to the reaper or restart recovery.", labels=["kind"]
-        )
+        losses = GaugeMetricFamily("celery_lease_lease_losses", "Leases lost to the reaper or restart recovery.", labels=["kind"])
         per_kind: dict[str, list[int]] = {}
         for status, kind, count, attempts, lost in data["jobs"]:
             jobs.add_metric([status, kind], count)
@@ -121,12 +120,10 @@ class LeaseCollector:
             value=max(0.0, float(age or 0.0)),
         )
         yield GaugeMetricFamily("celery_lease_leases_overdue", "Running jobs whose lease elapsed.", value=overdue)
-        yield GaugeMetricFamily(
-            "celery_lease_sweep_backlog", "Due pending jobs without a fresh wakeup.", value=unswept
-        )
+        yield GaugeMetricFamily("celery_lease_sweep_backlog", "Due pending jobs without a fresh wakeup.", value=unswept)
 
 
-def render(leases: "CeleryLease") -> bytes:
+def render(leases: CeleryLease) -> bytes:
     """The exposition text; raises the store's DatabaseUnavailable when it cannot read."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(LeaseCollector(leases))

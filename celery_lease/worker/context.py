@@ -2,52 +2,28 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Connection
 
-from . import queries as q
-from .errors import JobCancelled, JobSuspended
-from .payload import check_loaded_checkpoint, dump_checkpoint
+from celery_lease.db import queries as q
+from celery_lease.errors import JobCancelled, JobSuspended
+from celery_lease.kinds import JobKind
+from celery_lease.payload import check_loaded_checkpoint, dump_checkpoint
+from celery_lease.worker import shutdown
 
 if TYPE_CHECKING:
-    from .extension import CeleryLease
-    from .task import LeaseTask
-
-#: Set by the worker's main process on warm shutdown; lives in shared memory created
-#: before the pool forks, so every prefork child sees it at once without a signal.
-SHUTDOWN = multiprocessing.RawValue("b", 0)
+    from celery_lease.db.store import Store
+    from celery_lease.kinds import Registry
+    from celery_lease.producer import Producer
+    from celery_lease.worker.attempt import Attempt
+    from celery_lease.worker.heartbeat import Heartbeat
 
 #: ctx.publish() writes at most this often; the latest value always lands at the end.
 PROGRESS_MIN_INTERVAL = 0.25
-
-
-@dataclass
-class Attempt:
-    """One claimed attempt of a job: the fencing token and the lease's local state."""
-
-    job_id: str
-    generation: int
-    attempt: int
-    max_attempts: int
-    lease_seconds: int
-    run_id: str | None
-    parent_id: str | None
-    tenant: str | None
-    payload: Any
-    checkpoint: Any
-    #: Set once the lease is known lost (cancelled, reaped, heartbeat gave up).
-    lost: threading.Event = field(default_factory=threading.Event)
-    #: monotonic time of the last claim or renewal that the database confirmed.
-    renewed_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def fence(self) -> dict[str, Any]:
-        return {"job_id": self.job_id, "generation": self.generation}
 
 
 @dataclass
@@ -55,7 +31,8 @@ class Staged:
     """Writes that commit in the transaction recording the job's success."""
 
     effects: list[Callable[[Connection], Any]] = field(default_factory=list)
-    children: list[tuple["LeaseTask", Any, dict]] = field(default_factory=list)
+    #: (kind, serialized payload, submit options) of each child job.
+    children: list[tuple[JobKind, Any, dict]] = field(default_factory=list)
 
 
 class JobContext:
@@ -66,11 +43,25 @@ class JobContext:
     is True.
     """
 
-    def __init__(self, leases: "CeleryLease", task: "LeaseTask", attempt: Attempt) -> None:
-        self._leases = leases
-        self._task = task
+    def __init__(
+        self,
+        attempt: Attempt,
+        *,
+        store: Store,
+        producer: Producer,
+        registry: Registry,
+        heartbeat: Heartbeat,
+        max_checkpoint_bytes: int,
+        on_progress: Callable[[Any], None] | None = None,
+    ) -> None:
         self._attempt = attempt
-        self._checkpoint = check_loaded_checkpoint(attempt.checkpoint, leases.max_checkpoint_bytes)
+        self._store = store
+        self._producer = producer
+        self._registry = registry
+        self._heartbeat = heartbeat
+        self._max_checkpoint_bytes = max_checkpoint_bytes
+        self._on_progress = on_progress
+        self._checkpoint = check_loaded_checkpoint(attempt.checkpoint, max_checkpoint_bytes)
         self._progress: Any = None
         self._progress_dirty = False
         self._progress_written_at = 0.0
@@ -108,16 +99,16 @@ class JobContext:
     @property
     def suspended(self) -> bool:
         """The worker is shutting down: stop and let another worker resume."""
-        return bool(SHUTDOWN.value)
+        return shutdown.requested()
 
     @property
     def cancelled(self) -> bool:
-        return self._attempt.lost.is_set() or self.suspended
+        return self._attempt.is_lost or self.suspended
 
     def raise_if_cancelled(self) -> None:
         """Cooperative stop point: raises JobCancelled when the job was cancelled or
         its lease lost, JobSuspended on warm shutdown."""
-        if self._attempt.lost.is_set():
+        if self._attempt.is_lost:
             raise JobCancelled(self.job_id)
         if self.suspended:
             raise JobSuspended(self.job_id)
@@ -125,23 +116,15 @@ class JobContext:
     def heartbeat(self) -> bool:
         """Renew the lease now (the background heartbeat does this on its own).
         Returns False when the lease is lost."""
-        return self._leases.worker.heartbeat.renew_now(self._attempt)
+        return self._heartbeat.renew_now(self._attempt)
 
     # --- fenced writes -------------------------------------------------------------
-
-    def _write(self, stmt, **params) -> bool:
-        if self._attempt.lost.is_set():
-            return False
-        if self._leases.store.write_fenced(stmt, **self._attempt.fence, **params):
-            return True
-        self._attempt.lost.set()
-        return False
 
     def save_checkpoint(self, data: Any) -> bool:
         """Store ``data`` (JSON, capped) as the checkpoint; the next attempt starts from
         it. Returns False, writing nothing, when the lease is lost."""
-        data = dump_checkpoint(data, self._leases.max_checkpoint_bytes)
-        if not self._write(q.save_checkpoint(), new_checkpoint=data):
+        data = dump_checkpoint(data, self._max_checkpoint_bytes)
+        if not self._attempt.write(self._store, q.save_checkpoint(), new_checkpoint=data):
             return False
         self._checkpoint = data
         return True
@@ -153,7 +136,7 @@ class JobContext:
         write per PROGRESS_MIN_INTERVAL reaches the database, and the last value is
         written with the job's completion.
         """
-        dump_checkpoint(partial, self._leases.max_checkpoint_bytes)  # JSON and size check
+        dump_checkpoint(partial, self._max_checkpoint_bytes)  # JSON and size check
         self._progress = partial
         self._progress_dirty = True
         if time.monotonic() - self._progress_written_at >= PROGRESS_MIN_INTERVAL:
@@ -164,8 +147,9 @@ class JobContext:
             return
         self._progress_dirty = False
         self._progress_written_at = time.monotonic()
-        if self._write(q.publish_progress(), new_progress=self._progress):
-            self._task.emit_progress(self._progress)
+        if self._attempt.write(self._store, q.publish_progress(), new_progress=self._progress):
+            if self._on_progress is not None:
+                self._on_progress(self._progress)
 
     @property
     def pending_progress(self) -> Any:
@@ -180,12 +164,12 @@ class JobContext:
         rows are written exactly once, by the attempt that succeeds."""
         self.staged.effects.append(fn)
 
-    def submit(self, task: "LeaseTask | str", payload: Any, **options) -> None:
+    def submit(self, task: Any, payload: Any, **options) -> None:
         """Submit a child job, created in the same transaction as this job's success
         (no child without the parent's success). It inherits this job's run and
         tenant, and has this job as its parent."""
-        task = self._leases.task_for(task)
+        spec = self._registry.resolve(task)
         options.setdefault("run_id", self.run_id)
         options.setdefault("tenant", self._attempt.tenant)
         options["parent_id"] = self.job_id
-        self.staged.children.append((task, task.codec.dump_payload(payload), options))
+        self.staged.children.append((spec, self._producer.serialize(spec, payload), options))

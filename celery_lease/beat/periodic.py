@@ -24,19 +24,20 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
-from celery import Task
+from celery import Celery, Task
 from celery.schedules import BaseSchedule, crontab, schedule
 
-from .errors import ConfigurationError
+from celery_lease.errors import ConfigurationError
+from celery_lease.kinds import JobKind, Registry
 
 if TYPE_CHECKING:
-    from .extension import CeleryLease
-    from .job import Job
-    from .task import LeaseTask
+    from celery_lease.job import Job
+    from celery_lease.producer import Producer
 
 BEAT_SUBMIT_TASK = "celery_lease.beat_submit"
 #: The idempotency key column holds 255 characters; the slot's ISO time takes 32.
@@ -48,7 +49,7 @@ class Periodic:
     """One leased job kind in the beat schedule."""
 
     name: str
-    task: "LeaseTask"
+    kind: JobKind
     schedule: BaseSchedule
     payload: Any  # already validated and serialized
 
@@ -75,8 +76,7 @@ def _as_schedule(every: Any, app) -> BaseSchedule:
             raise ValueError("a periodic job's interval must be positive")
         return every
     raise TypeError(
-        f"a periodic job runs on seconds, a timedelta, celery.schedules.schedule or crontab, "
-        f"not {type(every).__name__}"
+        f"a periodic job runs on seconds, a timedelta, celery.schedules.schedule or crontab, not {type(every).__name__}"
     )
 
 
@@ -85,7 +85,7 @@ class BeatSubmitTask(Task):
 
     #: Its return value only goes to the worker log.
     ignore_result = True
-    beat_jobs: "BeatJobs"
+    beat_jobs: BeatJobs
 
     def apply_async(self, args=None, kwargs=None, **options):
         # Beat calls this in its own process at the tick: the slot is taken from the
@@ -104,24 +104,30 @@ def beat_submit(self: BeatSubmitTask, name: str, key: str) -> dict[str, str]:
 class BeatJobs:
     """The periodic leased jobs of one CeleryLease, and the task that submits them."""
 
-    def __init__(self, leases: "CeleryLease") -> None:
-        self._leases = leases
+    def __init__(self, app: Celery, registry: Registry, producer: Callable[[], Producer]) -> None:
+        self._app = app
+        self._registry = registry
+        self._producer = producer
         self._entries: dict[str, Periodic] = {}
-        leases.app.task(
-            name=BEAT_SUBMIT_TASK, base=BeatSubmitTask, bind=True, shared=False,
-            _force_evaluate=True, beat_jobs=self,
+        app.task(
+            name=BEAT_SUBMIT_TASK,
+            base=BeatSubmitTask,
+            bind=True,
+            shared=False,
+            _force_evaluate=True,
+            beat_jobs=self,
         )(beat_submit)
 
-    def add(self, name: str, task: "LeaseTask | str", every: Any, payload: Any = None) -> Periodic:
+    def add(self, name: str, task: Any, every: Any, payload: Any = None) -> Periodic:
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH:
             raise ValueError(f"a periodic job's name must be 1 to {MAX_NAME_LENGTH} characters")
         if name in self._entries:
             raise ValueError(f"periodic job {name!r} is already scheduled")
-        task = self._leases.task_for(task)
+        spec = self._registry.resolve(task)
         payload = {} if payload is None else payload  # a job always has a payload
-        entry = Periodic(name, task, _as_schedule(every, self._leases.app), task.codec.dump_payload(payload))
+        entry = Periodic(name, spec, _as_schedule(every, self._app), self._producer().serialize(spec, payload))
         self._entries[name] = entry
-        app = self._leases.app
+        app = self._app
         app.conf.beat_schedule = {
             **(app.conf.beat_schedule or {}),
             name: {"task": BEAT_SUBMIT_TASK, "schedule": entry.schedule, "args": (name,)},
@@ -133,11 +139,10 @@ class BeatJobs:
             return self._entries[name]
         except KeyError:
             raise ConfigurationError(
-                f"no periodic job {name!r} in this process: beat and workers must run the "
-                f"same app module"
+                f"no periodic job {name!r} in this process: beat and workers must run the same app module"
             ) from None
 
-    def submit(self, name: str, key: str) -> "Job":
+    def submit(self, name: str, key: str) -> Job:
         """Submit ``name``'s job for the slot ``key``; a second call returns the same job."""
         entry = self.entry(name)
-        return entry.task.submit(entry.payload, idempotency_key=key)
+        return self._producer().submit_many(entry.kind, [entry.payload], idempotency_keys=[key])[0]

@@ -20,11 +20,11 @@ import uuid
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from .job import Job
-from .status import Status
+from celery_lease.job import Job
+from celery_lease.status import Status
 
 if TYPE_CHECKING:
-    from .extension import CeleryLease
+    from celery_lease.extension import CeleryLease
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 500
@@ -34,8 +34,21 @@ MAX_CURSOR_CHARS = 200
 MAX_KIND_CHARS = 200
 
 #: What the HTTP API shows of a job (the payload and lease internals stay private).
-API_FIELDS = ("id", "kind", "status", "result", "error", "progress", "attempt", "max_attempts",
-              "created_at", "started_at", "finished_at", "run_id", "parent_id")
+API_FIELDS = (
+    "id",
+    "kind",
+    "status",
+    "result",
+    "error",
+    "progress",
+    "attempt",
+    "max_attempts",
+    "created_at",
+    "started_at",
+    "finished_at",
+    "run_id",
+    "parent_id",
+)
 
 
 def parse_status(value: str | None) -> str | None:
@@ -100,8 +113,9 @@ class Query:
     after: tuple[datetime, str] | None = None
 
     @classmethod
-    def parse(cls, *, status: str | None = None, kind: str | None = None, limit: Any = DEFAULT_LIMIT,
-              cursor: str | None = None) -> "Query":
+    def parse(
+        cls, *, status: str | None = None, kind: str | None = None, limit: Any = DEFAULT_LIMIT, cursor: str | None = None
+    ) -> Query:
         """Raises ValueError, naming what is wrong, before anything is read."""
         return cls(parse_status(status), parse_kind(kind), parse_limit(limit), decode_cursor(cursor))
 
@@ -113,13 +127,12 @@ class Page:
     next_cursor: str | None
 
 
-def list_page(leases: "CeleryLease", query: Query, *, tenant: str | None = None) -> Page:
+def list_page(leases: CeleryLease, query: Query, *, tenant: str | None = None) -> Page:
     """One page of jobs, newest first. ``tenant`` None means every tenant."""
     # One row more than asked tells whether another page exists.
-    jobs = leases.store.list(status=query.status, kind=query.kind, tenant=tenant, after=query.after,
-                             limit=query.limit + 1)
+    jobs = leases.store.list_jobs(status=query.status, kind=query.kind, tenant=tenant, after=query.after, limit=query.limit + 1)
     more = len(jobs) > query.limit
-    jobs = jobs[:query.limit]
+    jobs = jobs[: query.limit]
     return Page(jobs, encode_cursor(jobs[-1]) if more else None)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .store import Store
+from celery_lease.db.store import Store
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 VERSION_TABLE = "celery_lease_alembic_version"
@@ -32,10 +32,10 @@ def upgrade(store: Store, revision: str = "head") -> str:
         command.upgrade(_config(conn), revision)
         return MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
 
-    return store.run(store.durable, work)
+    return store.transaction(store.durable, work)
 
 
 def head() -> str:
     from alembic.script import ScriptDirectory
 
-    return ScriptDirectory.from_config(_config(None)).get_current_head()
+    return str(ScriptDirectory.from_config(_config(None)).get_current_head())

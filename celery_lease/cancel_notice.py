@@ -19,12 +19,10 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import Any
 
-if TYPE_CHECKING:
-    from .extension import CeleryLease
-
-log = logging.getLogger("celery_lease.notify")
+log = logging.getLogger("celery_lease.cancel_notice")
 
 CHANNEL = "celery-lease:cancelled"
 #: Publishing is on the caller's path (leases.cancel): never wait long for Redis.
@@ -33,23 +31,22 @@ PUBLISH_TIMEOUT = 1.0
 RECONNECT_SECONDS = 1.0
 
 
-def redis_url(leases: "CeleryLease") -> str | None:
+def redis_url(broker_url: Any) -> str | None:
     """The broker URL when it is a Redis server, else None (no notices)."""
-    url = leases.app.conf.broker_url
+    url = broker_url
     if isinstance(url, str) and url.split("://", 1)[0] in ("redis", "rediss"):
         return url
     return None
 
 
-def publish(leases: "CeleryLease", job_ids: list[str]) -> bool:
+def publish(broker_url: Any, job_ids: list[str]) -> bool:
     """Announce cancelled jobs; False when no notice could be sent."""
-    url = redis_url(leases)
+    url = redis_url(broker_url)
     if url is None or not job_ids:
         return False
     import redis
 
-    client = redis.Redis.from_url(url, socket_timeout=PUBLISH_TIMEOUT,
-                                  socket_connect_timeout=PUBLISH_TIMEOUT)
+    client = redis.Redis.from_url(url, socket_timeout=PUBLISH_TIMEOUT, socket_connect_timeout=PUBLISH_TIMEOUT)
     try:
         client.publish(CHANNEL, json.dumps(job_ids))
         return True
@@ -60,17 +57,16 @@ def publish(leases: "CeleryLease", job_ids: list[str]) -> bool:
         client.close()
 
 
-def listen(leases: "CeleryLease", wake: Callable[[], None]) -> threading.Thread | None:
+def listen(broker_url: Any, wake: Callable[[], None]) -> threading.Thread | None:
     """Start this process's listener thread, calling ``wake()`` on every notice.
 
     Called once per process (by the heartbeat when it starts); returns None when the
     broker is not Redis.
     """
-    url = redis_url(leases)
+    url = redis_url(broker_url)
     if url is None:
         return None
-    thread = threading.Thread(target=_listen, args=(url, wake), name="celery-lease-cancel-notice",
-                              daemon=True)
+    thread = threading.Thread(target=_listen, args=(url, wake), name="celery-lease-cancel-notice", daemon=True)
     thread.start()
     return thread
 

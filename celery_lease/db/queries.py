@@ -21,15 +21,16 @@ depend on the clocks of the worker and beat hosts agreeing.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
-from .schema import ID, events, jobs, runs
-from .status import TERMINAL, Event, Status
+from celery_lease.db.schema import ID, events, jobs, runs
+from celery_lease.status import TERMINAL, Event, Status
 
 # --- database time -----------------------------------------------------------------
 
@@ -73,10 +74,7 @@ def _now_plus_default(element, compiler, **kw):
 @compiles(db_now_plus, "sqlite")
 def _now_plus_sqlite(element, compiler, **kw):
     (seconds,) = element.clauses
-    return (
-        f"(strftime({_SQLITE_TS}, 'now', "
-        f"printf('%+.6f seconds', {compiler.process(seconds, **kw)})) || '000')"
-    )
+    return f"(strftime({_SQLITE_TS}, 'now', printf('%+.6f seconds', {compiler.process(seconds, **kw)})) || '000')"
 
 
 def _seconds(name: str) -> sa.BindParameter:
@@ -97,8 +95,17 @@ _lease_cleared = {"lease_owner": None, "lease_expires_at": None}
 
 #: What a worker needs from a claimed job.
 CLAIMED_COLUMNS = (
-    _c.id, _c.kind, _c.attempt, _c.max_attempts, _c.lease_seconds, _c.lease_generation,
-    _c.payload, _c.checkpoint, _c.run_id, _c.parent_id, _c.tenant,
+    _c.id,
+    _c.kind,
+    _c.attempt,
+    _c.max_attempts,
+    _c.lease_seconds,
+    _c.lease_generation,
+    _c.payload,
+    _c.checkpoint,
+    _c.run_id,
+    _c.parent_id,
+    _c.tenant,
 )
 #: What is needed to (re)publish a job's wakeup.
 WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
@@ -118,11 +125,12 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
     With an idempotency key, a conflicting (kind, key) inserts nothing; the caller
     then reads the existing job with ``get_jobs_by_keys``.
     """
+    stmt: Any
     if dialect == "postgresql":
         stmt = postgresql.insert(jobs)
     elif dialect == "sqlite":
         stmt = sqlite.insert(jobs)
-    else:  # pragma: no cover - create_store refuses other dialects
+    else:  # pragma: no cover - Store refuses other dialects
         raise AssertionError(dialect)
     if on_key_conflict_nothing:
         stmt = stmt.on_conflict_do_nothing(
@@ -138,20 +146,12 @@ def get_jobs_by_keys(kind: str, keys: Sequence[str]) -> sa.Select:
 
 def mark_not_woken(ids: Sequence[str]) -> sa.Update:
     """mark_not_woken: a wakeup could not be published; the sweeper sends it next tick."""
-    return (
-        sa.update(jobs)
-        .where(_c.id.in_(ids), _c.status == Status.PENDING.value)
-        .values(woken_at=None)
-    )
+    return sa.update(jobs).where(_c.id.in_(ids), _c.status == Status.PENDING.value).values(woken_at=None)
 
 
 def upsert_run(dialect: str, run_id: str) -> sa.Insert:
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    return (
-        insert(runs)
-        .values(id=run_id, created_at=db_now())
-        .on_conflict_do_nothing(index_elements=[runs.c.id])
-    )
+    return insert(runs).values(id=run_id, created_at=db_now()).on_conflict_do_nothing(index_elements=[runs.c.id])
 
 
 def get_run(run_id: str) -> sa.Select:
@@ -191,14 +191,11 @@ def list_jobs(
     if after is not None:
         created_at, job_id = after
         # On SQLite this compares text: db_now() spells times as bound datetimes do.
-        stmt = stmt.where(
-            sa.or_(_c.created_at < created_at, sa.and_(_c.created_at == created_at, _c.id < job_id))
-        )
+        stmt = stmt.where(sa.or_(_c.created_at < created_at, sa.and_(_c.created_at == created_at, _c.id < job_id)))
     return stmt.order_by(_c.created_at.desc(), _c.id.desc()).limit(limit)
 
 
-def list_run_events(run_id: str, *, after_id: int = 0, limit: int = 1000,
-                    tenant: str | None = None) -> sa.Select:
+def list_run_events(run_id: str, *, after_id: int = 0, limit: int = 1000, tenant: str | None = None) -> sa.Select:
     """A run's events in order; with ``tenant``, only events of that tenant's jobs."""
     stmt = sa.select(events).where(events.c.run_id == run_id, events.c.id > after_id)
     if tenant is not None:
@@ -231,9 +228,9 @@ def _epoch_sqlite(element, compiler, **kw):
 @functools.cache
 def job_totals() -> sa.Select:
     """Per (status, kind): jobs, attempts claimed, leases lost (reaped or interrupted)."""
-    return sa.select(
-        _c.status, _c.kind, sa.func.count(), sa.func.sum(_c.attempt), sa.func.sum(_c.lease_losses)
-    ).group_by(_c.status, _c.kind)
+    return sa.select(_c.status, _c.kind, sa.func.count(), sa.func.sum(_c.attempt), sa.func.sum(_c.lease_losses)).group_by(
+        _c.status, _c.kind
+    )
 
 
 @functools.cache
@@ -241,9 +238,7 @@ def event_totals() -> sa.Select:
     """Per (event, detail prefix): rows of the run event logs. The detail tells a
     requeue by restart recovery ("interrupted by restart: ...") from a shutdown handoff."""
     restart = events.c.detail.startswith("interrupted by restart")
-    return sa.select(events.c.event, restart.label("restart"), sa.func.count()).group_by(
-        events.c.event, restart
-    )
+    return sa.select(events.c.event, restart.label("restart"), sa.func.count()).group_by(events.c.event, restart)
 
 
 @functools.cache
@@ -304,20 +299,28 @@ def claim_job_logged() -> sa.Select:
     statement (PostgreSQL data-modifying CTE): the claim stays a single round trip
     and the event can never exist without the claim, nor the claim without it."""
     claimed = claim_job().cte("claimed")
-    logged = sa.insert(events).from_select(
-        ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
-        sa.select(
-            claimed.c.run_id, claimed.c.id, sa.literal(Event.CLAIMED.value), claimed.c.attempt,
-            sa.bindparam("owner", type_=sa.Text), db_now(),
-        ).where(claimed.c.run_id.is_not(None)),
-    ).cte("logged")
+    logged = (
+        sa.insert(events)
+        .from_select(
+            ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
+            sa.select(
+                claimed.c.run_id,
+                claimed.c.id,
+                sa.literal(Event.CLAIMED.value),
+                claimed.c.attempt,
+                sa.bindparam("owner", type_=sa.Text),
+                db_now(),
+            ).where(claimed.c.run_id.is_not(None)),
+        )
+        .cte("logged")
+    )
     return sa.select(claimed).add_cte(logged)
 
 
 def renew_leases(leases: Iterable[tuple[str, int]]) -> sa.Update:
     """renew_leases: one statement for every lease a worker process holds.
 
-    Returns the ids renewed; a lease missing from the result is lost.
+    Returns (id, generation) of each lease renewed; a lease missing from it is lost.
     """
     return (
         sa.update(jobs)
@@ -326,26 +329,18 @@ def renew_leases(leases: Iterable[tuple[str, int]]) -> sa.Update:
             _c.status == Status.RUNNING.value,
         )
         .values(lease_expires_at=db_now_plus(_c.lease_seconds), updated_at=db_now())
-        .returning(_c.id)
+        .returning(_c.id, _c.lease_generation)
     )
 
 
 @functools.cache
 def save_checkpoint() -> sa.Update:
-    return (
-        sa.update(jobs)
-        .where(_running_under_lease)
-        .values(checkpoint=sa.bindparam("new_checkpoint"), updated_at=db_now())
-    )
+    return sa.update(jobs).where(_running_under_lease).values(checkpoint=sa.bindparam("new_checkpoint"), updated_at=db_now())
 
 
 @functools.cache
 def publish_progress() -> sa.Update:
-    return (
-        sa.update(jobs)
-        .where(_running_under_lease)
-        .values(progress=sa.bindparam("new_progress"), updated_at=db_now())
-    )
+    return sa.update(jobs).where(_running_under_lease).values(progress=sa.bindparam("new_progress"), updated_at=db_now())
 
 
 @functools.cache
@@ -481,11 +476,7 @@ def cancel_jobs(*, job_id: str | None = None, run_id: str | None = None) -> sa.U
 
 @functools.cache
 def cancel_run() -> sa.Update:
-    return (
-        sa.update(runs)
-        .where(runs.c.id == sa.bindparam("run_id"), runs.c.cancelled_at.is_(None))
-        .values(cancelled_at=db_now())
-    )
+    return sa.update(runs).where(runs.c.id == sa.bindparam("run_id"), runs.c.cancelled_at.is_(None)).values(cancelled_at=db_now())
 
 
 def _requeue_or(final: Status) -> dict[str, Any]:
@@ -524,9 +515,7 @@ def reap_expired() -> sa.Update:
     """reap_expired: running jobs whose lease elapsed -> pending, or expired when their
     attempts are spent. Bounded by :limit; safe with several beats (SKIP LOCKED)."""
     values = _requeue_or(Status.EXPIRED)
-    values["error"] = sa.case(
-        (_c.attempt >= _c.max_attempts, sa.literal("lease expired")), else_=_c.error
-    )
+    values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal("lease expired")), else_=_c.error)
     return (
         sa.update(jobs)
         .where(_c.id.in_(_batch(_lease_elapsed, _c.lease_expires_at, "limit")), _lease_elapsed)
@@ -548,15 +537,8 @@ def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
         sa.not_(_c.lease_owner.endswith(owner_boot, autoescape=True)),
     )
     values = _requeue_or(Status.FAILED)
-    values["error"] = sa.case(
-        (_c.attempt >= _c.max_attempts, sa.literal("interrupted by restart")), else_=_c.error
-    )
-    return (
-        sa.update(jobs)
-        .where(where)
-        .values(**values)
-        .returning(_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue)
-    )
+    values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal("interrupted by restart")), else_=_c.error)
+    return sa.update(jobs).where(where).values(**values).returning(_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue)
 
 
 @functools.cache
@@ -611,5 +593,4 @@ def append_events() -> sa.Insert:
 
 
 def event_row(run_id: str, job_id: str, event: Event, attempt: int, detail: str | None = None):
-    return {"run_id": run_id, "job_id": job_id, "event": event.value, "attempt": attempt,
-            "detail": detail}
+    return {"run_id": run_id, "job_id": job_id, "event": event.value, "attempt": attempt, "detail": detail}

@@ -7,18 +7,20 @@ its body runs the handler of the attempt that ``task_prerun`` claimed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from celery import Task
 
-from .job import Job
-from .payload import Codec
+from celery_lease.job import Job
+from celery_lease.kinds import JobKind
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from .extension import CeleryLease
+    from celery_lease.producer import Producer
+    from celery_lease.worker.executor import WorkerState
 
 
 class LeaseTask(Task):
@@ -31,22 +33,35 @@ class LeaseTask(Task):
     typing = False
 
     # Set per handler by CeleryLease.job():
-    lease: "CeleryLease"
-    kind: str
-    fn: Callable[..., Any]
-    codec: Codec
-    max_attempts: int
-    lease_seconds: int
-    retry_backoff: float
-    retry_backoff_max: float
-    lease_queue: str | None = None
+    spec: JobKind
+    #: The CeleryLease this task belongs to (signals are process-global: they check it).
+    owner: object
+    #: This process's producer and worker side, made on first use (after fork).
+    producer: Callable[[], Producer]
+    worker_state: Callable[[], WorkerState]
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def codec(self):
+        return self.spec.codec
+
+    @property
+    def max_attempts(self) -> int:
+        return self.spec.max_attempts
+
+    @property
+    def lease_seconds(self) -> int:
+        return self.spec.lease_seconds
 
     def submit(
         self,
         payload: Any,
         *,
         idempotency_key: str | None = None,
-        connection: "Connection | None" = None,
+        connection: Connection | None = None,
         run_after: datetime | timedelta | float | None = None,
         run_id: str | None = None,
         tenant: str | None = None,
@@ -59,10 +74,15 @@ class LeaseTask(Task):
         neither. With ``idempotency_key``, a second submit of the same kind and key
         returns the first job and stores nothing.
         """
-        return self.lease.submit_many(
-            self, [payload],
+        return self.producer().submit_many(
+            self.spec,
+            [payload],
             idempotency_keys=None if idempotency_key is None else [idempotency_key],
-            connection=connection, run_after=run_after, run_id=run_id, tenant=tenant, queue=queue,
+            connection=connection,
+            run_after=run_after,
+            run_id=run_id,
+            tenant=tenant,
+            queue=queue,
         )[0]
 
     def submit_many(
@@ -70,32 +90,45 @@ class LeaseTask(Task):
         payloads: Iterable[Any],
         *,
         idempotency_keys: Iterable[str] | None = None,
-        connection: "Connection | None" = None,
+        connection: Connection | None = None,
         run_after: datetime | timedelta | float | None = None,
         run_id: str | None = None,
         tenant: str | None = None,
         queue: str | None = None,
     ) -> list[Job]:
         """Store many jobs with one multi-row INSERT and pipeline their wakeups."""
-        return self.lease.submit_many(
-            self, payloads, idempotency_keys=idempotency_keys, connection=connection,
-            run_after=run_after, run_id=run_id, tenant=tenant, queue=queue,
+        return self.producer().submit_many(
+            self.spec,
+            payloads,
+            idempotency_keys=idempotency_keys,
+            connection=connection,
+            run_after=run_after,
+            run_id=run_id,
+            tenant=tenant,
+            queue=queue,
         )
 
     # Plain Celery calls are the same as submit: a leased job never bypasses its row.
     def delay(self, payload: Any, **options) -> Job:
         return self.submit(payload, **options)
 
-    def apply_async(self, args=None, kwargs=None, *, countdown=None, eta=None, queue=None,
-                    **options) -> Job:
+    def apply_async(self, args=None, kwargs=None, *, countdown=None, eta=None, queue=None, **options) -> Job:
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         if "payload" in kwargs:
             args = (kwargs.pop("payload"), *args)
         if len(args) != 1 or kwargs:
             raise TypeError(f"{self.name}.apply_async takes exactly one payload argument")
-        unsupported = set(options) - {"idempotency_key", "connection", "run_id", "tenant",
-                                      "task_id", "expires", "retry", "retry_policy"}
+        unsupported = set(options) - {
+            "idempotency_key",
+            "connection",
+            "run_id",
+            "tenant",
+            "task_id",
+            "expires",
+            "retry",
+            "retry_policy",
+        }
         if unsupported:
             raise TypeError(f"{self.name}.apply_async: unsupported options {sorted(unsupported)}")
         if options.pop("task_id", None) is not None:
@@ -118,4 +151,4 @@ def run_leased(self: LeaseTask) -> Any:
     attempt = getattr(self.request, "lease_attempt", None)
     if attempt is None:
         return None  # duplicate, terminal or not-yet-due delivery: acknowledged, no body
-    return self.lease.worker.execute(self, attempt)
+    return self.worker_state().execute(self.spec, attempt, self.emit_progress)

@@ -37,6 +37,8 @@ from typing import Any
 
 #: A worker is killed when one extract it runs is past this share of its table.
 KILL_AT = 0.33
+#: The source checkout holding the ``tasks`` package.
+CHECKOUT = Path(__file__).resolve().parent.parent
 #: Seconds between the demo's reap and sweep calls (beat's job in production).
 MAINTENANCE_EVERY = 0.5
 #: The whole demo gives up after this long.
@@ -47,13 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="celery-lease", description="celery-lease tools")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
-        "demo", help="run the example pipeline end to end, killing a worker mid-extract",
+        "demo",
+        help="run the example pipeline end to end, killing a worker mid-extract",
         description=__doc__.split("\n\n")[0],
     )
-    demo.add_argument("--database-url", help="job database (default: SQLite file in --dir); "
-                      "e.g. postgresql+psycopg2://user@127.0.0.1/db")
-    demo.add_argument("--broker-url", help="Celery broker (default: filesystem transport in --dir); "
-                      "e.g. redis://127.0.0.1:6379/0")
+    demo.add_argument(
+        "--database-url", help="job database (default: SQLite file in --dir); e.g. postgresql+psycopg2://user@127.0.0.1/db"
+    )
+    demo.add_argument(
+        "--broker-url", help="Celery broker (default: filesystem transport in --dir); e.g. redis://127.0.0.1:6379/0"
+    )
     demo.add_argument("--dir", default=".demo", help="working directory for the demo's files (default: .demo)")
     demo.add_argument("--rows", type=int, default=40_000, help="rows in the source database (default: 40000)")
     demo.add_argument("--workers", type=int, default=2, help="worker processes, 2 or more (default: 2)")
@@ -141,15 +146,24 @@ class Demo:
         self.database_url = self.args.database_url or f"sqlite:///{self.dir / 'jobs.sqlite3'}"
         self.broker_url = self.args.broker_url or "filesystem://"
         self.source_url = f"sqlite:///{self.dir / 'source.sqlite3'}"
-        os.environ.update({
-            "CELERY_LEASE_DATABASE_URL": self.database_url,
-            "CELERY_BROKER_URL": self.broker_url,
-            "TASKS_BROKER_FOLDER": str(self.dir / "broker"),
-            "TASKS_LEASE_SECONDS": str(self.args.lease_seconds),
-        })
+        os.environ.update(
+            {
+                "CELERY_LEASE_DATABASE_URL": self.database_url,
+                "CELERY_BROKER_URL": self.broker_url,
+                "TASKS_BROKER_FOLDER": str(self.dir / "broker"),
+                "TASKS_LEASE_SECONDS": str(self.args.lease_seconds),
+                # The example app is not installed with the library: workers import it
+                # from the checkout this module lives in.
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")])),
+            }
+        )
         # Library warnings (reaped leases, ...) go to a file: the screen is the live view.
-        logging.basicConfig(filename=self.dir / "logs" / "demo.log", level=logging.INFO,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+        logging.basicConfig(
+            filename=self.dir / "logs" / "demo.log",
+            level=logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            force=True,
+        )
         from tasks import sample
 
         return sample.build(self.source_url, rows=self.args.rows)
@@ -161,13 +175,13 @@ class Demo:
         try:
             from tasks.app import leases
 
+            # The demo plays beat: re-send a wakeup lost with the killed worker (it had
+            # reserved it, unacknowledged work dies with it) after 2 s, not 30 s.
+            leases.app.conf.lease_sweep_stale_seconds = 2.0
             leases.create_schema()
         except LeaseError as exc:
             raise DemoError(str(exc)) from None
         self.leases = leases
-        # The demo plays beat: re-send a wakeup lost with the killed worker (it had
-        # reserved it, unacknowledged work dies with it) after 2 s, not 30 s.
-        leases.settings["lease_sweep_stale_seconds"] = 2.0
         try:
             with leases.app.connection_for_write() as conn:
                 conn.ensure_connection(max_retries=2, interval_start=0.2, interval_step=0.2)
@@ -179,10 +193,28 @@ class Demo:
             worker = Worker(node=f"w{i}@demo", log_path=self.dir / "logs" / f"w{i}.log")
             with open(worker.log_path, "w") as log:
                 worker.proc = subprocess.Popen(
-                    [sys.executable, "-m", "celery", "-A", "tasks.app", "worker", "-n", worker.node,
-                     "-P", "prefork", "-c", "2", "-l", "INFO",
-                     "--without-mingle", "--without-gossip", "--without-heartbeat"],
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    [
+                        sys.executable,
+                        "-m",
+                        "celery",
+                        "-A",
+                        "tasks.app",
+                        "worker",
+                        "-n",
+                        worker.node,
+                        "-P",
+                        "prefork",
+                        "-c",
+                        "2",
+                        "-l",
+                        "INFO",
+                        "--without-mingle",
+                        "--without-gossip",
+                        "--without-heartbeat",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             self.workers.append(worker)
 
@@ -209,13 +241,18 @@ class Demo:
             from tasks import pipeline
 
             console.print(f"job database  {self.leases.store.display_url}")
-            console.print(f"broker        {self.broker_url}" + (f"  (files in {self.dir / 'broker'}: no server)"
-                                                                 if self.broker_url.startswith("filesystem") else ""))
-            console.print(f"source        {self.source_url}  "
-                          + ", ".join(f"{name} {n:,}" for name, n in counts.items()) + " rows")
-            console.print(f"workers       {', '.join(w.node for w in self.workers)} (prefork, 2 processes each); "
-                          f"lease {self.args.lease_seconds} s, heartbeat every {self.args.lease_seconds / 3:.1f} s\n"
-                          "              (a short lease: a dead worker's job is reaped once its lease elapses)")
+            console.print(
+                f"broker        {self.broker_url}"
+                + (f"  (files in {self.dir / 'broker'}: no server)" if self.broker_url.startswith("filesystem") else "")
+            )
+            console.print(
+                f"source        {self.source_url}  " + ", ".join(f"{name} {n:,}" for name, n in counts.items()) + " rows"
+            )
+            console.print(
+                f"workers       {', '.join(w.node for w in self.workers)} (prefork, 2 processes each); "
+                f"lease {self.args.lease_seconds} s, heartbeat every {self.args.lease_seconds / 3:.1f} s\n"
+                "              (a short lease: a dead worker's job is reaped once its lease elapses)"
+            )
             with console.status("starting workers..."):
                 self.wait_for_workers()
             console.print(f"[green]workers ready[/] after {time.monotonic() - started:.1f} s\n")
@@ -225,8 +262,9 @@ class Demo:
             chunk_rows = max(200, self.args.rows // 80)
             pipeline.check_source.submit({"source": self.source_url}, run_id=self.run_id)
             pipeline.preview.submit({"source": self.source_url, "table": "orders", "limit": 3}, run_id=self.run_id)
-            pipeline.discover.submit({"source": self.source_url, "extract": True, "chunk_rows": chunk_rows,
-                                      "pause": 0.25}, run_id=self.run_id)
+            pipeline.discover.submit(
+                {"source": self.source_url, "extract": True, "chunk_rows": chunk_rows, "pause": 0.25}, run_id=self.run_id
+            )
             jobs = self.watch()
             self.stop_workers()
             ok = self.summary(jobs, counts)
@@ -239,8 +277,10 @@ class Demo:
         finally:
             for w in self.workers:
                 w.kill()
-        console.print(f"\n{'[green]demo passed' if ok else '[red]demo FAILED'}[/] in {time.monotonic() - started:.1f} s"
-                      f" (worker logs: {self.dir / 'logs'})")
+        console.print(
+            f"\n{'[green]demo passed' if ok else '[red]demo FAILED'}[/] in {time.monotonic() - started:.1f} s"
+            f" (worker logs: {self.dir / 'logs'})"
+        )
         return 0 if ok else 1
 
     def watch(self) -> list:
@@ -249,8 +289,10 @@ class Demo:
         from rich.progress import BarColumn, Progress, TextColumn
 
         progress = Progress(
-            TextColumn("{task.description:<22}"), BarColumn(bar_width=36),
-            TextColumn("{task.completed:>7,.0f}/{task.total:<7,.0f}"), TextColumn("{task.fields[note]}"),
+            TextColumn("{task.description:<22}"),
+            BarColumn(bar_width=36),
+            TextColumn("{task.completed:>7,.0f}/{task.total:<7,.0f}"),
+            TextColumn("{task.fields[note]}"),
             console=self.console,
         )
         watch = Watch()
@@ -258,7 +300,7 @@ class Demo:
         next_maintenance = 0.0
         with Live(progress, console=self.console, refresh_per_second=8, transient=False):
             while True:
-                jobs = sorted(self.leases.store.list(run_id=self.run_id, limit=1000), key=lambda j: j.created_at)
+                jobs = sorted(self.leases.store.list_jobs(run_id=self.run_id, limit=1000), key=lambda j: j.created_at)
                 for job in jobs:
                     self.show(job, progress, watch)
                 if self.killed is None:
@@ -300,12 +342,21 @@ class Demo:
         if job.status is Status.SUCCEEDED:
             result = job.result or {}
             if job.kind == "test":
-                self.say(watch, job, "done", f"[green]✓[/] test      source answers ({result.get('dialect')}, "
-                                             f"{result.get('tables')} tables)")
+                self.say(
+                    watch,
+                    job,
+                    "done",
+                    f"[green]✓[/] test      source answers ({result.get('dialect')}, {result.get('tables')} tables)",
+                )
             elif job.kind == "preview":
                 rows = result.get("rows", [])
-                self.say(watch, job, "done", f"[green]✓[/] preview   {result.get('table')}: "
-                                             f"{', '.join(result.get('columns', []))}; first row {rows[0] if rows else None}")
+                self.say(
+                    watch,
+                    job,
+                    "done",
+                    f"[green]✓[/] preview   {result.get('table')}: "
+                    f"{', '.join(result.get('columns', []))}; first row {rows[0] if rows else None}",
+                )
             elif job.kind == "discover":
                 found = ", ".join(f"{t['table']} ({t['rows']:,})" for t in result.get("tables", []))
                 self.say(watch, job, "done", f"[green]✓[/] discover  {found} -> one extract each")
@@ -316,9 +367,13 @@ class Demo:
             where = job.lease_owner.split("/")[0] if job.lease_owner else "?"
             resumed = (job.progress or {}).get("resumed_from")
             if job.kind == "extract" and resumed is not None:
-                self.say(watch, job, "resumed",
-                         f"[cyan]▶[/] {name} resumed on {where}, attempt {job.attempt}, from its checkpoint at "
-                         f"row {resumed:,} (rows 1..{resumed:,} are not read again)")
+                self.say(
+                    watch,
+                    job,
+                    "resumed",
+                    f"[cyan]▶[/] {name} resumed on {where}, attempt {job.attempt}, from its checkpoint at "
+                    f"row {resumed:,} (rows 1..{resumed:,} are not read again)",
+                )
             elif job.kind != "extract":
                 self.say(watch, job, "resumed", f"[cyan]▶[/] {name} runs again on {where}, attempt {job.attempt}")
 
@@ -336,8 +391,7 @@ class Demo:
             worker = next((w for w in self.workers if w.node == node), None)
             if worker is None:
                 continue
-            held = [j for j in jobs if j.status is Status.RUNNING and j.lease_owner
-                    and j.lease_owner.startswith(node + "/")]
+            held = [j for j in jobs if j.status is Status.RUNNING and j.lease_owner and j.lease_owner.startswith(node + "/")]
             worker.kill()
             worker.killed = True
             self.killed_at = time.monotonic()
@@ -346,9 +400,12 @@ class Demo:
             self.console.print(
                 f"[red bold]✗ SIGKILL[/] worker {node} (main pid {worker.proc.pid} and its pool) while "
                 f"{_label(job).strip()} was at {p['rows']:,}/{p['of']:,} rows. It was running: "
-                + ", ".join(_label(j).strip() for j in held) + ".")
-            self.console.print(f"  nobody tells the job table; its lease ({self.args.lease_seconds} s) "
-                               "simply stops being renewed")
+                + ", ".join(_label(j).strip() for j in held)
+                + "."
+            )
+            self.console.print(
+                f"  nobody tells the job table; its lease ({self.args.lease_seconds} s) simply stops being renewed"
+            )
             return
 
     def maintain(self, jobs: list) -> None:
@@ -363,9 +420,11 @@ class Demo:
                     victim["reaped"] = True
                     taken.append(victim["label"])
             after = time.monotonic() - self.killed_at if self.killed else 0.0
-            self.console.print(f"[yellow]⟳ reaper[/]: {after:.1f} s after the kill, lease elapsed -> "
-                               f"{counts.get('requeued', 0)} requeued, {counts.get('expired', 0)} expired"
-                               + (f" ({', '.join(taken)})" if taken else ""))
+            self.console.print(
+                f"[yellow]⟳ reaper[/]: {after:.1f} s after the kill, lease elapsed -> "
+                f"{counts.get('requeued', 0)} requeued, {counts.get('expired', 0)} expired"
+                + (f" ({', '.join(taken)})" if taken else "")
+            )
         self.leases.sweep()
 
     def stop_workers(self) -> None:
@@ -389,7 +448,9 @@ class Demo:
             rows = result.get("rows")
             resumed = result.get("resumed_from") if job.kind == "extract" else None
             table.add_row(
-                job.id[:8], job.kind, payload.get("table") or result.get("table") or "",
+                job.id[:8],
+                job.kind,
+                payload.get("table") or result.get("table") or "",
                 ("[green]" if job.status is Status.SUCCEEDED else "[red]") + job.status.value,
                 f"{job.attempt}/{job.max_attempts}",
                 f"{rows:,}" if isinstance(rows, int) else "",
@@ -419,14 +480,12 @@ class Demo:
                     distinct = conn.execute(sa.select(sa.func.count(sa.distinct(dest.c.id))).where(mine)).scalar_one()
                 good = loaded == distinct == expected
                 ok = ok and good
-                check.add_row(name, f"{expected:,}", f"{loaded:,}", f"{distinct:,}",
-                              "[green]yes" if good else "[red]NO")
+                check.add_row(name, f"{expected:,}", f"{loaded:,}", f"{distinct:,}", "[green]yes" if good else "[red]NO")
         self.console.print(check)
         if self.killed is None:
             self.console.print("[red]no worker was killed: the extracts finished before a third of a table[/]")
             return False
-        resumed = [j for j in jobs if j.id in self.victims and j.kind == "extract"
-                   and (j.result or {}).get("resumed_from")]
+        resumed = [j for j in jobs if j.id in self.victims and j.kind == "extract" and (j.result or {}).get("resumed_from")]
         if not resumed:
             self.console.print("[red]no extract resumed from a checkpoint after the kill[/]")
             return False

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
@@ -32,7 +33,7 @@ class Prepared:
 
     def __init__(self, stmt: sa.ClauseElement, column_keys: Sequence[str] | None = None) -> None:
         # column_keys: for an INSERT, the columns it binds (a missing value binds NULL).
-        compiled = stmt.compile(dialect=_DOLLAR, column_keys=column_keys)
+        compiled: Any = stmt.compile(dialect=_DOLLAR, column_keys=column_keys)
         self.name = next(_names)
         self._order = list(compiled.positiontup)
         # The construct's own constants; a value the caller must give has none.
@@ -55,8 +56,7 @@ class Prepared:
     def values(self, params: dict[str, Any]) -> list[Any]:
         merged = {**self._defaults, **params}
         return [
-            (None if merged.get(k) is None else json.dumps(merged[k])) if k in self._json else merged.get(k)
-            for k in self._order
+            (None if merged.get(k) is None else json.dumps(merged[k])) if k in self._json else merged.get(k) for k in self._order
         ]
 
     def execute(self, dbapi_connection, info: dict, params: dict[str, Any]) -> tuple[list[str], Sequence[tuple]]:

@@ -17,33 +17,40 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from celery import signals
+from celery import Celery, signals
 
-from . import notify
-from .context import SHUTDOWN
-from .errors import LeaseError
-from .task import LeaseTask
+from celery_lease.errors import LeaseError
+from celery_lease.worker import shutdown
+from celery_lease.worker.task import LeaseTask
 
 if TYPE_CHECKING:
-    from .extension import CeleryLease
+    from celery_lease.worker.executor import WorkerState
 
 log = logging.getLogger("celery_lease")
 
 
-def connect(leases: "CeleryLease") -> None:
-    app = leases.app
+def connect(
+    app: Celery,
+    owner: object,
+    *,
+    ping: Callable[[], None],
+    recover: Callable[[str], dict[str, int]],
+    worker_state: Callable[[], WorkerState],
+) -> None:
+    """Connect the handlers for ``app``'s leased tasks (those whose ``owner`` is ``owner``)."""
 
     def ours(task) -> bool:
-        return isinstance(task, LeaseTask) and task.lease is leases
+        return isinstance(task, LeaseTask) and task.owner is owner
 
     @signals.worker_init.connect(weak=False)
     def check_database(sender=None, **_):
         if getattr(sender, "app", None) is not app:
             return
         try:
-            leases.store.ping()
+            ping()
         except LeaseError as exc:
             # Signal.send swallows exceptions; a worker that cannot reach its job
             # table must not start, so exit with one readable line.
@@ -51,41 +58,36 @@ def connect(leases: "CeleryLease") -> None:
             raise SystemExit(1)
 
     @signals.worker_ready.connect(weak=False)
-    def recover(sender=None, **_):
+    def recover_interrupted(sender=None, **_):
         if getattr(sender, "app", None) is not app:
             return
-        counts = leases.recover(sender.hostname)
+        counts = recover(sender.hostname)
         if any(counts.values()):
             log.warning("celery-lease: restart recovery on %s: %s", sender.hostname, counts)
 
     @signals.task_prerun.connect(weak=False)
     def claim(sender=None, task=None, **_):
         if ours(task):
-            task.request.lease_attempt = None  # stays None if the claim raises
-            task.request.lease_attempt = leases.worker.begin(task)
+            request = task.request
+            request.lease_attempt = None  # stays None if the claim raises
+            queue = (request.delivery_info or {}).get("routing_key")
+            request.lease_attempt = worker_state().begin(request.id, task.spec, request.hostname, queue)
 
     @signals.task_postrun.connect(weak=False)
     def release(sender=None, task=None, **_):
         if ours(task):
-            leases.worker.end(getattr(task.request, "lease_attempt", None))
+            worker_state().end(getattr(task.request, "lease_attempt", None))
 
     @signals.worker_shutting_down.connect(weak=False)
     def suspend(sender=None, how=None, **_):
         # Only a warm shutdown lets handlers run to their next stop point.
         if how == "Warm":
-            SHUTDOWN.value = 1
+            shutdown.request()
 
     @signals.worker_process_shutdown.connect(weak=False)  # a prefork child exits
     @signals.worker_shutdown.connect(weak=False)  # the main process (solo, threads pools)
     def flush(sender=None, **_):
         # Batched successes land before the process exits.
-        leases.worker.flush()
+        worker_state().flush()
 
-    app._celery_lease_signal_handlers = (check_database, recover, claim, release, suspend, flush)
-
-
-def notify_cancelled(leases: "CeleryLease", job_ids: list[str]) -> None:
-    """Best-effort: the table already says cancelled; heartbeats enforce it."""
-    if job_ids:
-        log.info("celery-lease: cancelled %d job(s)", len(job_ids))
-        notify.publish(leases, job_ids)
+    app._celery_lease_signal_handlers = (check_database, recover_interrupted, claim, release, suspend, flush)

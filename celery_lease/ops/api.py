@@ -54,14 +54,13 @@ from pydantic import BaseModel
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import listing, metrics
-from .errors import ConfigurationError, DatabaseUnavailable
-from .extension import parse_job_id
-from .job import Job
-from .status import Status
+from celery_lease.errors import ConfigurationError, DatabaseUnavailable
+from celery_lease.job import Job, parse_job_id
+from celery_lease.ops import listing, metrics
+from celery_lease.status import Status
 
 if TYPE_CHECKING:
-    from .extension import CeleryLease
+    from celery_lease.extension import CeleryLease
 
 log = logging.getLogger("celery_lease.api")
 
@@ -87,9 +86,7 @@ def load_tokens(app_conf: Any) -> dict[str, str | None]:
     if not isinstance(tokens, dict) or not all(
         isinstance(t, str) and t and (v is None or isinstance(v, str)) for t, v in tokens.items()
     ):
-        raise ConfigurationError(
-            f"{source} must map non-empty token strings to a tenant name or None"
-        )
+        raise ConfigurationError(f"{source} must map non-empty token strings to a tenant name or None")
     return dict(tokens)
 
 
@@ -166,7 +163,7 @@ def _error(status: int, error: str, detail: str | None = None, headers: dict | N
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
-_ERRORS = {
+_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorOut, "description": "malformed id, status, limit, cursor or parameter"},
     401: {"model": ErrorOut, "description": "missing or unknown bearer token"},
     404: {"model": ErrorOut, "description": "no such job or run visible to this token"},
@@ -209,16 +206,23 @@ def _refuse_unknown_query(request: Request) -> None:
         seen.add(name)
 
 
-def create_app(leases: "CeleryLease") -> FastAPI:
+def create_app(leases: CeleryLease) -> FastAPI:
     """The ASGI app serving ``leases``; reads the tokens now (ConfigurationError if bad)."""
     tokens = load_tokens(leases.app.conf)
     if not tokens:
-        log.warning("celery-lease: no API tokens configured (%s or %s): every /api/v1 request gets 401",
-                    f"app.conf.{TOKENS_SETTING}", TOKENS_ENV)
+        log.warning(
+            "celery-lease: no API tokens configured (%s or %s): every /api/v1 request gets 401",
+            f"app.conf.{TOKENS_SETTING}",
+            TOKENS_ENV,
+        )
     bearer = HTTPBearer(auto_error=False, description="a token from lease_api_tokens")
 
-    api = FastAPI(title="celery-lease", version="1", description="Durable Celery jobs: status, cancel, runs.",
-                  dependencies=[Depends(_refuse_unknown_query)])
+    api = FastAPI(
+        title="celery-lease",
+        version="1",
+        description="Durable Celery jobs: status, cancel, runs.",
+        dependencies=[Depends(_refuse_unknown_query)],
+    )
 
     @api.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):
@@ -226,15 +230,14 @@ def create_app(leases: "CeleryLease") -> FastAPI:
 
     @api.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
         return _error(400, "bad_request", problems[:500])
 
     @api.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}"),
-                      None, getattr(exc, "headers", None))
+        return _error(
+            exc.status_code, _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}"), None, getattr(exc, "headers", None)
+        )
 
     @api.exception_handler(DatabaseUnavailable)
     async def on_db_down(request: Request, exc: DatabaseUnavailable):
@@ -245,8 +248,10 @@ def create_app(leases: "CeleryLease") -> FastAPI:
     async def on_schema_mismatch(request: Request, exc: sa_exc.ProgrammingError):
         # Our statements are fixed; one the database refuses means its tables are
         # missing or older than this version of celery-lease.
-        log.error("celery-lease: the job database lacks celery-lease's tables or columns "
-                  "(run: celery -A <app> lease migrate): %s", exc.orig)
+        log.error(
+            "celery-lease: the job database lacks celery-lease's tables or columns (run: celery -A <app> lease migrate): %s",
+            exc.orig,
+        )
         return _error(503, "schema_not_migrated", None)
 
     def caller(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> Caller:
@@ -286,11 +291,9 @@ def create_app(leases: "CeleryLease") -> FastAPI:
     def list_jobs(
         who: Caller = Security(caller),
         status: str | None = Query(None, json_schema_extra={"enum": [s.value for s in Status]}),
-        kind: str | None = Query(None, max_length=listing.MAX_KIND_CHARS,
-                                 json_schema_extra={"pattern": "^[^\\x00]*$"}),
+        kind: str | None = Query(None, max_length=listing.MAX_KIND_CHARS, json_schema_extra={"pattern": "^[^\\x00]*$"}),
         limit: int = Query(listing.DEFAULT_LIMIT, ge=1, le=listing.MAX_LIMIT),
-        cursor: str | None = Query(None, max_length=listing.MAX_CURSOR_CHARS,
-                                   description="next_cursor of the previous page"),
+        cursor: str | None = Query(None, max_length=listing.MAX_CURSOR_CHARS, description="next_cursor of the previous page"),
     ):
         try:
             query = listing.Query.parse(status=status, kind=kind, limit=limit, cursor=cursor)
@@ -309,7 +312,7 @@ def create_app(leases: "CeleryLease") -> FastAPI:
     ):
         run_id = _parse_id(run_id, "run")
         # A run is visible when it holds a job the caller may see.
-        if not leases.store.list(run_id=run_id, tenant=who.tenant, limit=1):
+        if not leases.store.list_jobs(run_id=run_id, tenant=who.tenant, limit=1):
             raise ApiError(404, "not_found")
         rows = leases.store.run_events(run_id, after_id=after, limit=limit + 1, tenant=who.tenant)
         more = len(rows) > limit
@@ -325,15 +328,18 @@ def create_app(leases: "CeleryLease") -> FastAPI:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
-    @api.get("/metrics", response_class=Response,
-             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}, 503: _ERRORS[503]})
+    @api.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}, 503: _ERRORS[503]},
+    )
     def prometheus():
         return Response(metrics.render(leases), media_type=metrics.CONTENT_TYPE)
 
     return api
 
 
-def serve(leases: "CeleryLease", host: str, port: int) -> None:
+def serve(leases: CeleryLease, host: str, port: int) -> None:
     """Run the API on uvicorn until interrupted."""
     import uvicorn
 

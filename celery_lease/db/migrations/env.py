@@ -6,7 +6,7 @@ the Alembic history of the application that embeds it.
 
 from alembic import context
 
-from celery_lease.schema import metadata
+from celery_lease.db.schema import metadata
 
 VERSION_TABLE = "celery_lease_alembic_version"
 
@@ -18,7 +18,7 @@ def run_migrations_online() -> None:
         target_metadata=metadata,
         version_table=VERSION_TABLE,
         render_as_batch=connection.dialect.name == "sqlite",
-        include_name=lambda name, type_, parent: type_ != "table" or name.startswith("celery_lease_"),
+        include_name=lambda name, type_, parent: type_ != "table" or str(name).startswith("celery_lease_"),
     )
     with context.begin_transaction():
         context.run_migrations()

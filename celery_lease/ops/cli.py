@@ -23,16 +23,16 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any
 
 import click
 from sqlalchemy import exc as sa_exc
 
-from . import listing
-from .errors import LeaseError
-from .extension import parse_job_id
-from .job import Job
+from celery_lease.errors import LeaseError
+from celery_lease.job import Job, parse_job_id
+from celery_lease.ops import listing
 
 #: Columns of ``lease list``: (heading, how to show it).
 LIST_COLUMNS: tuple[tuple[str, Callable[[Job], str]], ...] = (
@@ -51,7 +51,7 @@ class CliError(click.ClickException):
 
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares it on the class
 
     def show(self, file=None) -> None:
         click.echo(f"celery-lease: {self.format_message()}", err=True)
@@ -98,8 +98,10 @@ def _boundary(fn: Callable) -> Callable:
         except sa_exc.ProgrammingError as exc:
             # Our statements are fixed; one the database refuses means its tables are
             # missing or older than this version of celery-lease.
-            raise CliError(f"the job database lacks celery-lease's tables or columns "
-                           f"(run: celery -A <app> lease migrate): {type(exc.orig).__name__}") from None
+            raise CliError(
+                f"the job database lacks celery-lease's tables or columns "
+                f"(run: celery -A <app> lease migrate): {type(exc.orig).__name__}"
+            ) from None
 
     return wrapper
 
@@ -138,8 +140,7 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
     data = job.to_dict()
     width = max(len(k) for k in data)
     text = "\n".join(
-        f"{k.ljust(width)}  {json.dumps(v) if isinstance(v, (dict, list)) else ('' if v is None else v)}"
-        for k, v in data.items()
+        f"{k.ljust(width)}  {json.dumps(v) if isinstance(v, (dict, list)) else ('' if v is None else v)}" for k, v in data.items()
     )
     _emit(as_json, data, text)
 
@@ -147,14 +148,12 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
 @lease.command("list", help="List jobs, newest first.")
 @click.option("--status", default=None, help="pending, running, succeeded, failed, expired or cancelled.")
 @click.option("--kind", default=None, help="Only jobs of this kind.")
-@click.option("--limit", default=str(listing.DEFAULT_LIMIT), show_default=True,
-              help=f"Jobs per page (1-{listing.MAX_LIMIT}).")
+@click.option("--limit", default=str(listing.DEFAULT_LIMIT), show_default=True, help=f"Jobs per page (1-{listing.MAX_LIMIT}).")
 @click.option("--cursor", default=None, help="The next-page cursor printed by a previous list.")
 @json_option
 @click.pass_context
 @_boundary
-def list_(ctx: click.Context, status: str | None, kind: str | None, limit: str, cursor: str | None,
-          as_json: bool) -> None:
+def list_(ctx: click.Context, status: str | None, kind: str | None, limit: str, cursor: str | None, as_json: bool) -> None:
     try:
         query = listing.Query.parse(status=status, kind=kind, limit=limit, cursor=cursor)
     except ValueError as exc:
@@ -215,8 +214,9 @@ def sweep(ctx: click.Context, as_json: bool) -> None:
 
 
 @lease.command(help="Delete finished jobs (and their events) older than the retention.")
-@click.option("--older-than", "older_than", default=None,
-              help="Seconds since the job finished (default: lease_retention_seconds).")
+@click.option(
+    "--older-than", "older_than", default=None, help="Seconds since the job finished (default: lease_retention_seconds)."
+)
 @json_option
 @click.pass_context
 @_boundary
@@ -241,7 +241,7 @@ def prune(ctx: click.Context, older_than: str | None, as_json: bool) -> None:
 def serve(ctx: click.Context, host: str, port: int) -> None:
     leases = _leases(ctx)
     try:
-        from . import api
+        from celery_lease.ops import api
     except ImportError:
         raise CliError("the HTTP API needs the api extra: pip install 'celery-lease[api]'") from None
     leases.store.ping()  # refuse to start against a database that does not answer

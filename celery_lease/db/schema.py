@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from .status import Event, Status
+from celery_lease.status import Event, Status
 
 metadata = sa.MetaData()
 
@@ -74,8 +74,13 @@ jobs = sa.Table(
 # Every index is paid for by every non-HOT update of a job (each transition is one), so
 # the set is minimal and partial: a job is in an index only while a scan needs it.
 # Idempotency: unique per kind, and only rows that carry a key are indexed.
-sa.Index("celery_lease_jobs_idempotency_key", jobs.c.kind, jobs.c.idempotency_key, unique=True,
-         **_partial("idempotency_key IS NOT NULL"))
+sa.Index(
+    "celery_lease_jobs_idempotency_key",
+    jobs.c.kind,
+    jobs.c.idempotency_key,
+    unique=True,
+    **_partial("idempotency_key IS NOT NULL"),
+)
 
 # Claim is by primary key; these serve the maintenance scans and the API.
 sa.Index("celery_lease_jobs_pending", jobs.c.run_after, **_partial("status = 'pending'"))

@@ -1,0 +1,1 @@
+"""What beat runs: reaper, sweeper, pruner, restart recovery, periodic leased jobs."""

@@ -1,0 +1,93 @@
+"""Reaper, sweeper, pruner and restart recovery.
+
+Each works in bounded batches (``batch_size`` rows per statement, a bounded number of
+statements per call) and returns counts. Beat tasks only call them (see
+:mod:`celery_lease.beat.entries`); several beats may run them at once, since every
+batch is selected with SKIP LOCKED on PostgreSQL (SQLite serializes writers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from celery_lease.status import Status
+from celery_lease.worker.attempt import BOOT_ID
+
+if TYPE_CHECKING:
+    from celery_lease.db.store import Store
+    from celery_lease.settings import Settings
+
+log = logging.getLogger("celery_lease.maintenance")
+
+#: Upper bound on statements one call issues; what is left waits for the next tick.
+MAX_BATCHES = 20
+
+
+def _batches(step: Callable[[], tuple[list, bool]]) -> list:
+    out = []
+    for _ in range(MAX_BATCHES):
+        rows, full = step()
+        out.extend(rows)
+        if not full:
+            break
+    return out
+
+
+class Maintenance:
+    def __init__(self, store: Store, publish_wakeups: Callable[[Sequence[dict]], int], settings: Settings) -> None:
+        self._store = store
+        self._publish = publish_wakeups
+        self._settings = settings
+
+    def _requeue_counts(self, rows: list[dict], final: Status) -> dict[str, int]:
+        requeued = [r for r in rows if r["status"] == Status.PENDING.value]
+        self._publish(requeued)
+        return {"requeued": len(requeued), final.value: len(rows) - len(requeued)}
+
+    def reap(self) -> dict[str, int]:
+        """Running jobs whose lease elapsed: back to pending with a wakeup while
+        attempts remain, else expired with error "lease expired"."""
+        limit = self._settings.batch_size
+
+        def step():
+            rows = self._store.reap(limit)
+            return rows, len(rows) == limit
+
+        counts = self._requeue_counts(_batches(step), Status.EXPIRED)
+        if any(counts.values()):
+            log.warning("celery-lease: reaped expired leases: %s", counts)
+        return counts
+
+    def recover(self, node: str) -> dict[str, int]:
+        """Jobs left running by an earlier boot of worker ``node``: requeued, or failed
+        with "interrupted by restart" when no attempts remain."""
+        return self._requeue_counts(self._store.recover(node, BOOT_ID), Status.FAILED)
+
+    def sweep(self) -> int:
+        """Publish wakeups for due pending jobs whose last wakeup is stale or missing."""
+        limit = self._settings.batch_size
+        stale = self._settings.sweep_stale_seconds
+
+        def step():
+            rows = self._store.claim_due_wakeups(stale, limit)
+            return rows, len(rows) == limit
+
+        rows = _batches(step)
+        sent = self._publish(rows)
+        if rows:
+            log.info("celery-lease: swept %d wakeup(s), %d published", len(rows), sent)
+        return sent
+
+    def prune(self, older_than: float | None = None) -> int:
+        """Delete terminal jobs (and their events) finished more than ``older_than``
+        seconds ago (default: ``retention_seconds``)."""
+        age = self._settings.retention_seconds if older_than is None else float(older_than)
+        limit = self._settings.batch_size
+
+        def step():
+            n = self._store.prune(age, limit)
+            return [None] * n, n == limit
+
+        return len(_batches(step))

@@ -1,0 +1,1 @@
+"""The job database: schema, the SQL catalogue, engines, the store, migrations."""

@@ -1,0 +1,235 @@
+"""Engines, connections and transactions of the job database.
+
+Two kinds of commit share one database:
+
+* durable: what a caller was told succeeded (submit, cancel, reap, sweep, recovery,
+  prune) commits synchronously;
+* fast: what only an attempt's own lease protects (claim, heartbeat, progress,
+  checkpoint, completion). On PostgreSQL it commits with ``synchronous_commit = off``:
+  a crash of PostgreSQL can lose the last few hundred milliseconds of such commits.
+
+Database errors never carry the driver's text outward (it can hold host names or
+credentials): they surface as DatabaseUnavailable naming the setting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Connection, Engine, make_url
+
+from celery_lease.db.prepared import Prepared
+from celery_lease.errors import ConfigurationError, DatabaseUnavailable
+
+log = logging.getLogger("celery_lease")
+
+T = TypeVar("T")
+
+DEFAULT_SQLITE_PATH = "celery-lease.sqlite3"
+#: How often a statement is retried when its connection was dropped.
+RECONNECT_ATTEMPTS = 3
+
+
+def resolve_database_url(explicit: str | None, app_conf: Any) -> tuple[str, str]:
+    """Return (url, where it came from). Precedence: argument, app.conf, environment,
+    then a SQLite file in the working directory."""
+    if explicit:
+        return explicit, "database_url"
+    conf_value = app_conf.get("lease_database_url") if app_conf is not None else None
+    if conf_value:
+        return conf_value, "app.conf.lease_database_url"
+    env_value = os.environ.get("CELERY_LEASE_DATABASE_URL")
+    if env_value:
+        return env_value, "CELERY_LEASE_DATABASE_URL"
+    return f"sqlite:///{os.path.abspath(DEFAULT_SQLITE_PATH)}", "default SQLite file"
+
+
+def _on_sqlite_connect(dbapi_conn, _record) -> None:
+    # WAL lets readers run beside the one writer; the busy timeout makes writers
+    # queue instead of failing while another process holds the write lock.
+    dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def _on_sqlite_begin(conn) -> None:
+    # BEGIN IMMEDIATE takes the write lock up front: a deferred transaction that
+    # reads and then writes can fail with SQLITE_BUSY without waiting.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class Database:
+    """One job database: its engines, pooled connections and transactions."""
+
+    def __init__(self, url: str, *, source: str = "database_url") -> None:
+        parsed = self.parse_url(url, source)
+        self.url = parsed
+        self.source = source
+        self.dialect = parsed.get_backend_name()
+        self._engines: dict[tuple[bool, bool], Engine] = {}
+        self._hot = threading.local()  # per thread: a held connection for prepared statements
+        self._pid = os.getpid()
+
+    @staticmethod
+    def parse_url(url: str, source: str = "database_url") -> sa.URL:
+        """Check a database URL at the boundary; ConfigurationError names the setting
+        and never echoes the URL (it may carry a password)."""
+        try:
+            parsed = make_url(url)
+        except sa_exc.ArgumentError:
+            raise ConfigurationError(
+                f"{source} is not a valid database URL "
+                "(expected e.g. postgresql+psycopg2://user@host/db or sqlite:///path)"
+            ) from None
+        if parsed.get_backend_name() not in ("postgresql", "sqlite"):
+            raise ConfigurationError(
+                f"{source} names the unsupported database {parsed.get_backend_name()!r}: "
+                "celery-lease runs on PostgreSQL or SQLite"
+            )
+        return parsed
+
+    # --- engines ---------------------------------------------------------------------
+
+    @property
+    def display_url(self) -> str:
+        return self.url.render_as_string(hide_password=True)
+
+    def _create_engine(self, *, fast: bool, single: bool) -> Engine:
+        kwargs: dict[str, Any] = {}
+        if self.dialect == "sqlite":
+            kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
+        else:
+            kwargs["pool_size"] = 4
+            kwargs["max_overflow"] = 8
+            kwargs["connect_args"] = {"connect_timeout": 10, "application_name": "celery-lease"}
+            if fast:
+                kwargs["connect_args"]["options"] = "-c synchronous_commit=off"
+            if single:
+                # One statement is its own transaction: no BEGIN and COMMIT round trips.
+                kwargs["isolation_level"] = "AUTOCOMMIT"
+        try:
+            engine = sa.create_engine(self.url, **kwargs)
+        except (sa_exc.NoSuchModuleError, ImportError) as exc:
+            raise ConfigurationError(f"{self.source}: no driver for {self.url.drivername!r} ({type(exc).__name__})") from None
+        if self.dialect == "sqlite":
+            sa.event.listen(engine, "connect", _on_sqlite_connect)
+            sa.event.listen(engine, "begin", _on_sqlite_begin)
+        return engine
+
+    def engine(self, *, fast: bool = False, single: bool = False) -> Engine:
+        """The engine for durable or fast commits, transactional or single-statement.
+
+        SQLite has one engine: one file, no asynchronous commit, no network round trip.
+        """
+        # Pooled connections must never cross a fork: a child that inherited them
+        # drops them (without closing the parent's sockets) and connects afresh.
+        if os.getpid() != self._pid:
+            for engine in self._engines.values():
+                engine.dispose(close=False)
+            self._engines.clear()
+            self._hot = threading.local()
+            self._pid = os.getpid()
+        key = (False, False) if self.dialect == "sqlite" else (fast, single)
+        if key not in self._engines:
+            self._engines[key] = self._create_engine(fast=key[0], single=key[1])
+        engine = self._engines[key]
+        return engine
+
+    @property
+    def durable(self) -> Engine:
+        return self.engine()
+
+    @property
+    def fast(self) -> Engine:
+        return self.engine(fast=True)
+
+    def dispose(self) -> None:
+        for slot in ("fast", "durable"):
+            raw = getattr(self._hot, slot, None)
+            if raw is not None:
+                raw.close()
+        self._hot = threading.local()
+        for engine in self._engines.values():
+            engine.dispose()
+        self._engines.clear()
+
+    def ping(self) -> None:
+        """Connect once; raise DatabaseUnavailable naming the setting on failure."""
+        self.transaction(self.durable, lambda c: c.execute(sa.text("SELECT 1")))
+
+    # --- transactions ----------------------------------------------------------------
+
+    def transaction(self, engine: Engine, fn: Callable[[Connection], T], *, connection: Connection | None = None) -> T:
+        """Run ``fn`` in one transaction and commit; in the caller's ``connection``
+        when given (the caller commits). A dropped connection is retried a few times;
+        any other database error surfaces as DatabaseUnavailable without the driver's
+        message (which can carry host names or credentials)."""
+        if connection is not None:
+            return fn(connection)
+        for attempt in range(1, RECONNECT_ATTEMPTS + 1):
+            try:
+                with engine.begin() as conn:
+                    return fn(conn)
+            except sa_exc.DBAPIError as exc:
+                if exc.connection_invalidated and attempt < RECONNECT_ATTEMPTS:
+                    log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
+                    time.sleep(0.05 * attempt)
+                    continue
+                if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+                    log.warning("celery-lease: database error: %s", exc.orig)
+                    raise DatabaseUnavailable(
+                        f"cannot reach the job database {self.display_url} ({self.source}): {type(exc.orig).__name__}"
+                    ) from None
+                raise
+        raise AssertionError("unreachable")
+
+    def execute_prepared(self, stmt: Prepared, params: dict[str, Any], *, fast: bool = True) -> list[dict[str, Any]]:
+        """Run a per-job statement alone (autocommit; asynchronous commit when ``fast``)
+        as a server-side prepared statement on a raw driver connection; same retry and
+        error rules as transaction()."""
+        engine = self.engine(fast=fast, single=True)
+        slot = "fast" if fast else "durable"
+        for attempt in range(1, RECONNECT_ATTEMPTS + 1):
+            # Each thread keeps one connection per engine for these statements (the
+            # claiming thread, the completer, a submitting thread): no pool checkout,
+            # reset and checkin per job.
+            raw = getattr(self._hot, slot, None)
+            if raw is None:
+                raw = engine.raw_connection()
+                setattr(self._hot, slot, raw)
+            try:
+                columns, rows = stmt.execute(raw.dbapi_connection, raw.info, params)
+                return [dict(zip(columns, row)) for row in rows]
+            except engine.dialect.loaded_dbapi.Error as exc:
+                dropped = engine.dialect.is_disconnect(exc, raw.dbapi_connection, None)
+                setattr(self._hot, slot, None)
+                if dropped:
+                    # As SQLAlchemy does on a disconnect: the pool's other idle
+                    # connections likely died with this one (a restarted or
+                    # terminating server), so replace the pool, not just this one.
+                    raw.invalidate(exc)
+                    engine.dispose()
+                else:
+                    raw.close()
+                if dropped and attempt < RECONNECT_ATTEMPTS:
+                    log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
+                    time.sleep(0.05 * attempt)
+                    continue
+                if isinstance(exc, (engine.dialect.loaded_dbapi.OperationalError, engine.dialect.loaded_dbapi.InterfaceError)):
+                    log.warning("celery-lease: database error: %s", exc)
+                    raise DatabaseUnavailable(
+                        f"cannot reach the job database {self.display_url} ({self.source}): {type(exc).__name__}"
+                    ) from None
+                raise
+        raise AssertionError("unreachable")

@@ -1,0 +1,213 @@
+"""The job store: one method per named statement of :mod:`celery_lease.db.queries`.
+
+It runs them on a :class:`~celery_lease.db.engine.Database` (engines, transactions,
+prepared statements) and turns rows into :class:`~celery_lease.job.Job` values. Run
+events are built here, in :meth:`Store.log_events`, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from celery_lease.db import queries as q
+from celery_lease.db.engine import Database
+from celery_lease.db.prepared import Prepared
+from celery_lease.job import Job
+from celery_lease.status import Event
+
+log = logging.getLogger("celery_lease")
+
+
+def _event_source(job: Any) -> tuple[Any, Any, int]:
+    if isinstance(job, Mapping):
+        return job["run_id"], job["id"], job["attempt"]
+    return job.run_id, getattr(job, "job_id", None) or job.id, job.attempt
+
+
+class Store(Database):
+    def __init__(self, url: str, *, source: str = "database_url", prepare_statements: bool = True) -> None:
+        super().__init__(url, source=source)
+        #: The per-job statements, prepared server-side (PostgreSQL only).
+        self._prepared: dict[str, Prepared] | None = None
+        if self.dialect == "postgresql" and prepare_statements:
+            self._prepared = {
+                "claim": Prepared(q.claim_job_logged()),
+                "insert": Prepared(q.insert_jobs(self.dialect, on_key_conflict_nothing=False), column_keys=q.INSERTED_COLUMNS),
+            }
+
+    # --- producer --------------------------------------------------------------------
+
+    def insert_jobs(self, rows: list[dict[str, Any]], *, keyed: bool, connection=None) -> list[Job]:
+        if self._prepared is not None and len(rows) == 1 and not keyed and connection is None:
+            # A plain single submit: one prepared INSERT, committed durably.
+            return [Job.from_row(r) for r in self.execute_prepared(self._prepared["insert"], rows[0], fast=False)]
+        stmt = q.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
+
+        def work(conn: Connection) -> list[Job]:
+            if len(rows) == 1:
+                result = conn.execute(stmt, rows[0])
+            else:
+                result = conn.execute(stmt, rows)
+            return [Job.from_row(r) for r in result.mappings()]
+
+        # The INSERT is one statement: outside a caller's transaction it commits alone.
+        return self.transaction(self.engine(single=True), work, connection=connection)
+
+    def get_jobs_by_keys(self, kind: str, keys: Sequence[str], *, connection=None) -> list[Job]:
+        def work(conn):
+            return [Job.from_row(r) for r in conn.execute(q.get_jobs_by_keys(kind, keys)).mappings()]
+
+        return self.transaction(self.durable, work, connection=connection)
+
+    def mark_not_woken(self, ids: Sequence[str]) -> None:
+        self.transaction(self.durable, lambda c: c.execute(q.mark_not_woken(ids)))
+
+    def ensure_run(self, run_id: str, *, connection=None) -> bool:
+        """Create the run if new; return False when the run was cancelled."""
+
+        def work(conn):
+            conn.execute(q.upsert_run(self.dialect, run_id))
+            return conn.execute(q.get_run(run_id)).mappings().one()["cancelled_at"] is None
+
+        return self.transaction(self.durable, work, connection=connection)
+
+    # --- reads -----------------------------------------------------------------------
+
+    def get(self, job_id: str) -> Job | None:
+        def work(conn):
+            row = conn.execute(q.get_job(job_id)).mappings().first()
+            return None if row is None else Job.from_row(row)
+
+        return self.transaction(self.durable, work)
+
+    def list_jobs(self, **filters) -> list[Job]:
+        return self.transaction(self.durable, lambda c: [Job.from_row(r) for r in c.execute(q.list_jobs(**filters)).mappings()])
+
+    def run_events(self, run_id: str, *, after_id: int = 0, limit: int = 1000, tenant: str | None = None) -> list[dict]:
+        stmt = q.list_run_events(run_id, after_id=after_id, limit=limit, tenant=tenant)
+        return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt).mappings()])
+
+    def metrics(self, stale_seconds: float) -> dict[str, Any]:
+        """The aggregates behind /metrics, read in one transaction."""
+
+        def work(conn):
+            return {
+                "jobs": [tuple(r) for r in conn.execute(q.job_totals())],
+                "events": [tuple(r) for r in conn.execute(q.event_totals())],
+                "leases": tuple(conn.execute(q.lease_health(), {"stale_seconds": stale_seconds}).one()),
+            }
+
+        return self.transaction(self.durable, work)
+
+    # --- lease life ------------------------------------------------------------------
+
+    def claim(self, job_id: str, owner: str) -> dict[str, Any] | None:
+        """Claim a job for one attempt; None when the delivery is a duplicate."""
+
+        params = {"job_id": job_id, "owner": owner}
+        if self._prepared is not None:
+            rows = self.execute_prepared(self._prepared["claim"], params)
+            return rows[0] if rows else None
+        if self.dialect == "postgresql":
+            row = self.transaction(
+                self.engine(fast=True, single=True), lambda conn: conn.execute(q.claim_job_logged(), params).mappings().first()
+            )
+            return None if row is None else dict(row)
+
+        def work(conn):
+            row = conn.execute(q.claim_job(), params).mappings().first()
+            if row is None:
+                return None
+            self.log_events(conn, [({**row, "id": job_id}, Event.CLAIMED, owner)])
+            return dict(row)
+
+        return self.transaction(self.fast, work)
+
+    def renew(self, leases: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
+        """Renew many (job, generation) leases in one statement; return those still held."""
+
+        def work(conn):
+            return {(str(r[0]), r[1]) for r in conn.execute(q.renew_leases(leases))}
+
+        return self.transaction(self.engine(fast=True, single=True), work)
+
+    def complete_many(self, params: dict[str, Any], count: int) -> set[str]:
+        """complete_jobs for ``count`` attempts; returns the ids that completed."""
+        if self._prepared is not None:
+            key = f"complete_{count}"
+            stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(q.complete_jobs(count)))
+            return {str(r["id"]) for r in self.execute_prepared(stmt, params)}
+        return self.transaction(
+            self.engine(fast=True, single=True), lambda conn: {str(r[0]) for r in conn.execute(q.complete_jobs(count), params)}
+        )
+
+    def guarded(self, stmt, params: dict[str, Any], *, connection: Connection | None = None) -> bool:
+        """Run one guarded write; False when its guard matched no row. Alone (committed
+        by itself) unless a ``connection`` is given."""
+        return self.transaction(
+            self.engine(fast=True, single=True), lambda conn: conn.execute(stmt, params).rowcount == 1, connection=connection
+        )
+
+    def log_events(self, conn: Connection | None, entries: Iterable[tuple[Any, Event, str | None]]) -> None:
+        """Append run events for jobs that belong to a run; the one place events are built.
+
+        Each entry is (job, event, detail), the job being a Job, a row mapping or an
+        attempt: anything with a run id, a job id and an attempt number.
+        """
+        rows = []
+        for job, event, detail in entries:
+            run_id, job_id, attempt = _event_source(job)
+            if run_id is not None:
+                rows.append(q.event_row(str(run_id), str(job_id), event, attempt, detail))
+        if rows:
+            self.transaction(self.durable, lambda c: c.execute(q.append_events(), rows), connection=conn)
+
+    # --- revoking statements ---------------------------------------------------------
+
+    def cancel(self, *, job_id: str | None = None, run_id: str | None = None) -> list[str]:
+        def work(conn):
+            if run_id is not None:
+                conn.execute(q.upsert_run(self.dialect, run_id))
+                conn.execute(q.cancel_run(), {"run_id": run_id})
+            rows = conn.execute(q.cancel_jobs(job_id=job_id, run_id=run_id)).mappings().all()
+            self.log_events(conn, [(r, Event.CANCELLED, None) for r in rows])
+            return [str(r["id"]) for r in rows]
+
+        return self.transaction(self.durable, work)
+
+    def _requeue(self, stmt, params: dict, event: Event, cause: str) -> list[dict]:
+        def work(conn):
+            rows = [dict(r) for r in conn.execute(stmt, params).mappings()]
+            self.log_events(conn, [(r, event, f"{cause}: {r['status']}") for r in rows])
+            return rows
+
+        return self.transaction(self.durable, work)
+
+    def reap(self, limit: int) -> list[dict]:
+        return self._requeue(q.reap_expired(), {"limit": limit}, Event.REAPED, "lease expired")
+
+    def recover(self, node: str, boot: str) -> list[dict]:
+        stmt = q.recover_restarted(owner_prefix=f"{node}/", owner_boot=f"/{boot}")
+        return self._requeue(stmt, {}, Event.REQUEUED, "interrupted by restart")
+
+    def claim_due_wakeups(self, stale_seconds: float, limit: int) -> list[dict]:
+        return self.transaction(
+            self.durable,
+            lambda c: [
+                dict(r) for r in c.execute(q.claim_due_wakeups(), {"stale_seconds": stale_seconds, "limit": limit}).mappings()
+            ],
+        )
+
+    def prune(self, older_than_seconds: float, limit: int) -> int:
+        def work(conn):
+            ids = [str(r[0]) for r in conn.execute(q.prunable_jobs(), {"cutoff_seconds": older_than_seconds, "limit": limit})]
+            if not ids:
+                return 0
+            conn.execute(q.delete_job_events(ids))
+            return conn.execute(q.delete_jobs(ids)).rowcount
+
+        return self.transaction(self.durable, work)

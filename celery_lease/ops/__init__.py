@@ -1,0 +1,1 @@
+"""Operator interfaces: the `celery lease` CLI, the HTTP API, listing, metrics."""

@@ -1,0 +1,188 @@
+"""The producer side: store new jobs and wake workers for them.
+
+``submit``/``submit_many`` write the rows (with their run and its ``dispatched`` events)
+and then publish one wakeup per due job. Inside a caller's transaction the wakeups are
+published only after it commits; a rollback leaves neither row nor wakeup. A broker
+that cannot take a wakeup never fails the caller: the row is committed, and the sweeper
+delivers it later.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import weakref
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_lease import wakeups
+from celery_lease.db.store import Store
+from celery_lease.errors import InvalidPayload, LeaseError
+from celery_lease.job import Job, parse_job_id
+from celery_lease.kinds import JobKind
+from celery_lease.settings import Settings
+from celery_lease.status import Event, Status
+
+log = logging.getLogger("celery_lease")
+
+#: Where a caller's connection keeps the wakeups to publish after its COMMIT.
+_COMMIT_WAKEUPS = "celery_lease.wakeups"
+
+
+def run_after_time(value: datetime | timedelta | float | None) -> datetime | None:
+    """A delayed job's due time (UTC) from a datetime, a timedelta or seconds."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise InvalidPayload("run_after must be timezone-aware (e.g. datetime.now(timezone.utc))")
+        return value.astimezone(timezone.utc)
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return datetime.now(timezone.utc) + timedelta(seconds=float(value))
+    raise InvalidPayload(f"run_after must be a datetime, timedelta or seconds, not {type(value).__name__}")
+
+
+class Producer:
+    def __init__(self, app: Celery, store: Store, settings: Settings) -> None:
+        self._app = app
+        self._store = store
+        self._settings = settings
+        self._hooked_engines: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+
+    def serialize(self, spec: JobKind, payload: Any) -> Any:
+        """Validate and serialize one payload; raises InvalidPayload, storing nothing."""
+        return spec.codec.dump_payload(payload, self._settings.max_payload_bytes)
+
+    def job_row(self, spec: JobKind, payload: Any, options: dict[str, Any]) -> dict[str, Any]:
+        """The column values of a new pending job (payload already serialized)."""
+        run_after = run_after_time(options.get("run_after"))
+        run_id = options.get("run_id")
+        parent_id = options.get("parent_id")
+        return {
+            "id": str(uuid.uuid4()),
+            "kind": spec.kind,
+            "task": spec.task,
+            "queue": options.get("queue") or spec.queue,
+            "status": Status.PENDING.value,
+            "attempt": 0,
+            "max_attempts": spec.max_attempts,
+            "lease_seconds": spec.lease_seconds,
+            "lease_generation": 0,
+            "lease_losses": 0,
+            "payload": payload,
+            "run_after": run_after,
+            # A job due now is woken by submit itself; a delayed one by the sweeper.
+            "woken_at": None if run_after else datetime.now(timezone.utc),
+            "run_id": None if run_id is None else parse_job_id(run_id),
+            "parent_id": None if parent_id is None else parse_job_id(parent_id),
+            "idempotency_key": options.get("idempotency_key"),
+            "tenant": options.get("tenant"),
+        }
+
+    def submit_many(
+        self,
+        spec: JobKind,
+        payloads: Iterable[Any],
+        *,
+        idempotency_keys: Iterable[str] | None = None,
+        connection: sa.Connection | None = None,
+        **options: Any,
+    ) -> list[Job]:
+        serialized = [self.serialize(spec, p) for p in payloads]  # validate all first
+        keys = None if idempotency_keys is None else [str(k) for k in idempotency_keys]
+        if keys is not None and len(keys) != len(serialized):
+            raise InvalidPayload("idempotency_keys must have one key per payload")
+        if keys is not None and len(set(keys)) != len(keys):
+            raise InvalidPayload("idempotency_keys must be distinct within one submit_many")
+        rows = [
+            self.job_row(spec, payload, {**options, "idempotency_key": None if keys is None else keys[i]})
+            for i, payload in enumerate(serialized)
+        ]
+        if not rows:
+            return []
+        run_id = rows[0]["run_id"]
+        store = self._store
+
+        def write(conn: sa.Connection | None) -> tuple[list[Job], list[Job]]:
+            if run_id is not None and not store.ensure_run(run_id, connection=conn):
+                raise LeaseError(f"run {run_id} is cancelled; it accepts no new jobs")
+            inserted = store.insert_jobs(rows, keyed=keys is not None, connection=conn)
+            if keys is None:
+                jobs = inserted
+            else:
+                # Conflicting keys inserted nothing: return the jobs that hold them.
+                by_key = {j.idempotency_key: j for j in inserted}
+                missing = [k for k in keys if k not in by_key]
+                if missing:
+                    for j in store.get_jobs_by_keys(spec.kind, missing, connection=conn):
+                        by_key[j.idempotency_key] = j
+                jobs = [by_key[k] for k in keys]
+            store.log_events(conn, [(j, Event.DISPATCHED, None) for j in inserted])
+            return inserted, jobs
+
+        if connection is not None or (run_id is None and keys is None):
+            # In the caller's transaction, or a lone INSERT that commits by itself.
+            inserted, jobs = write(connection)
+        else:
+            # The run, the rows and their events (or the key lookups) commit together.
+            inserted, jobs = store.transaction(store.durable, write)
+        due = [j for j in inserted if j.run_after is None]
+        if connection is None:
+            self.publish_wakeups(due)
+        else:
+            self._publish_after_commit(connection, due)
+        return jobs
+
+    def _publish_after_commit(self, connection: sa.Connection, jobs: list[Job]) -> None:
+        """Publish wakeups once the caller's transaction has committed.
+
+        SQLAlchemy's Core ``commit`` event fires *before* the DBAPI commit, so the
+        listener commits the DBAPI connection itself, then publishes; SQLAlchemy's own
+        commit that follows finds nothing left to commit. A rollback drops the list.
+        """
+        pending = connection.info.setdefault(_COMMIT_WAKEUPS, [])
+        pending.extend(jobs)
+        engine = connection.engine
+        if engine in self._hooked_engines:
+            return
+        self._hooked_engines.add(engine)
+
+        def on_commit(conn):
+            jobs = conn.info.pop(_COMMIT_WAKEUPS, None)
+            if jobs:
+                conn.connection.dbapi_connection.commit()
+                self.publish_wakeups(jobs)
+
+        def on_rollback(conn):
+            conn.info.pop(_COMMIT_WAKEUPS, None)
+
+        sa.event.listen(engine, "commit", on_commit)
+        sa.event.listen(engine, "rollback", on_rollback)
+
+    def publish_wakeups(self, jobs: Sequence[Job | dict]) -> int:
+        """Publish one wakeup per job; the Celery task id is the job id.
+
+        A failure to publish (broker down) never fails the caller: the row is already
+        committed, its woken_at is cleared, and the sweeper delivers it later.
+        """
+        if not jobs:
+            return 0
+        items = [(j.id, j.task, j.queue) if isinstance(j, Job) else (str(j["id"]), j["task"], j["queue"]) for j in jobs]
+        try:
+            wakeups.publish(self._app, items)
+            return len(items)
+        except Exception as exc:
+            log.warning(
+                "celery-lease: cannot publish %d wakeup(s) (%s); the sweeper will deliver them", len(items), type(exc).__name__
+            )
+        try:
+            self._store.mark_not_woken([job_id for job_id, _, _ in items])
+        except LeaseError:
+            log.warning("celery-lease: %d wakeups left to the sweeper's staleness threshold", len(items))
+        return 0

@@ -1,0 +1,64 @@
+"""Typed settings of one CeleryLease, read from ``app.conf`` and constructor arguments.
+
+Each setting is ``lease_<name>`` in ``app.conf`` (so Django projects set
+``CELERY_LEASE_<NAME>`` with the ``CELERY`` namespace) and ``<name>=`` as a constructor
+argument, which takes precedence. They are read when first needed, not when
+``CeleryLease(app)`` runs, so a later ``app.config_from_object(...)`` is honoured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from celery_lease.payload import DEFAULT_MAX_CHECKPOINT_BYTES, DEFAULT_MAX_PAYLOAD_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Intervals and ages are seconds."""
+
+    #: beat: requeue or expire jobs whose lease elapsed
+    reap_interval: float = 10.0
+    #: beat: publish due wakeups (delayed jobs, retries, lost messages)
+    sweep_interval: float = 5.0
+    #: a pending job's wakeup is re-sent after this long without a claim
+    sweep_stale_seconds: float = 30.0
+    #: beat: delete old terminal jobs
+    prune_interval: float = 3600.0
+    #: terminal jobs are kept this long
+    retention_seconds: float = 7 * 86400.0
+    #: rows per reap / sweep / prune statement
+    batch_size: int = 500
+    #: PostgreSQL: PREPARE the per-job statements (see db/prepared.py)
+    prepare_statements: bool = True
+    #: beat's reap/sweep/prune ticks go here; every worker of the app consumes it
+    maintenance_queue: str = "celery_lease"
+    max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def check_overrides(cls, overrides: Mapping[str, Any]) -> None:
+        """Refuse a constructor argument that names no setting (a typo is an error)."""
+        for key in overrides:
+            if key not in cls.names():
+                raise TypeError(f"CeleryLease got an unknown setting {key!r}")
+
+    @classmethod
+    def resolve(cls, conf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Settings:
+        """``overrides`` (constructor arguments) over ``app.conf``'s ``lease_*`` over defaults."""
+        cls.check_overrides(overrides)
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            value = overrides.get(field.name)
+            if value is None:
+                value = conf.get(f"lease_{field.name}")
+            if value is not None:
+                kind: Any = type(field.default)
+                values[field.name] = value if kind is bool else kind(value)
+        return cls(**values)

@@ -1,0 +1,2 @@
+"""The worker side: Celery signals around each leased task's body (claim, heartbeat,
+run, complete) and warm-shutdown handoff."""

@@ -1,0 +1,102 @@
+"""One claimed attempt of a job: its fencing token and the lease's local state.
+
+Every write an attempt makes goes through :meth:`Attempt.write` (or, inside a larger
+transaction, :meth:`Attempt.fenced`): a guarded statement matching the job's id,
+``running`` and this attempt's ``lease_generation``. Zero rows means the lease is lost
+(cancelled, reaped, taken by a newer attempt); :meth:`mark_lost` records that once, and
+the handler sees it as ``ctx.cancelled``. Nothing else decides that a lease is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from celery_lease.errors import LeaseLost
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from celery_lease.db.store import Store
+
+#: Identifies this boot of the worker. Set at import in the worker's main process and
+#: inherited by its pool children, so restart recovery can tell "running under this
+#: node name from an earlier boot" (interrupted) from "running here now".
+BOOT_ID = uuid.uuid4().hex[:12]
+
+
+def owner_of(node: str | None) -> str:
+    """The lease owner written by a claim: ``node/pid/boot``. Restart recovery matches
+    its ``node/`` prefix and ``/boot`` suffix (see queries.recover_restarted)."""
+    return f"{node or socket.gethostname()}/{os.getpid()}/{BOOT_ID}"
+
+
+@dataclass(eq=False)
+class Attempt:
+    job_id: str
+    generation: int
+    attempt: int
+    max_attempts: int
+    lease_seconds: int
+    run_id: str | None
+    parent_id: str | None
+    tenant: str | None
+    payload: Any
+    checkpoint: Any
+    #: Set once the lease is known lost (cancelled, reaped, heartbeat gave up).
+    lost: threading.Event = field(default_factory=threading.Event)
+    #: monotonic time of the last claim or renewal that the database confirmed.
+    renewed_at: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def from_claim(cls, job_id: str, row: dict[str, Any]) -> Attempt:
+        return cls(
+            job_id=job_id,
+            generation=row["lease_generation"],
+            attempt=row["attempt"],
+            max_attempts=row["max_attempts"],
+            lease_seconds=row["lease_seconds"],
+            run_id=row["run_id"] and str(row["run_id"]),
+            parent_id=row["parent_id"] and str(row["parent_id"]),
+            tenant=row["tenant"],
+            payload=row["payload"],
+            checkpoint=row["checkpoint"],
+        )
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(job, generation): two attempts of one job never share it."""
+        return self.job_id, self.generation
+
+    @property
+    def fence(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "generation": self.generation}
+
+    @property
+    def is_lost(self) -> bool:
+        return self.lost.is_set()
+
+    def mark_lost(self) -> None:
+        self.lost.set()
+
+    def write(self, store: Store, stmt, **params: Any) -> bool:
+        """One fenced statement committed alone; False (writing nothing) when the lease
+        is lost, now or before."""
+        if self.is_lost:
+            return False
+        if store.guarded(stmt, {**self.fence, **params}):
+            return True
+        self.mark_lost()
+        return False
+
+    def fenced(self, store: Store, conn: Connection, stmt, **params: Any) -> None:
+        """A fenced statement inside ``conn``'s transaction; raises LeaseLost (so the
+        transaction rolls back whole) when its guard matches no row."""
+        if not store.guarded(stmt, {**self.fence, **params}, connection=conn):
+            self.mark_lost()
+            raise LeaseLost()

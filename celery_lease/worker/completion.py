@@ -1,0 +1,95 @@
+"""Plain successes written in batches: one fenced statement for many attempts.
+
+A success with nothing else to commit (no effects, children or run events) does not
+need the handler to wait: the attempt's outcome is final once the body has returned,
+and its write stays fenced by the lease generation. So the body returns at once and
+this thread writes every success queued within LINGER seconds in one ``complete_jobs``
+statement. If the process dies before the write, the job is still running under its
+lease and the reaper requeues it, exactly as if it had died a moment earlier inside
+the body. Warm exits flush (``worker_process_shutdown``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from celery_lease.db.store import Store
+    from celery_lease.worker.attempt import Attempt
+
+log = logging.getLogger("celery_lease.worker")
+
+#: Queued by Completer.flush: write what is gathered now.
+_FLUSH = object()
+
+
+class Completer:
+    LINGER = 0.002
+    MAX_BATCH = 64
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._loop, name="celery-lease-completer", daemon=True)
+                self._thread.start()
+        self._queue.put((attempt, result, progress))
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Write every queued success now and wait for it (or give up after timeout)."""
+        if self._thread is not None and self._pid == os.getpid():
+            self._queue.put(_FLUSH)  # ends the batch being gathered without lingering
+            deadline = time.monotonic() + timeout
+            while self._queue.unfinished_tasks and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    def _loop(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            deadline = time.monotonic() + self.LINGER
+            while len(items) < self.MAX_BATCH and items[-1] is not _FLUSH:
+                try:
+                    items.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            batch = [item for item in items if item is not _FLUSH]
+            try:
+                if batch:
+                    self._write(batch)
+            finally:
+                for _ in items:
+                    self._queue.task_done()
+
+    def _write(self, batch: list[tuple[Attempt, Any, Any]]) -> None:
+        params: dict[str, Any] = {}
+        for i, (attempt, result, progress) in enumerate(batch):
+            params.update(
+                {
+                    f"job_id_{i}": attempt.job_id,
+                    f"generation_{i}": attempt.generation,
+                    f"new_result_{i}": result,
+                    f"new_progress_{i}": progress,
+                }
+            )
+        try:
+            done = self._store.complete_many(params, len(batch))
+        except Exception:
+            # Left running under their leases: the reaper requeues them.
+            log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
+            return
+        for attempt, _, _ in batch:
+            if attempt.job_id not in done:
+                attempt.mark_lost()
+                log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)

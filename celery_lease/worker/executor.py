@@ -1,0 +1,241 @@
+"""The lease life inside a worker process: claim, run the body, record the outcome.
+
+The Celery signals in :mod:`celery_lease.worker.signals` call these at their moments:
+``task_prerun`` -> :meth:`WorkerState.begin`, the task body -> :meth:`WorkerState.execute`,
+``task_postrun`` -> :meth:`WorkerState.end`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import Retry
+
+from celery_lease.db import queries as q
+from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSuspended, LeaseLost
+from celery_lease.payload import cap_error
+from celery_lease.status import Event
+from celery_lease.worker import shutdown
+from celery_lease.worker.attempt import Attempt, owner_of
+from celery_lease.worker.completion import Completer
+from celery_lease.worker.context import JobContext
+from celery_lease.worker.heartbeat import Heartbeat
+
+if TYPE_CHECKING:
+    from celery_lease.db.store import Store
+    from celery_lease.kinds import JobKind, Registry
+    from celery_lease.producer import Producer
+    from celery_lease.settings import Settings
+
+log = logging.getLogger("celery_lease.worker")
+
+#: The stored error of any exception that is not a Failure. Its text and traceback go
+#: to the log with the job id, never to the table: a dependency's message may carry a
+#: secret (a DSN, a token, a row of customer data).
+INTERNAL_ERROR = "internal error"
+
+
+def backoff(attempt: int, base: float, cap: float) -> float:
+    """Exponential backoff with jitter: base * 2^(attempt-1), capped, times 0.5..1.5."""
+    return min(cap, base * 2 ** max(0, attempt - 1)) * random.uniform(0.5, 1.5)
+
+
+class Outcome(enum.Enum):
+    """How a handler's body ended, before it is recorded."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # Failure(msg): no retry
+    SUSPENDED = "suspended"  # warm shutdown: hand the job off
+    CANCELLED = "cancelled"  # lease lost or job cancelled: write nothing
+    ERROR = "error"  # any other exception: retry while attempts remain
+
+
+class WorkerState:
+    """Per-process worker side of celery-lease."""
+
+    def __init__(self, store: Store, producer: Producer, registry: Registry, settings: Settings, broker_url: str | None) -> None:
+        self.store = store
+        self.producer = producer
+        self.registry = registry
+        self.settings = settings
+        self.heartbeat = Heartbeat(store, broker_url)
+        #: Batches plain successes on PostgreSQL, where each statement is a round trip.
+        self.completer = Completer(store) if store.dialect == "postgresql" else None
+
+    # --- task_prerun / task_postrun ------------------------------------------------
+
+    def begin(self, job_id: str, spec: JobKind, hostname: str | None, queue: str | None) -> Attempt | None:
+        """Claim the job named by the delivery; None when it is not claimable."""
+        if shutdown.requested():
+            # Warm shutdown: leave the job pending, and since this (early-acked)
+            # delivery is spent, wake another worker for it now rather than after the
+            # sweeper's staleness threshold.
+            self.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
+            return None
+        row = self.store.claim(job_id, owner_of(hostname))
+        if row is None:
+            log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
+            return None
+        attempt = Attempt.from_claim(job_id, row)
+        self.heartbeat.add(attempt)
+        return attempt
+
+    def end(self, attempt: Attempt | None) -> None:
+        if attempt is not None:
+            self.heartbeat.remove(attempt)
+
+    def flush(self) -> None:
+        if self.completer is not None:
+            self.completer.flush()
+
+    # --- the body --------------------------------------------------------------------
+
+    def context(self, attempt: Attempt, on_progress: Callable[[Any], None] | None = None) -> JobContext:
+        """The handler's view of ``attempt``; raises CheckpointTooLarge for a stored
+        checkpoint over the cap."""
+        return JobContext(
+            attempt,
+            store=self.store,
+            producer=self.producer,
+            registry=self.registry,
+            heartbeat=self.heartbeat,
+            max_checkpoint_bytes=self.settings.max_checkpoint_bytes,
+            on_progress=on_progress,
+        )
+
+    def execute(self, spec: JobKind, attempt: Attempt, on_progress: Callable[[Any], None] | None = None) -> Any:
+        """Run the handler and record its outcome with one fenced statement.
+
+        Returns the stored result. Raises Celery's Retry or JobFailed *after* the
+        outcome is recorded, so Flower shows RETRY / FAILURE for the job id; both are
+        raised outside any ``except`` block so no traceback of the handler's exception
+        (and its text) is chained into Celery's log line or event.
+        """
+        outcome: tuple[Outcome, Any]
+        try:
+            # Inside the try: a stored checkpoint over the cap fails this attempt as an
+            # internal error (logged with the job id), it does not escape the lease.
+            ctx = self.context(attempt, on_progress)
+            result = spec.fn(ctx, spec.codec.load_payload(attempt.payload))
+            outcome = (Outcome.SUCCEEDED, spec.codec.dump_result(result))
+        except Failure as exc:
+            outcome = (Outcome.FAILED, cap_error(exc.message))
+        except JobSuspended:
+            outcome = (Outcome.SUSPENDED, None)
+        except JobCancelled:
+            outcome = (Outcome.CANCELLED, None)
+        except Exception:
+            log.exception("celery-lease: job %s (%s) attempt %d raised", attempt.job_id, spec.kind, attempt.attempt)
+            outcome = (Outcome.ERROR, None)
+
+        status, value = outcome
+        signal: Exception | None = None  # what Celery is told, after the write
+        try:
+            if status is Outcome.SUCCEEDED:
+                try:
+                    return self._succeed(ctx, attempt, value)
+                except (LeaseLost, DatabaseUnavailable):
+                    raise
+                except Exception:
+                    # An effect or a child insert raised: the success transaction rolled
+                    # back whole, the job still runs under this lease, and the attempt
+                    # ends like a handler that raised.
+                    log.exception(
+                        "celery-lease: job %s (%s) attempt %d: success transaction failed",
+                        attempt.job_id,
+                        spec.kind,
+                        attempt.attempt,
+                    )
+                    status = Outcome.ERROR
+            if status is Outcome.SUSPENDED:
+                self._hand_off(attempt)
+            elif status is Outcome.CANCELLED:
+                log.info("celery-lease: job %s: stopped after cancel or lease loss", attempt.job_id)
+            elif status is Outcome.ERROR and attempt.attempt < attempt.max_attempts:
+                delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
+                self._retry(attempt, delay)
+                signal = Retry(f"attempt {attempt.attempt} of {attempt.max_attempts} failed; retrying in {delay:.1f}s")
+            else:
+                error = str(value) if status is Outcome.FAILED else INTERNAL_ERROR
+                self._fail(attempt, error)
+                signal = JobFailed(error)
+        except LeaseLost:
+            log.warning("celery-lease: job %s: lease lost; %s outcome discarded", attempt.job_id, status.value)
+            return None
+        if signal is not None:
+            raise signal
+        return None
+
+    def _succeed(self, ctx: JobContext, attempt: Attempt, result: Any) -> Any:
+        staged = ctx.staged
+        if self.completer is not None and not (staged.effects or staged.children or attempt.run_id):
+            self.completer.add(attempt, result, ctx.pending_progress)
+            return result
+        children_rows = [self.producer.job_row(child, payload, options) for child, payload, options in staged.children]
+
+        def work(conn):
+            # The fenced update goes first: on PostgreSQL it locks the row, so a cancel
+            # or reap waits for this transaction, and if the lease is already lost
+            # nothing below runs and the whole transaction rolls back.
+            attempt.fenced(self.store, conn, q.complete_job(), new_result=result, new_progress=ctx.pending_progress)
+            for fn in staged.effects:
+                fn(conn)
+            # A child placed in another run than this job's must respect that run as a
+            # submit would: the run is created if new, and a cancelled one takes no job.
+            # (This job's own run cannot be cancelled here: cancel_run would have
+            # revoked this lease and the fenced update above would have failed.)
+            refused = {
+                run
+                for run in {r["run_id"] for r in children_rows} - {attempt.run_id, None}
+                if not self.store.ensure_run(run, connection=conn)
+            }
+            for row in [r for r in children_rows if r["run_id"] in refused]:
+                log.warning(
+                    "celery-lease: job %s: child %s not created: run %s is cancelled", attempt.job_id, row["kind"], row["run_id"]
+                )
+            rows = [r for r in children_rows if r["run_id"] not in refused]
+            # keyed: a child submitted with an idempotency key that already exists is that
+            # job, as with submit; only the children actually inserted are returned.
+            children = self.store.insert_jobs(rows, keyed=True, connection=conn) if rows else []
+            self.store.log_events(
+                conn, [(attempt, Event.SUCCEEDED, None)] + [(c, Event.DISPATCHED, f"child of {attempt.job_id}") for c in children]
+            )
+            return children
+
+        alone = not (staged.effects or children_rows or attempt.run_id)  # SQLite: nothing to batch
+        children = self.store.transaction(self.store.engine(fast=True, single=alone), work)
+        self.producer.publish_wakeups(children)
+        return result
+
+    def _fail(self, attempt: Attempt, error: str) -> None:
+        def work(conn):
+            attempt.fenced(self.store, conn, q.fail_job(), new_error=error)
+            self.store.log_events(conn, [(attempt, Event.FAILED, error)])
+
+        self.store.transaction(self.store.fast, work)
+
+    def _retry(self, attempt: Attempt, delay: float) -> None:
+        def work(conn):
+            attempt.fenced(self.store, conn, q.retry_job(), delay=delay)
+            self.store.log_events(conn, [(attempt, Event.RETRIED, f"in {delay:.1f}s")])
+
+        self.store.transaction(self.store.fast, work)
+
+    def _hand_off(self, attempt: Attempt) -> None:
+        """Warm shutdown: back to pending at once, attempt not spent, wakeup sent."""
+
+        def work(conn):
+            row = conn.execute(q.hand_off_job(), attempt.fence).mappings().first()
+            if row is None:
+                attempt.mark_lost()
+                raise LeaseLost()
+            self.store.log_events(conn, [(attempt, Event.REQUEUED, "shutdown handoff")])
+            return dict(row)
+
+        row = self.store.transaction(self.store.fast, work)
+        log.info("celery-lease: job %s: handed off on shutdown", attempt.job_id)
+        self.producer.publish_wakeups([row])

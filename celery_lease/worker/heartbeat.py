@@ -1,0 +1,112 @@
+"""The heartbeat: renews every lease this process holds, in one statement per round.
+
+One daemon thread per process. A round runs every third of the shortest lease held,
+and at once when an attempt with a shorter lease arrives or a cancel notice comes in.
+A renewal that fails on a database error is retried every second; an attempt whose
+lease would expire before a renewal lands is marked lost, so its handler stops writing
+before another attempt can be claimed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from celery_lease import cancel_notice
+
+if TYPE_CHECKING:
+    from celery_lease.db.store import Store
+    from celery_lease.worker.attempt import Attempt
+
+log = logging.getLogger("celery_lease.worker")
+
+
+class Heartbeat:
+    RETRY_SECONDS = 1.0
+    #: Past this share of its lease without a confirmed renewal an attempt gives up:
+    #: beyond it the reaper may already have handed the job to another attempt.
+    GIVE_UP_SHARE = 0.8
+
+    def __init__(self, store: Store, broker_url: str | None) -> None:
+        self._store = store
+        self._broker_url = broker_url
+        #: Keyed by (job, generation): a second attempt of one job in this process never
+        #: hides the first from lost-lease detection.
+        self._attempts: dict[tuple[str, int], Attempt] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        #: Seconds the last renewal statement took (for metrics).
+        self.last_latency = 0.0
+
+    def add(self, attempt: Attempt) -> None:
+        with self._lock:
+            shortest = min((a.lease_seconds for a in self._attempts.values()), default=None)
+            self._attempts[attempt.key] = attempt
+            if self._thread is None or self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._loop, name="celery-lease-heartbeat", daemon=True)
+                self._thread.start()
+                cancel_notice.listen(self._broker_url, self.wake)  # sooner than the next round
+            elif shortest is None or attempt.lease_seconds < shortest:
+                # The sleeping round was timed for longer leases: re-time it now.
+                self._wake.set()
+
+    def remove(self, attempt: Attempt) -> None:
+        with self._lock:
+            if self._attempts.get(attempt.key) is attempt:
+                del self._attempts[attempt.key]
+
+    def wake(self) -> None:
+        """Renew now, e.g. when told by a message that a job may have been cancelled."""
+        self._wake.set()
+
+    def renew_now(self, attempt: Attempt) -> bool:
+        self._renew([attempt])
+        return not attempt.is_lost
+
+    def _interval(self) -> float:
+        with self._lock:
+            leases = [a.lease_seconds for a in self._attempts.values()]
+        return min(leases) / 3 if leases else 1.0
+
+    def _loop(self) -> None:
+        delay = self._interval()
+        while True:
+            self._wake.wait(delay)
+            self._wake.clear()
+            with self._lock:
+                attempts = [a for a in self._attempts.values() if not a.is_lost]
+            ok = self._renew(attempts) if attempts else True
+            delay = self._interval() if ok else self.RETRY_SECONDS
+
+    def _renew(self, attempts: list[Attempt]) -> bool:
+        started = time.monotonic()
+        try:
+            held = self._store.renew([a.key for a in attempts])
+        except Exception:
+            log.warning("celery-lease: heartbeat failed; retrying within the lease", exc_info=True)
+            now = time.monotonic()
+            for a in attempts:
+                if now - a.renewed_at > a.lease_seconds * self.GIVE_UP_SHARE:
+                    log.warning("celery-lease: job %s: heartbeat gave up; lease lost", a.job_id)
+                    a.mark_lost()
+            return False
+        now = time.monotonic()
+        self.last_latency = now - started
+        for a in attempts:
+            if a.key in held:
+                a.renewed_at = now
+                continue
+            a.mark_lost()
+            with self._lock:
+                still_running = self._attempts.get(a.key) is a
+            # An attempt that completed while the statement ran simply had nothing left
+            # to renew; only a running one has really lost its lease.
+            if still_running:
+                log.warning("celery-lease: job %s: lease lost (cancelled or reaped)", a.job_id)
+        return True

@@ -1,0 +1,163 @@
+"""Each named statement of db/queries.py against each status it may meet.
+
+The rules: only a due pending job is claimable; every write of an attempt matches id,
+running and its generation; revoking statements bump the generation; nothing ever
+changes a terminal job.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_lease.db import queries as q
+from celery_lease.status import TERMINAL, Status
+from celery_lease.worker.attempt import Attempt
+
+ALL = [s.value for s in Status]
+TERMINALS = [s.value for s in TERMINAL]
+
+
+def attempt_for(job_id: str, generation: int) -> Attempt:
+    return Attempt(
+        job_id=job_id,
+        generation=generation,
+        attempt=1,
+        max_attempts=3,
+        lease_seconds=30,
+        run_id=None,
+        parent_id=None,
+        tenant=None,
+        payload={},
+        checkpoint=None,
+    )
+
+
+@pytest.mark.parametrize("status", ALL)
+def test_claim_takes_only_a_due_pending_job(store, add_job, row, status):
+    job_id = add_job(status=status, lease_generation=4, attempt=1)
+    claimed = store.claim(job_id, "node/1/boot")
+    if status == "pending":
+        assert claimed is not None and claimed["lease_generation"] == 5 and claimed["attempt"] == 2
+        r = row(job_id)
+        assert (r["status"], r["lease_owner"]) == ("running", "node/1/boot")
+        assert r["lease_expires_at"] is not None
+        assert store.claim(job_id, "node/2/boot") is None  # a duplicate delivery claims nothing
+    else:
+        assert claimed is None
+        assert row(job_id)["status"] == status
+
+
+def test_claim_waits_for_run_after(store, add_job):
+    later = add_job(run_after_in=60)
+    due = add_job(run_after_in=-1)
+    assert store.claim(later, "n/1/b") is None
+    assert store.claim(due, "n/1/b") is not None
+
+
+@pytest.mark.parametrize("status", ALL)
+def test_renew_holds_only_a_running_lease_of_the_same_generation(store, add_job, status):
+    job_id = add_job(status=status, lease_generation=3, expires_in=10)
+    held = store.renew([(job_id, 3), (job_id, 2)])
+    assert held == ({(job_id, 3)} if status == "running" else set())
+
+
+@pytest.mark.parametrize(
+    "stmt, params, final",
+    [
+        (q.complete_job(), {"new_result": {"ok": 1}, "new_progress": None}, "succeeded"),
+        (q.fail_job(), {"new_error": "boom"}, "failed"),
+        (q.retry_job(), {"delay": 5.0}, "pending"),
+        (q.save_checkpoint(), {"new_checkpoint": {"i": 1}}, "running"),
+        (q.publish_progress(), {"new_progress": {"rows": 1}}, "running"),
+    ],
+    ids=["complete", "fail", "retry", "checkpoint", "progress"],
+)
+@pytest.mark.parametrize("status", ALL)
+def test_attempt_writes_are_fenced(store, add_job, row, stmt, params, final, status):
+    job_id = add_job(status=status, lease_generation=7, attempt=1, expires_in=30)
+    stale = attempt_for(job_id, 6)
+    assert stale.write(store, stmt, **params) is False
+    assert stale.is_lost
+    assert row(job_id)["status"] == status  # the stale write changed nothing
+    live = attempt_for(job_id, 7)
+    assert live.write(store, stmt, **params) is (status == "running")
+    assert row(job_id)["status"] == (final if status == "running" else status)
+
+
+@pytest.mark.parametrize("status", ALL)
+def test_cancel_revokes_active_jobs_and_leaves_terminal_ones(store, add_job, row, status):
+    job_id = add_job(status=status, lease_generation=2)
+    cancelled = store.cancel(job_id=job_id)
+    if status in ("pending", "running"):
+        assert cancelled == [job_id]
+        r = row(job_id)
+        assert (r["status"], r["lease_generation"], r["lease_owner"]) == ("cancelled", 3, None)
+    else:
+        assert cancelled == []
+        assert row(job_id)["status"] == status
+
+
+def test_reap_requeues_expired_leases_and_expires_spent_ones(store, add_job, row):
+    retry = add_job(status="running", attempt=1, expires_in=-1, lease_generation=1)
+    spent = add_job(status="running", attempt=3, expires_in=-1, lease_generation=1)
+    live = add_job(status="running", attempt=1, expires_in=60, lease_generation=1)
+    done = add_job(status="succeeded", attempt=1, expires_in=-1)
+    reaped = {r["id"]: r["status"] for r in store.reap(limit=100)}
+    assert reaped == {retry: "pending", spent: "expired"}
+    assert row(spent)["error"] == "lease expired"
+    assert row(retry)["lease_generation"] == 2 and row(retry)["lease_losses"] == 1
+    assert row(live)["status"] == "running" and row(done)["status"] == "succeeded"
+
+
+def test_reap_takes_at_most_its_batch(store, add_job):
+    for _ in range(5):
+        add_job(status="running", attempt=1, expires_in=-1)
+    assert len(store.reap(limit=2)) == 2
+    assert len(store.reap(limit=10)) == 3
+    assert store.reap(limit=10) == []
+
+
+def test_recover_requeues_only_this_nodes_earlier_boots(store, add_job, row):
+    old = add_job(status="running", attempt=1, lease_owner="w1@h/10/oldboot")
+    spent = add_job(status="running", attempt=3, lease_owner="w1@h/11/oldboot")
+    now = add_job(status="running", attempt=1, lease_owner="w1@h/12/thisboot")
+    other = add_job(status="running", attempt=1, lease_owner="w2@h/13/oldboot")
+    rows = {r["id"]: r["status"] for r in store.recover("w1@h", "thisboot")}
+    assert rows == {old: "pending", spent: "failed"}
+    assert row(spent)["error"] == "interrupted by restart"
+    assert row(now)["status"] == row(other)["status"] == "running"
+
+
+def test_sweep_stamps_only_due_pending_jobs_with_stale_wakeups(store, add_job, row):
+    stale = add_job(woken_ago=120)
+    never = add_job()
+    fresh = add_job(woken_ago=1)
+    delayed = add_job(run_after_in=60)
+    running = add_job(status="running", woken_ago=120)
+    swept = {r["id"] for r in store.claim_due_wakeups(stale_seconds=30, limit=100)}
+    assert swept == {stale, never}
+    assert store.claim_due_wakeups(stale_seconds=30, limit=100) == []  # stamped: not sent twice
+    assert row(fresh)["woken_at"] is not None and delayed and running
+
+
+@pytest.mark.parametrize("status", ALL)
+def test_prune_deletes_only_old_terminal_jobs(store, add_job, row, status):
+    old = add_job(status=status, finished_ago=3600)
+    young = add_job(status=status, finished_ago=1) if status in TERMINALS else None
+    deleted = store.prune(older_than_seconds=60, limit=100)
+    assert deleted == (1 if status in TERMINALS else 0)
+    if young:
+        assert row(young)["status"] == status
+    if status not in TERMINALS:
+        assert row(old)["status"] == status
+
+
+def test_run_events_are_logged_with_the_transition(store, add_job):
+    run_id = "00000000-0000-4000-8000-000000000001"
+    store.ensure_run(run_id)
+    job_id = add_job(run_id=run_id)
+    store.claim(job_id, "n/1/b")
+    store.cancel(run_id=run_id)
+    events = [(e["event"], e["attempt"]) for e in store.run_events(run_id)]
+    assert events == [("claimed", 1), ("cancelled", 1)]
+    assert store.ensure_run(run_id) is False  # a cancelled run accepts no new jobs
