@@ -1,13 +1,14 @@
 """The fault-test harness itself: a private PostgreSQL that really crashes and
-recovers.
+recovers, and libfaketime that really skews only the wall clock of a child process.
 
 Later fault tests rely on exactly these behaviours, so they are checked here rather
 than assumed. Nothing here is skipped when a tool is missing: `bash dev.sh test`
-installs it, and a silently skipped harness would hide a broken install step.
+installs both, and a silently skipped harness would hide a broken install step.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.conftest import PG_ADMIN, ROOT, wait_for
-from tests.harness import pgcluster
+from tests.harness import faketime, pgcluster
 from tests.harness.pgcluster import PrivateCluster, private_cluster
 
 
@@ -199,3 +200,93 @@ def test_a_cluster_left_by_a_killed_process_is_swept_by_the_next_one():
     pgcluster._sweep_stale_clusters()
     assert not directory.exists()
     wait_for(lambda: not alive(pid), timeout=10, what="the orphaned postmaster to exit")
+
+
+# --- faketime -------------------------------------------------------------------------
+
+CLOCKS = textwrap.dedent("""
+    import json, selectors, socket, threading, time
+    from datetime import datetime, timezone
+    wall, mono, aware = time.time(), time.monotonic(), datetime.now(timezone.utc).timestamp()
+
+    def took(wait):
+        start = time.monotonic()
+        wait()
+        return time.monotonic() - start
+
+    lock, sel, (a, b) = threading.Lock(), selectors.DefaultSelector(), socket.socketpair()
+    lock.acquire()
+    sel.register(a, selectors.EVENT_READ)
+    waits = {
+        "sleep": took(lambda: time.sleep(0.1)),
+        "event": took(lambda: threading.Event().wait(0.1)),
+        "lock": took(lambda: lock.acquire(timeout=0.1)),
+        "select": took(lambda: sel.select(0.1)),
+    }
+    print(json.dumps({"wall": wall, "mono": mono, "aware": aware, "waits": waits}))
+""")
+
+
+def child_clocks(env: dict) -> tuple[dict, tuple[float, float], tuple[float, float]]:
+    """Run CLOCKS under ``env``; return what it saw and this process's wall and
+    monotonic clocks just before and just after."""
+    wall0, mono0 = time.time(), time.monotonic()
+    out = subprocess.run([sys.executable, "-c", CLOCKS], env=env, capture_output=True, text=True,
+                         timeout=30)
+    wall1, mono1 = time.time(), time.monotonic()
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout), (wall0, wall1), (mono0, mono1)
+
+
+@pytest.mark.parametrize("offset, seconds", [("-30s", -30), ("+3600s", 3600), ("+1h", 3600),
+                                             ("-6", -6)])
+def test_faketime_skews_the_wall_clock_only(offset, seconds):
+    assert faketime.available(), "libfaketime missing: bash dev.sh test installs it"
+    seen, (wall0, wall1), (mono0, mono1) = child_clocks(faketime.skewed_env(offset))
+    # The child read its clock between our two readings: shifted by the offset, it must
+    # fall in that window (a second of slack for the float and the scheduler).
+    for wall in (seen["wall"], seen["aware"]):
+        assert wall0 - 1 <= wall - seconds <= wall1 + 1, (wall - wall0, seconds)
+    # The monotonic clock is the machine's own, shared with us and unshifted.
+    assert mono0 <= seen["mono"] <= mono1
+    # Sleeps and timeouts keep their real length: they neither fail (time.sleep under
+    # libfaketime 0.9.10, see faketime.py) nor hang for the offset.
+    for name, took in seen["waits"].items():
+        assert 0.09 <= took < 2, (name, took)
+
+
+def test_without_faketime_the_child_clock_is_real():
+    seen, (wall0, wall1), _ = child_clocks(dict(os.environ))
+    assert wall0 <= seen["wall"] <= wall1
+    skewed = faketime.skewed_env("+1h")
+    seen, (wall0, wall1), _ = child_clocks(faketime.without_skew(skewed))
+    assert wall0 <= seen["wall"] <= wall1
+
+
+def test_skewed_env_keeps_the_base_env_and_other_preloads():
+    base = {"PATH": "/usr/bin", "LD_PRELOAD": "/lib/other.so", "KEEP": "1"}
+    env = faketime.skewed_env("-6s", base)
+    assert base == {"PATH": "/usr/bin", "LD_PRELOAD": "/lib/other.so", "KEEP": "1"}
+    assert env["KEEP"] == "1" and env["PATH"] == "/usr/bin"
+    assert env["LD_PRELOAD"] == f"{faketime.shim_path()}:{faketime.library_path()}:/lib/other.so"
+    assert env["FAKETIME"] == "-6"
+    assert env["FAKETIME_DONT_FAKE_MONOTONIC"] == "1" and env["FAKETIME_NO_CACHE"] == "1"
+    # Skewing twice replaces the offset instead of preloading the library twice.
+    again = faketime.skewed_env("+1h", env)
+    assert again["LD_PRELOAD"] == env["LD_PRELOAD"] and again["FAKETIME"] == "+3600"
+
+
+@pytest.mark.parametrize("offset, seconds, value", [
+    ("-6s", -6, "-6"), ("+1h", 3600, "+3600"), ("-30", -30, "-30"), ("+1.5m", 90, "+90"),
+    ("+2d", 172800, "+172800"), ("-0.25", -0.25, "-0.25"), (-6, -6, "-6"), (0, 0, "+0"),
+    (3600.0, 3600, "+3600"),
+])
+def test_offsets(offset, seconds, value):
+    assert faketime.offset_seconds(offset) == seconds
+    assert faketime._faketime_value(faketime.offset_seconds(offset)) == value
+
+
+@pytest.mark.parametrize("bad", ["6s", "+6w", "", "+", "-1h30m", "@2020-01-01 00:00:00"])
+def test_bad_offsets_are_refused(bad):
+    with pytest.raises(ValueError):
+        faketime.offset_seconds(bad)
