@@ -63,6 +63,25 @@ ensure_postgres() {
   fi
 }
 
+ensure_test_tools() {
+  # Fault tests (tests/harness) crash and restart a private PostgreSQL of their own,
+  # which needs the server binaries (initdb, pg_ctl), and run processes with a skewed
+  # wall clock, which needs libfaketime and a C compiler (tests/harness/faketime.py
+  # builds a small fix for libfaketime 0.9.10). Only apt-get when one is missing.
+  local missing=()
+  if ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null \
+    || ! compgen -G '/usr/lib/postgresql/*/bin/pg_ctl' >/dev/null; then
+    missing+=(postgresql)
+  fi
+  compgen -G '/usr/lib/*/faketime/libfaketime.so.1' >/dev/null \
+    || compgen -G '/usr/lib/faketime/libfaketime.so.1' >/dev/null \
+    || missing+=(faketime)
+  command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt_install "${missing[@]}"
+  fi
+}
+
 ensure_redis() {
   # The tests start their own private redis-server on a free port; they need the binary.
   command -v redis-server >/dev/null 2>&1 || apt_install redis-server
@@ -87,6 +106,7 @@ case "$cmd" in
       "$VENV/bin/python" -m pytest tests/unit -q -x
     fi
     ensure_postgres
+    ensure_test_tools
     ensure_redis
     export CL_TEST_PG_ADMIN=${CL_TEST_PG_ADMIN:-postgresql+psycopg2://$(id -un)@127.0.0.1:5432/postgres}
     if [ $# -eq 0 ]; then
