@@ -84,8 +84,8 @@ def work(self, payload: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.chaos import FaultInjector, Fleet, Outcome, Scenario, private_redis, scenario_database
-    from tests.conftest import wait_for
+    from tests.e2e.chaos import FaultInjector, Fleet, Outcome, Scenario, private_redis, scenario_database
+    from tests.harness.services import wait_for
 
     parser = argparse.ArgumentParser(
         prog="python -m bench.chaos_plain_celery", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

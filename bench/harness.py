@@ -1,7 +1,7 @@
 """The bench's private services and worker processes.
 
 A throwaway PostgreSQL database per system per run (created here, dropped at exit), a
-private redis-server on a free port (tests.conftest.RedisServer), and worker processes
+private redis-server on a free port (tests.harness.services.RedisServer), and worker processes
 whose resident memory (main process plus children) is sampled while they live.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import sqlalchemy as sa
 
-from tests.conftest import RedisServer, wait_for
+from tests.harness.services import RedisServer, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_ADMIN = os.environ.get("CL_TEST_PG_ADMIN", "postgresql+psycopg2://root@127.0.0.1:5432/postgres")

@@ -10,20 +10,23 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
+from tests.harness.services import (  # noqa: F401  (re-exported to the tests)
+    PG_ADMIN,
+    RedisServer,
+    free_port,
+    throwaway_database,
+    wait_for,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
-PG_ADMIN = os.environ.get("CL_TEST_PG_ADMIN", "postgresql+psycopg2://root@127.0.0.1:5432/postgres")
 CELERY = str(Path(sys.executable).with_name("celery"))
 
 
@@ -39,39 +42,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             terminalreporter.write_line(line)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 # --- PostgreSQL -----------------------------------------------------------------------
-
-
-@contextmanager
-def throwaway_database(prefix: str) -> Iterator[str]:
-    """Create an empty PostgreSQL database named after ``prefix``; yield its URL; drop
-    it afterwards, closing whatever sessions are still connected to it."""
-    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    admin = sa.create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    try:
-        yield sa.engine.make_url(PG_ADMIN).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +50,7 @@ def pg_url():
     """A throwaway database for this run, migrated once; dropped at the end."""
     from celery_lease.db import migrate
     from celery_lease.db.store import Store
-    from tests.app import test_metadata
+    from tests.apps.app import test_metadata
 
     with throwaway_database("celery_lease_test") as url:
         store = Store(url)
@@ -108,7 +79,7 @@ def sqlite_url(tmp_path):
     url = f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
     from celery_lease.db import migrate
     from celery_lease.db.store import Store
-    from tests.app import test_metadata
+    from tests.apps.app import test_metadata
 
     store = Store(url)
     migrate.upgrade(store)
@@ -118,63 +89,6 @@ def sqlite_url(tmp_path):
 
 
 # --- Redis ----------------------------------------------------------------------------
-
-
-class RedisServer:
-    """A private redis-server on its own port; tests may stop and restart it."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_for(self.ping, timeout=10, what="redis to start")
-
-    def ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def restart(self, downtime: float = 0.0) -> None:
-        self.stop()
-        time.sleep(downtime)
-        self.start()
-
-    def flush(self) -> None:
-        import redis
-
-        redis.Redis(port=self.port).flushall()
 
 
 @pytest.fixture(scope="session")
@@ -216,19 +130,19 @@ def _env(db: str, broker: str, conf: dict | None = None, extra: dict | None = No
 def client_app(monkeypatch):
     """Build the tests' Celery app in this process, pointed at a database and broker.
 
-    Returns a function (db_url, broker_url, conf=None, extra_env=None, module="tests.app")
+    Returns a function (db_url, broker_url, conf=None, extra_env=None, module="tests.apps.app")
     -> the freshly imported app module (exposing ``app`` and ``leases``).
     """
     import importlib
 
     made = []
 
-    def make(db: str, broker: str, conf: dict | None = None, extra_env: dict | None = None, module: str = "tests.app"):
+    def make(db: str, broker: str, conf: dict | None = None, extra_env: dict | None = None, module: str = "tests.apps.app"):
         for key, value in _env(db, broker, conf, extra_env).items():
             monkeypatch.setenv(key, value)
         # App modules read the environment at import: drop every cached one (an app
-        # module may import tests.app) so this import sees this test's settings.
-        for name in [n for n in sys.modules if n == module or n.startswith("tests.app")]:
+        # module may import tests.apps.app) so this import sees this test's settings.
+        for name in [n for n in sys.modules if n == module or n.startswith("tests.apps.app")]:
             sys.modules.pop(name)
         mod = importlib.import_module(module)
         made.append(mod)
@@ -242,7 +156,7 @@ def client_app(monkeypatch):
 
 
 class Worker:
-    """A real `celery worker` subprocess running tests.app."""
+    """A real `celery worker` subprocess running tests.apps.app."""
 
     def __init__(
         self,
@@ -256,7 +170,7 @@ class Worker:
         conf: dict | None = None,
         extra_env: dict | None = None,
         queues: str | None = None,
-        module: str = "tests.app",
+        module: str = "tests.apps.app",
     ) -> None:
         self.name = name
         self.log_path = logdir / f"{name}-{uuid.uuid4().hex[:6]}.log"
@@ -352,7 +266,7 @@ def workers(tmp_path):
 class Beat:
     """A real `celery beat` subprocess."""
 
-    def __init__(self, db: str, broker: str, workdir: Path, conf: dict | None = None, module: str = "tests.app") -> None:
+    def __init__(self, db: str, broker: str, workdir: Path, conf: dict | None = None, module: str = "tests.apps.app") -> None:
         self.log_path = workdir / f"beat-{uuid.uuid4().hex[:6]}.log"
         schedule = workdir / f"beat-schedule-{uuid.uuid4().hex[:6]}"
         self.args = [CELERY, "-A", module, "beat", "-l", "INFO", "-s", str(schedule)]
@@ -379,7 +293,7 @@ class Beat:
 def beats(tmp_path):
     started: list[Beat] = []
 
-    def start(db: str, broker: str, conf: dict | None = None, module: str = "tests.app") -> Beat:
+    def start(db: str, broker: str, conf: dict | None = None, module: str = "tests.apps.app") -> Beat:
         beat = Beat(db, broker, tmp_path, conf, module)
         started.append(beat)
         return beat.start()
@@ -402,7 +316,7 @@ def make_job():
 
     engines: dict[str, sa.Engine] = {}
 
-    def make(db: str, *, kind: str = "echo", task: str = "tests.app.echo", status: str = "pending", **columns) -> str:
+    def make(db: str, *, kind: str = "echo", task: str = "tests.apps.app.echo", status: str = "pending", **columns) -> str:
         engine = engines.setdefault(db, sa.create_engine(db))
         from celery_lease.db.queries import db_now
 

@@ -65,8 +65,7 @@ def library_path() -> str | None:
         if os.path.exists(path):
             return path
     try:
-        listed = subprocess.run(["dpkg", "-L", "libfaketime"], capture_output=True, text=True,
-                                timeout=10).stdout.split()
+        listed = subprocess.run(["dpkg", "-L", "libfaketime"], capture_output=True, text=True, timeout=10).stdout.split()
     except (OSError, subprocess.TimeoutExpired):
         return None
     for path in listed:
@@ -123,7 +122,9 @@ def shim_path() -> str | None:
         output = Path(build) / name
         result = subprocess.run(
             [compiler, "-shared", "-fPIC", "-O2", "-o", str(output), str(source), "-ldl"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         if result.returncode != 0:
             return None
@@ -167,24 +168,24 @@ def skewed_env(offset: str | int | float, base_env: dict | None = None) -> dict:
     """
     lib, shim = library_path(), shim_path()
     if lib is None:
-        raise RuntimeError("libfaketime is not installed (apt-get install faketime; "
-                           "bash dev.sh test does it)")
+        raise RuntimeError("libfaketime is not installed (apt-get install faketime; bash dev.sh test does it)")
     if shim is None:
-        raise RuntimeError("no C compiler to build the clock_nanosleep shim (apt-get install "
-                           "gcc libc6-dev; bash dev.sh test does it)")
+        raise RuntimeError(
+            "no C compiler to build the clock_nanosleep shim (apt-get install gcc libc6-dev; bash dev.sh test does it)"
+        )
     env = dict(os.environ if base_env is None else base_env)
-    preload = [p for p in re.split(r"[:\s]+", env.get("LD_PRELOAD", ""))
-               if p and p not in (lib, shim)]
-    env.update({
-        # The shim first, so that its clock_nanosleep is the one the program calls.
-        "LD_PRELOAD": ":".join([shim, lib, *preload]),
-        "FAKETIME": _faketime_value(offset_seconds(offset)),
-        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-        "FAKETIME_NO_CACHE": "1",
-    })
+    preload = [p for p in re.split(r"[:\s]+", env.get("LD_PRELOAD", "")) if p and p not in (lib, shim)]
+    env.update(
+        {
+            # The shim first, so that its clock_nanosleep is the one the program calls.
+            "LD_PRELOAD": ":".join([shim, lib, *preload]),
+            "FAKETIME": _faketime_value(offset_seconds(offset)),
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            "FAKETIME_NO_CACHE": "1",
+        }
+    )
     # A start-at/rate spec from elsewhere would override the relative offset.
-    for key in ("FAKETIME_TIMESTAMP_FILE", "FAKETIME_FMT", "FAKETIME_START_AFTER_SECONDS",
-                "FAKETIME_STOP_AFTER_SECONDS"):
+    for key in ("FAKETIME_TIMESTAMP_FILE", "FAKETIME_FMT", "FAKETIME_START_AFTER_SECONDS", "FAKETIME_STOP_AFTER_SECONDS"):
         env.pop(key, None)
     return env
 
@@ -194,8 +195,7 @@ def without_skew(env: dict) -> dict:
     the real clock although its parent was skewed)."""
     ours = {library_path(), shim_path()}
     env = {k: v for k, v in env.items() if not k.startswith("FAKETIME")}
-    preload = [p for p in re.split(r"[:\s]+", env.get("LD_PRELOAD", ""))
-               if p and p not in ours and "libfaketime" not in p]
+    preload = [p for p in re.split(r"[:\s]+", env.get("LD_PRELOAD", "")) if p and p not in ours and "libfaketime" not in p]
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
     else:

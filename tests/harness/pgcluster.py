@@ -39,9 +39,9 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 #: Temporary directories are named ``<PREFIX><random>``; the stale-cluster sweep only
 #: ever looks at directories with this prefix.
@@ -49,7 +49,7 @@ PREFIX = "celery-lease-pg-"
 #: PostgreSQL's own name for the OS user it runs as when we are root.
 SERVER_OS_USER = "postgres"
 
-_open: set["PrivateCluster"] = set()
+_open: set[PrivateCluster] = set()
 _open_lock = threading.Lock()
 _swept = False
 
@@ -65,14 +65,12 @@ def find_bindir() -> Path:
     if override:
         return Path(override)
     candidates = [
-        Path(d) for d in glob.glob("/usr/lib/postgresql/*/bin")
+        Path(d)
+        for d in glob.glob("/usr/lib/postgresql/*/bin")
         if all(os.access(os.path.join(d, tool), os.X_OK) for tool in ("initdb", "pg_ctl"))
     ]
     if not candidates:
-        raise ClusterError(
-            "no PostgreSQL server binaries in /usr/lib/postgresql/*/bin "
-            "(bash dev.sh test installs them)"
-        )
+        raise ClusterError("no PostgreSQL server binaries in /usr/lib/postgresql/*/bin (bash dev.sh test installs them)")
 
     def version(path: Path) -> tuple[int, ...]:
         return tuple(int(p) for p in re.findall(r"\d+", path.parent.name)) or (0,)
@@ -114,9 +112,15 @@ class PrivateCluster:
     server and waits until it accepts connections.
     """
 
-    def __init__(self, *, port: int | None = None, base_dir: str | os.PathLike | None = None,
-                 shared_buffers: str = "16MB", max_connections: int = 100,
-                 settings: dict[str, object] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        base_dir: str | os.PathLike | None = None,
+        shared_buffers: str = "16MB",
+        max_connections: int = 100,
+        settings: dict[str, object] | None = None,
+    ) -> None:
         _sweep_stale_clusters()
         self.bindir = find_bindir()
         self.user = pwd.getpwuid(os.getuid()).pw_name  # the role that URLs name
@@ -135,8 +139,7 @@ class PrivateCluster:
                 server_user = pwd.getpwnam(SERVER_OS_USER)
                 os.chown(self.dir, server_user.pw_uid, server_user.pw_gid)
                 # Its parents must let the postgres user through (e.g. a TMPDIR under /root).
-                self._run(["test", "-w", str(self.dir)],
-                          what=f"access to {self.dir} as {SERVER_OS_USER} (set TMPDIR?)")
+                self._run(["test", "-w", str(self.dir)], what=f"access to {self.dir} as {SERVER_OS_USER} (set TMPDIR?)")
             self._initdb(shared_buffers, max_connections, settings or {})
         except BaseException:
             self.close()
@@ -144,15 +147,14 @@ class PrivateCluster:
 
     # --- life cycle ---------------------------------------------------------------
 
-    def start(self, timeout: float = 30.0) -> "PrivateCluster":
+    def start(self, timeout: float = 30.0) -> PrivateCluster:
         """Start the server (after a crash: with crash recovery) and wait until it
         accepts connections."""
         if self._closed:
             raise ClusterError("cluster already closed")
         if self.is_running():
             return self
-        self._pg_ctl("start", "-w", "-t", str(int(timeout)), "-l", str(self.log_path),
-                     timeout=timeout + 10)
+        self._pg_ctl("start", "-w", "-t", str(int(timeout)), "-l", str(self.log_path), timeout=timeout + 10)
         self._wait_ready(timeout)
         return self
 
@@ -167,7 +169,7 @@ class PrivateCluster:
         checkpoint; the next ``start()`` runs crash recovery from the WAL."""
         self.stop(mode="immediate")
 
-    def restart(self, downtime: float = 0.0, *, crash: bool = False) -> "PrivateCluster":
+    def restart(self, downtime: float = 0.0, *, crash: bool = False) -> PrivateCluster:
         """Stop (``crash=True``: crash), stay down for ``downtime`` seconds, start."""
         self.crash() if crash else self.stop()
         if downtime > 0:
@@ -177,16 +179,29 @@ class PrivateCluster:
     def is_running(self) -> bool:
         if not (self.data_dir / "postmaster.pid").exists():
             return False
-        result = self._run([str(self.bindir / "pg_ctl"), "status", "-D", str(self.data_dir)],
-                           check=False, what="pg_ctl status")
+        result = self._run([str(self.bindir / "pg_ctl"), "status", "-D", str(self.data_dir)], check=False, what="pg_ctl status")
         return result.returncode == 0
 
     def is_ready(self) -> bool:
         """Accepting connections on 127.0.0.1 (pg_isready)."""
         result = subprocess.run(
-            [str(self.bindir / "pg_isready"), "-q", "-h", self.host, "-p", str(self.port),
-             "-U", self.user, "-d", "postgres", "-t", "2"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                str(self.bindir / "pg_isready"),
+                "-q",
+                "-h",
+                self.host,
+                "-p",
+                str(self.port),
+                "-U",
+                self.user,
+                "-d",
+                "postgres",
+                "-t",
+                "2",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             env=self._clean_env(),
         )
         return result.returncode == 0
@@ -205,7 +220,7 @@ class PrivateCluster:
             with _open_lock:
                 _open.discard(self)
 
-    def __enter__(self) -> "PrivateCluster":
+    def __enter__(self) -> PrivateCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -225,8 +240,7 @@ class PrivateCluster:
         import psycopg2
 
         kwargs.setdefault("connect_timeout", 5)
-        return psycopg2.connect(host=self.host, port=self.port, user=self.user, dbname=dbname,
-                                **kwargs)
+        return psycopg2.connect(host=self.host, port=self.port, user=self.user, dbname=dbname, **kwargs)
 
     def create_database(self, name: str) -> str:
         """Create an empty database; return its SQLAlchemy URL."""
@@ -252,9 +266,22 @@ class PrivateCluster:
     def _initdb(self, shared_buffers: str, max_connections: int, settings: dict) -> None:
         # --no-sync: a throwaway cluster need not survive a power cut between initdb and
         # start; crash() kills processes, not the kernel, so the page cache survives it.
-        self._run([str(self.bindir / "initdb"), "-D", str(self.data_dir), "-U", self.user,
-                   "--auth=trust", "--encoding=UTF8", "--locale=C", "--no-sync",
-                   "--no-instructions"], timeout=120, what="initdb")
+        self._run(
+            [
+                str(self.bindir / "initdb"),
+                "-D",
+                str(self.data_dir),
+                "-U",
+                self.user,
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--locale=C",
+                "--no-sync",
+                "--no-instructions",
+            ],
+            timeout=120,
+            what="initdb",
+        )
         conf = {
             "listen_addresses": "127.0.0.1",
             "port": self.port,
@@ -274,26 +301,30 @@ class PrivateCluster:
             if isinstance(value, str):
                 value = "'" + value.replace("'", "''") + "'"
             lines.append(f"{key} = {value}")
-        hba = ("# tests/harness/pgcluster.py: trust on the socket and 127.0.0.1 only\n"
-               "local all all trust\n"
-               "host  all all 127.0.0.1/32 trust\n")
+        hba = (
+            "# tests/harness/pgcluster.py: trust on the socket and 127.0.0.1 only\n"
+            "local all all trust\n"
+            "host  all all 127.0.0.1/32 trust\n"
+        )
         # Files in the data directory belong to the server user: write them as it.
-        self._run(["sh", "-c", 'cat >> "$1"', "sh", str(self.data_dir / "postgresql.conf")],
-                  input="\n".join(lines) + "\n", what="write postgresql.conf")
-        self._run(["sh", "-c", 'cat > "$1"', "sh", str(self.data_dir / "pg_hba.conf")],
-                  input=hba, what="write pg_hba.conf")
+        self._run(
+            ["sh", "-c", 'cat >> "$1"', "sh", str(self.data_dir / "postgresql.conf")],
+            input="\n".join(lines) + "\n",
+            what="write postgresql.conf",
+        )
+        self._run(["sh", "-c", 'cat > "$1"', "sh", str(self.data_dir / "pg_hba.conf")], input=hba, what="write pg_hba.conf")
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not self.is_ready():
             if time.monotonic() > deadline:
-                raise ClusterError(f"PostgreSQL on port {self.port} not ready after {timeout}s\n"
-                                   + self.log()[-3000:])
+                raise ClusterError(f"PostgreSQL on port {self.port} not ready after {timeout}s\n" + self.log()[-3000:])
             time.sleep(0.05)
 
     def _pg_ctl(self, *args: str, timeout: float, check: bool = True):
-        return self._run([str(self.bindir / "pg_ctl"), *args, "-D", str(self.data_dir)],
-                         timeout=timeout, check=check, what=f"pg_ctl {args[0]}")
+        return self._run(
+            [str(self.bindir / "pg_ctl"), *args, "-D", str(self.data_dir)], timeout=timeout, check=check, what=f"pg_ctl {args[0]}"
+        )
 
     def _admin_sql(self, sql: str) -> None:
         conn = self.connect()
@@ -312,8 +343,7 @@ class PrivateCluster:
         env["LC_ALL"] = "C"
         return env
 
-    def _run(self, argv: list[str], *, timeout: float = 60, check: bool = True,
-             input: str | None = None, what: str = ""):
+    def _run(self, argv: list[str], *, timeout: float = 60, check: bool = True, input: str | None = None, what: str = ""):
         if self.as_root:
             argv = ["runuser", "-u", SERVER_OS_USER, "--", *argv]
         # Output goes to a file, not a pipe: `pg_ctl start` leaves postgres running, and
@@ -321,14 +351,18 @@ class PrivateCluster:
         with tempfile.TemporaryFile() as out:
             try:
                 result = subprocess.run(
-                    argv, input=input.encode() if input is not None else None,
+                    argv,
+                    input=input.encode() if input is not None else None,
                     stdin=None if input is not None else subprocess.DEVNULL,
-                    stdout=out, stderr=subprocess.STDOUT, cwd=self.dir, env=self._clean_env(),
-                    timeout=timeout, start_new_session=True,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=self.dir,
+                    env=self._clean_env(),
+                    timeout=timeout,
+                    start_new_session=True,
                 )
             except subprocess.TimeoutExpired:
-                raise ClusterError(f"{what or argv[0]} timed out after {timeout}s\n"
-                                   + self.log()[-3000:]) from None
+                raise ClusterError(f"{what or argv[0]} timed out after {timeout}s\n" + self.log()[-3000:]) from None
             out.seek(0)
             result.stdout = out.read().decode(errors="replace")
         if check and result.returncode != 0:
@@ -398,12 +432,12 @@ def _sweep_stale_clusters() -> None:
         data = os.path.join(path, "data")
         if os.path.exists(os.path.join(data, "postmaster.pid")):
             try:
-                argv = [str(find_bindir() / "pg_ctl"), "stop", "-w", "-t", "30", "-m",
-                        "immediate", "-D", data]
+                argv = [str(find_bindir() / "pg_ctl"), "stop", "-w", "-t", "30", "-m", "immediate", "-D", data]
                 if os.geteuid() == 0:
                     argv = ["runuser", "-u", SERVER_OS_USER, "--", *argv]
-                subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, timeout=40, cwd="/")
+                subprocess.run(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=40, cwd="/"
+                )
             except (ClusterError, subprocess.TimeoutExpired, OSError):
                 pass
         shutil.rmtree(path, ignore_errors=True)

@@ -33,7 +33,7 @@ from celery_lease.worker.attempt import Attempt
 from celery_lease.worker.context import PROGRESS_MIN_INTERVAL
 from tests.conftest import ROOT, _env, wait_for
 
-MODULE = "tests.app_durable"
+MODULE = "tests.apps.app_durable"
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -44,11 +44,11 @@ def db(request):
 
 @pytest.fixture
 def durable_app(client_app):
-    """tests.app_durable in this process; tests.app is re-imported with it, so its app
+    """tests.apps.app_durable in this process; tests.apps.app is re-imported with it, so its app
     and leases pick up this test's database, broker and settings."""
 
     def make(db_url: str, broker_url: str, conf: dict | None = None, extra_env: dict | None = None):
-        sys.modules.pop("tests.app", None)
+        sys.modules.pop("tests.apps.app", None)
         return client_app(db_url, broker_url, conf=conf, extra_env=extra_env, module=MODULE)
 
     return make
@@ -73,7 +73,7 @@ def stored(sql, db_url: str, job_id: str, column: str):
 
 
 def effect_rows(sql, db_url: str, job_id: str | None = None) -> list[tuple]:
-    from tests.app import effects
+    from tests.apps.app import effects
 
     stmt = sa.select(effects.c.job_id, effects.c.attempt, effects.c.note).order_by(effects.c.id)
     if job_id is not None:
@@ -108,7 +108,7 @@ def reap_one(mod, timeout: float = 30.0) -> None:
 def test_checkpoint_save_is_capped_fenced_and_configurable(db, broker, durable_app, make_job, sql):
     mod = durable_app(db, broker, conf={"lease_max_checkpoint_bytes": 200})
     assert mod.leases.settings.max_checkpoint_bytes == 200
-    job_id = make_job(db, kind="steps", task="tests.app.steps", status="running", lease_generation=5, checkpoint={"v": 1})
+    job_id = make_job(db, kind="steps", task="tests.apps.app.steps", status="running", lease_generation=5, checkpoint={"v": 1})
 
     def context(generation: int) -> JobContext:
         return mod.leases.worker.context(
@@ -230,12 +230,12 @@ def test_oversized_stored_checkpoint_fails_the_attempt_as_internal_error(
     job_id = make_job(
         db,
         kind="ckpt",
-        task="tests.app_durable.ckpt",
+        task="tests.apps.app_durable.ckpt",
         max_attempts=2,
         payload={"mode": "retry", "dir": str(marker_dir)},
         checkpoint={"blob": "x" * 5000},
     )
-    mod.leases.publish_wakeups([{"id": job_id, "task": "tests.app_durable.ckpt", "queue": None}])
+    mod.leases.publish_wakeups([{"id": job_id, "task": "tests.apps.app_durable.ckpt", "queue": None}])
     done = finish(mod, job_id)
     assert done.status is Status.FAILED and done.attempt == 2
     assert done.error == "internal error"
@@ -532,7 +532,7 @@ def test_concurrent_submits_from_processes_make_one_job(pg, broker, durable_app,
     n = 6
     script = (
         "import os, sys, time\n"
-        "import tests.app_durable as m\n"
+        "import tests.apps.app_durable as m\n"
         "d = sys.argv[1]\n"
         "open(os.path.join(d, f'ready-{os.getpid()}'), 'w').close()\n"
         "while not os.path.exists(os.path.join(d, 'go')): time.sleep(0.005)\n"

@@ -31,7 +31,7 @@ def flower(pg, broker, tmp_path):
     )
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [CELERY, "-A", "tests.app", "flower", f"--port={port}", "--address=127.0.0.1", "--persistent=False"],
+            [CELERY, "-A", "tests.apps.app", "flower", f"--port={port}", "--address=127.0.0.1", "--persistent=False"],
             env=env,
             cwd=ROOT,
             stdout=log,
@@ -75,15 +75,15 @@ def test_flower_shows_jobs_by_job_id_with_their_state_and_retries(pg, broker, cl
     job = mod.echo.submit({"value": 5})
     assert mod.leases.wait(job.id, 30).status is Status.SUCCEEDED
     shown = _state_in_flower(flower, job.id, "SUCCESS")
-    assert shown["uuid"] == job.id and shown["name"] == "tests.app.echo"
-    listed = flower.get("/api/tasks", params={"taskname": "tests.app.echo"}).json()
+    assert shown["uuid"] == job.id and shown["name"] == "tests.apps.app.echo"
+    listed = flower.get("/api/tasks", params={"taskname": "tests.apps.app.echo"}).json()
     assert job.id in listed and listed[job.id]["state"] == "SUCCESS"
 
     # A job that fails its first attempt: Flower shows RETRY while the job waits for
     # its backoff (only the sweeper delivers the retry, and nobody sweeps yet)...
     flaky = mod.flaky.submit({"ok_at": 2})
     retrying = _state_in_flower(flower, flaky.id, "RETRY")
-    assert retrying["name"] == "tests.app.flaky"
+    assert retrying["name"] == "tests.apps.app.flaky"
     between = mod.leases.get(flaky.id)
     assert between.status is Status.PENDING and between.attempt == 1
     # ...and no trace of the handler's exception text (it may carry a secret).

@@ -1,4 +1,4 @@
-"""`celery -A tests.app lease ...` as a real subprocess against PostgreSQL and Redis."""
+"""`celery -A tests.apps.app lease ...` as a real subprocess against PostgreSQL and Redis."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from tests.conftest import CELERY, ROOT, _env, throwaway_database
 
 @pytest.fixture
 def cli(pg, broker):
-    """cli(*args, db=None, env=None) -> CompletedProcess of `celery -A tests.app lease *args`."""
+    """cli(*args, db=None, env=None) -> CompletedProcess of `celery -A tests.apps.app lease *args`."""
 
     def run(*args: str, db: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [CELERY, "-A", "tests.app", "lease", *args],
+            [CELERY, "-A", "tests.apps.app", "lease", *args],
             env=_env(db or pg, broker, extra=env),
             cwd=ROOT,
             capture_output=True,
@@ -74,7 +74,7 @@ def test_show_as_text_and_json(cli, pg, make_job):
 def test_list_filters_and_renders_an_aligned_table(cli, pg, make_job):
     failed = {make_job(pg, status="failed", error="boom", finished_at=sa.func.now()) for _ in range(2)}
     pending = make_job(pg, status="pending")
-    steps = make_job(pg, status="pending", kind="steps", task="tests.app.steps")
+    steps = make_job(pg, status="pending", kind="steps", task="tests.apps.app.steps")
 
     proc = cli("list")
     assert proc.returncode == 0, proc.stderr

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from celery_lease import Status
 from celery_lease.db.schema import events, jobs
-from tests.app import effects
+from tests.apps.app import effects
 from tests.conftest import wait_for
 
 SHORT = {"CL_TEST_LEASE": "3"}  # heartbeats every second
@@ -248,8 +248,8 @@ def test_cancel_running_job_stops_it_and_discards_its_later_writes(pg, broker, c
 
 
 def _cancel_waiter(pg, broker, client_app, workers, marker_dir, lease, cancel) -> None:
-    mod = client_app(pg, broker, extra_env=lease, module="tests.app_faults")
-    w = workers(pg, broker, extra_env=lease, module="tests.app_faults")
+    mod = client_app(pg, broker, extra_env=lease, module="tests.apps.app_faults")
+    w = workers(pg, broker, extra_env=lease, module="tests.apps.app_faults")
     job = mod.waiter.submit({"polls": 600, "marker_dir": str(marker_dir)})  # 60 s of polling
     pid_in(marker_dir / f"waiter-{job.id}")
     cancel(mod, job.id)
@@ -375,7 +375,7 @@ def test_restart_recovery_fails_a_job_with_no_attempts_left(pg, broker, workers,
     lease_end = datetime.now(timezone.utc) + timedelta(seconds=300)
     common = dict(
         kind="steps",
-        task="tests.app.steps",
+        task="tests.apps.app.steps",
         status="running",
         lease_generation=1,
         lease_expires_at=lease_end,
@@ -571,8 +571,8 @@ def drive_until_terminal(leases, db, ids: list[str], timeout: float) -> None:
 def test_terminated_database_backends_neither_corrupt_nor_hang(pg, broker, client_app, workers, db):
     conf = {"lease_sweep_stale_seconds": 3}
     env = {**SHORT, "CL_CHAOS_ATTEMPTS": "8"}
-    mod = client_app(pg, broker, conf=conf, extra_env=env, module="tests.app_faults")
-    ws = [workers(pg, broker, name=f"w{i}", conf=conf, extra_env=env, module="tests.app_faults") for i in (1, 2)]
+    mod = client_app(pg, broker, conf=conf, extra_env=env, module="tests.apps.app_faults")
+    ws = [workers(pg, broker, name=f"w{i}", conf=conf, extra_env=env, module="tests.apps.app_faults") for i in (1, 2)]
     ids = [j.id for j in mod.chaos.submit_many([{"steps": 4, "sleep": 0.15}] * 40)]
     admin = sa.create_engine(pg, isolation_level="AUTOCOMMIT")
     terminated = 0

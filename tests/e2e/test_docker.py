@@ -23,7 +23,7 @@ import yaml
 from celery_lease import Status
 from celery_lease.db.migrate import VERSION_TABLE
 from tests.conftest import CELERY, ROOT, free_port, throwaway_database, wait_for
-from tests.test_pipeline import pipeline  # noqa: F401  (fixture)
+from tests.e2e.test_pipeline import pipeline  # noqa: F401  (fixture)
 
 COMPOSE = ROOT / "docker" / "compose.yaml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"

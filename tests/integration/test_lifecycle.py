@@ -51,7 +51,7 @@ def test_wakeup_for_unknown_job_is_acknowledged(pg, broker, client_app, workers)
     mod = client_app(pg, broker)
     w = workers(pg, broker)
     ghost = "00000000-0000-4000-8000-000000000000"
-    mod.app.send_task("tests.app.echo", task_id=ghost)
+    mod.app.send_task("tests.apps.app.echo", task_id=ghost)
     real = mod.echo.submit({"value": 3})
     assert mod.leases.wait(real.id, 20).status is Status.SUCCEEDED
     wait_for(lambda: ghost in w.log(), what="the ghost wakeup to be logged")

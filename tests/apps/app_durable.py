@@ -1,6 +1,6 @@
-"""tests.app plus the handlers of the durable-execution tests (tests/test_durable.py).
+"""tests.apps.app plus the handlers of the durable-execution tests (tests/test_durable.py).
 
-Workers run it with ``module="tests.app_durable"``; every tests.app handler is here too.
+Workers run it with ``module="tests.apps.app_durable"``; every tests.apps.app handler is here too.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import sqlalchemy as sa
 
 from celery_lease import CheckpointTooLarge, Failure, JobContext
-from tests.app import *  # noqa: F403 - the app, leases and the shared handlers
-from tests.app import effects, leases
+from tests.apps.app import *  # noqa: F403 - the app, leases and the shared handlers
+from tests.apps.app import effects, leases
 
 #: How long a gated handler waits for its gate before giving up (a test bug, not a pass).
 GATE_TIMEOUT = 120.0

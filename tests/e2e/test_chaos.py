@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos import LEASE_CONF, Scenario, run_lease_scenario
 from tests.conftest import SUMMARY_LINES
+from tests.e2e.chaos import LEASE_CONF, Scenario, run_lease_scenario
 
 
 def _run(pg, broker, redis_server, client_app, tmp_path, request, scenario: Scenario):
     env = {"CL_TEST_LEASE": str(scenario.lease)}
-    mod = client_app(pg, broker, conf=LEASE_CONF, extra_env=env, module="tests.app_faults")
+    mod = client_app(pg, broker, conf=LEASE_CONF, extra_env=env, module="tests.apps.app_faults")
 
     def submit(payloads):
         return [j.id for j in mod.chaos.submit_many(payloads)]

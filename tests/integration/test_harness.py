@@ -70,15 +70,18 @@ def test_cluster_is_private_and_looks_like_the_shared_server(cluster):
     try:
         with engine.connect() as conn:
             user, superuser = conn.exec_driver_sql(
-                "SELECT current_user, rolsuper FROM pg_roles WHERE rolname = current_user").one()
-            settings = dict(conn.exec_driver_sql(
-                "SELECT name, setting FROM pg_settings WHERE name IN "
-                "('fsync', 'synchronous_commit', 'full_page_writes', 'listen_addresses')").all())
+                "SELECT current_user, rolsuper FROM pg_roles WHERE rolname = current_user"
+            ).one()
+            settings = dict(
+                conn.exec_driver_sql(
+                    "SELECT name, setting FROM pg_settings WHERE name IN "
+                    "('fsync', 'synchronous_commit', 'full_page_writes', 'listen_addresses')"
+                ).all()
+            )
     finally:
         engine.dispose()
     assert (user, superuser) == (me, True)
-    assert settings == {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on",
-                        "listen_addresses": "127.0.0.1"}
+    assert settings == {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on", "listen_addresses": "127.0.0.1"}
     # The socket lives in the cluster's own directory, not /var/run/postgresql.
     assert (cluster.dir / f".s.PGSQL.{cluster.port}").exists()
 
@@ -184,8 +187,7 @@ def test_a_cluster_left_by_a_killed_process_is_swept_by_the_next_one():
         print(c.dir, pid, flush=True)
         time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         line = proc.stdout.readline()
         assert line, "the child did not start a cluster"
@@ -231,15 +233,13 @@ def child_clocks(env: dict) -> tuple[dict, tuple[float, float], tuple[float, flo
     """Run CLOCKS under ``env``; return what it saw and this process's wall and
     monotonic clocks just before and just after."""
     wall0, mono0 = time.time(), time.monotonic()
-    out = subprocess.run([sys.executable, "-c", CLOCKS], env=env, capture_output=True, text=True,
-                         timeout=30)
+    out = subprocess.run([sys.executable, "-c", CLOCKS], env=env, capture_output=True, text=True, timeout=30)
     wall1, mono1 = time.time(), time.monotonic()
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout), (wall0, wall1), (mono0, mono1)
 
 
-@pytest.mark.parametrize("offset, seconds", [("-30s", -30), ("+3600s", 3600), ("+1h", 3600),
-                                             ("-6", -6)])
+@pytest.mark.parametrize("offset, seconds", [("-30s", -30), ("+3600s", 3600), ("+1h", 3600), ("-6", -6)])
 def test_faketime_skews_the_wall_clock_only(offset, seconds):
     assert faketime.available(), "libfaketime missing: bash dev.sh test installs it"
     seen, (wall0, wall1), (mono0, mono1) = child_clocks(faketime.skewed_env(offset))
@@ -276,11 +276,20 @@ def test_skewed_env_keeps_the_base_env_and_other_preloads():
     assert again["LD_PRELOAD"] == env["LD_PRELOAD"] and again["FAKETIME"] == "+3600"
 
 
-@pytest.mark.parametrize("offset, seconds, value", [
-    ("-6s", -6, "-6"), ("+1h", 3600, "+3600"), ("-30", -30, "-30"), ("+1.5m", 90, "+90"),
-    ("+2d", 172800, "+172800"), ("-0.25", -0.25, "-0.25"), (-6, -6, "-6"), (0, 0, "+0"),
-    (3600.0, 3600, "+3600"),
-])
+@pytest.mark.parametrize(
+    "offset, seconds, value",
+    [
+        ("-6s", -6, "-6"),
+        ("+1h", 3600, "+3600"),
+        ("-30", -30, "-30"),
+        ("+1.5m", 90, "+90"),
+        ("+2d", 172800, "+172800"),
+        ("-0.25", -0.25, "-0.25"),
+        (-6, -6, "-6"),
+        (0, 0, "+0"),
+        (3600.0, 3600, "+3600"),
+    ],
+)
 def test_offsets(offset, seconds, value):
     assert faketime.offset_seconds(offset) == seconds
     assert faketime._faketime_value(faketime.offset_seconds(offset)) == value

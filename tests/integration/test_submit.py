@@ -210,7 +210,7 @@ def test_unreachable_database_stops_the_worker_with_one_clear_line(broker):
         [
             CELERY,
             "-A",
-            "tests.app",
+            "tests.apps.app",
             "worker",
             "-P",
             "solo",

@@ -1,4 +1,4 @@
-"""The HTTP API through real HTTP: `celery -A tests.app lease serve` (uvicorn) as a
+"""The HTTP API through real HTTP: `celery -A tests.apps.app lease serve` (uvicorn) as a
 subprocess, real PostgreSQL behind it, httpx in front."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ JOB_FIELDS = {
 
 
 class Server:
-    """`celery -A tests.app lease serve` on a free port, killed by PID at teardown."""
+    """`celery -A tests.apps.app lease serve` on a free port, killed by PID at teardown."""
 
     def __init__(self, db: str, broker: str, logdir: Path, tokens: dict = TOKENS) -> None:
         self.port = free_port()
@@ -60,7 +60,7 @@ class Server:
         env = _env(db, broker, extra={"CELERY_LEASE_API_TOKENS": json.dumps(tokens)})
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
-            [CELERY, "-A", "tests.app", "lease", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
+            [CELERY, "-A", "tests.apps.app", "lease", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
             env=env,
             cwd=ROOT,
             stdout=self._log,
@@ -244,7 +244,7 @@ def test_tenant_token_sees_only_its_tenant(server, pg, make_job):
 def test_list_filters_by_status_and_kind(admin, pg, make_job):
     failed = {make_job(pg, status="failed", error="boom", finished_at=sa.func.now()) for _ in range(3)}
     make_job(pg, status="pending")
-    steps = make_job(pg, status="pending", kind="steps", task="tests.app.steps")
+    steps = make_job(pg, status="pending", kind="steps", task="tests.apps.app.steps")
     r = admin.get("/api/v1/jobs", params={"status": "failed"})
     assert {j["id"] for j in r.json()["jobs"]} == failed
     assert all(set(j) == JOB_FIELDS for j in r.json()["jobs"])
@@ -363,7 +363,7 @@ def test_metrics_are_computed_from_the_job_table(server, pg, broker, client_app,
     run = str(uuid.uuid4())
     for _ in range(3):
         make_job(pg, status="failed", attempt=3, lease_losses=1, finished_at=sa.func.now())
-    make_job(pg, status="succeeded", kind="steps", task="tests.app.steps", attempt=1, finished_at=sa.func.now())
+    make_job(pg, status="succeeded", kind="steps", task="tests.apps.app.steps", attempt=1, finished_at=sa.func.now())
     # Renewed 10 s ago (a 30 s lease with 20 s left); and one whose lease elapsed, in a run.
     make_job(
         pg,
@@ -478,7 +478,7 @@ def seeded(pg_url):
                 jobs.insert().values(
                     id=ids[-1],
                     kind="echo",
-                    task="tests.app.echo",
+                    task="tests.apps.app.echo",
                     status="pending",
                     attempt=0,
                     max_attempts=3,

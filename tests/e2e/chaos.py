@@ -231,10 +231,10 @@ LEASE_QUEUES = "celery,celery_lease"
 def run_lease_scenario(
     db: str, redis_server: RedisServer, workdir: Path, scenario: Scenario, *, submit: Callable[[list[dict]], list[str]]
 ) -> Outcome:
-    """Run the scenario against tests.app_faults workers; ``submit`` enqueues the
+    """Run the scenario against tests.apps.app_faults workers; ``submit`` enqueues the
     payloads (in the caller's process) and returns the job ids."""
     from celery_lease.db.schema import jobs
-    from tests.app import effects
+    from tests.apps.app import effects
 
     env = {"CL_TEST_LEASE": str(scenario.lease)}
     fleet = Fleet(
@@ -242,7 +242,7 @@ def run_lease_scenario(
         redis_server,
         workdir,
         scenario,
-        module="tests.app_faults",
+        module="tests.apps.app_faults",
         conf=LEASE_CONF,
         extra_env=env,
         queues=LEASE_QUEUES,

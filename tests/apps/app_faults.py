@@ -1,7 +1,7 @@
 """The tests' app plus the handlers of the fault tests and the chaos suite.
 
-Run by workers as ``celery -A tests.app_faults worker``; imported in-process through
-``client_app(..., module="tests.app_faults")``.
+Run by workers as ``celery -A tests.apps.app_faults worker``; imported in-process through
+``client_app(..., module="tests.apps.app_faults")``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import time
 
 from celery_lease import JobContext
-from tests.app import _marker, app, effects, leases  # noqa: F401  (app: celery -A finds it here)
+from tests.apps.app import _marker, app, effects, leases  # noqa: F401  (app: celery -A finds it here)
 
 LEASE = int(os.environ.get("CL_TEST_LEASE", "6"))
 
