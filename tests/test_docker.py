@@ -1,9 +1,10 @@
 """docker/: the compose file and Dockerfile, checked without a Docker engine.
 
-The compose file is parsed and its wiring checked; then each celery-lease service's
-own command is run here, with the compose environment pointed at the test PostgreSQL
-and Redis instead of the `postgres` and `redis` containers (and a free port instead of
-the published one).
+The compose file is parsed and its wiring checked, with Compose's own `${VAR}`
+interpolation rules applied here (so "compose refuses to start without X" is checked,
+not just grepped). Then each celery-lease service's own command is run
+here, with the compose environment pointed at the test PostgreSQL and Redis instead of
+the `postgres` and `redis` containers (and a free port instead of the published one).
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
+import sys
 import tomllib
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,10 +29,19 @@ from celery_lease.migrate import VERSION_TABLE
 from tests.conftest import CELERY, ROOT, free_port, throwaway_database, wait_for
 from tests.test_pipeline import pipeline  # noqa: F401  (fixture)
 
-COMPOSE = ROOT / "docker" / "compose.yaml"
-DOCKERFILE = ROOT / "docker" / "Dockerfile"
+DOCKER = ROOT / "docker"
+COMPOSE = DOCKER / "compose.yaml"
+DOCKERFILE = DOCKER / "Dockerfile"
+DOCKERIGNORE = DOCKER / "Dockerfile.dockerignore"
+ENV_EXAMPLE = DOCKER / ".env.example"
 APP_SERVICES = ("migrate", "worker", "beat", "flower", "api")
 LONG_RUNNING = ("worker", "beat", "flower", "api")
+
+#: What an operator puts in docker/.env, for the tests that run the services here.
+SECRETS = {
+    "POSTGRES_PASSWORD": "compose-test-password",
+    "CELERY_LEASE_API_TOKENS": '{"compose-test-token": null}',
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +49,98 @@ def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-# --- the files ------------------------------------------------------------------------
+# --- Compose's variable interpolation -------------------------------------------------
+# $$ is a literal $; ${VAR}; ${VAR:-default} (unset or empty) and ${VAR-default}
+# (unset); ${VAR:?message} (unset or empty) and ${VAR?message} (unset) refuse to start.
+
+_VARIABLE = re.compile(
+    r"\$(?:(?P<escape>\$)"
+    r"|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
+    r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
+)
+
+
+class MissingVariable(Exception):
+    """What `docker compose` stops with: a required variable is unset (or empty)."""
+
+
+def _strings(node):
+    """Every string value of a parsed compose file (Compose interpolates values only)."""
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from _strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _strings(value)
+
+
+def variables(compose: dict) -> dict[str, set[str]]:
+    """Each variable the compose file reads -> the operators it is read with ('' for none)."""
+    found: dict[str, set[str]] = {}
+    for text in _strings(compose):
+        for m in _VARIABLE.finditer(text):
+            if not m["escape"]:
+                found.setdefault(m["name"] or m["bare"], set()).add(m["op"] or "")
+    return found
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    def substitute(m: re.Match) -> str:
+        if m["escape"]:
+            return "$"
+        name, op, arg = m["name"] or m["bare"], m["op"] or "", m["arg"]
+        value = env.get(name)
+        missing = not value if op.startswith(":") else value is None
+        if op.endswith("-"):
+            return arg if missing else value
+        if op.endswith("?"):
+            if missing:
+                raise MissingVariable(f"{name}: {arg}")
+            return value
+        return value or ""
+
+    return _VARIABLE.sub(substitute, text)
+
+
+def resolve(node, env: dict[str, str]):
+    """The compose file as `docker compose config` would see it with ``env``."""
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, dict):
+        return {key: resolve(value, env) for key, value in node.items()}
+    if isinstance(node, list):
+        return [resolve(value, env) for value in node]
+    return node
+
+
+def test_interpolation_follows_compose_rules():
+    env = {"SET": "x", "EMPTY": ""}
+    assert interpolate("a$${SET}b", env) == "a${SET}b"
+    assert interpolate("${SET:-d} ${EMPTY:-d} ${UNSET:-d} ${EMPTY-d} ${UNSET-d}", env) == "x d d  d"
+    assert interpolate("${SET:?m} $SET ${UNSET}", env) == "x x "
+    for text in ("${EMPTY:?m}", "${UNSET:?m}", "${UNSET?m}"):
+        with pytest.raises(MissingVariable):
+            interpolate(text, env)
+    assert interpolate("${EMPTY?m}", env) == ""
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines of a Compose .env file; comments and blank lines skipped."""
+    env = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            env[key.strip()] = value
+    return env
+
+
+# --- the compose file -----------------------------------------------------------------
 
 
 def test_compose_has_every_service_wired_in_order(compose):
@@ -71,6 +175,58 @@ def test_compose_has_every_service_wired_in_order(compose):
     assert services["redis"]["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
 
 
+def test_compose_requires_an_api_token(compose):
+    # `${VAR:?message}`: compose refuses to start the API without tokens rather than
+    # serve an API that refuses everything.
+    value = compose["services"]["api"]["environment"]["CELERY_LEASE_API_TOKENS"]
+    assert re.fullmatch(r"\$\{CELERY_LEASE_API_TOKENS:\?[^}]+\}", value)
+
+
+def test_compose_refuses_a_default_database_password(compose):
+    # Every use of the password is `${POSTGRES_PASSWORD:?...}`: no fallback a stack
+    # could come up with (and that everyone reading this repository knows).
+    assert variables(compose)["POSTGRES_PASSWORD"] == {":?"}
+    for env in ({k: v for k, v in SECRETS.items() if k != "POSTGRES_PASSWORD"},
+                {**SECRETS, "POSTGRES_PASSWORD": ""}):
+        with pytest.raises(MissingVariable, match="POSTGRES_PASSWORD"):
+            resolve(compose, env)
+    # Set, it is the one password of the server and of every client.
+    services = resolve(compose, SECRETS)["services"]
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == SECRETS["POSTGRES_PASSWORD"]
+    for name in APP_SERVICES:
+        url = sa.engine.make_url(services[name]["environment"]["CELERY_LEASE_DATABASE_URL"])
+        assert (url.username, url.password) == ("celery", SECRETS["POSTGRES_PASSWORD"]), name
+
+
+def test_env_example_lists_every_variable_compose_reads(compose):
+    example = read_env_file(ENV_EXAMPLE)
+    used = variables(compose)
+    assert set(used) <= set(example), f"missing from docker/.env.example: {set(used) - set(example)}"
+    assert set(example) <= set(used), f"not read by compose.yaml: {set(example) - set(used)}"
+    # Each variable without a default is documented by a comment right above it.
+    text = ENV_EXAMPLE.read_text()
+    for name in used:
+        assert re.search(rf"#[^\n]*\n(#[^\n]*\n)*{name}=", text), name
+    required = {name for name, ops in used.items() if ops & {":?", "?", ""}}
+    assert {"POSTGRES_PASSWORD", "CELERY_LEASE_API_TOKENS"} <= required
+    # The example's secrets are blank: copied as is, compose refuses to start rather
+    # than come up with a password published in this repository.
+    assert all(example[name] == "" for name in required)
+    with pytest.raises(MissingVariable):
+        resolve(compose, example)
+    resolve(compose, {**example, **SECRETS})  # filled in, everything resolves
+
+
+def test_env_file_stays_out_of_git_and_of_the_image():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "check-ignore", "-q", "docker/.env"], cwd=ROOT)
+    assert ignored.returncode == 0, "docker/.env (the operator's secrets) is not git-ignored"
+    assert subprocess.run(["git", "check-ignore", "-q", "docker/.env.example"], cwd=ROOT).returncode == 1
+    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()]
+    assert "**/.env" in patterns
+
+
 def test_dockerfile_builds_the_package_from_the_repository(compose):
     context = (COMPOSE.parent / compose["services"]["worker"]["build"]["context"]).resolve()
     assert context == ROOT
@@ -92,15 +248,29 @@ def test_dockerfile_builds_the_package_from_the_repository(compose):
 # --- the commands, run here -----------------------------------------------------------
 
 
+def _local_env(tmp_path: Path, environment: dict) -> dict:
+    env = dict(os.environ)
+    # As in the image: tasks/ imported from PYTHONPATH, whatever the working directory;
+    # `celery` and `python` are this interpreter's.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update({key: str(value) for key, value in environment.items()})
+    return env
+
+
+def _local(arg: str, tmp_path: Path) -> str:
+    """A container path rewritten to this run's."""
+    return arg.replace("/tmp/", f"{tmp_path}/")
+
+
 @pytest.fixture
 def run_service(compose, tmp_path):
     """Start a service's command locally; returns (process, log path, port or None)."""
     started: list[subprocess.Popen] = []
 
     def start(name: str, db: str, broker: str, **env_overrides: str):
-        service = compose["services"][name]
-        env = dict(os.environ)
-        env.update({key: str(value) for key, value in service["environment"].items()})
+        service = resolve(compose["services"][name], SECRETS)
+        env = _local_env(tmp_path, service["environment"])
         env.update({"CELERY_LEASE_DATABASE_URL": db, "CELERY_BROKER_URL": broker, **env_overrides})
         command = [CELERY, *service["command"][1:]]
         port = None
@@ -113,6 +283,8 @@ def run_service(compose, tmp_path):
                 command[i + 1] = str(port)
             elif arg in ("0.0.0.0", "--address=0.0.0.0"):
                 command[i] = arg.replace("0.0.0.0", "127.0.0.1")
+            else:
+                command[i] = _local(arg, tmp_path)
         log_path = tmp_path / f"{name}.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
@@ -188,7 +360,7 @@ def test_flower_command_serves(run_service, pg, broker):
 
 
 def test_api_command_serves_health_and_jobs(run_service, pg, broker):
-    proc, log, port = run_service("api", pg, broker, CELERY_LEASE_API_TOKENS='{"compose-test-token": null}')
+    proc, log, port = run_service("api", pg, broker)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
 
     def healthz():
@@ -203,10 +375,3 @@ def test_api_command_serves_health_and_jobs(run_service, pg, broker):
     ok = client.get("/api/v1/jobs", headers={"Authorization": "Bearer compose-test-token"})
     assert ok.status_code == 200
     client.close()
-
-
-def test_compose_requires_an_api_token(compose):
-    # `${VAR:?message}`: compose refuses to start the API without tokens rather than
-    # serve an API that refuses everything.
-    value = compose["services"]["api"]["environment"]["CELERY_LEASE_API_TOKENS"]
-    assert re.fullmatch(r"\$\{CELERY_LEASE_API_TOKENS:\?[^}]+\}", value)
