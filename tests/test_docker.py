@@ -40,6 +40,7 @@ LONG_RUNNING = ("worker", "beat", "flower", "api")
 #: What an operator puts in docker/.env, for the tests that run the services here.
 SECRETS = {
     "POSTGRES_PASSWORD": "compose-test-password",
+    "FLOWER_BASIC_AUTH": "ops:compose-test-login",
     "CELERY_LEASE_API_TOKENS": '{"compose-test-token": null}',
 }
 
@@ -198,6 +199,20 @@ def test_compose_refuses_a_default_database_password(compose):
         assert (url.username, url.password) == ("celery", SECRETS["POSTGRES_PASSWORD"]), name
 
 
+def test_compose_refuses_flower_without_a_login(compose):
+    # Task events carry every tenant's payloads, results and progress: Flower gets a
+    # basic-auth login from the environment, and compose refuses to start without one.
+    value = compose["services"]["flower"]["environment"]["FLOWER_BASIC_AUTH"]
+    assert re.fullmatch(r"\$\{FLOWER_BASIC_AUTH:\?[^}]+\}", value)
+    for env in ({k: v for k, v in SECRETS.items() if k != "FLOWER_BASIC_AUTH"},
+                {**SECRETS, "FLOWER_BASIC_AUTH": ""}):
+        with pytest.raises(MissingVariable, match="FLOWER_BASIC_AUTH"):
+            resolve(compose, env)
+    # Nothing on the command line turns it off again.
+    command = " ".join(compose["services"]["flower"]["command"])
+    assert "--auth" not in command and "basic_auth" not in command and "UNAUTHENTICATED" not in command
+
+
 def test_env_example_lists_every_variable_compose_reads(compose):
     example = read_env_file(ENV_EXAMPLE)
     used = variables(compose)
@@ -208,7 +223,7 @@ def test_env_example_lists_every_variable_compose_reads(compose):
     for name in used:
         assert re.search(rf"#[^\n]*\n(#[^\n]*\n)*{name}=", text), name
     required = {name for name, ops in used.items() if ops & {":?", "?", ""}}
-    assert {"POSTGRES_PASSWORD", "CELERY_LEASE_API_TOKENS"} <= required
+    assert {"POSTGRES_PASSWORD", "FLOWER_BASIC_AUTH", "CELERY_LEASE_API_TOKENS"} <= required
     # The example's secrets are blank: copied as is, compose refuses to start rather
     # than come up with a password published in this repository.
     assert all(example[name] == "" for name in required)
@@ -344,7 +359,7 @@ def test_beat_command_schedules_the_maintenance_tasks(run_service, pg, broker):
     assert proc.poll() is None, _log(log)[-3000:]
 
 
-def test_flower_command_serves(run_service, pg, broker):
+def test_flower_command_serves_only_with_the_login(run_service, pg, broker):
     proc, log, port = run_service("flower", pg, broker)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
 
@@ -356,6 +371,12 @@ def test_flower_command_serves(run_service, pg, broker):
             return False
 
     wait_for(healthy, timeout=60, interval=0.2, what="Flower to answer")
+    user, password = SECRETS["FLOWER_BASIC_AUTH"].split(":")
+    for path in ("/", "/tasks", "/api/tasks"):
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, auth=(user, "wrong")).status_code == 401, path
+    assert client.get("/tasks", auth=(user, password)).status_code == 200
+    assert client.get("/api/tasks", auth=(user, password)).json() == {}
     client.close()
 
 
