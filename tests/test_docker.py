@@ -213,6 +213,31 @@ def test_compose_refuses_flower_without_a_login(compose):
     assert "--auth" not in command and "basic_auth" not in command and "UNAUTHENTICATED" not in command
 
 
+def _published(entry) -> tuple[str, str, str]:
+    """(host ip, host port, container port) of a `ports:` entry, short or long syntax."""
+    if isinstance(entry, dict):
+        return entry.get("host_ip", ""), str(entry.get("published", "")), str(entry["target"])
+    parts = str(entry).rsplit(":", 2)
+    return tuple([""] * (3 - len(parts)) + parts)
+
+
+def test_compose_publishes_ports_on_localhost_only_by_default(compose):
+    published = {name: service["ports"] for name, service in compose["services"].items()
+                 if service.get("ports")}
+    # Flower and the API are meant to be reached from the host; the database and the
+    # broker are not published at all.
+    assert {"flower", "api"} <= set(published)
+    for bind, expected in ((None, "127.0.0.1"), ("", "127.0.0.1"), ("10.1.2.3", "10.1.2.3")):
+        env = dict(SECRETS) if bind is None else {**SECRETS, "CELERY_LEASE_BIND": bind}
+        services = resolve(compose, env)["services"]
+        for name in published:
+            for entry in services[name]["ports"]:
+                host_ip, host_port, _ = _published(entry)
+                # No host ip means every interface of the host.
+                assert host_ip == expected, (name, entry)
+                assert host_port, (name, entry)  # not a random port either
+
+
 def test_env_example_lists_every_variable_compose_reads(compose):
     example = read_env_file(ENV_EXAMPLE)
     used = variables(compose)
@@ -230,6 +255,7 @@ def test_env_example_lists_every_variable_compose_reads(compose):
     with pytest.raises(MissingVariable):
         resolve(compose, example)
     resolve(compose, {**example, **SECRETS})  # filled in, everything resolves
+    assert example["CELERY_LEASE_BIND"] == "127.0.0.1"
 
 
 def test_env_file_stays_out_of_git_and_of_the_image():
