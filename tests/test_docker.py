@@ -2,7 +2,7 @@
 
 The compose file is parsed and its wiring checked, with Compose's own `${VAR}`
 interpolation rules applied here (so "compose refuses to start without X" is checked,
-not just grepped). Then each celery-lease service's own command is run
+not just grepped). Then each celery-lease service's own command, and its healthcheck, is run
 here, with the compose environment pointed at the test PostgreSQL and Redis instead of
 the `postgres` and `redis` containers (and a free port instead of the published one).
 """
@@ -14,8 +14,10 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -238,6 +240,20 @@ def test_compose_publishes_ports_on_localhost_only_by_default(compose):
                 assert host_port, (name, entry)  # not a random port either
 
 
+def test_every_long_running_service_has_a_healthcheck(compose):
+    for name, service in compose["services"].items():
+        if service.get("restart") == "no":  # the one-shot migrate
+            continue
+        check = service.get("healthcheck")
+        assert check and not check.get("disable"), name
+        assert check["test"][0] in ("CMD", "CMD-SHELL"), name
+    # Flower's probe logs in; the worker's pings *this* node, not any worker.
+    flower = " ".join(compose["services"]["flower"]["healthcheck"]["test"])
+    assert "FLOWER_BASIC_AUTH" in flower and "Authorization" in flower and ":5555/" in flower
+    worker = " ".join(compose["services"]["worker"]["healthcheck"]["test"])
+    assert "inspect ping" in worker and "-d worker@$$HOSTNAME" in worker
+
+
 def test_env_example_lists_every_variable_compose_reads(compose):
     example = read_env_file(ENV_EXAMPLE)
     used = variables(compose)
@@ -299,9 +315,12 @@ def _local_env(tmp_path: Path, environment: dict) -> dict:
     return env
 
 
-def _local(arg: str, tmp_path: Path) -> str:
-    """A container path rewritten to this run's."""
-    return arg.replace("/tmp/", f"{tmp_path}/")
+def _local(arg: str, tmp_path: Path, port: int | None) -> str:
+    """A container path or port rewritten to this run's."""
+    arg = arg.replace("/tmp/", f"{tmp_path}/")
+    if port is not None:
+        arg = re.sub(r"(127\.0\.0\.1|localhost):(5555|8000)\b", rf"\g<1>:{port}", arg)
+    return arg
 
 
 @pytest.fixture
@@ -325,7 +344,7 @@ def run_service(compose, tmp_path):
             elif arg in ("0.0.0.0", "--address=0.0.0.0"):
                 command[i] = arg.replace("0.0.0.0", "127.0.0.1")
             else:
-                command[i] = _local(arg, tmp_path)
+                command[i] = _local(arg, tmp_path, None)
         log_path = tmp_path / f"{name}.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
@@ -338,6 +357,28 @@ def run_service(compose, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture
+def healthcheck(compose, tmp_path):
+    """Run a service's healthcheck here, as Docker would in its container; returns the
+    exit status. ``port``: where the service listens here instead of its container port."""
+
+    def run(name: str, db: str, broker: str, port: int | None = None, **env_overrides: str):
+        service = resolve(compose["services"][name], SECRETS)  # $$ becomes $, as in compose
+        env = _local_env(tmp_path, service["environment"])
+        env.update({"CELERY_LEASE_DATABASE_URL": db, "CELERY_BROKER_URL": broker,
+                    # Docker sets HOSTNAME in every container to its hostname.
+                    "HOSTNAME": service.get("hostname", socket.gethostname()), **env_overrides})
+        kind, *test = service["healthcheck"]["test"]
+        if kind == "CMD-SHELL":
+            test = ["/bin/sh", "-c", *test]
+        command = [_local(arg, tmp_path, port) for arg in test]
+        timeout = float(str(service["healthcheck"].get("timeout", "30s")).rstrip("s"))
+        done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+        return done.returncode
+
+    return run
 
 
 @pytest.fixture
@@ -366,7 +407,7 @@ def test_migrate_command_creates_the_schema(run_service, empty_db, broker):
     assert proc.wait(timeout=120) == 0, _log(log)
 
 
-def test_worker_command_runs_pipeline_jobs(run_service, pg, broker, pipeline):  # noqa: F811
+def test_worker_command_runs_pipeline_jobs(run_service, healthcheck, pg, broker, pipeline):  # noqa: F811
     proc, log, _ = run_service("worker", pg, broker)
     wait_for(lambda: "ready." in _log(log) or proc.poll() is not None, timeout=60, what="the worker")
     assert proc.poll() is None, _log(log)[-3000:]
@@ -376,16 +417,34 @@ def test_worker_command_runs_pipeline_jobs(run_service, pg, broker, pipeline):  
     assert done.status is Status.SUCCEEDED and done.result["dialect"] == "postgresql"
     assert done.lease_owner is None and f"Task tasks.pipeline.check_source[{job.id}] succeeded" in _log(log)
 
+    # Its healthcheck pings this node by name (here the node is worker@<this host>).
+    assert healthcheck("worker", pg, broker, HOSTNAME=socket.gethostname()) == 0
 
-def test_beat_command_schedules_the_maintenance_tasks(run_service, pg, broker):
+
+def test_worker_healthcheck_fails_when_its_node_does_not_answer(healthcheck, pg, broker):
+    # No worker on the broker at all (the container's worker hung or lost Redis).
+    assert healthcheck("worker", pg, broker) != 0
+
+
+def test_beat_command_schedules_the_maintenance_tasks(run_service, healthcheck, pg, broker, tmp_path):
+    assert healthcheck("beat", pg, broker) != 0  # not started: no schedule file yet
     proc, log, _ = run_service("beat", pg, broker)
     # The sweeper's entry (every 5 s by default) is the first due.
     wait_for(lambda: "Sending due task celery_lease.sweep" in _log(log) or proc.poll() is not None,
              timeout=60, interval=0.2, what="beat to send the sweep task")
     assert proc.poll() is None, _log(log)[-3000:]
+    assert healthcheck("beat", pg, broker) == 0
+
+    # A beat that stopped writing its schedule (stuck) turns unhealthy.
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    stale = time.time() - 600
+    for path in tmp_path.glob("celerybeat-schedule*"):
+        os.utime(path, (stale, stale))
+    assert healthcheck("beat", pg, broker) != 0
 
 
-def test_flower_command_serves_only_with_the_login(run_service, pg, broker):
+def test_flower_command_serves_only_with_the_login(run_service, healthcheck, pg, broker):
     proc, log, port = run_service("flower", pg, broker)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
 
@@ -404,9 +463,10 @@ def test_flower_command_serves_only_with_the_login(run_service, pg, broker):
     assert client.get("/tasks", auth=(user, password)).status_code == 200
     assert client.get("/api/tasks", auth=(user, password)).json() == {}
     client.close()
+    assert healthcheck("flower", pg, broker, port=port) == 0
 
 
-def test_api_command_serves_health_and_jobs(run_service, pg, broker):
+def test_api_command_serves_health_and_jobs(run_service, healthcheck, pg, broker):
     proc, log, port = run_service("api", pg, broker)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
 
@@ -422,3 +482,4 @@ def test_api_command_serves_health_and_jobs(run_service, pg, broker):
     ok = client.get("/api/v1/jobs", headers={"Authorization": "Bearer compose-test-token"})
     assert ok.status_code == 200
     client.close()
+    assert healthcheck("api", pg, broker, port=port) == 0
