@@ -2,7 +2,8 @@
 
 The compose file is parsed and its wiring checked, with Compose's own `${VAR}`
 interpolation rules applied here (so "compose refuses to start without X" is checked,
-not just grepped). Then each celery-lease service's own command, and its healthcheck, is run
+not just grepped); `docker compose config` checks the same when a Compose v2 client is
+installed. Then each celery-lease service's own command, and its healthcheck, is run
 here, with the compose environment pointed at the test PostgreSQL and Redis instead of
 the `postgres` and `redis` containers (and a free port instead of the published one).
 """
@@ -282,6 +283,53 @@ def test_env_file_stays_out_of_git_and_of_the_image():
     assert subprocess.run(["git", "check-ignore", "-q", "docker/.env.example"], cwd=ROOT).returncode == 1
     patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()]
     assert "**/.env" in patterns
+
+
+def _compose_client() -> list[str] | None:
+    """A Compose v2 client: the docker CLI plugin, or a standalone docker-compose."""
+    for command in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(command[0]) is None:
+            continue
+        try:
+            out = subprocess.run([*command, "version", "--short"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and re.match(r"v?[2-9]\.", out.stdout.strip()):
+            return command
+    return None
+
+
+def test_docker_compose_config_accepts_the_example_and_refuses_without_a_password(tmp_path):
+    client = _compose_client()
+    if client is None:
+        pytest.skip("no Docker Compose v2 client (docker compose / docker-compose)")
+    # Only the env file speaks: none of these may come from this process's environment.
+    env = {k: v for k, v in os.environ.items() if k not in (*read_env_file(ENV_EXAMPLE), "COMPOSE_FILE")}
+
+    def config(values: dict[str, str]) -> subprocess.CompletedProcess:
+        env_file = tmp_path / "env"
+        env_file.write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in values.items()))
+        return subprocess.run([*client, "-f", str(COMPOSE), "--env-file", str(env_file), "config", "--format", "json"],
+                              capture_output=True, text=True, env=env, timeout=60)
+
+    example = read_env_file(ENV_EXAMPLE)
+    ok = config({**example, **SECRETS})
+    assert ok.returncode == 0, ok.stderr
+    services = yaml.safe_load(ok.stdout)["services"]
+    for name in ("flower", "api"):
+        assert {p["host_ip"] for p in services[name]["ports"]} == {"127.0.0.1"}, name
+    assert services["flower"]["environment"]["FLOWER_BASIC_AUTH"] == SECRETS["FLOWER_BASIC_AUTH"]
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == SECRETS["POSTGRES_PASSWORD"]
+    assert "$HOSTNAME" in " ".join(services["worker"]["healthcheck"]["test"])
+    for name, service in services.items():
+        assert name == "migrate" or service.get("healthcheck"), name
+    # The example as shipped, or any required secret left out: compose refuses.
+    assert config(example).returncode != 0
+    refused = config({**example, **SECRETS, "POSTGRES_PASSWORD": ""})
+    assert refused.returncode != 0 and "POSTGRES_PASSWORD" in refused.stderr
+    refused = config({k: v for k, v in {**example, **SECRETS}.items() if k != "FLOWER_BASIC_AUTH"})
+    assert refused.returncode != 0 and "FLOWER_BASIC_AUTH" in refused.stderr
+
 
 
 def test_dockerfile_builds_the_package_from_the_repository(compose):
