@@ -39,6 +39,8 @@ DOCKERIGNORE = DOCKER / "Dockerfile.dockerignore"
 ENV_EXAMPLE = DOCKER / ".env.example"
 APP_SERVICES = ("migrate", "worker", "beat", "flower", "api")
 LONG_RUNNING = ("worker", "beat", "flower", "api")
+#: Where the image puts the example application (tasks/) and its PYTHONPATH.
+IMAGE_APP_DIR = "/app"
 
 #: What an operator puts in docker/.env, for the tests that run the services here.
 SECRETS = {
@@ -331,23 +333,96 @@ def test_docker_compose_config_accepts_the_example_and_refuses_without_a_passwor
     assert refused.returncode != 0 and "FLOWER_BASIC_AUTH" in refused.stderr
 
 
+# --- the Dockerfile -------------------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
+    instructions, pending = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        keyword, _, args = (pending + stripped).partition(" ")
+        instructions.append((keyword.upper(), args.strip()))
+        pending = ""
+    return instructions
+
+
+def _copied(args: str) -> list[str]:
+    return shlex.split(args)[:-1]
+
 
 def test_dockerfile_builds_the_package_from_the_repository(compose):
     context = (COMPOSE.parent / compose["services"]["worker"]["build"]["context"]).resolve()
     assert context == ROOT
     assert (context / compose["services"]["worker"]["build"]["dockerfile"]).resolve() == DOCKERFILE
-    instructions = [line.strip() for line in DOCKERFILE.read_text().splitlines()
-                    if line.strip() and not line.strip().startswith("#")]
-    copies = [shlex.split(line)[1:-1] for line in instructions if line.startswith("COPY ")]
-    copied = {src for srcs in copies for src in srcs}
+    instructions = dockerfile_instructions()
+    copied = {src for keyword, args in instructions if keyword == "COPY" for src in _copied(args)}
     for src in copied:
         assert (context / src).exists(), src
-    # What `pip install .` needs: the metadata, the readme it names, both packages.
+    # What `pip install .` needs: the metadata, the readme it names, the library; and
+    # the example application, which the package does not ship.
     readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
     assert {"pyproject.toml", readme, "celery_lease", "tasks"} <= copied
-    install = next(line for line in instructions if "pip install" in line)
-    assert '".[api]"' in install and "flower" in install
-    assert any(line.startswith("USER ") and "root" not in line for line in instructions)
+    runs = " ".join(args for keyword, args in instructions if keyword == "RUN")
+    assert "flower" in runs and "pip install --no-deps ." in runs
+    assert any(keyword == "USER" and "root" not in args for keyword, args in instructions)
+
+
+def test_dockerfile_installs_dependencies_before_copying_the_code(tmp_path):
+    instructions = dockerfile_instructions()
+    # The dependency layer: the first RUN that installs anything.
+    deps = next(i for i, (keyword, args) in enumerate(instructions)
+                if keyword == "RUN" and "pip install" in args)
+    assert "--no-deps" not in instructions[deps][1]
+    # Only the metadata is copied before it: an edit to the code (or the readme) keeps
+    # the cached dependency layer.
+    before = {src for keyword, args in instructions[:deps] if keyword == "COPY" for src in _copied(args)}
+    assert before == {"pyproject.toml"}, before
+    code = [i for i, (keyword, args) in enumerate(instructions)
+            if keyword == "COPY" and {"celery_lease", "tasks"} & set(_copied(args))]
+    assert code and min(code) > deps
+    # The library is installed after it is copied, without re-resolving dependencies.
+    package = next(i for i, (keyword, args) in enumerate(instructions)
+                   if keyword == "RUN" and "pip install --no-deps ." in args)
+    library = next(i for i in code if "celery_lease" in _copied(instructions[i][1]))
+    assert library < package
+
+    # The dependency list the layer installs is exactly the package's (and its API's):
+    # run the RUN's own `python -c` here on a copy of pyproject.toml.
+    run = shlex.split(instructions[deps][1])
+    snippet = run[run.index("-c") + 1]
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    out = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, check=True)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert out.stdout.split() == project["dependencies"] + project["optional-dependencies"]["api"]
+
+
+def test_dockerfile_puts_the_example_application_on_the_path():
+    # tasks/ is not in the wheel: the image copies it into its WORKDIR and puts that on
+    # PYTHONPATH, so `celery -A tasks.app` works from any working directory.
+    workdir, tasks_dir, pythonpath = None, None, None
+    for keyword, args in dockerfile_instructions():
+        if keyword == "WORKDIR":
+            workdir = args
+        elif keyword == "COPY" and "tasks" in _copied(args):
+            tasks_dir = os.path.normpath(os.path.join(workdir, shlex.split(args)[-1]))
+        elif keyword == "ENV" and args.startswith("PYTHONPATH="):
+            pythonpath = args.partition("=")[2].split(":")
+    assert tasks_dir == f"{IMAGE_APP_DIR}/tasks"
+    assert pythonpath and IMAGE_APP_DIR in pythonpath
+
+
+def test_dockerignore_keeps_tests_and_secrets_out_of_the_context():
+    patterns = {line.strip() for line in DOCKERIGNORE.read_text().splitlines()}
+    assert {".git", ".venv", "tests", "bench", "**/.env"} <= patterns
+    for keyword, args in dockerfile_instructions():
+        if keyword == "COPY":
+            assert not set(_copied(args)) & patterns, args
 
 
 # --- the commands, run here -----------------------------------------------------------
