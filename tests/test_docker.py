@@ -215,7 +215,8 @@ def test_compose_refuses_flower_without_a_login(compose):
             resolve(compose, env)
     # Nothing on the command line turns it off again.
     command = " ".join(compose["services"]["flower"]["command"])
-    assert "--auth" not in command and "basic_auth" not in command and "UNAUTHENTICATED" not in command
+    for switch in ("--auth", "basic_auth", "UNAUTHENTICATED"):
+        assert switch not in command
 
 
 def _published(entry) -> tuple[str, str, str]:
@@ -260,7 +261,7 @@ def test_every_long_running_service_has_a_healthcheck(compose):
 def test_env_example_lists_every_variable_compose_reads(compose):
     example = read_env_file(ENV_EXAMPLE)
     used = variables(compose)
-    assert set(used) <= set(example), f"missing from docker/.env.example: {set(used) - set(example)}"
+    assert set(used) <= set(example), f"missing from .env.example: {set(used) - set(example)}"
     assert set(example) <= set(used), f"not read by compose.yaml: {set(example) - set(used)}"
     # Each variable without a default is documented by a comment right above it.
     text = ENV_EXAMPLE.read_text()
@@ -282,7 +283,8 @@ def test_env_file_stays_out_of_git_and_of_the_image():
         pytest.skip("not a git checkout")
     ignored = subprocess.run(["git", "check-ignore", "-q", "docker/.env"], cwd=ROOT)
     assert ignored.returncode == 0, "docker/.env (the operator's secrets) is not git-ignored"
-    assert subprocess.run(["git", "check-ignore", "-q", "docker/.env.example"], cwd=ROOT).returncode == 1
+    example = subprocess.run(["git", "check-ignore", "-q", "docker/.env.example"], cwd=ROOT)
+    assert example.returncode == 1
     patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()]
     assert "**/.env" in patterns
 
@@ -293,7 +295,8 @@ def _compose_client() -> list[str] | None:
         if shutil.which(command[0]) is None:
             continue
         try:
-            out = subprocess.run([*command, "version", "--short"], capture_output=True, text=True, timeout=30)
+            out = subprocess.run([*command, "version", "--short"],
+                                 capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             continue
         if out.returncode == 0 and re.match(r"v?[2-9]\.", out.stdout.strip()):
@@ -306,13 +309,15 @@ def test_docker_compose_config_accepts_the_example_and_refuses_without_a_passwor
     if client is None:
         pytest.skip("no Docker Compose v2 client (docker compose / docker-compose)")
     # Only the env file speaks: none of these may come from this process's environment.
-    env = {k: v for k, v in os.environ.items() if k not in (*read_env_file(ENV_EXAMPLE), "COMPOSE_FILE")}
+    ours = {*read_env_file(ENV_EXAMPLE), "COMPOSE_FILE"}
+    env = {k: v for k, v in os.environ.items() if k not in ours}
 
     def config(values: dict[str, str]) -> subprocess.CompletedProcess:
         env_file = tmp_path / "env"
         env_file.write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in values.items()))
-        return subprocess.run([*client, "-f", str(COMPOSE), "--env-file", str(env_file), "config", "--format", "json"],
-                              capture_output=True, text=True, env=env, timeout=60)
+        command = [*client, "-f", str(COMPOSE), "--env-file", str(env_file),
+                   "config", "--format", "json"]
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
 
     example = read_env_file(ENV_EXAMPLE)
     ok = config({**example, **SECRETS})
@@ -381,7 +386,8 @@ def test_dockerfile_installs_dependencies_before_copying_the_code(tmp_path):
     assert "--no-deps" not in instructions[deps][1]
     # Only the metadata is copied before it: an edit to the code (or the readme) keeps
     # the cached dependency layer.
-    before = {src for keyword, args in instructions[:deps] if keyword == "COPY" for src in _copied(args)}
+    before = {src for keyword, args in instructions[:deps] if keyword == "COPY"
+              for src in _copied(args)}
     assert before == {"pyproject.toml"}, before
     code = [i for i, (keyword, args) in enumerate(instructions)
             if keyword == "COPY" and {"celery_lease", "tasks"} & set(_copied(args))]
@@ -397,7 +403,8 @@ def test_dockerfile_installs_dependencies_before_copying_the_code(tmp_path):
     run = shlex.split(instructions[deps][1])
     snippet = run[run.index("-c") + 1]
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    out = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path,
+                         capture_output=True, text=True, check=True)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert out.stdout.split() == project["dependencies"] + project["optional-dependencies"]["api"]
 
@@ -498,7 +505,8 @@ def healthcheck(compose, tmp_path):
             test = ["/bin/sh", "-c", *test]
         command = [_local(arg, tmp_path, port) for arg in test]
         timeout = float(str(service["healthcheck"].get("timeout", "30s")).rstrip("s"))
-        done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=timeout)
         return done.returncode
 
     return run
@@ -530,7 +538,8 @@ def test_migrate_command_creates_the_schema(run_service, empty_db, broker):
     assert proc.wait(timeout=120) == 0, _log(log)
 
 
-def test_worker_command_runs_pipeline_jobs(run_service, healthcheck, pg, broker, pipeline):  # noqa: F811
+def test_worker_command_runs_pipeline_jobs(run_service, healthcheck, pg, broker,
+                                           pipeline):  # noqa: F811
     proc, log, _ = run_service("worker", pg, broker)
     wait_for(lambda: "ready." in _log(log) or proc.poll() is not None, timeout=60, what="the worker")
     assert proc.poll() is None, _log(log)[-3000:]
@@ -549,7 +558,8 @@ def test_worker_healthcheck_fails_when_its_node_does_not_answer(healthcheck, pg,
     assert healthcheck("worker", pg, broker) != 0
 
 
-def test_beat_command_schedules_the_maintenance_tasks(run_service, healthcheck, pg, broker, tmp_path):
+def test_beat_command_schedules_the_maintenance_tasks(run_service, healthcheck, pg, broker,
+                                                      tmp_path):
     assert healthcheck("beat", pg, broker) != 0  # not started: no schedule file yet
     proc, log, _ = run_service("beat", pg, broker)
     # The sweeper's entry (every 5 s by default) is the first due.
