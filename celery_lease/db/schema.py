@@ -1,4 +1,4 @@
-"""The canonical schema. Migrations must reproduce it exactly (tests/test_schema.py).
+"""The canonical schema. Migrations must reproduce it exactly (tests/integration/test_schema.py).
 
 The same tables serve PostgreSQL and SQLite. Partial indexes (``WHERE status = ...``)
 keep claim, reap and sweep proportional to the live jobs, not to the terminal history.
