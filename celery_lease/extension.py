@@ -69,8 +69,8 @@ class CeleryLease:
         self._worker_pid = 0
         app.lease = self  # found by the CLI plugin: `celery -A proj lease ...`
         signals.connect(app, self, ping=lambda: self.store.ping(), recover=self.recover, worker_state=lambda: self.worker)
-        entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
-        self.beat_jobs = BeatJobs(app, self.registry, lambda: self.producer)
+        self.beat_schedule = entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
+        self.beat_jobs = BeatJobs(app, self.registry, lambda: self.producer, self.beat_schedule.add)
 
     # --- the parts, made when first needed ---------------------------------------------
 
