@@ -57,3 +57,110 @@ def test_beat_started_after_django_style_config_reaps_a_killed_workers_job(pg, b
     assert "Sending due task celery_lease." not in log
     assert "Task celery_lease.reap[" not in w2.log() and "Task celery_lease.sweep[" not in w2.log()
     assert "Task tests.apps.app_django.dj_tick[" in w2.log()  # other tasks keep their INFO lines
+
+
+# --- canvas ----------------------------------------------------------------------------------
+
+NATIVE = "tests.apps.app_native"
+
+
+def _effects(db: str) -> list[str]:
+    engine = sa.create_engine(db)
+    try:
+        with engine.connect() as conn:
+            return sorted(r[0] for r in conn.execute(sa.text("SELECT note FROM test_effects")))
+    finally:
+        engine.dispose()
+
+
+def test_chain_of_leased_steps_passes_results_and_survives_a_worker_sigkill(pg, broker, client_app, workers, tmp_path):
+    from celery import chain
+
+    mod = client_app(pg, broker, module=NATIVE, conf={"lease_reap_interval": 0.5})
+    w1 = workers(pg, broker, name="w1", module=NATIVE, extra_env={"CL_TEST_LEASE": "3"})
+    res = chain(mod.inc.s({"n": 1, "slow_at": 2, "dir": str(tmp_path)}), mod.inc.s(), mod.inc.s()).apply_async()
+    # Step 2's first attempt is running: kill the worker under it.
+    wait_for(lambda: (tmp_path / "inc-2-1").exists(), timeout=30, what="step 2 to start")
+    w1.kill()
+    workers(pg, broker, name="w2", module=NATIVE, extra_env={"CL_TEST_LEASE": "3"})
+
+    def reap():
+        mod.leases.reap()
+        return res.ready()
+
+    wait_for(reap, timeout=60, interval=0.3, what="the chain to finish after the reap")
+    assert res.get(timeout=5)["n"] == 4
+    # Each step is one job (its frozen task id), ran to success once: one effect each.
+    assert _count(pg) == 3
+    assert _effects(pg) == ["inc 1", "inc 2", "inc 3"]
+    step2 = mod.leases.get(res.parent.id)
+    assert step2.attempt == 2 and step2.lease_losses == 1 and step2.parent_id == res.parent.parent.id
+    assert res.parent.parent.get(timeout=5)["n"] == 2
+
+
+def test_plain_and_leased_steps_mix_in_one_chain_both_ways(pg, broker, client_app, workers, tmp_path):
+    from celery import chain
+
+    mod = client_app(pg, broker, module=NATIVE)
+    workers(pg, broker, module=NATIVE)
+    # plain -> leased: the plain task's worker applies the leased step, which submits it.
+    first = chain(mod.plain_add.si(1, 2), mod.inc.s()).apply_async()
+    assert first.get(timeout=30) == {"n": 4}
+    assert mod.leases.get(first.id).status is Status.SUCCEEDED
+    # leased -> plain -> leased: the plain step is sent after the leased success commits.
+    second = chain(mod.inc.s({"n": 1, "dir": str(tmp_path)}), mod.plain_bump.s(), mod.inc.s()).apply_async()
+    assert second.get(timeout=30)["n"] == 13
+    assert (tmp_path / "plain-2").exists()
+    # An immutable leased step keeps its own payload.
+    third = chain(mod.plain_add.si(5, 5), mod.inc.si({"n": 100})).apply_async()
+    assert third.get(timeout=30) == {"n": 101}
+
+
+def test_group_chord_and_callbacks(pg, broker, client_app, workers, tmp_path):
+    from celery import chord, group
+
+    mod = client_app(pg, broker, module=NATIVE)
+    workers(pg, broker, module=NATIVE)
+    grouped = group(mod.inc.s({"n": i}) for i in range(3)).apply_async()
+    assert sorted(r["n"] for r in grouped.get(timeout=30)) == [1, 2, 3]
+
+    body = chord([mod.inc.s({"n": i}) for i in range(4)], mod.total.s()).apply_async()
+    assert body.get(timeout=30) == 1 + 2 + 3 + 4
+    assert _count(pg, jobs.c.kind == "total") == 1  # the body was created once
+
+    linked = mod.inc.apply_async(({"n": 1},), link=mod.inc.s(), priority=7)
+    wait_for(lambda: _count(pg, jobs.c.parent_id == linked.id, jobs.c.status == "succeeded") == 1, timeout=30, what="link")
+    assert mod.leases.get(linked.id).result == {"n": 2}
+    engine = sa.create_engine(pg)
+    with engine.connect() as conn:
+        canvas = conn.execute(sa.select(jobs.c.canvas).where(jobs.c.id == linked.id)).scalar_one()
+        child = conn.execute(sa.select(jobs.c.result).where(jobs.c.parent_id == linked.id)).scalar_one()
+    engine.dispose()
+    assert canvas["priority"] == 7 and child == {"n": 3}
+
+    failing = mod.inc.apply_async(({"n": 1, "fail_at": 1},), link_error=[mod.noted_error.s(), mod.plain_errback.s(str(tmp_path))])
+    wait_for(lambda: (tmp_path / f"errback-{failing.id}").exists(), timeout=30, what="the plain errback")
+    noted = wait_for(
+        lambda: _count(pg, jobs.c.kind == "noted_error", jobs.c.status == "succeeded") == 1, timeout=30, what="errback job"
+    )
+    assert noted
+    assert failing.state == "FAILURE"
+
+
+def test_unsupported_canvas_is_refused_before_anything_is_stored(pg, broker, client_app):
+    import pytest
+    from celery import chain
+
+    mod = client_app(pg, broker, module=NATIVE)
+    with pytest.raises(TypeError, match=r"\.si\(payload\)"):
+        mod.inc.s({"n": 1}, {"n": 2})
+    with pytest.raises(TypeError, match="submit_many"):
+        mod.inc.map([{"n": 1}])
+    with pytest.raises(TypeError, match="lease_seconds"):
+        mod.inc.apply_async(({"n": 1},), time_limit=5)
+    with pytest.raises(TypeError, match="queue="):
+        mod.inc.signature(({"n": 1},), routing_key="x")
+    # A mutable step that also has its own payload would get two: refused at apply.
+    with pytest.raises(TypeError, match=r"inc\.s\(\)"):
+        chain(mod.inc.s({"n": 1}), mod.inc.s({"n": 5})).apply_async()
+    assert _count(pg) == 0

@@ -103,3 +103,64 @@ def test_maintenance_ticks_are_logged_at_debug_other_tasks_at_info():
     levels = [(r.args["name"], r.levelname) for r in records if isinstance(r.args, dict)]
     # At DEBUG the tick shows as a DEBUG line; at INFO it is not written at all.
     assert levels == [("celery_lease.sweep", "DEBUG"), ("proj.tasks.add", "INFO")]
+
+
+# --- AsyncResult and Job.get read the row ---------------------------------------------------
+
+
+def test_async_result_state_and_get_for_each_status(pg, broker, client_app, make_job):
+    from datetime import datetime, timezone
+
+    from celery.exceptions import TaskRevokedError
+    from celery.exceptions import TimeoutError as CeleryTimeout
+    from celery.result import AsyncResult
+
+    from celery_lease.errors import JobFailed
+
+    mod = client_app(pg, broker, module="tests.apps.app_native")
+    # The app had no result backend: CeleryLease installed its own.
+    assert mod.app.conf.result_backend == "celery_lease.results:LeaseBackend"
+    now = datetime.now(timezone.utc)
+    rows = {
+        "PENDING": make_job(pg, status="pending"),
+        "RETRY": make_job(pg, status="pending", attempt=1),
+        "STARTED": make_job(pg, status="running", attempt=1, progress={"done": 3}),
+        "SUCCESS": make_job(pg, status="succeeded", attempt=1, result={"ok": 1}, finished_at=now),
+        "FAILURE": make_job(pg, status="failed", attempt=3, error="source table is empty", finished_at=now),
+        "EXPIRED": make_job(pg, status="expired", attempt=3, error="lease expired", finished_at=now),
+        "REVOKED": make_job(pg, status="cancelled", finished_at=now),
+    }
+    states = {name: AsyncResult(job_id, app=mod.app).state for name, job_id in rows.items()}
+    assert states == {**{k: k for k in rows}, "EXPIRED": "FAILURE"}
+    assert mod.app.AsyncResult(rows["SUCCESS"]).get(timeout=5) == {"ok": 1}
+    assert mod.app.AsyncResult(rows["STARTED"]).info == {"done": 3}  # progress, as a custom state's meta
+    assert mod.app.AsyncResult(rows["SUCCESS"]).args == [{}]  # the payload
+    with pytest.raises(JobFailed, match="source table is empty"):
+        mod.app.AsyncResult(rows["FAILURE"]).get(timeout=5)
+    with pytest.raises(JobFailed, match="lease expired"):
+        mod.app.AsyncResult(rows["EXPIRED"]).get(timeout=5)
+    with pytest.raises(TaskRevokedError):
+        mod.app.AsyncResult(rows["REVOKED"]).get(timeout=5)
+    assert mod.app.AsyncResult("00000000-0000-4000-8000-000000000000").state == "PENDING"
+    with pytest.raises(CeleryTimeout):
+        mod.app.AsyncResult(rows["PENDING"]).get(timeout=0.3)
+
+    # delay() returns Celery's AsyncResult for the job; submit() a Job with get().
+    result = mod.inc.delay({"n": 1})
+    assert result.state == "PENDING" and result.job.kind == "inc" and result.id == result.job.id
+    job = mod.inc.submit({"n": 1})
+    with pytest.raises(CeleryTimeout):
+        job.get(timeout=0.3)
+    assert mod.leases.get(rows["SUCCESS"]).get(timeout=1) == {"ok": 1}
+    with pytest.raises(JobFailed):
+        mod.leases.get(rows["FAILURE"]).get()
+    assert isinstance(mod.leases.get(rows["FAILURE"]).get(propagate=False), JobFailed)
+
+
+def test_an_app_with_its_own_result_backend_keeps_it_and_leased_tasks_read_rows(pg, broker, client_app, make_job):
+    mod = client_app(pg, broker, module="tests.apps.app_native", conf={"result_backend": "cache+memory://"})
+    assert mod.app.conf.result_backend == "cache+memory://"
+    done = make_job(pg, kind="inc", task="tests.apps.app_native.inc", status="succeeded", result={"n": 2})
+    assert mod.inc.AsyncResult(done).get(timeout=5) == {"n": 2}
+    assert mod.leases.AsyncResult(done).state == "SUCCESS"
+    assert mod.inc.delay({"n": 1}).state == "PENDING"
