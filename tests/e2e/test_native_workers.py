@@ -164,3 +164,101 @@ def test_unsupported_canvas_is_refused_before_anything_is_stored(pg, broker, cli
     with pytest.raises(TypeError, match=r"inc\.s\(\)"):
         chain(mod.inc.s({"n": 1}), mod.inc.s({"n": 5})).apply_async()
     assert _count(pg) == 0
+
+
+# --- revoke ----------------------------------------------------------------------------------
+
+
+def test_revoke_with_and_without_terminate_cancels_the_job_durably(pg, broker, client_app, workers, tmp_path):
+    import subprocess
+
+    from tests.conftest import CELERY, ROOT, _env
+
+    mod = client_app(pg, broker, module=NATIVE)
+    workers(pg, broker, module=NATIVE)
+
+    def cancelled(job_id):
+        return wait_for(lambda: mod.leases.get(job_id).status is Status.CANCELLED, timeout=30, what=f"{job_id} to be cancelled")
+
+    # Pending (delayed: its wakeup is not even sent yet), revoked from Celery's CLI.
+    later = mod.inc.submit({"n": 1}, run_after=600)
+    subprocess.run([CELERY, "-A", NATIVE, "control", "revoke", later.id], env=_env(pg, broker), cwd=ROOT, check=True, timeout=60)
+    cancelled(later.id)
+
+    # Running, cooperative: revoke without terminate stops it at its next stop point.
+    running = mod.inc.submit({"n": 1, "slow_at": 1, "dir": str(tmp_path)})
+    wait_for(lambda: (tmp_path / "inc-1-1").exists(), timeout=30, what="the running job to start")
+    mod.app.control.revoke(running.id)
+    cancelled(running.id)
+
+    # Running, not cooperative: terminate=True kills the process running it.
+    stuck = mod.sleepy.submit({"sleep": 60, "marker_dir": str(tmp_path)})
+    wait_for(lambda: (tmp_path / f"sleepy-{stuck.id}-1").exists(), timeout=30, what="the sleepy job to start")
+    mod.app.control.revoke(stuck.id, terminate=True)
+    cancelled(stuck.id)
+
+    # A later wakeup for a revoked job is discarded and changes nothing; the worker goes on.
+    mod.app.send_task(stuck.task, task_id=stuck.id)
+    ok = mod.echo.submit({"value": 1})
+    assert mod.leases.wait(ok.id, 30).status is Status.SUCCEEDED
+    for job in (later, running, stuck):
+        assert mod.leases.get(job.id).status is Status.CANCELLED
+    assert _effects(pg) == []  # neither revoked handler committed anything
+    assert mod.leases.get(running.id).attempt == 1 and mod.leases.get(later.id).attempt == 0
+
+
+# --- events (what Flower reads) ---------------------------------------------------------------
+
+
+def test_event_receiver_sees_revoked_jobs_retries_and_payloads(pg, broker, client_app, tmp_path):
+    import threading
+
+    from tests.conftest import Worker
+
+    mod = client_app(pg, broker, module=NATIVE)
+    worker = Worker("ev", pg, broker, tmp_path, module=NATIVE)
+    worker.args.append("-E")  # task events from the command line, not from app.conf
+    captured: list[dict] = []
+    conn = mod.app.connection_for_read()
+    receiver = mod.app.events.Receiver(conn, handlers={"*": captured.append})
+    thread = threading.Thread(target=lambda: receiver.capture(limit=None, timeout=None, wakeup=False), daemon=True)
+    thread.start()
+    try:
+        worker.start()
+
+        def events_of(job_id: str, kind: str | None = None) -> list[dict]:
+            return [e for e in list(captured) if e.get("uuid") == job_id and (kind is None or e["type"] == kind)]
+
+        warm = mod.echo.submit({"value": 0})  # the receiver is listening once it sees this one
+        wait_for(lambda: events_of(warm.id, "task-succeeded"), timeout=30, what="the receiver to get events")
+
+        # A running job cancelled: task-revoked, and no task-succeeded after it.
+        running = mod.inc.submit({"n": 1, "slow_at": 1, "dir": str(tmp_path)})
+        wait_for(lambda: (tmp_path / "inc-1-1").exists(), timeout=30, what="the job to start")
+        mod.leases.cancel(running.id)
+        wait_for(lambda: events_of(running.id, "task-revoked"), timeout=30, what="task-revoked for the running job")
+
+        # A pending job cancelled, then its wakeup delivered: task-revoked too.
+        pending = mod.echo.submit({"value": 1}, run_after=600)
+        mod.leases.cancel(pending.id)
+        mod.app.send_task(pending.task, task_id=pending.id)
+        wait_for(lambda: events_of(pending.id, "task-revoked"), timeout=30, what="task-revoked for the pending job")
+
+        # A retried job: its second attempt's task-started carries retries=1, the payload
+        # and the attempt.
+        flaky = mod.flaky.submit({"ok_at": 2})
+
+        def second_attempt():
+            mod.leases.sweep()
+            return [e for e in events_of(flaky.id, "task-started") if e.get("retries") == 1]
+
+        started = wait_for(second_attempt, timeout=60, interval=0.3, what="the second attempt's task-started")
+        assert "'ok_at': 2" in started[0]["args"] and "'attempt': 2" in started[0]["kwargs"]
+        wait_for(lambda: events_of(flaky.id, "task-succeeded"), timeout=30, what="the retried job to succeed")
+        assert not events_of(running.id, "task-succeeded") and not events_of(pending.id, "task-succeeded")
+        assert mod.leases.get(running.id).status is Status.CANCELLED
+    finally:
+        receiver.should_stop = True
+        worker.kill()
+        thread.join(timeout=10)
+        conn.release()
