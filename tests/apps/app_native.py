@@ -7,8 +7,8 @@ import os
 import time
 
 from celery_lease import Failure, JobContext
-from tests.apps.app import *  # noqa: F403 - the app, leases and the shared handlers
 from tests.apps.app import app, effects, leases
+from tests.apps.app_durable import *  # noqa: F403 - the app, leases and the shared handlers
 
 
 def _touch(directory: str | None, name: str) -> None:

@@ -7,6 +7,7 @@ import logging
 import sys
 
 import pytest
+import sqlalchemy as sa
 
 # --- beat entries survive the project's configuration -------------------------------------
 
@@ -164,3 +165,120 @@ def test_an_app_with_its_own_result_backend_keeps_it_and_leased_tasks_read_rows(
     assert mod.inc.AsyncResult(done).get(timeout=5) == {"n": 2}
     assert mod.leases.AsyncResult(done).state == "SUCCESS"
     assert mod.inc.delay({"n": 1}).state == "PENDING"
+
+
+# --- eager mode and celery_lease.testing ------------------------------------------------------
+
+
+@pytest.fixture
+def eager_app(sqlite_url, broker, client_app):
+    """tests.apps.app_native in eager mode on SQLite, its broker a real (private) Redis
+    that the tests check stays empty."""
+    return client_app(sqlite_url, broker, module="tests.apps.app_native", conf={"task_always_eager": True})
+
+
+def _broker_is_empty(broker_url: str) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(broker_url)
+    try:
+        return client.dbsize() == 0
+    finally:
+        client.close()
+
+
+def test_eager_mode_runs_handlers_in_process_with_the_lifecycle_rules(eager_app, broker, sqlite_url):
+    from celery import chain
+
+    from celery_lease import Status
+    from celery_lease.errors import JobFailed
+
+    mod = eager_app
+    result = mod.inc.delay({"n": 1})
+    assert result.state == "SUCCESS" and result.get() == {"n": 2}
+    assert result.job.attempt == 1
+    # Retries run at once (no backoff), to the end.
+    retried = mod.flaky.apply_async(({"ok_at": 3},))
+    assert retried.get() == {"ok_at": 3} and retried.job.attempt == 3
+    exhausted = mod.flaky.apply(({},))
+    assert exhausted.state == "FAILURE" and exhausted.job.error == "internal error" and exhausted.job.attempt == 3
+    with pytest.raises(JobFailed, match="bad input"):
+        mod.flaky.delay({"failure": "bad input"}).get()
+    # A direct call returns the finished Job.
+    job = mod.inc({"n": 5})
+    assert job.status is Status.SUCCEEDED and job.result == {"n": 6}
+    # A retry sees the checkpoint of the attempt before it.
+    assert mod.ckpt.delay({"mode": "retry"}).get() == {"seen": {"from": 1}, "attempt": 2}
+    # Children and chain steps run here too.
+    parent = mod.parent({"children": [1, 2]})
+    kids = mod.leases.store.list_jobs(kind="echo")
+    assert parent.status is Status.SUCCEEDED and sorted(k.result["echo"] for k in kids) == [1, 2]
+    assert all(k.status is Status.SUCCEEDED for k in kids)
+    assert chain(mod.inc.s({"n": 1}), mod.plain_bump.s(), mod.inc.s()).apply_async().get()["n"] == 13
+    linked = mod.inc.apply_async(({"n": 1},), link=mod.inc.s())
+    assert [j.result for j in mod.leases.store.list_jobs(kind="inc") if j.parent_id == linked.id] == [{"n": 3}]
+    # Effects commit with each success, once: one row per succeeded inc job.
+    engine = sa.create_engine(sqlite_url)
+    with engine.connect() as conn:
+        notes = [r[0] for r in conn.exec_driver_sql("SELECT note FROM test_effects")]
+    engine.dispose()
+    assert len(notes) == len(mod.leases.store.list_jobs(kind="inc", status="succeeded"))
+    assert _broker_is_empty(broker)  # nothing was published
+
+
+def test_testing_plugin_beside_celerys_pytest_fixtures(pg, broker, tmp_path):
+    """A project's conftest enables celery_lease.testing and celery.contrib.pytest; its
+    tests run leased jobs eagerly and through Celery's in-process worker thread."""
+    import subprocess
+
+    from tests.conftest import ROOT, _env
+
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["celery_lease.testing", "celery.contrib.pytest"]\n')
+    (tmp_path / "test_project.py").write_text(
+        """
+import pytest
+from celery_lease import CeleryLease, Failure, Status
+
+
+def test_eager(lease_eager):
+    from tests.apps import app_native as project
+
+    leases = lease_eager(project.leases)
+    assert project.echo.delay({"value": 1}).get() == {"echo": 1, "attempt": 1}
+    assert project.flaky.apply(({"ok_at": 2},)).get() == {"ok_at": 2}
+    job = project.parent({"children": [7]})
+    assert job.status is Status.SUCCEEDED
+    assert [j.result["echo"] for j in leases.store.list_jobs(kind="echo") if j.parent_id == job.id] == [7]
+
+
+@pytest.fixture
+def shop(celery_app, lease_database_url):
+    leases = CeleryLease(celery_app, database_url=lease_database_url)
+
+    @leases.job(kind="double", max_attempts=2)
+    def double(ctx, payload):
+        if payload < 0:
+            raise Failure("negative")
+        return payload * 2
+
+    return leases, double
+
+
+def test_celery_worker_fixture(shop, celery_worker):
+    leases, double = shop
+    assert double.delay(21).get(timeout=20) == 42
+    job = double.submit(-1)
+    assert leases.wait(job.id, 20).error == "negative"
+"""
+    )
+    env = _env(pg, broker)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "2 passed" in proc.stdout
