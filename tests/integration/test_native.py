@@ -282,3 +282,31 @@ def test_celery_worker_fixture(shop, celery_worker):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "2 passed" in proc.stdout
+
+
+# --- packaging ---------------------------------------------------------------------------------
+
+
+def test_the_wheel_holds_only_the_package(tmp_path):
+    """`pip install celery-lease` must not install the example app as a top-level `tasks`
+    package (the most common Celery module name), and must bring Redis support for kombu."""
+    import subprocess
+    import zipfile
+
+    from tests.conftest import ROOT
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(ROOT), "-w", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("celery_lease-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"celery_lease", wheel.name.split("-py3")[0] + ".dist-info"}
+    assert "celery_lease/py.typed" in names
+    assert any(n.startswith("celery_lease/db/migrations/versions/0002") for n in names)
+    assert not any(n.startswith(("tasks/", "tests/", "bench/")) for n in names)
+    metadata = next(n for n in names if n.endswith("/METADATA"))
+    requires = [line for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines() if line.startswith("Requires-Dist")]
+    assert any(r.startswith("Requires-Dist: celery[redis]") for r in requires)
