@@ -93,6 +93,10 @@ class Job:
         object.__setattr__(self, "_owner", owner)
         return self
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled or copied Job is a plain value: the owner (engines, an app) stays here.
+        return {k: v for k, v in self.__dict__.items() if k != "_owner"}
+
     def get(self, timeout: float | None = None, propagate: bool = True, interval: float = 0.1) -> Any:
         """Wait until the job is terminal and return its result, as Celery's
         ``AsyncResult.get`` does: with ``propagate`` a failed or expired job raises

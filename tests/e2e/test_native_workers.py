@@ -182,7 +182,9 @@ def test_revoke_with_and_without_terminate_cancels_the_job_durably(pg, broker, c
 
     # Pending (delayed: its wakeup is not even sent yet), revoked from Celery's CLI.
     later = mod.inc.submit({"n": 1}, run_after=600)
-    subprocess.run([CELERY, "-A", NATIVE, "control", "revoke", later.id], env=_env(pg, broker), cwd=ROOT, check=True, timeout=60)
+    # (The CLI waits --timeout for replies; the cancelled row below is what counts.)
+    cli = [CELERY, "-A", NATIVE, "control", "revoke", "--timeout", "2", later.id]
+    subprocess.run(cli, env=_env(pg, broker), cwd=ROOT, capture_output=True, timeout=60)
     cancelled(later.id)
 
     # Running, cooperative: revoke without terminate stops it at its next stop point.
@@ -229,8 +231,17 @@ def test_event_receiver_sees_revoked_jobs_retries_and_payloads(pg, broker, clien
         def events_of(job_id: str, kind: str | None = None) -> list[dict]:
             return [e for e in list(captured) if e.get("uuid") == job_id and (kind is None or e["type"] == kind)]
 
-        warm = mod.echo.submit({"value": 0})  # the receiver is listening once it sees this one
-        wait_for(lambda: events_of(warm.id, "task-succeeded"), timeout=30, what="the receiver to get events")
+        # The receiver listens once it sees a job's events (a job submitted before its queue
+        # was bound would be missed: submit another each round until one is seen).
+        warm: list[str] = []
+
+        def listening():
+            if any(events_of(job_id, "task-succeeded") for job_id in warm):
+                return True
+            warm.append(mod.echo.submit({"value": 0}).id)
+            return False
+
+        wait_for(listening, timeout=60, interval=1.0, what="the receiver to get events")
 
         # A running job cancelled: task-revoked, and no task-succeeded after it.
         running = mod.inc.submit({"n": 1, "slow_at": 1, "dir": str(tmp_path)})
