@@ -64,8 +64,10 @@ class Producer:
         run_after = run_after_time(options.get("run_after"))
         run_id = options.get("run_id")
         parent_id = options.get("parent_id")
+        job_id = options.get("job_id")
         return {
-            "id": str(uuid.uuid4()),
+            # A Celery task id chosen in advance (task_id=, a frozen canvas) is the job id.
+            "id": str(uuid.uuid4()) if job_id is None else parse_job_id(job_id),
             "kind": spec.kind,
             "task": spec.task,
             "queue": options.get("queue") or spec.queue,
@@ -83,6 +85,7 @@ class Producer:
             "parent_id": None if parent_id is None else parse_job_id(parent_id),
             "idempotency_key": options.get("idempotency_key"),
             "tenant": options.get("tenant"),
+            "canvas": options.get("canvas"),
         }
 
     def submit_many(
@@ -92,6 +95,7 @@ class Producer:
         *,
         idempotency_keys: Iterable[str] | None = None,
         connection: sa.Connection | None = None,
+        wake: bool = True,
         **options: Any,
     ) -> list[Job]:
         serialized = [self.serialize(spec, p) for p in payloads]  # validate all first
@@ -132,7 +136,8 @@ class Producer:
         else:
             # The run, the rows and their events (or the key lookups) commit together.
             inserted, jobs = store.transaction(store.durable, write)
-        due = [j for j in inserted if j.run_after is None]
+        # wake=False: eager mode runs the job in this process; nothing goes to the broker.
+        due = [j for j in inserted if j.run_after is None] if wake else []
         if connection is None:
             self.publish_wakeups(due)
         else:

@@ -104,10 +104,18 @@ def beat_submit(self: BeatSubmitTask, name: str, key: str) -> dict[str, str]:
 class BeatJobs:
     """The periodic leased jobs of one CeleryLease, and the task that submits them."""
 
-    def __init__(self, app: Celery, registry: Registry, producer: Callable[[], Producer]) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        registry: Registry,
+        producer: Callable[[], Producer],
+        keep_entry: Callable[[str, dict], None],
+    ) -> None:
         self._app = app
         self._registry = registry
         self._producer = producer
+        #: Keeps an entry in the beat schedule across later configuration (beat/entries.py).
+        self._keep_entry = keep_entry
         self._entries: dict[str, Periodic] = {}
         app.task(
             name=BEAT_SUBMIT_TASK,
@@ -125,13 +133,11 @@ class BeatJobs:
             raise ValueError(f"periodic job {name!r} is already scheduled")
         spec = self._registry.resolve(task)
         payload = {} if payload is None else payload  # a job always has a payload
-        entry = Periodic(name, spec, _as_schedule(every, self._app), self._producer().serialize(spec, payload))
+        # Validated with the codec alone: the producer reads the app's settings, and a
+        # periodic job is usually declared at import, before the project configures the app.
+        entry = Periodic(name, spec, _as_schedule(every, self._app), spec.codec.dump_payload(payload))
         self._entries[name] = entry
-        app = self._app
-        app.conf.beat_schedule = {
-            **(app.conf.beat_schedule or {}),
-            name: {"task": BEAT_SUBMIT_TASK, "schedule": entry.schedule, "args": (name,)},
-        }
+        self._keep_entry(name, {"task": BEAT_SUBMIT_TASK, "schedule": entry.schedule, "args": (name,)})
         return entry
 
     def entry(self, name: str) -> Periodic:

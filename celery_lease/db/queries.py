@@ -29,7 +29,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
-from celery_lease.db.schema import ID, events, jobs, runs
+from celery_lease.db.schema import ID, chords, events, jobs, runs
 from celery_lease.status import TERMINAL, Event, Status
 
 # --- database time -----------------------------------------------------------------
@@ -106,6 +106,7 @@ CLAIMED_COLUMNS = (
     _c.run_id,
     _c.parent_id,
     _c.tenant,
+    _c.canvas,
 )
 #: What is needed to (re)publish a job's wakeup.
 WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
@@ -594,3 +595,51 @@ def append_events() -> sa.Insert:
 
 def event_row(run_id: str, job_id: str, event: Event, attempt: int, detail: str | None = None):
     return {"run_id": run_id, "job_id": job_id, "event": event.value, "attempt": attempt, "detail": detail}
+
+
+# --- canvas (celery_lease/canvas.py) ---------------------------------------------------
+
+
+def insert_chord(dialect: str) -> sa.Insert:
+    """insert_chord: a chord's counter, before its header jobs exist. A second insert of
+    the same group (the client re-applying a frozen chord) changes nothing."""
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    return (
+        insert(chords)
+        .values(
+            id=sa.bindparam("group_id"),
+            remaining=sa.bindparam("remaining"),
+            members=sa.bindparam("members", type_=chords.c.members.type),
+            body=sa.bindparam("body", type_=chords.c.body.type),
+            created_at=db_now(),
+        )
+        .on_conflict_do_nothing(index_elements=[chords.c.id])
+    )
+
+
+@functools.cache
+def count_down_chord() -> sa.Update:
+    """count_down_chord: one header job succeeded. Runs in that job's success transaction;
+    on PostgreSQL the row lock orders concurrent members, so exactly one sees 0."""
+    return (
+        sa.update(chords)
+        .where(chords.c.id == sa.bindparam("group_id"), chords.c.remaining > 0)
+        .values(remaining=chords.c.remaining - 1)
+        .returning(chords.c.remaining, chords.c.members, chords.c.body)
+    )
+
+
+@functools.cache
+def delete_chord() -> Any:
+    """delete_chord: the body was created, or a header job failed (its errbacks fire once)."""
+    return sa.delete(chords).where(chords.c.id == sa.bindparam("group_id")).returning(chords.c.body)
+
+
+def job_results(ids: Sequence[str]) -> sa.Select:
+    return sa.select(_c.id, _c.result).where(_c.id.in_(ids))
+
+
+@functools.cache
+def make_due() -> sa.Update:
+    """make_due: a pending job may be claimed now (eager mode runs retries at once)."""
+    return sa.update(jobs).where(_c.id == sa.bindparam("job_id"), _c.status == Status.PENDING.value).values(run_after=None)

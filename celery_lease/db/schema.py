@@ -67,6 +67,9 @@ jobs = sa.Table(
     sa.Column("updated_at", TS, nullable=False),
     sa.Column("started_at", TS),
     sa.Column("finished_at", TS),
+    # What Celery's canvas asked of this job (celery_lease/canvas.py): the rest of its
+    # chain, link / link_error signatures, its chord, priority. NULL for a plain submit.
+    sa.Column("canvas", JSON),
     sa.CheckConstraint(_in("status", Status), name="celery_lease_jobs_status_check"),
     sa.CheckConstraint("attempt >= 0 AND max_attempts >= 1", name="celery_lease_jobs_attempts_check"),
 )
@@ -118,3 +121,16 @@ events = sa.Table(
 )
 sa.Index("celery_lease_events_run", events.c.run_id, events.c.id)
 sa.Index("celery_lease_events_job", events.c.job_id)
+
+chords = sa.Table(
+    "celery_lease_chords",
+    metadata,
+    # The chord's group id (Celery's), created before its header jobs.
+    sa.Column("id", ID, primary_key=True),
+    # Header jobs still to succeed; the success that takes it to 0 creates the body,
+    # in the same transaction, so the body is created once.
+    sa.Column("remaining", sa.Integer, nullable=False),
+    sa.Column("members", JSON, nullable=False),  # header job ids, in header order
+    sa.Column("body", JSON, nullable=False),  # the body's signature
+    sa.Column("created_at", TS, nullable=False),
+)

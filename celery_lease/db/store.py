@@ -211,3 +211,27 @@ class Store(Database):
             return conn.execute(q.delete_jobs(ids)).rowcount
 
         return self.transaction(self.durable, work)
+
+    # --- canvas ----------------------------------------------------------------------
+
+    def create_chord(self, group_id: str, members: list[str], body: Any) -> None:
+        stmt = q.insert_chord(self.dialect)
+        params = {"group_id": group_id, "remaining": len(members), "members": members, "body": body}
+        self.transaction(self.durable, lambda c: c.execute(stmt, params))
+
+    def count_down_chord(self, conn: Connection, group_id: str) -> dict[str, Any] | None:
+        """In a member's success transaction: the chord row after this member, or None
+        when the chord is gone (failed) or already complete."""
+        row = conn.execute(q.count_down_chord(), {"group_id": group_id}).mappings().first()
+        return None if row is None else dict(row)
+
+    def delete_chord(self, conn: Connection, group_id: str) -> Any:
+        """Remove a chord; its body's signature, or None when it was already removed."""
+        row = conn.execute(q.delete_chord(), {"group_id": group_id}).first()
+        return None if row is None else row[0]
+
+    def job_results(self, conn: Connection, ids: Sequence[str]) -> dict[str, Any]:
+        return {str(r[0]): r[1] for r in conn.execute(q.job_results(ids))}
+
+    def make_due(self, job_id: str) -> None:
+        self.guarded(q.make_due(), {"job_id": job_id})

@@ -26,6 +26,7 @@ from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
+    from celery_lease.canvas import Canvas
     from celery_lease.db.store import Store
     from celery_lease.kinds import JobKind, Registry
     from celery_lease.producer import Producer
@@ -57,8 +58,22 @@ class Outcome(enum.Enum):
 class WorkerState:
     """Per-process worker side of celery-lease."""
 
-    def __init__(self, store: Store, producer: Producer, registry: Registry, settings: Settings, broker_url: str | None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        producer: Producer,
+        registry: Registry,
+        settings: Settings,
+        broker_url: str | None,
+        *,
+        canvas: Canvas | None = None,
+        eager: bool = False,
+    ) -> None:
         self.store = store
+        #: Chains, callbacks and chords stored in job rows (celery_lease/canvas.py).
+        self.canvas = canvas
+        #: In-process (eager) runs apply plain follow-ups in-process too.
+        self.eager = eager
         self.producer = producer
         self.registry = registry
         self.settings = settings
@@ -137,7 +152,9 @@ class WorkerState:
         try:
             if status is Outcome.SUCCEEDED:
                 try:
-                    return self._succeed(ctx, attempt, value)
+                    stored = self._succeed(ctx, attempt, value)
+                    attempt.outcome = Outcome.SUCCEEDED
+                    return stored
                 except (LeaseLost, DatabaseUnavailable):
                     raise
                 except Exception:
@@ -151,6 +168,7 @@ class WorkerState:
                         attempt.attempt,
                     )
                     status = Outcome.ERROR
+            attempt.outcome = status
             if status is Outcome.SUSPENDED:
                 self._hand_off(attempt)
             elif status is Outcome.CANCELLED:
@@ -164,6 +182,7 @@ class WorkerState:
                 self._fail(attempt, error)
                 signal = JobFailed(error)
         except LeaseLost:
+            attempt.outcome = None
             log.warning("celery-lease: job %s: lease lost; %s outcome discarded", attempt.job_id, status.value)
             return None
         if signal is not None:
@@ -172,7 +191,8 @@ class WorkerState:
 
     def _succeed(self, ctx: JobContext, attempt: Attempt, result: Any) -> Any:
         staged = ctx.staged
-        if self.completer is not None and not (staged.effects or staged.children or attempt.run_id):
+        followup = self.canvas.after_success(attempt, result, eager=self.eager) if self.canvas and attempt.canvas else None
+        if self.completer is not None and not (staged.effects or staged.children or attempt.run_id or followup):
             self.completer.add(attempt, result, ctx.pending_progress)
             return result
         children_rows = [self.producer.job_row(child, payload, options) for child, payload, options in staged.children]
@@ -201,22 +221,35 @@ class WorkerState:
             # keyed: a child submitted with an idempotency key that already exists is that
             # job, as with submit; only the children actually inserted are returned.
             children = self.store.insert_jobs(rows, keyed=True, connection=conn) if rows else []
+            if followup is not None:  # the next chain step, callbacks, a chord's body
+                children += followup.write(conn)
             self.store.log_events(
                 conn, [(attempt, Event.SUCCEEDED, None)] + [(c, Event.DISPATCHED, f"child of {attempt.job_id}") for c in children]
             )
             return children
 
-        alone = not (staged.effects or children_rows or attempt.run_id)  # SQLite: nothing to batch
+        alone = not (staged.effects or children_rows or attempt.run_id or followup)  # SQLite: nothing to batch
         children = self.store.transaction(self.store.engine(fast=True, single=alone), work)
         self.producer.publish_wakeups(children)
+        if followup is not None:
+            followup.send()
         return result
 
     def _fail(self, attempt: Attempt, error: str) -> None:
+        followup = self.canvas.after_failure(attempt, error, eager=self.eager) if self.canvas and attempt.canvas else None
+
         def work(conn):
             attempt.fenced(self.store, conn, q.fail_job(), new_error=error)
-            self.store.log_events(conn, [(attempt, Event.FAILED, error)])
+            created = followup.write(conn) if followup is not None else []  # link_error jobs
+            self.store.log_events(
+                conn, [(attempt, Event.FAILED, error)] + [(c, Event.DISPATCHED, f"errback of {attempt.job_id}") for c in created]
+            )
+            return created
 
-        self.store.transaction(self.store.fast, work)
+        created = self.store.transaction(self.store.fast, work)
+        if followup is not None:
+            self.producer.publish_wakeups(created)
+            followup.send()
 
     def _retry(self, attempt: Attempt, delay: float) -> None:
         def work(conn):
