@@ -17,7 +17,7 @@ from celery.exceptions import Retry
 
 from celery_lease.db import queries as q
 from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSuspended, LeaseLost
-from celery_lease.payload import cap_error
+from celery_lease.payload import UnstorableValue, cap_error
 from celery_lease.status import Event
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import Attempt, owner_of
@@ -105,6 +105,7 @@ class WorkerState:
             heartbeat=self.heartbeat,
             max_checkpoint_bytes=self.settings.max_checkpoint_bytes,
             on_progress=on_progress,
+            max_progress_bytes=self.settings.max_progress_bytes,
         )
 
     def execute(self, spec: JobKind, attempt: Attempt, on_progress: Callable[[Any], None] | None = None) -> Any:
@@ -121,9 +122,16 @@ class WorkerState:
             # internal error (logged with the job id), it does not escape the lease.
             ctx = self.context(attempt, on_progress)
             result = spec.fn(ctx, spec.codec.load_payload(attempt.payload))
-            outcome = (Outcome.SUCCEEDED, spec.codec.dump_result(result))
+            # A result the table cannot hold (not JSON, over its cap, NUL, lone
+            # surrogate) is refused here, before it joins a batch of successes.
+            outcome = (Outcome.SUCCEEDED, spec.codec.dump_result(result, self.settings.max_result_bytes))
         except Failure as exc:
             outcome = (Outcome.FAILED, cap_error(exc.message))
+        except UnstorableValue as exc:
+            # Retrying cannot make the value storable: failed at once, with our own
+            # message (it names the value and the reason, never quotes the value).
+            log.warning("celery-lease: job %s (%s) attempt %d: %s", attempt.job_id, spec.kind, attempt.attempt, exc)
+            outcome = (Outcome.FAILED, cap_error(str(exc)))
         except JobSuspended:
             outcome = (Outcome.SUSPENDED, None)
         except JobCancelled:
