@@ -272,11 +272,16 @@ def claim_job() -> sa.Update:
     attempt + 1 and lease_generation + 1 in the same statement: the generation
     returned is this attempt's fencing token. A job that is running elsewhere,
     terminal, or not due yet matches nothing: the delivery is a duplicate.
+
+    Guarded by the job's own task too: a wakeup is untrusted input, and a message for
+    kind B's task carrying kind A's job id must claim nothing (it would run B's
+    handler on A's payload).
     """
     return (
         sa.update(jobs)
         .where(
             _c.id == sa.bindparam("job_id"),
+            _c.task == sa.bindparam("wakeup_task", type_=_c.task.type),
             _c.status == Status.PENDING.value,
             sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
         )

@@ -105,10 +105,11 @@ class Store(Database):
 
     # --- lease life ------------------------------------------------------------------
 
-    def claim(self, job_id: str, owner: str) -> dict[str, Any] | None:
-        """Claim a job for one attempt; None when the delivery is a duplicate."""
+    def claim(self, job_id: str, owner: str, task: str) -> dict[str, Any] | None:
+        """Claim a job for one attempt; None when the delivery is a duplicate, or
+        names a job of another task than the one it was delivered to."""
 
-        params = {"job_id": job_id, "owner": owner}
+        params = {"job_id": job_id, "owner": owner, "wakeup_task": task}
         if self._prepared is not None:
             rows = self.execute_prepared(self._prepared["claim"], params)
             return rows[0] if rows else None

@@ -76,7 +76,7 @@ class WorkerState:
             # sweeper's staleness threshold.
             self.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
             return None
-        row = self.store.claim(job_id, owner_of(hostname))
+        row = self.store.claim(job_id, owner_of(hostname), spec.task)
         if row is None:
             log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
             return None

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Task
 
-from celery_lease.job import Job
+from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 
 if TYPE_CHECKING:
@@ -140,15 +140,36 @@ class LeaseTask(Task):
 
     # --- worker side -------------------------------------------------------------------
 
+    def wakeup_refusal(self) -> str | None:
+        """Why the current delivery is not a wakeup celery-lease sent, or None.
+
+        A wakeup is untrusted input (anything that can write to the broker can send
+        one), so it is checked before the claim: a malformed one claims nothing, runs
+        nothing and spends no attempt. Whether the job belongs to this task is
+        checked by the claim itself (it matches the job's task).
+        """
+        request = self.request
+        if request.args or request.kwargs:
+            return "it carries arguments (a wakeup has none: the job row holds the payload)"
+        try:
+            parse_job_id(request.id)
+        except ValueError:
+            return "its task id is not a job id"
+        return None
+
     def emit_progress(self, progress: Any) -> None:
         """Send progress as a Celery event so Flower's event stream carries it."""
         if self.app.conf.worker_send_task_events:
             self.send_event("task-progress", progress=progress)
 
 
-def run_leased(self: LeaseTask) -> Any:
-    """The body of every LeaseTask: run the attempt task_prerun claimed, if any."""
+def run_leased(self: LeaseTask, *_args: Any, **_kwargs: Any) -> Any:
+    """The body of every LeaseTask: run the attempt task_prerun claimed, if any.
+
+    It accepts (and ignores) arguments so that a malformed wakeup, already refused by
+    task_prerun, is acknowledged here rather than failing inside Celery's call.
+    """
     attempt = getattr(self.request, "lease_attempt", None)
     if attempt is None:
-        return None  # duplicate, terminal or not-yet-due delivery: acknowledged, no body
+        return None  # duplicate, terminal, not-yet-due or refused delivery: acknowledged, no body
     return self.worker_state().execute(self.spec, attempt, self.emit_progress)
