@@ -57,12 +57,20 @@ class Outcome(enum.Enum):
 class WorkerState:
     """Per-process worker side of celery-lease."""
 
-    def __init__(self, store: Store, producer: Producer, registry: Registry, settings: Settings, broker_url: str | None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        producer: Producer,
+        registry: Registry,
+        settings: Settings,
+        broker_url: str | None,
+        notice_channel: str | None = None,
+    ) -> None:
         self.store = store
         self.producer = producer
         self.registry = registry
         self.settings = settings
-        self.heartbeat = Heartbeat(store, broker_url)
+        self.heartbeat = Heartbeat(store, broker_url, notice_channel)
         #: Batches plain successes on PostgreSQL, where each statement is a round trip.
         self.completer = Completer(store) if store.dialect == "postgresql" else None
 
