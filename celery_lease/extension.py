@@ -111,8 +111,15 @@ class CeleryLease:
     def worker(self) -> WorkerState:
         """This process's worker side (heartbeat thread, attempts); made after fork."""
         if self._worker is None or self._worker_pid != os.getpid():
+            broker = self.app.conf.broker_url
             self._worker = WorkerState(
-                self.store, self.producer, self.registry, self.settings, self.app.conf.broker_url, canvas=self.canvas
+                self.store,
+                self.producer,
+                self.registry,
+                self.settings,
+                broker,
+                cancel_notice.channel(broker, self.app.main),
+                canvas=self.canvas,
             )
             self._worker_pid = os.getpid()
         return self._worker
@@ -246,7 +253,8 @@ class CeleryLease:
         # Best-effort: the table already says cancelled; heartbeats enforce it.
         if job_ids:
             log.info("celery-lease: cancelled %d job(s)", len(job_ids))
-            cancel_notice.publish(self.app.conf.broker_url, job_ids)
+            broker = self.app.conf.broker_url
+            cancel_notice.publish(broker, job_ids, cancel_notice.channel(broker, self.app.main))
 
     def run_events(self, run_id: str, **kw) -> list[dict]:
         return self.store.run_events(parse_job_id(run_id), **kw)

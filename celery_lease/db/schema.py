@@ -96,6 +96,9 @@ sa.Index(
 )
 sa.Index("celery_lease_jobs_run", jobs.c.run_id, **_partial("run_id IS NOT NULL"))
 sa.Index("celery_lease_jobs_created", jobs.c.created_at, jobs.c.id)
+# A tenant token's pages (newest first, keyset on created_at, id) walk this in order,
+# whatever other tenants hold; untenanted jobs stay out of it (migration 0002).
+sa.Index("celery_lease_jobs_tenant", jobs.c.tenant, jobs.c.created_at, jobs.c.id, **_partial("tenant IS NOT NULL"))
 
 runs = sa.Table(
     "celery_lease_runs",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -26,6 +27,17 @@ def _event_source(job: Any) -> tuple[Any, Any, int]:
     if isinstance(job, Mapping):
         return job["run_id"], job["id"], job["attempt"]
     return job.run_id, getattr(job, "job_id", None) or job.id, job.attempt
+
+
+def _view(row: Mapping[Any, Any]) -> dict[str, Any]:
+    """An API view row: ids as strings, times as aware UTC (SQLite returns them naive)."""
+    out = dict(row)
+    for key, value in out.items():
+        if isinstance(value, datetime) and value.tzinfo is None:
+            out[key] = value.replace(tzinfo=timezone.utc)
+        elif key.endswith("id") and value is not None:
+            out[key] = str(value)
+    return out
 
 
 class Store(Database):
@@ -87,6 +99,27 @@ class Store(Database):
     def list_jobs(self, **filters) -> list[Job]:
         return self.transaction(self.durable, lambda c: [Job.from_row(r) for r in c.execute(q.list_jobs(**filters)).mappings()])
 
+    def get_view(self, job_id: str, *, tenant: str | None = None) -> dict[str, Any] | None:
+        """The API columns of one job (of ``tenant``, when given), or None."""
+
+        def work(conn):
+            row = conn.execute(q.get_job_view(job_id, tenant=tenant)).mappings().first()
+            return None if row is None else _view(row)
+
+        return self.transaction(self.durable, work)
+
+    def list_views(self, **filters) -> list[dict[str, Any]]:
+        """list_jobs, reading only the API columns."""
+        return self.transaction(self.durable, lambda c: [_view(r) for r in c.execute(q.list_job_views(**filters)).mappings()])
+
+    def run_visible(self, run_id: str, *, tenant: str | None = None) -> bool:
+        return self.transaction(self.durable, lambda c: c.execute(q.run_visible(run_id, tenant=tenant)).first() is not None)
+
+    def tenant_run_events(self, run_id: str, tenant: str, *, after_seq: int = 0, limit: int = 1000) -> list[dict]:
+        """A tenant's events of a run, each with its ``seq`` among them (see queries)."""
+        stmt = q.list_tenant_run_events(run_id, tenant, after_seq=after_seq, limit=limit)
+        return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt).mappings()])
+
     def run_events(self, run_id: str, *, after_id: int = 0, limit: int = 1000, tenant: str | None = None) -> list[dict]:
         stmt = q.list_run_events(run_id, after_id=after_id, limit=limit, tenant=tenant)
         return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt).mappings()])
@@ -105,10 +138,11 @@ class Store(Database):
 
     # --- lease life ------------------------------------------------------------------
 
-    def claim(self, job_id: str, owner: str) -> dict[str, Any] | None:
-        """Claim a job for one attempt; None when the delivery is a duplicate."""
+    def claim(self, job_id: str, owner: str, task: str) -> dict[str, Any] | None:
+        """Claim a job for one attempt; None when the delivery is a duplicate, or
+        names a job of another task than the one it was delivered to."""
 
-        params = {"job_id": job_id, "owner": owner}
+        params = {"job_id": job_id, "owner": owner, "wakeup_task": task}
         if self._prepared is not None:
             rows = self.execute_prepared(self._prepared["claim"], params)
             return rows[0] if rows else None

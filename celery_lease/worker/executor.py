@@ -17,7 +17,7 @@ from celery.exceptions import Retry
 
 from celery_lease.db import queries as q
 from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSuspended, LeaseLost
-from celery_lease.payload import cap_error
+from celery_lease.payload import UnstorableValue, cap_error
 from celery_lease.status import Event
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import Attempt, owner_of
@@ -65,6 +65,7 @@ class WorkerState:
         registry: Registry,
         settings: Settings,
         broker_url: str | None,
+        notice_channel: str | None = None,
         *,
         canvas: Canvas | None = None,
         eager: bool = False,
@@ -77,7 +78,7 @@ class WorkerState:
         self.producer = producer
         self.registry = registry
         self.settings = settings
-        self.heartbeat = Heartbeat(store, broker_url)
+        self.heartbeat = Heartbeat(store, broker_url, notice_channel)
         #: Batches plain successes on PostgreSQL, where each statement is a round trip.
         self.completer = Completer(store) if store.dialect == "postgresql" else None
 
@@ -91,7 +92,7 @@ class WorkerState:
             # sweeper's staleness threshold.
             self.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
             return None
-        row = self.store.claim(job_id, owner_of(hostname))
+        row = self.store.claim(job_id, owner_of(hostname), spec.task)
         if row is None:
             log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
             return None
@@ -120,6 +121,7 @@ class WorkerState:
             heartbeat=self.heartbeat,
             max_checkpoint_bytes=self.settings.max_checkpoint_bytes,
             on_progress=on_progress,
+            max_progress_bytes=self.settings.max_progress_bytes,
         )
 
     def execute(self, spec: JobKind, attempt: Attempt, on_progress: Callable[[Any], None] | None = None) -> Any:
@@ -136,9 +138,16 @@ class WorkerState:
             # internal error (logged with the job id), it does not escape the lease.
             ctx = self.context(attempt, on_progress)
             result = spec.fn(ctx, spec.codec.load_payload(attempt.payload))
-            outcome = (Outcome.SUCCEEDED, spec.codec.dump_result(result))
+            # A result the table cannot hold (not JSON, over its cap, NUL, lone
+            # surrogate) is refused here, before it joins a batch of successes.
+            outcome = (Outcome.SUCCEEDED, spec.codec.dump_result(result, self.settings.max_result_bytes))
         except Failure as exc:
             outcome = (Outcome.FAILED, cap_error(exc.message))
+        except UnstorableValue as exc:
+            # Retrying cannot make the value storable: failed at once, with our own
+            # message (it names the value and the reason, never quotes the value).
+            log.warning("celery-lease: job %s (%s) attempt %d: %s", attempt.job_id, spec.kind, attempt.attempt, exc)
+            outcome = (Outcome.FAILED, cap_error(str(exc)))
         except JobSuspended:
             outcome = (Outcome.SUSPENDED, None)
         except JobCancelled:

@@ -72,6 +72,10 @@ def connect(
         if ours(task):
             request = task.request
             request.lease_attempt = None  # stays None if the claim raises
+            refusal = task.wakeup_refusal()
+            if refusal is not None:
+                log.warning("celery-lease: delivery %.64r of %s refused before the claim: %s", request.id, task.name, refusal)
+                return
             queue = (request.delivery_info or {}).get("routing_key")
             request.lease_attempt = worker_state().begin(request.id, task.spec, request.hostname, queue)
 

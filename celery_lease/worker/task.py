@@ -320,6 +320,27 @@ class LeaseTask(Task):
 
     # --- worker side -------------------------------------------------------------------
 
+    def wakeup_refusal(self) -> str | None:
+        """Why the current delivery is not a wakeup celery-lease sent, or None.
+
+        A wakeup is untrusted input (anything that can write to the broker can send
+        one), so it is checked before the claim: a malformed one claims nothing, runs
+        nothing and spends no attempt. Whether the job belongs to this task is
+        checked by the claim itself (it matches the job's task).
+        """
+        request = self.request
+        if request.args or request.kwargs:
+            return "it carries arguments (a wakeup has none: the job row holds the payload)"
+        if request.callbacks or request.errbacks or request.chain or request.chord:
+            # Celery would apply these with the job's result: a forged wakeup could send
+            # one job's result to any task. A leased job's canvas lives in its row.
+            return "it carries callbacks (a leased job's chain and links live in its row)"
+        try:
+            parse_job_id(request.id)
+        except ValueError:
+            return "its task id is not a job id"
+        return None
+
     def emit_progress(self, progress: Any) -> None:
         """Send progress as a Celery event so Flower's event stream carries it."""
         if events.enabled(self):
