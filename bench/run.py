@@ -1,4 +1,4 @@
-"""The side-by-side run: every system, both bodies, interleaved repetitions.
+"""The side-by-side run: every system, every body, interleaved repetitions.
 
 One cell = one system, one body, one repetition, with the worker started once:
 
@@ -7,7 +7,9 @@ One cell = one system, one body, one repetition, with the worker started once:
    between and after, with every connection closed so the counters are exact;
 2. start the worker: it drains the 2N backlog. Drain throughput = 2N / (last end -
    first start) over the completed jobs' own timestamps, so worker start-up is not
-   counted;
+   counted. CPU per job by process (bench/cpu.py) over the drain: Celery-based workers
+   start held and are released once warm, the others are measured from their ready
+   marker, so start-up is not counted there either;
 3. worker warm and idle: submit N jobs one at a time from the bench while it runs.
    End-to-end throughput = N / (last end - first submit); claim-to-complete latency
    p50/p99 over these N;
@@ -24,21 +26,37 @@ divided by the 3N jobs it ran.
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from bench import harness
-from bench.apps import counting
+from bench.apps import BODIES, SLEEP_SECONDS, counting
+from bench.cpu import CpuMeter, per_job_us
 from bench.systems import Lease, System
-
-BODIES = ("noop", "sleep10")
 
 
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     k = min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))
     return ordered[k]
+
+
+def dump_stacks(pids: list[int]) -> str:
+    """py-spy dumps of the given processes (all threads), for a cell that timed out."""
+    pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    out = []
+    for pid in pids:
+        try:
+            done = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+            out.append(done.stdout or done.stderr)
+        except (OSError, subprocess.SubprocessError) as exc:
+            out.append(f"{pid}: no dump ({exc!r})")
+    return "\n".join(out)
 
 
 class Cell:
@@ -55,7 +73,7 @@ class Cell:
         return self.dbs.transactions(s.db)
 
     def _wait_completed(self, target: int) -> None:
-        timeout = 120 + target * (0.05 if self.body == "sleep10" else 0.01)
+        timeout = 120 + target * (0.01 + 5 * SLEEP_SECONDS[self.body])
         harness.wait_for(
             lambda: self.system.completed(self.out) >= target,
             timeout=timeout,
@@ -89,10 +107,15 @@ class Cell:
         x2 = self._xacts()
         polls0 = s.polls
 
-        worker = harness.WorkerProcess(s.worker_args(), s.env(self.broker.url, self.out), self.out)
+        worker = harness.WorkerProcess(s.worker_args(hold=s.holdable), s.env(self.broker.url, self.out), self.out)
         try:
             worker.start()
+            meter = CpuMeter(worker, s, self.broker.proc.pid)
+            meter.start()
+            if s.holdable:
+                s.release()
             self._wait_completed(2 * n)
+            r["cpu_us"] = per_job_us(meter.stop(), 2 * n)
             drained = s.records(self.out)
             first_start = min(start for start, _ in drained)
             last_end = max(end for _, end in drained)
@@ -108,6 +131,11 @@ class Cell:
             latencies = [(b - a) * 1000 for a, b in e2e]
             r["latency_p50_ms"] = percentile(latencies, 50)
             r["latency_p99_ms"] = percentile(latencies, 99)
+        except Exception:
+            # BENCH_DUMP_STACKS=1: where every worker process is, before it is stopped.
+            if os.environ.get("BENCH_DUMP_STACKS") and worker.proc is not None:
+                self.log(dump_stacks([worker.proc.pid, *worker.children()]))
+            raise
         finally:
             worker.stop()
         r["peak_rss_mb"] = worker.peak_rss / 2**20
@@ -135,7 +163,8 @@ METRICS = ("submit_rate", "submit_many_rate", "e2e_rate", "drain_rate", "latency
 
 
 def add_ratios(cells: list[dict]) -> None:
-    """Each figure's ratio to plain Celery's from the same repetition and body."""
+    """Each figure's ratio to (or difference from) plain Celery's in the same repetition
+    and body: medians of these, not ratios of medians, are what the report shows."""
     base = {(c["rep"], c["body"]): c for c in cells if c["system"] == "celery"}
     for c in cells:
         ref = base.get((c["rep"], c["body"]))
@@ -143,6 +172,8 @@ def add_ratios(cells: list[dict]) -> None:
             continue
         c["ratio"] = {m: c[m] / ref[m] for m in METRICS if c.get(m) and ref.get(m)}
         c["rss_delta_mb"] = c["peak_rss_mb"] - ref["peak_rss_mb"]
+        if "cpu_us" in c and "cpu_us" in ref:
+            c["cpu_delta_us"] = c["cpu_us"]["total"] - ref["cpu_us"]["total"]
 
 
 def summarize(cells: list[dict]) -> list[dict]:
@@ -161,6 +192,8 @@ def summarize(cells: list[dict]) -> list[dict]:
                 row[f"{key}_range"] = [min(values), max(values)]
         if "ratio" in group[0]:
             row["ratio"] = {m: statistics.median(c["ratio"][m] for c in group if m in c["ratio"]) for m in group[0]["ratio"]}
+        if all("cpu_us" in c for c in group):
+            row["cpu_us"] = {k: statistics.median(c["cpu_us"][k] for c in group) for k in group[0]["cpu_us"]}
         for key in ("worker_statements", "producer_statements"):
             if key in group[0]:
                 row[key] = group[-1][key]
@@ -168,23 +201,35 @@ def summarize(cells: list[dict]) -> list[dict]:
     return rows
 
 
-def run(
-    systems: list[System], *, n_noop: int, n_sleep: int, reps: int, chunk: int, workdir: Path, broker, dbs, log
-) -> list[dict]:
+def run(systems: list[System], *, sizes: dict[str, int], reps: int, chunk: int, workdir: Path, broker, dbs, log) -> list[dict]:
+    """``sizes``: N per body (bodies with N = 0 are skipped)."""
     cells = []
     for rep in range(1, reps + 1):
         for body in BODIES:
-            n = n_noop if body == "noop" else n_sleep
+            n = sizes.get(body, 0)
+            if n <= 0:
+                continue
             for system in systems:
                 out = workdir / f"{system.name}-{body}-{rep}"
                 started = time.monotonic()
-                cell = Cell(system, body, n, rep, out, broker, dbs, chunk, log).run()
+                try:
+                    cell = Cell(system, body, n, rep, out, broker, dbs, chunk, log).run()
+                except Exception:
+                    try:
+                        log(f"{system.name} {body} rep {rep}: {system.diagnose()}")
+                    except Exception as exc:  # the diagnosis must not hide the failure
+                        log(f"no diagnosis: {exc!r}")
+                    log_path = out / "worker.log"
+                    if log_path.exists():
+                        log(f"{system.name} {body} rep {rep} failed; its worker's log ends:\n{log_path.read_text()[-4000:]}")
+                    raise
                 cells.append(cell)
                 log(
                     f"rep {rep} {body:7} {system.name:13} e2e {cell['e2e_rate']:7.0f}/s  "
                     f"drain {cell['drain_rate']:7.0f}/s  submit {cell['submit_rate']:6.0f}/s  "
                     f"batch {cell['submit_many_rate']:7.0f}/s  p50 {cell['latency_p50_ms']:.2f} ms  "
-                    f"rss {cell['peak_rss_mb']:.0f} MB  ({time.monotonic() - started:.0f}s)"
+                    f"rss {cell['peak_rss_mb']:.0f} MB  cpu {cell['cpu_us']['total']:,.0f} µs/job  "
+                    f"({time.monotonic() - started:.0f}s)"
                 )
     add_ratios(cells)
     return cells

@@ -11,29 +11,31 @@ import os
 
 from celery import Celery, signals
 
-from bench.apps import body, counting, mark_ready
+from bench.apps import BODIES, body, counting, mark_ready
 from celery_lease import CeleryLease
 
 
-def make_app(db: str | None, broker: str | None):
-    """(app, leases, {body: task}) for one database; the bench makes one per system."""
+def _job(leases: CeleryLease, name: str):
+    @leases.job(kind=name, name=f"bench.lease.{name}")
+    def run(ctx, payload):
+        body(name)
+
+    return run
+
+
+def make_app(db: str | None, broker: str | None, **settings):
+    """(app, leases, {body: task}) for one database; the bench makes one per system.
+
+    ``settings`` are CeleryLease settings (e.g. ``sweep_stale_seconds`` for the scale run).
+    """
     app = Celery("bench_lease", broker=broker or "memory://")
     app.conf.update(
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         task_ignore_result=True,
     )
-    leases = CeleryLease(app, db, install_beat=False)
-
-    @leases.job(kind="noop", name="bench.lease.noop")
-    def noop(ctx, payload):
-        body("noop")
-
-    @leases.job(kind="sleep10", name="bench.lease.sleep10")
-    def sleep10(ctx, payload):
-        body("sleep10")
-
-    return app, leases, {"noop": noop, "sleep10": sleep10}
+    leases = CeleryLease(app, db, install_beat=False, **settings)
+    return app, leases, {name: _job(leases, name) for name in BODIES}
 
 
 # The worker's app (`celery -A bench.apps.lease worker`), from the environment.
