@@ -40,7 +40,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.systems import FACTORIES, SYSTEMS
+    from bench.systems import FACTORIES, PLANNED, SYSTEMS
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command")
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--systems",
             default=",".join(SYSTEMS),
-            help=f"comma-separated, plain Celery first (default {','.join(SYSTEMS)}; known: {', '.join(FACTORIES)})",
+            help=f"comma-separated, plain Celery first (default {','.join(SYSTEMS)}; known: {', '.join(FACTORIES)}; "
+            f"planned: {', '.join(PLANNED)})",
         )
         p.add_argument(
             "--scale-rows",
@@ -121,9 +122,10 @@ def scale_args(rows: int, results: Path) -> argparse.Namespace:
 def run_main(args) -> int:
     from bench import harness, report, run
     from bench import scale as scale_mod
-    from bench.systems import make_systems
+    from bench.systems import check, make_systems
 
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
+    check(names)
     sizes = {"noop": args.n_noop, "sleep1": args.n_sleep1, "sleep10": args.n_sleep10}
     before = json.loads(args.before.read_text()).get("figures") if args.before else None
     started = time.monotonic()

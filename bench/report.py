@@ -17,11 +17,15 @@ from bench.cpu import PART_LABELS, PARTS
 LABELS = {
     "celery": "plain Celery",
     "lease-pg": "celery-lease (PostgreSQL)",
+    "lease-pg-limited": "celery-lease (PostgreSQL, flow-controlled)",
     "lease-sqlite": "celery-lease (SQLite)",
     "procrastinate": "procrastinate",
     "pgqueuer": "pgqueuer",
 }
 BODY_LABELS = {"noop": "no-op", "sleep1": "1 ms", "sleep10": "10 ms"}
+#: Systems compared with another celery-lease system as well as with plain Celery: the
+#: flow-control cost is lease-pg-limited over lease-pg (see systems.PLANNED).
+BASELINES = {"lease-pg-limited": "lease-pg"}
 #: Sizes the maintenance goals are stated at.
 GOAL_TERMINAL_ROWS = 1_000_000
 GOAL_EXPIRED = 100_000
@@ -151,7 +155,7 @@ def figures(rows: list[dict], scale: dict | None) -> list[dict]:
 
 
 def informational(rows: list[dict]) -> list[dict]:
-    """Ratios with a body beside no-op: no goal."""
+    """Ratios with a body beside no-op, and the flow-control cost: no goal."""
     by = {(r["system"], r["body"]): r for r in rows}
     out = []
     for body in ("sleep1", "sleep10"):
@@ -162,6 +166,16 @@ def informational(rows: list[dict]) -> list[dict]:
             v = _get(row, ("ratio", metric))
             if v is not None:
                 out.append(_figure(f"{what}, {BODY_LABELS[body]} jobs, ratio to plain Celery", v, f"{v:.2f}×", "–", None))
+    for system, base in BASELINES.items():
+        for body in BODY_LABELS:
+            row, ref = by.get((system, body)), by.get((base, body))
+            if row is None or ref is None:
+                continue
+            for metric, what in (("e2e_rate", "end to end"), ("drain_rate", "drain")):
+                v = row[metric] / ref[metric]
+                out.append(
+                    _figure(f"{LABELS[system]}: {what}, {BODY_LABELS[body]}, ratio to {LABELS[base]}", v, f"{v:.2f}×", "–", None)
+                )
     return out
 
 

@@ -4,9 +4,14 @@ Claim-to-complete latency is read from the job rows (started_at is set by the cl
 statement, finished_at by the completion statement, both database time). Statements
 are counted by :mod:`bench.apps.counting`; each worker process writes its counts when
 it exits.
+
+BENCH_JOB_OPTIONS (JSON, optional) adds keyword arguments to every ``leases.job(...)``:
+the hook for systems that differ only in job options (e.g. a future flow-controlled
+``lease-pg-limited`` with ``{"concurrency": ...}``; see bench/systems.py).
 """
 
 import atexit
+import json
 import os
 
 from celery import Celery, signals
@@ -15,15 +20,15 @@ from bench.apps import BODIES, body, counting, mark_ready
 from celery_lease import CeleryLease
 
 
-def _job(leases: CeleryLease, name: str):
-    @leases.job(kind=name, name=f"bench.lease.{name}")
+def _job(leases: CeleryLease, name: str, options: dict):
+    @leases.job(kind=name, name=f"bench.lease.{name}", **options)
     def run(ctx, payload):
         body(name)
 
     return run
 
 
-def make_app(db: str | None, broker: str | None, **settings):
+def make_app(db: str | None, broker: str | None, job_options: dict | None = None, **settings):
     """(app, leases, {body: task}) for one database; the bench makes one per system.
 
     ``settings`` are CeleryLease settings (e.g. ``sweep_stale_seconds`` for the scale run).
@@ -35,11 +40,13 @@ def make_app(db: str | None, broker: str | None, **settings):
         task_ignore_result=True,
     )
     leases = CeleryLease(app, db, install_beat=False, **settings)
-    return app, leases, {name: _job(leases, name) for name in BODIES}
+    return app, leases, {name: _job(leases, name, job_options or {}) for name in BODIES}
 
 
 # The worker's app (`celery -A bench.apps.lease worker`), from the environment.
-app, leases, tasks = make_app(os.environ.get("BENCH_DB"), os.environ.get("BENCH_BROKER"))
+app, leases, tasks = make_app(
+    os.environ.get("BENCH_DB"), os.environ.get("BENCH_BROKER"), json.loads(os.environ.get("BENCH_JOB_OPTIONS") or "{}")
+)
 
 # Pool children leave through worker_process_shutdown; the main process through atexit.
 signals.worker_process_shutdown.connect(lambda **_: counting.dump(), weak=False)
