@@ -122,6 +122,7 @@ def table(rows: list[tuple[str, float, dict[str, float]]], title: str) -> str:
 
 
 def main(args, log) -> int:
+    from bench.run import wait_completed
     from bench.systems import make_systems
 
     dbs = harness.Databases()
@@ -146,9 +147,7 @@ def main(args, log) -> int:
                         system.completed(out)  # the polling connection is open before the meter starts
                         meter.start()
                         system.release()
-                        harness.wait_for(
-                            lambda: system.completed(out) >= args.n, timeout=600, interval=0.1, what=f"{system.label} to drain"
-                        )
+                        wait_completed(system, out, args.n, 600, log, "no-op jobs")
                         parts = meter.stop()
                         recs = system.records(out)
                         rate = len(recs) / (max(e for _, e in recs) - min(s for s, _ in recs))

@@ -213,7 +213,10 @@ def cpu_table(rows: list[dict], body: str = "noop") -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(rows: list[dict], meta: dict, scale: dict | None = None, before: list[dict] | None = None) -> str:
+def markdown(
+    rows: list[dict], meta: dict, scale: dict | None = None, before: list[dict] | None = None, cells: list[dict] | None = None
+) -> str:
+    cells = cells or []
     sizes = ", ".join(f"{n} {BODY_LABELS[b]}" for b, n in meta["sizes"].items() if n)
     lines = [
         f"# celery-lease bench, {meta['when']}",
@@ -260,6 +263,14 @@ def markdown(rows: list[dict], meta: dict, scale: dict | None = None, before: li
     by = {(r["system"], r["body"]): r for r in rows}
     lease = by.get(("lease-pg", "noop"))
     lines.append("")
+    stalled = [c for c in cells if c.get("rescued")]
+    if stalled:
+        where = ", ".join(f"{c['system']} {c['body']} rep {c['rep']}: {c['rescued']}" for c in stalled)
+        lines += [
+            f"**Jobs left running by a worker and rescued by the bench** ({where}): no job finished for "
+            "7 s, so the bench reaped their expired 5 s leases as beat would; those cells' figures include the stall.",
+            "",
+        ]
     if lease is not None:
         for other in ("procrastinate", "pgqueuer"):
             row = by.get((other, "noop"))
@@ -318,7 +329,7 @@ def write(
     results_dir.mkdir(parents=True, exist_ok=True)
     doc = {"meta": meta, "figures": figures(rows, scale), "summary": rows, "scale": scale, "cells": cells}
     (results_dir / "latest.json").write_text(json.dumps(doc, indent=2, default=str))
-    table = markdown(rows, meta, scale, before)
+    table = markdown(rows, meta, scale, before, cells)
     (results_dir / "latest.md").write_text(table)
     chart(rows, results_dir / "latest.png")
     return table

@@ -59,10 +59,45 @@ def dump_stacks(pids: list[int]) -> str:
     return "\n".join(out)
 
 
+#: No job finished for this long while some are missing: ask the system to rescue them
+#: (celery-lease: reap, as beat would; its bench jobs hold 5 s leases).
+STALL_SECONDS = 7.0
+
+
+def wait_completed(system: System, out: Path, target: int, timeout: float, log, what: str) -> int:
+    """Wait until ``target`` jobs completed; returns how many the system had to rescue.
+
+    A job its worker left running (claimed, never completed) would stall the cell until
+    the timeout: when nothing completes for STALL_SECONDS, the system rescues what it
+    can (celery-lease reaps expired leases, requeuing those jobs) and the count is
+    reported with the cell, whose figures then include the stall.
+    """
+    deadline = time.monotonic() + timeout
+    last, last_change, rescued = -1, time.monotonic(), 0
+    while True:
+        done = system.completed(out)
+        if done >= target:
+            return rescued
+        now = time.monotonic()
+        if done != last:
+            last, last_change = done, now
+        elif now - last_change > STALL_SECONDS:
+            n = system.rescue()
+            if n:
+                rescued += n
+                log(f"{system.name}: {target - done} {what} stalled; {n} rescued (left running by their worker)")
+            last_change = now
+        if now > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {system.name} to complete {target} {what}")
+        time.sleep(0.1)
+
+
 class Cell:
     def __init__(self, system: System, body: str, n: int, rep: int, out: Path, broker, dbs, chunk: int, log) -> None:
         self.system, self.body, self.n, self.rep = system, body, n, rep
         self.out, self.broker, self.dbs, self.chunk, self.log = out, broker, dbs, chunk, log
+        #: Jobs the system had to rescue (left running by a worker) during this cell.
+        self.rescued = 0
 
     def _xacts(self) -> int | None:
         s = self.system
@@ -74,12 +109,7 @@ class Cell:
 
     def _wait_completed(self, target: int) -> None:
         timeout = 120 + target * (0.01 + 5 * SLEEP_SECONDS[self.body])
-        harness.wait_for(
-            lambda: self.system.completed(self.out) >= target,
-            timeout=timeout,
-            interval=0.1,
-            what=f"{self.system.name} to complete {target} {self.body} jobs",
-        )
+        self.rescued += wait_completed(self.system, self.out, target, timeout, self.log, f"{self.body} jobs")
 
     def _submit(self, batch: bool) -> tuple[float, dict]:
         before = dict(counting.STATEMENTS)
@@ -139,6 +169,7 @@ class Cell:
         finally:
             worker.stop()
         r["peak_rss_mb"] = worker.peak_rss / 2**20
+        r["rescued"] = self.rescued
         polls = s.polls - polls0
         x3 = self._xacts()
 

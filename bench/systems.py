@@ -93,6 +93,10 @@ class System:
         """A line on where the jobs are, for a cell that timed out."""
         return ""
 
+    def rescue(self) -> int:
+        """Jobs stalled (see run.wait_completed): make them runnable again; how many."""
+        return 0
+
     def reset(self, out: Path) -> None:
         """Empty the job tables between cells (no worker running)."""
 
@@ -237,6 +241,10 @@ class Lease(_SqlPolling):
         task = self.tasks[body]
         for start in range(0, n, chunk):
             task.submit_many([{}] * min(chunk, n - start))
+
+    def rescue(self) -> int:
+        # What beat's reaper does: requeue (and wake) jobs whose lease ran out.
+        return sum(self.leases.reap().values())
 
     def diagnose(self) -> str:
         self.engine  # noqa: B018 (opens the connection on first use)
