@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -131,6 +132,7 @@ def run_main(args) -> int:
     started = time.monotonic()
     dbs = harness.Databases()
     scale = None
+    scale_error = ""
     with tempfile.TemporaryDirectory(prefix="celery-lease-bench-") as tmp:
         workdir = Path(tmp)
         redis = harness.RedisServer(workdir)
@@ -148,8 +150,12 @@ def run_main(args) -> int:
                 log(f"scale figures at {args.scale_rows:,} rows")
                 redis.flush()
                 sargs = scale_args(args.scale_rows, args.results)
-                scale = scale_mod.measure(sargs, log, redis)
-                scale_mod.write(scale, args.results)
+                try:
+                    scale = scale_mod.measure(sargs, log, redis)
+                    scale_mod.write(scale, args.results)
+                except Exception:  # the side-by-side figures are still worth writing
+                    log(f"the scale figures failed:\n{traceback.format_exc()}")
+                    scale_error = traceback.format_exc().strip().splitlines()[-1]
         finally:
             redis.stop()
             dbs.close()
@@ -162,7 +168,7 @@ def run_main(args) -> int:
         "batch": args.batch,
         "systems": names,
         "scale_rows": args.scale_rows,
-        "note": args.note,
+        "note": args.note + (f" The scale figures failed: {scale_error}" if scale_error else ""),
         "commit": _commit(),
         "seconds": round(time.monotonic() - started, 1),
     }
