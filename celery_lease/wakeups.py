@@ -246,7 +246,10 @@ def _undeclared(producer, entities: list) -> list:
     entity first), which kombu empties when the connection is re-established."""
     if not entities:
         return entities
-    cache = producer.channel.connection.client.declared_entities
+    try:
+        cache = producer.channel.connection.client.declared_entities
+    except AttributeError:  # a transport without the cache: let kombu decide each time
+        return entities
     return [e for e in entities if not (e.can_cache_declaration and hash(e) in cache)]
 
 
