@@ -1,16 +1,23 @@
 """``python -m bench [run] [options]``, ``python -m bench scale | profile | cpu``.
 
+The default (``run``) measures every system and body side by side, then the scale
+figures, and writes bench/results/latest.md: the figures of issue #12 with their goals,
+then the details.
+
 See bench/README.md for what each measures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -21,24 +28,60 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+#: Defaults of `python -m bench` (what `bash dev.sh bench` runs), chosen so the whole run
+#: (3 repetitions of 5 systems x 3 bodies, then the scale figures at 1M rows) stays well
+#: under 10 minutes on the 2-core development machine (bench/README.md has the timing).
+#: --quick checks the harness in a minute or two; its numbers are too noisy to quote.
+DEFAULTS = {"n_noop": 1200, "n_sleep1": 400, "n_sleep10": 200, "reps": 3, "scale_rows": 1_000_000}
+QUICK = {"n_noop": 300, "n_sleep1": 150, "n_sleep10": 60, "reps": 1, "scale_rows": 100_000}
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
-    from bench.systems import SYSTEMS
+    from bench.systems import FACTORIES, PLANNED, SYSTEMS
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command")
-    run_p = sub.add_parser("run", help="the side-by-side run (default)")
+    run_p = sub.add_parser("run", help="the side-by-side run and the scale figures (default)")
     for p in (parser, run_p):
-        p.add_argument("--n-noop", type=int, default=2000, help="no-op jobs per phase (default 2000)")
-        p.add_argument("--n-sleep", type=int, default=500, help="10 ms jobs per phase (default 500)")
-        p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
+        d = DEFAULTS
+        p.add_argument("--quick", action="store_true", help=f"small sizes, one repetition, scale at 100k: {QUICK}")
+        p.add_argument("--n-noop", type=int, help=f"no-op jobs per phase (default {d['n_noop']})")
+        p.add_argument("--n-sleep1", type=int, help=f"1 ms jobs per phase (default {d['n_sleep1']}; 0 skips)")
+        p.add_argument(
+            "--n-sleep10",
+            "--n-sleep",
+            dest="n_sleep10",
+            type=int,
+            help=f"10 ms jobs per phase (default {d['n_sleep10']}; 0 skips)",
+        )
+        p.add_argument("--reps", type=int, help=f"interleaved repetitions (default {d['reps']})")
         p.add_argument("--batch", type=int, default=1000, help="jobs per batch submit call (default 1000)")
         p.add_argument(
-            "--systems", default=",".join(SYSTEMS), help=f"comma-separated, plain Celery first (default {','.join(SYSTEMS)})"
+            "--systems",
+            default=",".join(SYSTEMS),
+            help=f"comma-separated, plain Celery first (default {','.join(SYSTEMS)}; known: {', '.join(FACTORIES)}; "
+            f"planned: {', '.join(PLANNED)})",
         )
+        p.add_argument(
+            "--scale-rows",
+            type=int,
+            help=f"terminal rows and largest fresh backlog of the scale figures (default {d['scale_rows']:,}; 0 skips them)",
+        )
+        p.add_argument("--before", type=Path, help="an earlier run's latest.json: adds a 'before' column to the figures")
+        p.add_argument("--note", default="", help="a sentence for the report's header (e.g. the machine's load)")
         p.add_argument("--results", type=Path, default=RESULTS, help="output directory")
-    scale_p = sub.add_parser("scale", help="reaper/sweeper idle tick and claim latency vs table size")
+    scale_p = sub.add_parser("scale", help="maintenance ticks, reaping and claims vs table size")
     scale_p.add_argument("--rows", type=int, default=1_000_000, help="terminal rows (default 1,000,000)")
-    scale_p.add_argument("--samples", type=int, default=300, help="timed calls per figure (default 300)")
+    scale_p.add_argument("--expired", type=int, default=100_000, help="expired leases to reap (default 100,000; 0 skips)")
+    scale_p.add_argument(
+        "--backlog", type=_sizes, default=[100_000, 1_000_000], help="fresh pending backlogs to sweep (default 100000,1000000)"
+    )
+    scale_p.add_argument("--samples", type=int, default=300, help="timed calls per idle figure (default 300)")
+    scale_p.add_argument("--sweep-samples", type=int, default=20, help="timed sweeps per backlog size (default 20)")
     scale_p.add_argument("--results", type=Path, default=RESULTS)
     prof_p = sub.add_parser("profile", help="py-spy one celery-lease pool child during an end-to-end run")
     prof_p.add_argument("--n", type=int, default=20000, help="no-op jobs submitted (default 20000)")
@@ -46,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     prof_p.add_argument("--results", type=Path, default=RESULTS)
     cpu_p = sub.add_parser("cpu", help="CPU per job by process (worker, pool, PostgreSQL, Redis) during a drain")
     cpu_p.add_argument("--n", type=int, default=6000, help="no-op jobs drained per system (default 6000)")
+    cpu_p.add_argument("--reps", type=int, default=1, help="interleaved repetitions (default 1)")
     cpu_p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
@@ -53,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
         from bench.cpu import main as cpu_main
 
         return cpu_main(args, log)
-
     if args.command == "scale":
         from bench.scale import main as scale_main
 
@@ -62,54 +105,87 @@ def main(argv: list[str] | None = None) -> int:
         from bench.profile import main as profile_main
 
         return profile_main(args, log)
+    base = QUICK if args.quick else DEFAULTS
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     return run_main(args)
+
+
+def scale_args(rows: int, results: Path) -> argparse.Namespace:
+    """The scale figures of a default run: ``rows`` terminal rows, fresh backlogs of
+    rows/10 and rows, and min(rows, 100k) expired leases."""
+    return argparse.Namespace(
+        rows=rows, expired=min(rows, 100_000), backlog=[rows // 10, rows], samples=300, sweep_samples=20, results=results
+    )
 
 
 def run_main(args) -> int:
     from bench import harness, report, run
-    from bench.systems import make_systems
+    from bench import scale as scale_mod
+    from bench.systems import check, make_systems
 
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
+    check(names)
+    sizes = {"noop": args.n_noop, "sleep1": args.n_sleep1, "sleep10": args.n_sleep10}
+    before = json.loads(args.before.read_text()).get("figures") if args.before else None
     started = time.monotonic()
     dbs = harness.Databases()
+    scale = None
+    scale_error = ""
     with tempfile.TemporaryDirectory(prefix="celery-lease-bench-") as tmp:
         workdir = Path(tmp)
         redis = harness.RedisServer(workdir)
         redis.start()
         try:
             systems = make_systems(names, dbs, redis.url, workdir)
-            log(f"systems: {', '.join(s.name for s in systems)}; N={args.n_noop} no-op, {args.n_sleep} 10 ms; {args.reps} reps")
+            log(f"systems: {', '.join(s.name for s in systems)}; N={sizes}; {args.reps} reps")
             cells = run.run(
-                systems,
-                n_noop=args.n_noop,
-                n_sleep=args.n_sleep,
-                reps=args.reps,
-                chunk=args.batch,
-                workdir=workdir,
-                broker=redis,
-                dbs=dbs,
-                log=log,
+                systems, sizes=sizes, reps=args.reps, chunk=args.batch, workdir=workdir, broker=redis, dbs=dbs, log=log
             )
             for s in systems:
                 s.close()
+            dbs.close()
+            if args.scale_rows:
+                log(f"scale figures at {args.scale_rows:,} rows")
+                redis.flush()
+                sargs = scale_args(args.scale_rows, args.results)
+                try:
+                    scale = scale_mod.measure(sargs, log, redis)
+                    scale_mod.write(scale, args.results)
+                except Exception:  # the side-by-side figures are still worth writing
+                    log(f"the scale figures failed:\n{traceback.format_exc()}")
+                    scale_error = traceback.format_exc().strip().splitlines()[-1]
         finally:
             redis.stop()
             dbs.close()
     rows = run.summarize(cells)
     meta = {
         "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "n_noop": args.n_noop,
-        "n_sleep": args.n_sleep,
+        "machine": f"{os.cpu_count()} CPUs, Python {platform.python_version()}, load average {os.getloadavg()[0]:.2f} at the end",
+        "sizes": sizes,
         "reps": args.reps,
         "batch": args.batch,
         "systems": names,
+        "scale_rows": args.scale_rows,
+        "note": args.note + (f" The scale figures failed: {scale_error}" if scale_error else ""),
+        "commit": _commit(),
         "seconds": round(time.monotonic() - started, 1),
     }
-    table = report.write(args.results, meta, cells, rows)
+    table = report.write(args.results, meta, cells, rows, scale, before)
     print(table)
     log(f"done in {meta['seconds']:.0f}s; wrote {args.results}/latest.json, latest.md, latest.png")
     return 0
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 A system knows how to prepare its database, start its worker, submit one job or a
 batch from the bench process, count completed jobs, and read back (start, end) epoch
 times of completed jobs for latency and throughput.
+
+Celery-based systems can also start their worker *held* (consuming a queue nothing is
+sent to) and release it with a remote-control ``add_consumer``, so the drain's CPU
+accounting (bench/cpu.py) starts with the worker warm and excludes its start-up.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ CELERY_WORKER = [
     "--without-gossip",
     "--without-heartbeat",
 ]
+#: The queue a held Celery worker consumes (nothing is published to it).
+HOLD_QUEUE = "bench.hold"
 
 PLAIN_LINE = len(f"{time.time():.6f} {time.time():.6f}\n")
 
@@ -51,6 +57,10 @@ class System:
     db: str | None = None
     #: How many statements the bench itself ran in that database (completion polls).
     polls = 0
+    #: Whether worker_args(hold=True) and release() are supported (Celery workers).
+    holdable = False
+    #: The Celery node name of the worker (holdable systems).
+    node = ""
 
     def env(self, broker: str, out: Path) -> dict[str, str]:
         env = dict(os.environ)
@@ -65,8 +75,27 @@ class System:
         )
         return env
 
-    def worker_args(self) -> list[str]:
+    def worker_args(self, hold: bool = False) -> list[str]:
         raise NotImplementedError
+
+    def release(self) -> None:
+        """Make a held worker consume the jobs' queue (holdable systems)."""
+        app = self.app  # type: ignore[attr-defined]
+        replies = app.control.add_consumer("celery", destination=[self.node], reply=True, timeout=10)
+        if not any(self.node in r and "ok" in r[self.node] for r in replies or []):
+            raise RuntimeError(f"{self.node} did not start consuming: {replies!r}")
+
+    def bench_backend_pids(self) -> set[int]:
+        """PostgreSQL backends that are the bench's own (completion polls), not the system's."""
+        return set()
+
+    def diagnose(self) -> str:
+        """A line on where the jobs are, for a cell that timed out."""
+        return ""
+
+    def rescue(self) -> int:
+        """Jobs stalled (see run.wait_completed): make them runnable again; how many."""
+        return 0
 
     def reset(self, out: Path) -> None:
         """Empty the job tables between cells (no worker running)."""
@@ -111,6 +140,11 @@ class _SqlPolling(System):
     def completed(self, out: Path) -> int:
         return self._scalar(self.count_sql)
 
+    def bench_backend_pids(self) -> set[int]:
+        if self.db is None:
+            return set()
+        return {self._scalar("SELECT pg_backend_pid()")}
+
     def records(self, out: Path) -> list[tuple[float, float]]:
         self.engine  # noqa: B018 (opens the connection on first use)
         self.polls += 1
@@ -123,23 +157,28 @@ class _SqlPolling(System):
             self._engine = None
 
 
+def _celery_worker(module: str, node: str, hold: bool) -> list[str]:
+    return [harness.celery(), "-A", module, *CELERY_WORKER, "-n", node, *(["-Q", HOLD_QUEUE] if hold else [])]
+
+
 class PlainCelery(System):
     name, label = "celery", "plain Celery"
+    holdable, node = True, "plain@bench"
 
     def __init__(self, broker: str) -> None:
         from bench.apps.celery_plain import make_app
 
         self.app, self.tasks = make_app(broker)
 
-    def worker_args(self) -> list[str]:
-        return [harness.celery(), "-A", "bench.apps.celery_plain", *CELERY_WORKER, "-n", "plain@bench"]
+    def worker_args(self, hold: bool = False) -> list[str]:
+        return _celery_worker("bench.apps.celery_plain", self.node, hold)
 
     def reset(self, out: Path) -> None:
         for path in out.glob("records-*.txt"):
             path.unlink()
 
     def submit_one(self, body: str) -> None:
-        self.tasks[body].apply_async()
+        self.tasks[body].delay()
 
     def submit_batch(self, body: str, n: int, chunk: int) -> None:
         # One producer (one connection and channel) for the whole batch: what
@@ -164,25 +203,29 @@ class PlainCelery(System):
 class Lease(_SqlPolling):
     count_sql = "SELECT count(*) FROM celery_lease_jobs WHERE status = 'succeeded'"
     times_sql = "SELECT started_at, finished_at FROM celery_lease_jobs WHERE status = 'succeeded'"
+    holdable = True
 
-    def __init__(self, name: str, label: str, db: str, broker: str, postgres: bool) -> None:
+    def __init__(self, name: str, label: str, db: str, broker: str, postgres: bool, job_options: dict | None = None) -> None:
         super().__init__()
         from bench.apps.lease import make_app
 
-        self.name, self.label = name, label
+        self.name, self.label, self.node = name, label, f"{name}@bench"
         self.db = db if postgres else None
         self.url = db
         self.read_url = db
-        self.app, self.leases, self.tasks = make_app(db, broker)
+        #: Extra ``leases.job(...)`` arguments, the same in this process and the worker.
+        self.job_options = job_options or {}
+        self.app, self.leases, self.tasks = make_app(db, broker, self.job_options)
         self.leases.create_schema()
 
     def env(self, broker: str, out: Path) -> dict[str, str]:
         env = super().env(broker, out)
         env["BENCH_DB"] = self.url
+        env["BENCH_JOB_OPTIONS"] = json.dumps(self.job_options)
         return env
 
-    def worker_args(self) -> list[str]:
-        return [harness.celery(), "-A", "bench.apps.lease", *CELERY_WORKER, "-n", f"{self.name}@bench"]
+    def worker_args(self, hold: bool = False) -> list[str]:
+        return _celery_worker("bench.apps.lease", self.node, hold)
 
     def reset(self, out: Path) -> None:
         for path in out.glob("stmts-*.json"):
@@ -198,6 +241,26 @@ class Lease(_SqlPolling):
         task = self.tasks[body]
         for start in range(0, n, chunk):
             task.submit_many([{}] * min(chunk, n - start))
+
+    def rescue(self) -> int:
+        # What beat's reaper does: requeue (and wake) jobs whose lease ran out.
+        return sum(self.leases.reap().values())
+
+    def diagnose(self) -> str:
+        self.engine  # noqa: B018 (opens the connection on first use)
+        rows = self._conn.exec_driver_sql(
+            "SELECT status, count(*), count(*) FILTER (WHERE lease_owner IS NOT NULL), min(attempt), max(attempt) "
+            "FROM celery_lease_jobs GROUP BY status"
+        ).all()
+        stuck = self._conn.exec_driver_sql(
+            "SELECT id, lease_owner, lease_generation, started_at, now() - started_at FROM celery_lease_jobs "
+            "WHERE status = 'running' ORDER BY started_at LIMIT 5"
+        ).all()
+        return (
+            "jobs by status (count, with owner, attempts min-max): "
+            + "; ".join(f"{st} {n} {owned} {lo}-{hi}" for st, n, owned, lo, hi in rows)
+            + "".join(f"\n  running {i} owner {o} generation {g} started {s} ({age} ago)" for i, o, g, s, age in stuck)
+        )
 
     def worker_statements(self, out: Path) -> dict[str, int]:
         total: dict[str, int] = {}
@@ -234,7 +297,7 @@ class Procrastinate(_SqlPolling):
             self._open = True
         return self.app
 
-    def worker_args(self) -> list[str]:
+    def worker_args(self, hold: bool = False) -> list[str]:
         return [harness.python(), "-c", "from bench.apps.procrastinate_app import main; main()"]
 
     def reset(self, out: Path) -> None:
@@ -293,7 +356,7 @@ class PgQueuer(_SqlPolling):
         q = await self._open()
         await q.install()
 
-    def worker_args(self) -> list[str]:
+    def worker_args(self, hold: bool = False) -> list[str]:
         return [harness.python(), "-m", "bench.apps.pgqueuer_app"]
 
     def reset(self, out: Path) -> None:
@@ -322,23 +385,41 @@ class PgQueuer(_SqlPolling):
             self._queries = None
 
 
-def make_systems(names: list[str], dbs: harness.Databases, broker: str, workdir: Path) -> list[System]:
-    made: list[System] = []
-    for name in names:
-        if name == "celery":
-            made.append(PlainCelery(broker))
-        elif name == "lease-pg":
-            made.append(Lease("lease-pg", "celery-lease (PostgreSQL)", dbs.create("lease"), broker, True))
-        elif name == "lease-sqlite":
-            path = workdir / "lease.sqlite3"
-            made.append(Lease("lease-sqlite", "celery-lease (SQLite)", f"sqlite:///{path}", broker, False))
-        elif name == "procrastinate":
-            made.append(Procrastinate(dbs.create("procrastinate")))
-        elif name == "pgqueuer":
-            made.append(PgQueuer(dbs.create("pgqueuer")))
-        else:
-            raise ValueError(f"unknown system {name!r}")
-    return made
+#: Every system the bench can run: name -> factory(dbs, broker URL, workdir).
+FACTORIES = {
+    "celery": lambda dbs, broker, workdir: PlainCelery(broker),
+    "lease-pg": lambda dbs, broker, workdir: Lease("lease-pg", "celery-lease (PostgreSQL)", dbs.create("lease"), broker, True),
+    "lease-sqlite": lambda dbs, broker, workdir: Lease(
+        "lease-sqlite", "celery-lease (SQLite)", f"sqlite:///{workdir / 'lease.sqlite3'}", broker, False
+    ),
+    "procrastinate": lambda dbs, broker, workdir: Procrastinate(dbs.create("procrastinate")),
+    "pgqueuer": lambda dbs, broker, workdir: PgQueuer(dbs.create("pgqueuer")),
+}
 
+#: Systems the bench has a place for but celery-lease cannot run yet. Flow control
+#: (jobs with ``concurrency=``) will be one more Lease with job options, e.g.
+#:     "lease-pg-limited": lambda dbs, broker, workdir: Lease(
+#:         "lease-pg-limited", "celery-lease (PostgreSQL, concurrency=2)", dbs.create("limited"),
+#:         broker, True, job_options={"concurrency": 2}),
+#: measured like the others (its cost over lease-pg is the flow-control cost); report.LABELS
+#: names it already.
+PLANNED = {
+    "lease-pg-limited": "flow control (leases.job(concurrency=...)) is not implemented yet",
+}
 
+#: The default run, plain Celery first (every ratio is to it).
 SYSTEMS = ["celery", "lease-pg", "lease-sqlite", "procrastinate", "pgqueuer"]
+
+
+def check(names: list[str]) -> None:
+    """Refuse an unknown or planned system before any service starts."""
+    for name in names:
+        if name in PLANNED:
+            raise SystemExit(f"system {name!r} is planned but not runnable: {PLANNED[name]}")
+        if name not in FACTORIES:
+            raise SystemExit(f"unknown system {name!r} (known: {', '.join(FACTORIES)})")
+
+
+def make_systems(names: list[str], dbs: harness.Databases, broker: str, workdir: Path) -> list[System]:
+    check(names)
+    return [FACTORIES[name](dbs, broker, workdir) for name in names]

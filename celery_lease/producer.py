@@ -103,6 +103,7 @@ class Producer:
         self._store = store
         self._settings = settings
         self._hooked_engines: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+        self._wakeups = wakeups.Publisher(app)
 
     def serialize(self, spec: JobKind, payload: Any) -> Any:
         """Validate and serialize one payload; raises InvalidPayload, storing nothing."""
@@ -157,19 +158,24 @@ class Producer:
             raise InvalidPayload("idempotency_keys must have one key per payload")
         if keys is not None and len(set(keys)) != len(keys):
             raise InvalidPayload("idempotency_keys must be distinct within one submit_many")
-        rows = [
-            self.job_row(spec, payload, {**options, "idempotency_key": None if keys is None else keys[i]})
-            for i, payload in enumerate(serialized)
-        ]
-        if not rows:
+        if not serialized:
             return []
-        run_id = rows[0]["run_id"]
+        # Jobs of one call differ only in id, payload and key: the rest is built once.
+        shared = self.job_row(spec, None, options)
+        if options.get("job_id") is not None:
+            # A frozen Celery task id (canvas, task_id=) names exactly one job.
+            if len(serialized) != 1:
+                raise InvalidPayload("a job id can be given for one payload only")
+            ids = [shared["id"]]
+        else:
+            ids = [str(uuid.uuid4()) for _ in serialized]
+        run_id = shared["run_id"]
         store = self._store
 
         def write(conn: sa.Connection | None) -> tuple[list[Job], list[Job]]:
             if run_id is not None and not store.ensure_run(run_id, connection=conn):
                 raise LeaseError(f"run {run_id} is cancelled; it accepts no new jobs")
-            inserted = store.insert_jobs(rows, keyed=keys is not None, connection=conn)
+            inserted = store.insert_job_batch(shared, ids, serialized, keys, connection=conn)
             if keys is None:
                 jobs = inserted
             else:
@@ -241,7 +247,7 @@ class Producer:
             return 0
         items = [(j.id, j.task, j.queue) if isinstance(j, Job) else (str(j["id"]), j["task"], j["queue"]) for j in jobs]
         try:
-            wakeups.publish(self._app, items)
+            self._wakeups.publish(items)
             return len(items)
         except Exception as exc:
             log.warning(

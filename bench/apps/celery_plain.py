@@ -11,7 +11,15 @@ import time
 
 from celery import Celery, signals
 
-from bench.apps import body, mark_ready
+from bench.apps import BODIES, body, mark_ready
+
+
+def _task(app: Celery, name: str):
+    @app.task(name=f"bench.{name}")
+    def run():
+        body(name)
+
+    return run
 
 
 def make_app(broker: str | None):
@@ -22,16 +30,7 @@ def make_app(broker: str | None):
         worker_hijack_root_logger=False,
         task_ignore_result=True,
     )
-
-    @app.task(name="bench.noop")
-    def noop():
-        body("noop")
-
-    @app.task(name="bench.sleep10")
-    def sleep10():
-        body("sleep10")
-
-    return app, {"noop": noop, "sleep10": sleep10}
+    return app, {name: _task(app, name) for name in BODIES}
 
 
 app, tasks = make_app(os.environ.get("BENCH_BROKER"))

@@ -4,40 +4,53 @@ Claim-to-complete latency is read from the job rows (started_at is set by the cl
 statement, finished_at by the completion statement, both database time). Statements
 are counted by :mod:`bench.apps.counting`; each worker process writes its counts when
 it exits.
+
+BENCH_JOB_OPTIONS (JSON, optional) adds keyword arguments to every ``leases.job(...)``:
+the hook for systems that differ only in job options (e.g. a future flow-controlled
+``lease-pg-limited`` with ``{"concurrency": ...}``; see bench/systems.py).
 """
 
 import atexit
+import json
 import os
 
 from celery import Celery, signals
 
-from bench.apps import body, counting, mark_ready
+from bench.apps import BODIES, body, counting, mark_ready
 from celery_lease import CeleryLease
 
+#: Bench jobs last milliseconds; a short lease lets the bench reap (and report) a job a
+#: worker left running within seconds instead of a minute (run.wait_completed).
+LEASE_SECONDS = 5
 
-def make_app(db: str | None, broker: str | None):
-    """(app, leases, {body: task}) for one database; the bench makes one per system."""
+
+def _job(leases: CeleryLease, name: str, options: dict):
+    @leases.job(kind=name, name=f"bench.lease.{name}", **{"lease_seconds": LEASE_SECONDS, **options})
+    def run(ctx, payload):
+        body(name)
+
+    return run
+
+
+def make_app(db: str | None, broker: str | None, job_options: dict | None = None, **settings):
+    """(app, leases, {body: task}) for one database; the bench makes one per system.
+
+    ``settings`` are CeleryLease settings (e.g. ``sweep_stale_seconds`` for the scale run).
+    """
     app = Celery("bench_lease", broker=broker or "memory://")
     app.conf.update(
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         task_ignore_result=True,
     )
-    leases = CeleryLease(app, db, install_beat=False)
-
-    @leases.job(kind="noop", name="bench.lease.noop")
-    def noop(ctx, payload):
-        body("noop")
-
-    @leases.job(kind="sleep10", name="bench.lease.sleep10")
-    def sleep10(ctx, payload):
-        body("sleep10")
-
-    return app, leases, {"noop": noop, "sleep10": sleep10}
+    leases = CeleryLease(app, db, install_beat=False, **settings)
+    return app, leases, {name: _job(leases, name, job_options or {}) for name in BODIES}
 
 
 # The worker's app (`celery -A bench.apps.lease worker`), from the environment.
-app, leases, tasks = make_app(os.environ.get("BENCH_DB"), os.environ.get("BENCH_BROKER"))
+app, leases, tasks = make_app(
+    os.environ.get("BENCH_DB"), os.environ.get("BENCH_BROKER"), json.loads(os.environ.get("BENCH_JOB_OPTIONS") or "{}")
+)
 
 # Pool children leave through worker_process_shutdown; the main process through atexit.
 signals.worker_process_shutdown.connect(lambda **_: counting.dump(), weak=False)

@@ -1,6 +1,6 @@
 """pgqueuer, run as its docs suggest: one asyncio process on asyncpg.
 
-Entrypoints must be async; the 10 ms body is the same blocking sleep, moved to a
+Entrypoints must be async; the 1 ms and 10 ms bodies are the same blocking sleeps, moved to a
 thread with asyncio.to_thread as pgqueuer's error message advises, at most 2 at a time
 (a semaphore) to match Celery's two pool processes. pgqueuer's own per-entrypoint
 ``concurrency_limit=2`` is not used: with it the worker picks two jobs and then waits
@@ -15,7 +15,7 @@ import signal
 import asyncpg
 from pgqueuer import PgQueuer
 
-from bench.apps import body, mark_ready
+from bench.apps import BODIES, SLEEP_SECONDS, body, mark_ready
 
 
 def dsn(url: str) -> str:
@@ -26,16 +26,24 @@ async def main() -> None:
     conn = await asyncpg.connect(dsn(os.environ["BENCH_DB"]))
     pgq = PgQueuer.from_asyncpg_connection(conn)
 
-    @pgq.entrypoint("noop")
-    async def noop(job):
-        body("noop")
-
     threads = asyncio.Semaphore(2)
 
-    @pgq.entrypoint("sleep10")
-    async def sleep10(job):
-        async with threads:
-            await asyncio.to_thread(body, "sleep10")
+    def entrypoint(name: str) -> None:
+        if not SLEEP_SECONDS[name]:
+
+            @pgq.entrypoint(name)
+            async def inline(job):
+                body(name)
+
+            return
+
+        @pgq.entrypoint(name)
+        async def in_thread(job):
+            async with threads:
+                await asyncio.to_thread(body, name)
+
+    for name in BODIES:
+        entrypoint(name)
 
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, pgq.shutdown.set)

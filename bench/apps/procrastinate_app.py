@@ -11,7 +11,7 @@ import os
 
 import procrastinate
 
-from bench.apps import body, mark_ready
+from bench.apps import BODIES, body, mark_ready
 
 
 def conninfo(url: str) -> str:
@@ -22,16 +22,15 @@ def conninfo(url: str) -> str:
 def make_app(db: str):
     """(app, {body: task}) for one database."""
     app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=conninfo(db)))
+    return app, {name: _task(app, name) for name in BODIES}
 
-    @app.task(name="noop")
-    def noop():
-        body("noop")
 
-    @app.task(name="sleep10")
-    def sleep10():
-        body("sleep10")
+def _task(app, name: str):
+    @app.task(name=name)
+    def run():
+        body(name)
 
-    return app, {"noop": noop, "sleep10": sleep10}
+    return run
 
 
 app, tasks = make_app(os.environ.get("BENCH_DB", "postgresql:///postgres"))

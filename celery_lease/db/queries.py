@@ -141,6 +141,48 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
     return stmt.values(created_at=db_now(), updated_at=db_now()).returning(*jobs.c)
 
 
+#: What insert_job_batch binds once per batch (every job of one submit_many shares them).
+BATCH_SHARED_COLUMNS = tuple(
+    c
+    for c in INSERTED_COLUMNS
+    if c not in ("id", "payload", "idempotency_key")
+    and c not in ("result", "progress", "error", "checkpoint", "lease_owner", "lease_expires_at", "started_at", "finished_at")
+)
+
+
+@functools.cache
+def insert_job_batch(*, on_key_conflict_nothing: bool) -> sa.Insert:
+    """insert_job_batch: many new pending jobs of one kind in one statement (PostgreSQL).
+
+    The per-job values are three arrays, unnested side by side: ``:ids``, ``:payloads``
+    (JSON text) and ``:keys`` (idempotency keys, or NULL for none); every other column is
+    one value for the whole batch (``BATCH_SHARED_COLUMNS``). The text is the same
+    whatever the batch size, so PostgreSQL parses and plans a short statement where a
+    multi-row VALUES would be as long as the batch. Returns the id and created_at of each
+    row inserted (created_at is the statement's clock, the same for all); with keys, a
+    conflicting key inserts nothing and the caller reads the job that holds it.
+    """
+    texts = postgresql.ARRAY(sa.Text)
+    arrays = [sa.cast(sa.bindparam(name), texts) for name in ("ids", "payloads", "keys")]
+    per_job = sa.func.unnest(*arrays).table_valued("id", "payload", "key").render_derived()
+    values: dict[str, Any] = {
+        "id": sa.cast(per_job.c.id, ID),
+        "payload": sa.cast(per_job.c.payload, postgresql.JSONB),
+        "idempotency_key": per_job.c.key,
+        "created_at": db_now(),
+        "updated_at": db_now(),
+    }
+    for name in BATCH_SHARED_COLUMNS:
+        # The bind carries the column's type too, so a JSON value (canvas) is serialized.
+        values[name] = sa.cast(sa.bindparam(name, type_=jobs.c[name].type), jobs.c[name].type)
+    insert = postgresql.insert(jobs).from_select(list(values), sa.select(*values.values()))
+    if on_key_conflict_nothing:
+        insert = insert.on_conflict_do_nothing(
+            index_elements=[_c.kind, _c.idempotency_key], index_where=_c.idempotency_key.is_not(None)
+        )
+    return insert.returning(_c.id, _c.created_at)
+
+
 def get_jobs_by_keys(kind: str, keys: Sequence[str]) -> sa.Select:
     return sa.select(jobs).where(_c.kind == kind, _c.idempotency_key.in_(keys))
 

@@ -7,6 +7,7 @@ events are built here, in :meth:`Store.log_events`, and nowhere else.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
@@ -18,7 +19,7 @@ from celery_lease.db import queries as q
 from celery_lease.db.engine import Database
 from celery_lease.db.prepared import Prepared
 from celery_lease.job import Job
-from celery_lease.status import Event
+from celery_lease.status import Event, Status
 
 log = logging.getLogger("celery_lease")
 
@@ -38,6 +39,10 @@ def _view(row: Mapping[Any, Any]) -> dict[str, Any]:
         elif key.endswith("id") and value is not None:
             out[key] = str(value)
     return out
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 class Store(Database):
@@ -68,6 +73,75 @@ class Store(Database):
 
         # The INSERT is one statement: outside a caller's transaction it commits alone.
         return self.transaction(self.engine(single=True), work, connection=connection)
+
+    def insert_job_batch(
+        self,
+        shared: dict[str, Any],
+        ids: list[str],
+        payloads: list[Any],
+        keys: list[str] | None,
+        *,
+        connection=None,
+    ) -> list[Job]:
+        """New pending jobs that differ only in id, payload and idempotency key; returns
+        the jobs inserted (with keys, a conflicting key inserts nothing and is left out).
+
+        ``shared`` holds every other column's value (q.BATCH_SHARED_COLUMNS). On
+        PostgreSQL: one prepared INSERT for a plain single job, else one
+        insert_job_batch statement, with the Jobs built here from what was sent and the
+        statement's clock instead of read back row by row.
+        """
+        batch = self.dialect == "postgresql" and (len(ids) > 1 or keys is not None or connection is not None)
+        if not batch:
+            rows = [
+                {**shared, "id": job_id, "payload": payload, "idempotency_key": None if keys is None else keys[i]}
+                for i, (job_id, payload) in enumerate(zip(ids, payloads))
+            ]
+            return self.insert_jobs(rows, keyed=keys is not None, connection=connection)
+        texts = [_json(p) for p in payloads]
+        stmt = q.insert_job_batch(on_key_conflict_nothing=keys is not None)
+        params = {**{k: shared[k] for k in q.BATCH_SHARED_COLUMNS}, "ids": ids, "payloads": texts, "keys": keys}
+
+        def work(conn: Connection) -> tuple[Any, set[str] | None]:
+            result = conn.execute(stmt, params)
+            if keys is None:  # every row was inserted, at one created_at: read one
+                first = result.first()
+                return (None if first is None else first.created_at), None
+            rows = result.all()
+            return (rows[0].created_at if rows else None), {str(r.id) for r in rows}
+
+        # One statement: outside a caller's transaction it commits alone.
+        created_at, inserted = self.transaction(self.engine(single=True), work, connection=connection)
+        if created_at is None:
+            return []
+        fields = {
+            "kind": shared["kind"],
+            "status": Status(shared["status"]),
+            "attempt": shared["attempt"],
+            "max_attempts": shared["max_attempts"],
+            "result": None,
+            "progress": None,
+            "error": None,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "lease_generation": shared["lease_generation"],
+            "lease_losses": shared["lease_losses"],
+            "run_after": shared["run_after"],
+            "created_at": created_at,
+            "started_at": None,
+            "finished_at": None,
+            "run_id": shared["run_id"],
+            "parent_id": shared["parent_id"],
+            "tenant": shared["tenant"],
+            "task": shared["task"],
+            "queue": shared["queue"],
+        }
+        # The payload as stored: what the JSON text reads back as (tuples become lists).
+        return [
+            Job(id=job_id, payload=json.loads(text), idempotency_key=None if keys is None else keys[i], **fields)
+            for i, (job_id, text) in enumerate(zip(ids, texts))
+            if inserted is None or job_id in inserted
+        ]
 
     def get_jobs_by_keys(self, kind: str, keys: Sequence[str], *, connection=None) -> list[Job]:
         def work(conn):
