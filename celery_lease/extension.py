@@ -9,6 +9,7 @@ this object:
     producer.Producer      submit / submit_many, wakeups after commit
     kinds.Registry         the job kinds @leases.job declared
     worker.*               claim, heartbeat, body, completion (Celery signals)
+    flow.FlowControl       concurrency / rate limits, priority, pause (claim-time)
     beat.*                 reap / sweep / prune / recover and their beat entries
 """
 
@@ -29,8 +30,10 @@ from celery_lease.beat.periodic import BeatJobs, Periodic
 from celery_lease.db import migrate
 from celery_lease.db.engine import Database, resolve_database_url
 from celery_lease.db.store import Store
+from celery_lease.flow import FlowControl
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind, Registry
+from celery_lease.limits import Limits
 from celery_lease.payload import Codec
 from celery_lease.producer import Producer
 from celery_lease.settings import Settings
@@ -63,6 +66,7 @@ class CeleryLease:
         self._store: Store | None = None
         self._producer: Producer | None = None
         self._maintenance: Maintenance | None = None
+        self._flow: FlowControl | None = None
         self.registry = Registry()
         self._tasks: dict[str, LeaseTask] = {}
         self._worker: WorkerState | None = None
@@ -96,14 +100,22 @@ class CeleryLease:
     @property
     def maintenance(self) -> Maintenance:
         if self._maintenance is None:
-            self._maintenance = Maintenance(self.store, self.producer.publish_wakeups, self.settings)
+            self._maintenance = Maintenance(self.store, self.producer.publish_wakeups, self.settings, flow=self.flow)
         return self._maintenance
+
+    @property
+    def flow(self) -> FlowControl:
+        if self._flow is None:
+            self._flow = FlowControl(self.store, self.app, self.producer.publish_wakeups, self.registry, lambda: self.settings)
+        return self._flow
 
     @property
     def worker(self) -> WorkerState:
         """This process's worker side (heartbeat thread, attempts); made after fork."""
         if self._worker is None or self._worker_pid != os.getpid():
-            self._worker = WorkerState(self.store, self.producer, self.registry, self.settings, self.app.conf.broker_url)
+            self._worker = WorkerState(
+                self.store, self.producer, self.registry, self.settings, self.app.conf.broker_url, self.flow
+            )
             self._worker_pid = os.getpid()
         return self._worker
 
@@ -119,8 +131,18 @@ class CeleryLease:
         retry_backoff_max: float = 300.0,
         queue: str | None = None,
         name: str | None = None,
+        concurrency: int | None = None,
+        concurrency_key: Callable[[Any], Any] | None = None,
+        rate_limit: str | None = None,
     ) -> Callable[[Callable], LeaseTask]:
-        """Register ``fn(ctx, payload)`` as the handler of jobs of ``kind``."""
+        """Register ``fn(ctx, payload)`` as the handler of jobs of ``kind``.
+
+        Flow control, enforced in the database for every worker at once (see
+        :mod:`celery_lease.flow`): at most ``concurrency`` jobs of the kind run at once
+        (per key, with ``concurrency_key``: a function of the payload); at most
+        ``rate_limit`` claims ("20/s", "100/m", "1000/h") per window.
+        """
+        limits = Limits.declare(concurrency, concurrency_key, rate_limit)
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if lease_seconds < 1:
@@ -138,6 +160,7 @@ class CeleryLease:
                 retry_backoff=retry_backoff,
                 retry_backoff_max=retry_backoff_max,
                 queue=queue,
+                limits=limits,
             )
             self.registry.add(spec)
             task = self.app.task(
@@ -206,12 +229,14 @@ class CeleryLease:
         broker can carry the notice) and its later writes are discarded."""
         cancelled = self.store.cancel(job_id=parse_job_id(job_id))
         self._notify_cancelled(cancelled)
+        self.flow.released(cancelled)  # a cancelled running job frees its slot at once
         return bool(cancelled)
 
     def cancel_run(self, run_id: str) -> int:
         """Cancel every non-terminal job of a run; the run accepts no new jobs."""
         cancelled = self.store.cancel(run_id=parse_job_id(run_id))
         self._notify_cancelled(cancelled)
+        self.flow.released(cancelled)
         return len(cancelled)
 
     def _notify_cancelled(self, job_ids: list[str]) -> None:

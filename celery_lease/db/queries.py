@@ -29,7 +29,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
-from celery_lease.db.schema import ID, events, jobs, runs
+from celery_lease.db.schema import ID, events, jobs, limits, pauses, runs
 from celery_lease.status import TERMINAL, Event, Status
 
 # --- database time -----------------------------------------------------------------
@@ -253,6 +253,7 @@ def lease_health() -> sa.Select:
         _c.status == Status.PENDING.value,
         sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
         sa.or_(_c.woken_at.is_(None), _c.woken_at < db_now_plus(-_seconds("stale_seconds"))),
+        _c.held.is_(None),
     )
     return sa.select(
         sa.func.count().filter(running),
@@ -298,7 +299,7 @@ def claim_job_logged() -> sa.Select:
     """claim_job, plus the run's 'claimed' event when the job belongs to a run, as ONE
     statement (PostgreSQL data-modifying CTE): the claim stays a single round trip
     and the event can never exist without the claim, nor the claim without it."""
-    claimed = claim_job().cte("claimed")
+    claimed = claim_job_flow().cte("claimed")
     logged = (
         sa.insert(events)
         .from_select(
@@ -553,6 +554,7 @@ def claim_due_wakeups() -> sa.Update:
         _c.status == Status.PENDING.value,
         sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
         sa.or_(_c.woken_at.is_(None), _c.woken_at < db_now_plus(-_seconds("stale_seconds"))),
+        _c.held.is_(None),  # flow control wakes held jobs when their cause ends (flow.py)
     )
     return (
         sa.update(jobs)
@@ -594,3 +596,270 @@ def append_events() -> sa.Insert:
 
 def event_row(run_id: str, job_id: str, event: Event, attempt: int, detail: str | None = None):
     return {"run_id": run_id, "job_id": job_id, "event": event.value, "attempt": attempt, "detail": detail}
+
+
+# --- flow control (celery_lease.flow) ---------------------------------------------------
+#
+# Constants a partial index predicate needs are literal SQL, not bound values: a
+# prepared statement's generic plan can only use celery_lease_jobs_priority (or _held)
+# when its WHERE visibly implies the index's predicate.
+
+_PENDING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.PENDING.value}'")
+_RUNNING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.RUNNING.value}'")
+
+
+def _due(t) -> sa.ColumnElement:
+    return sa.or_(t.run_after.is_(None), t.run_after <= db_now())
+
+
+def _better_job() -> sa.ScalarSelect:
+    """The job a delivery for :job_id claims instead: the first due pending job of the
+    same kind, queue and concurrency key with a higher priority. NULL (claim :job_id)
+    when there is none, or when :job_id is not itself due and pending (a stale
+    delivery claims nothing, as before)."""
+    named, best = jobs.alias("named"), jobs.alias("best")
+    return (
+        sa.select(best.c.id)
+        .where(
+            named.c.id == sa.bindparam("job_id", type_=ID),
+            named.c.status == Status.PENDING.value,
+            _due(named.c),
+            best.c.status == _PENDING,
+            best.c.priority > sa.literal_column("0"),
+            best.c.priority > named.c.priority,
+            best.c.kind == named.c.kind,
+            best.c.queue.is_not_distinct_from(named.c.queue),
+            best.c.concurrency_key.is_not_distinct_from(named.c.concurrency_key),
+            _due(best.c),
+        )
+        .order_by(best.c.priority.desc(), best.c.created_at)
+        .limit(1)
+        .with_for_update(of=best, skip_locked=True)
+        .scalar_subquery()
+    )
+
+
+_not_paused = ~sa.exists().where(pauses.c.kind == _c.kind)
+
+
+@functools.cache
+def claim_job_flow() -> sa.Update:
+    """claim_job, under flow control: nothing of a paused kind is claimed, and a
+    higher-priority due job of the same kind, queue and key is claimed in place of the
+    delivered one (whose wakeup the caller sends again). Every other guard of
+    claim_job applies unchanged, to the job actually claimed: this is claim_job with
+    its target :job_id replaced, so a guard added there is inherited here."""
+    target = sa.func.coalesce(_better_job(), sa.bindparam("job_id", type_=ID))
+
+    def retarget(element):
+        if isinstance(element, sa.BindParameter) and element.key == "job_id":
+            return target
+        return None
+
+    # held is cleared by the claim itself (a held job may be the one claimed).
+    stmt: Any = sa.sql.visitors.replacement_traverse(claim_job().values(held=sa.null()), {}, retarget)  # type: ignore[call-overload]
+    # The concurrency key too: a limited attempt's end frees the slot of its key.
+    return stmt.where(_not_paused).returning(_c.concurrency_key)
+
+
+def _running_like(t) -> sa.ScalarSelect:
+    """How many jobs of t's kind and concurrency key are running."""
+    slots = jobs.alias("slots")
+    return (
+        sa.select(sa.func.count())
+        .select_from(slots)
+        .where(
+            slots.c.status == _RUNNING,
+            slots.c.kind == t.kind,
+            slots.c.concurrency_key.is_not_distinct_from(t.concurrency_key),
+        )
+        .scalar_subquery()
+    )
+
+
+@functools.cache
+def claim_job_limited(concurrency: bool) -> sa.Update:
+    """claim_job_flow for a limited kind, run while its limits row is locked: with
+    ``concurrency``, only while fewer than :concurrency jobs of the claimed job's kind
+    and key run. (The rate window is checked under the same lock, before.)"""
+    stmt = claim_job_flow()
+    if concurrency:
+        stmt = stmt.where(_running_like(_c) < sa.bindparam("concurrency", type_=sa.Integer))
+    return stmt
+
+
+@functools.cache
+def hold_job() -> sa.Update:
+    """hold_job: a delivery flow control refused leaves its job pending, marked with
+    why: 'pause' (its kind is paused), 'rate' (:rate_spent, the window's claims are
+    used up) or 'limit' (:concurrency jobs of its kind and key run). held NULL in the
+    result means nothing holds it now (the caller claims again).
+
+    The pause row is read FOR SHARE: a resume that deletes it either waits for this
+    statement (and then wakes the job it marked) or commits first (and this statement
+    sees no pause). woken_at records when the job was held, so the sweeper's recovery
+    of missed wakeups (stale_held_groups) leaves freshly held jobs alone.
+    """
+    paused = sa.exists(sa.select(pauses.c.kind).where(pauses.c.kind == _c.kind).with_for_update(read=True))
+    reason = sa.case(
+        (paused, "pause"),
+        (sa.bindparam("rate_spent", type_=sa.Boolean), "rate"),
+        (_running_like(_c) >= sa.bindparam("concurrency", type_=sa.Integer), "limit"),
+        else_=None,
+    )
+    return (
+        sa.update(jobs)
+        .where(_c.id == sa.bindparam("job_id"), _c.status == Status.PENDING.value, _due(_c))
+        .values(held=reason, woken_at=db_now())
+        .returning(_c.held, _c.kind, _c.concurrency_key)
+    )
+
+
+@functools.cache
+def get_claim_target() -> sa.Select:
+    return sa.select(_c.kind, _c.concurrency_key, _c.status).where(_c.id == sa.bindparam("job_id"))
+
+
+@functools.cache
+def lock_limits(dialect: str) -> sa.Insert:
+    """lock_limits: create or update a kind's limits row with the limits its worker
+    declares, locking it until the transaction ends; returns the rate window state and
+    the database clock (epoch seconds). Every limited claim and every release of a
+    limited kind's slot takes this lock first, so they serialize per kind."""
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert(limits).values(
+        kind=sa.bindparam("of_kind"),
+        concurrency=sa.bindparam("new_concurrency"),
+        rate=sa.bindparam("new_rate"),
+        per_seconds=sa.bindparam("new_per_seconds"),
+        updated_at=db_now(),
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[limits.c.kind],
+        set_={
+            "concurrency": stmt.excluded.concurrency,
+            "rate": stmt.excluded.rate,
+            "per_seconds": stmt.excluded.per_seconds,
+            "updated_at": db_now(),
+        },
+    ).returning(limits, epoch_seconds(db_now()).label("now_epoch"))
+
+
+@functools.cache
+def lock_limits_row() -> sa.Select:
+    """A kind's limits row, locked (a release of a slot: the limits stay as declared)."""
+    now_epoch = epoch_seconds(db_now()).label("now_epoch")
+    return sa.select(limits, now_epoch).where(limits.c.kind == sa.bindparam("of_kind")).with_for_update()
+
+
+@functools.cache
+def count_rate_claim() -> sa.Update:
+    return (
+        sa.update(limits)
+        .where(limits.c.kind == sa.bindparam("of_kind"))
+        .values(rate_window=sa.bindparam("new_window"), rate_claims=sa.bindparam("new_claims"))
+    )
+
+
+@functools.cache
+def schedule_window_wakeup() -> sa.Update:
+    """Record that a wakeup is sent for the start of window :new_window; matches no row
+    when one already is, so one wakeup per window and kind is scheduled."""
+    return (
+        sa.update(limits)
+        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.woken_window < sa.bindparam("new_window"))
+        .values(woken_window=sa.bindparam("new_window"))
+    )
+
+
+@functools.cache
+def running_count() -> sa.Select:
+    return sa.select(sa.func.count()).where(
+        _c.status == _RUNNING,
+        _c.kind == sa.bindparam("of_kind"),
+        _c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
+    )
+
+
+@functools.cache
+def wake_held(by_key: bool) -> sa.Update:
+    """wake_held: up to :limit jobs of :of_kind held for :reason (with ``by_key``, of
+    concurrency key :key only), best priority first, then oldest: no longer held,
+    woken now. Returns what their wakeups need."""
+    where = [_c.status == _PENDING, _c.held == sa.bindparam("reason"), _c.kind == sa.bindparam("of_kind"), _due(_c)]
+    if by_key:
+        where.append(_c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)))
+    pick = (
+        sa.select(_c.id)
+        .where(*where)
+        .order_by(_c.priority.desc(), _c.created_at)
+        .limit(sa.bindparam("limit"))
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return (
+        sa.update(jobs)
+        .where(_c.id.in_(pick), _c.status == Status.PENDING.value, _c.held == sa.bindparam("reason"))
+        .values(held=sa.null(), woken_at=db_now())
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
+def limited_groups(ids: Sequence[str]) -> sa.Select:
+    """(kind, concurrency key) of these jobs, for the kinds that have a limits row."""
+    return sa.select(_c.kind, _c.concurrency_key).distinct().where(_c.id.in_(ids), _c.kind.in_(sa.select(limits.c.kind)))
+
+
+@functools.cache
+def stale_held_groups() -> sa.Select:
+    """(kind, key, held) groups with a job held longer than :stale_seconds: where a
+    wakeup may have been missed (a worker died between freeing a slot and waking the
+    next job, a window wakeup was lost). Bounded by :limit."""
+    return (
+        sa.select(_c.kind, _c.concurrency_key, _c.held)
+        .distinct()
+        .where(
+            _c.status == _PENDING,
+            _c.held.is_not(None),
+            _c.woken_at < db_now_plus(-_seconds("stale_seconds")),
+        )
+        .limit(sa.bindparam("limit"))
+    )
+
+
+@functools.cache
+def pause_kind(dialect: str) -> sa.Insert:
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    return (
+        insert(pauses)
+        .values(kind=sa.bindparam("of_kind"), paused_at=db_now())
+        .on_conflict_do_nothing(index_elements=[pauses.c.kind])
+    )
+
+
+@functools.cache
+def resume_kind() -> sa.Delete:
+    return sa.delete(pauses).where(pauses.c.kind == sa.bindparam("of_kind"))
+
+
+@functools.cache
+def is_paused() -> sa.Select:
+    return sa.select(pauses.c.kind).where(pauses.c.kind == sa.bindparam("of_kind"))
+
+
+@functools.cache
+def list_pauses() -> sa.Select:
+    return sa.select(pauses).order_by(pauses.c.kind)
+
+
+@functools.cache
+def list_limits() -> sa.Select:
+    return sa.select(limits).order_by(limits.c.kind)
+
+
+def flow_counts(tenant: str | None = None) -> sa.Select:
+    """Per (kind, concurrency key, status, held): active jobs, for the limits view."""
+    stmt = sa.select(_c.kind, _c.concurrency_key, _c.status, _c.held, sa.func.count()).where(_c.status.in_(_ACTIVE))
+    if tenant is not None:
+        stmt = stmt.where(_c.tenant == tenant)
+    return stmt.group_by(_c.kind, _c.concurrency_key, _c.status, _c.held)

@@ -27,6 +27,7 @@ from celery_lease.worker.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
     from celery_lease.db.store import Store
+    from celery_lease.flow import FlowControl
     from celery_lease.kinds import JobKind, Registry
     from celery_lease.producer import Producer
     from celery_lease.settings import Settings
@@ -57,8 +58,12 @@ class Outcome(enum.Enum):
 class WorkerState:
     """Per-process worker side of celery-lease."""
 
-    def __init__(self, store: Store, producer: Producer, registry: Registry, settings: Settings, broker_url: str | None) -> None:
+    def __init__(
+        self, store: Store, producer: Producer, registry: Registry, settings: Settings, broker_url: str | None, flow: FlowControl
+    ) -> None:
         self.store = store
+        #: Which claim a delivery takes, and the release of a limited job's slot.
+        self.flow = flow
         self.producer = producer
         self.registry = registry
         self.settings = settings
@@ -76,17 +81,18 @@ class WorkerState:
             # sweeper's staleness threshold.
             self.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
             return None
-        row = self.store.claim(job_id, owner_of(hostname))
+        row = self.flow.claim(job_id, spec, owner_of(hostname), queue)
         if row is None:
             log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
             return None
-        attempt = Attempt.from_claim(job_id, row)
+        attempt = Attempt.from_claim(str(row["id"]), row)  # a higher-priority job may be claimed instead
         self.heartbeat.add(attempt)
         return attempt
 
     def end(self, attempt: Attempt | None) -> None:
         if attempt is not None:
             self.heartbeat.remove(attempt)
+            self.flow.release(attempt)  # its outcome is written: a held job may take its slot
 
     def flush(self) -> None:
         if self.completer is not None:
@@ -172,7 +178,9 @@ class WorkerState:
 
     def _succeed(self, ctx: JobContext, attempt: Attempt, result: Any) -> Any:
         staged = ctx.staged
-        if self.completer is not None and not (staged.effects or staged.children or attempt.run_id):
+        # (Not batched for a limited kind: its slot is freed once the success is written.)
+        batchable = not (staged.effects or staged.children or attempt.run_id or self.flow.holds_slot(attempt))
+        if self.completer is not None and batchable:
             self.completer.add(attempt, result, ctx.pending_progress)
             return result
         children_rows = [self.producer.job_row(child, payload, options) for child, payload, options in staged.children]

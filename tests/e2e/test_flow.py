@@ -1,0 +1,128 @@
+"""Flow control with real workers: two `celery worker` processes with two pool children
+each, PostgreSQL and a private Redis. Every limit is measured from what the bodies
+themselves recorded (test_flow_spans, database clock), not from what the claims say.
+No beat runs unless a test says so: a held job must be woken by the release of a slot,
+the next rate window or a resume, not by the sweeper.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.db.schema import jobs
+from tests.apps.app_flow import flow_metadata, spans
+from tests.conftest import wait_for
+
+MODULE = "tests.apps.app_flow"
+
+
+@pytest.fixture
+def db(pg):
+    engine = sa.create_engine(pg)
+    flow_metadata.create_all(engine)
+    with engine.begin() as conn:
+        conn.execute(spans.delete())
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def fleet(pg, broker, workers, client_app):
+    """fleet(conf=, extra_env=) -> the app module in this process, after starting two
+    workers (-c 2 each) on it; they are in ``module.fleet``."""
+
+    def start(conf: dict | None = None, extra_env: dict | None = None):
+        mod = client_app(pg, broker, conf=conf, extra_env=extra_env, module=MODULE)
+        mod.fleet = [
+            workers(pg, broker, name=name, module=MODULE, concurrency=2, conf=conf, extra_env=extra_env) for name in ("w1", "w2")
+        ]
+        return mod
+
+    return start
+
+
+def span_rows(db, kind: str) -> list[dict]:
+    with db.connect() as conn:
+        stmt = sa.select(spans).where(spans.c.kind == kind).order_by(spans.c.started_at)
+        return [dict(r) for r in conn.execute(stmt).mappings()]
+
+
+def max_overlap(rows: list[dict], ended_default: datetime | None = None) -> int:
+    """The most bodies running at one instant. An end and a start at the same instant
+    do not overlap."""
+    points = []
+    for r in rows:
+        end = r["ended_at"] or ended_default
+        assert end is not None, f"span of {r['job_id']} never ended"
+        points += [(r["started_at"], 1), (end, -1)]
+    running = most = 0
+    for _, step in sorted(points, key=lambda p: (p[0], p[1])):
+        running += step
+        most = max(most, running)
+    return most
+
+
+def job_rows(db, ids) -> dict[str, dict]:
+    with db.connect() as conn:
+        return {str(r["id"]): dict(r) for r in conn.execute(sa.select(jobs).where(jobs.c.id.in_(ids))).mappings()}
+
+
+def wait_all(db, ids, status: str = "succeeded", timeout: float = 60, sweep=None) -> dict[str, dict]:
+    def done():
+        if sweep is not None:
+            sweep()
+        rows = job_rows(db, ids)
+        return rows if all(r["status"] == status for r in rows.values()) else None
+
+    return wait_for(done, timeout=timeout, interval=0.1, what=f"{len(ids)} jobs to be {status}")
+
+
+def wait_held(db, ids, reason: str, timeout: float = 30) -> None:
+    wait_for(
+        lambda: all(r["held"] == reason for r in job_rows(db, ids).values()),
+        timeout=timeout,
+        what=f"{len(ids)} jobs held by {reason}",
+    )
+
+
+# --- concurrency -------------------------------------------------------------------------
+
+
+def test_concurrency_is_a_limit_across_every_worker_and_held_jobs_wake_on_release(db, fleet):
+    mod = fleet()
+    ids = [j.id for j in mod.limited2.submit_many([{"sleep": 0.6}] * 8)]
+    rows = wait_all(db, ids)
+    assert max_overlap(span_rows(db, "limited2")) == 2  # four pool slots, never more than two bodies
+    # Held jobs stayed pending and spent no attempt: each ran exactly once, as attempt 1.
+    assert {r["attempt"] for r in rows.values()} == {1}
+    assert len(span_rows(db, "limited2")) == 8
+
+
+def test_concurrency_key_limits_each_key_and_one_keys_backlog_does_not_block_another(db, fleet):
+    mod = fleet()
+    ids = [mod.per_tenant.submit({"tenant": t, "sleep": 0.5}).id for t in ["a"] * 4 + ["b"] * 2]
+    wait_all(db, ids)
+    rows = span_rows(db, "per_tenant")
+    assert max_overlap([r for r in rows if r["tenant"] == "a"]) == 1
+    assert max_overlap([r for r in rows if r["tenant"] == "b"]) == 1
+    # b's jobs ran beside a's backlog rather than after it.
+    assert max_overlap(rows) == 2
+    last_a_start = max(r["started_at"] for r in rows if r["tenant"] == "a")
+    assert all(r["ended_at"] < last_a_start for r in rows if r["tenant"] == "b")
+
+
+# --- cancel and faults -------------------------------------------------------------------
+
+
+def test_a_cancelled_running_job_frees_its_slot_at_once(db, fleet, tmp_path):
+    mod = fleet()
+    first = mod.one_slot.submit({"release_file": str(tmp_path / "never")}).id
+    wait_for(lambda: span_rows(db, "one_slot"), what="the first job to run")
+    second = mod.one_slot.submit({}).id
+    wait_held(db, [second], "limit")
+    assert mod.leases.cancel(first)
+    wait_all(db, [second])
+    assert job_rows(db, [first])[first]["status"] == "cancelled"
