@@ -245,6 +245,17 @@ class CeleryLease:
             log.info("celery-lease: cancelled %d job(s)", len(job_ids))
             cancel_notice.publish(self.app.conf.broker_url, job_ids)
 
+    # --- flow control ----------------------------------------------------------------
+
+    def pause(self, kind: Any) -> bool:
+        """Claim no job of ``kind`` until resume (stored in the database: survives
+        restarts); running jobs finish. False when it was already paused."""
+        return self.flow.pause(kind)
+
+    def resume(self, kind: Any) -> int:
+        """Claim ``kind`` again and wake the jobs its pause held; returns how many."""
+        return self.flow.resume(kind)
+
     def run_events(self, run_id: str, **kw) -> list[dict]:
         return self.store.run_events(parse_job_id(run_id), **kw)
 

@@ -114,6 +114,32 @@ def test_concurrency_key_limits_each_key_and_one_keys_backlog_does_not_block_ano
     assert all(r["ended_at"] < last_a_start for r in rows if r["tenant"] == "b")
 
 
+# --- pause -------------------------------------------------------------------------------
+
+
+def test_pause_survives_a_restart_lets_running_jobs_finish_and_resume_wakes_the_held(db, fleet, tmp_path):
+    mod = fleet()
+    gate = tmp_path / "release"
+    running = mod.unlimited.submit({"release_file": str(gate)}).id
+    wait_for(lambda: span_rows(db, "unlimited"), what="a job to run")
+    assert mod.leases.pause("unlimited") is True
+    held = [j.id for j in mod.unlimited.submit_many([{}] * 3)]
+    wait_held(db, held, "pause")
+    gate.touch()
+    wait_all(db, [running])  # the running job finished under the pause
+    # Restart the fleet: the pause is in the database, not in a worker.
+    for worker in mod.fleet:
+        worker.restart()
+    mod.leases.sweep()  # the sweeper does not wake paused jobs either
+    late = mod.unlimited.submit({}).id
+    wait_held(db, [late], "pause")
+    rows = job_rows(db, held + [late])
+    assert {(r["status"], r["attempt"]) for r in rows.values()} == {("pending", 0)}
+    assert mod.leases.resume("unlimited") == 4
+    wait_all(db, held + [late])
+    assert len(span_rows(db, "unlimited")) == 5
+
+
 # --- cancel and faults -------------------------------------------------------------------
 
 
