@@ -455,6 +455,31 @@ def hand_off_job() -> sa.Update:
     )
 
 
+@functools.cache
+def snooze_job() -> sa.Update:
+    """snooze_job: running -> pending, due in :delay seconds, without spending the attempt.
+
+    Not a failure: the attempt is given back (as by a shutdown handoff), so a job may
+    snooze any number of times whatever its max_attempts; the checkpoint is kept. Due
+    at once (:delay 0) it is marked woken, since the caller publishes its wakeup;
+    later, the sweeper wakes it when due.
+    """
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(
+            status=Status.PENDING.value,
+            attempt=_c.attempt - 1,
+            run_after=db_now_plus(_seconds("delay")),
+            woken_at=sa.case((_seconds("delay") <= 0, db_now()), else_=sa.null()),
+            held=sa.null(),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
 # --- revoking statements (producer, beat, worker start) -------------------------------
 
 

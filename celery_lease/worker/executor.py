@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Retry
 
 from celery_lease.db import queries as q
-from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSuspended, LeaseLost
+from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSnoozed, JobSuspended, LeaseLost
 from celery_lease.payload import cap_error
 from celery_lease.status import Event
 from celery_lease.worker import shutdown
@@ -51,6 +51,7 @@ class Outcome(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"  # Failure(msg): no retry
     SUSPENDED = "suspended"  # warm shutdown: hand the job off
+    SNOOZED = "snoozed"  # ctx.snooze(): back to pending, due later, attempt not spent
     CANCELLED = "cancelled"  # lease lost or job cancelled: write nothing
     ERROR = "error"  # any other exception: retry while attempts remain
 
@@ -132,6 +133,8 @@ class WorkerState:
             outcome = (Outcome.FAILED, cap_error(exc.message))
         except JobSuspended:
             outcome = (Outcome.SUSPENDED, None)
+        except JobSnoozed as exc:
+            outcome = (Outcome.SNOOZED, exc.seconds)
         except JobCancelled:
             outcome = (Outcome.CANCELLED, None)
         except Exception:
@@ -159,6 +162,8 @@ class WorkerState:
                     status = Outcome.ERROR
             if status is Outcome.SUSPENDED:
                 self._hand_off(attempt)
+            elif status is Outcome.SNOOZED:
+                self._snooze(attempt, value)  # type: ignore[arg-type]  # the snooze's seconds
             elif status is Outcome.CANCELLED:
                 log.info("celery-lease: job %s: stopped after cancel or lease loss", attempt.job_id)
             elif status is Outcome.ERROR and attempt.attempt < attempt.max_attempts:
@@ -247,3 +252,19 @@ class WorkerState:
         row = self.store.transaction(self.store.fast, work)
         log.info("celery-lease: job %s: handed off on shutdown", attempt.job_id)
         self.producer.publish_wakeups([row])
+
+    def _snooze(self, attempt: Attempt, seconds: float) -> None:
+        """ctx.snooze(): back to pending, due in ``seconds``, attempt not spent."""
+
+        def work(conn):
+            row = conn.execute(q.snooze_job(), {**attempt.fence, "delay": seconds}).mappings().first()
+            if row is None:
+                attempt.mark_lost()
+                raise LeaseLost()
+            self.store.log_events(conn, [(attempt, Event.REQUEUED, f"snoozed for {seconds:g}s")])
+            return dict(row)
+
+        row = self.store.transaction(self.store.fast, work)
+        log.info("celery-lease: job %s: snoozed for %gs", attempt.job_id, seconds)
+        if seconds <= 0:
+            self.producer.publish_wakeups([row])

@@ -96,6 +96,16 @@ def unlimited(ctx: JobContext, payload: dict) -> dict:
     return _span(ctx, "unlimited", payload, lambda: _work(ctx, payload))
 
 
+@leases.job(kind="snoozer", max_attempts=1)
+def snoozer(ctx: JobContext, payload: dict) -> dict:
+    """Snoozes payload["times"] times, counting in its checkpoint, then succeeds."""
+    done = (ctx.checkpoint or {}).get("snoozed", 0)
+    if done < payload["times"]:
+        ctx.save_checkpoint({"snoozed": done + 1})
+        ctx.snooze(payload["delay"])
+    return {"snoozed": done, "attempt": ctx.attempt}
+
+
 @leases.job(kind="chaos_limited", concurrency=2, max_attempts=6, lease_seconds=LEASE, retry_backoff=0.2, retry_backoff_max=1.0)
 def chaos_limited(ctx: JobContext, payload: dict) -> dict:
     """Checkpointed steps, then one effect row written with the success."""

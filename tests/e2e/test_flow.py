@@ -140,6 +140,20 @@ def test_pause_survives_a_restart_lets_running_jobs_finish_and_resume_wakes_the_
     assert len(span_rows(db, "unlimited")) == 5
 
 
+# --- snooze ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [0, 0.3])
+def test_snooze_any_number_of_times_with_max_attempts_1_still_succeeds(db, fleet, delay):
+    mod = fleet()
+    job = mod.snoozer.submit({"times": 3, "delay": delay})
+    # A delayed snooze is due later: the sweeper (beat) wakes it, as it wakes retries.
+    rows = wait_all(db, [job.id], sweep=mod.leases.sweep if delay else None)
+    row = rows[job.id]
+    assert row["result"] == {"snoozed": 3, "attempt": 1}
+    assert (row["attempt"], row["max_attempts"], row["checkpoint"]) == (1, 1, None)
+
+
 # --- cancel and faults -------------------------------------------------------------------
 
 

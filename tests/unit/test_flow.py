@@ -13,8 +13,10 @@ import sqlalchemy as sa
 from celery_lease.db import queries as q
 from celery_lease.db.flow_store import FlowStore
 from celery_lease.db.schema import limits as limits_table
-from celery_lease.errors import InvalidPayload
+from celery_lease.errors import InvalidPayload, JobSnoozed
 from celery_lease.limits import Limits, Rate, parse_priority
+from celery_lease.worker.context import JobContext
+from celery_lease.worker.heartbeat import Heartbeat
 from tests.unit.test_queries import attempt_for
 
 OWNER = "node/1/boot"
@@ -199,7 +201,42 @@ def test_a_stale_delivery_swaps_in_nothing(store, add_job, row):
     assert row(high)["status"] == "pending"
 
 
-# --- the sweeper --------------------------------------------------------------
+# --- snooze and the sweeper --------------------------------------------------------------
+
+
+def test_snooze_gives_the_attempt_back_and_keeps_the_checkpoint(store, add_job, row):
+    job = add_job(kind="k", status="running", attempt=1, max_attempts=1, lease_generation=3, checkpoint={"i": 2})
+    with store.durable.begin() as conn:
+        assert conn.execute(q.snooze_job(), {"job_id": job, "generation": 2, "delay": 30.0}).first() is None  # fenced
+        assert conn.execute(q.snooze_job(), {"job_id": job, "generation": 3, "delay": 30.0}).first() is not None
+    r = row(job)
+    assert (r["status"], r["attempt"], r["checkpoint"], r["lease_owner"]) == ("pending", 0, {"i": 2}, None)
+    assert r["run_after"] is not None and r["woken_at"] is None
+    assert store.claim(job, OWNER) is None  # not due for 30 s
+
+
+@pytest.mark.parametrize("seconds", [-1, float("nan"), float("inf"), True, "30", 366 * 86400])
+def test_snooze_refuses_a_bad_delay_at_the_call(store, seconds):
+    ctx = _context(store)
+    with pytest.raises(ValueError, match="snooze"):
+        ctx.snooze(seconds)
+
+
+def test_snooze_ends_the_body_with_its_delay(store):
+    with pytest.raises(JobSnoozed) as snoozed:
+        _context(store).snooze(30)
+    assert snoozed.value.seconds == 30.0
+
+
+def _context(store) -> JobContext:
+    return JobContext(
+        attempt_for("00000000-0000-4000-8000-000000000009", 1),
+        store=store,
+        producer=None,  # type: ignore[arg-type]
+        registry=None,  # type: ignore[arg-type]
+        heartbeat=Heartbeat(store, None),
+        max_checkpoint_bytes=1000,
+    )
 
 
 def test_the_sweeper_leaves_held_jobs_to_flow_control(store, add_job):
