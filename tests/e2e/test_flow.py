@@ -7,6 +7,8 @@ the next rate window or a resume, not by the sweeper.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from datetime import datetime
 
 import pytest
@@ -112,6 +114,19 @@ def test_concurrency_key_limits_each_key_and_one_keys_backlog_does_not_block_ano
     assert max_overlap(rows) == 2
     last_a_start = max(r["started_at"] for r in rows if r["tenant"] == "a")
     assert all(r["ended_at"] < last_a_start for r in rows if r["tenant"] == "b")
+
+
+# --- rate --------------------------------------------------------------------------------
+
+
+def test_rate_limit_bounds_claims_per_window_over_all_workers(db, fleet):
+    mod = fleet(extra_env={"CL_TEST_RATE": "4/s"})
+    ids = [j.id for j in mod.rated.submit_many([{}] * 14)]
+    rows = wait_all(db, ids, timeout=60)  # no beat: each window's wakeup comes from the last one
+    per_window = Counter(math.floor(r["started_at"].timestamp()) for r in rows.values())
+    assert max(per_window.values()) <= 4, per_window
+    assert len(per_window) >= 4
+    assert {r["attempt"] for r in rows.values()} == {1}
 
 
 # --- pause -------------------------------------------------------------------------------
