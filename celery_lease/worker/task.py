@@ -66,13 +66,15 @@ class LeaseTask(Task):
         run_id: str | None = None,
         tenant: str | None = None,
         queue: str | None = None,
+        priority: int = 0,
     ) -> Job:
         """Store a new pending job and wake a worker for it.
 
         With ``connection``, the row is written in the caller's transaction and the
         wakeup is published only after that transaction commits; a rollback leaves
         neither. With ``idempotency_key``, a second submit of the same kind and key
-        returns the first job and stores nothing.
+        returns the first job and stores nothing. A higher ``priority`` (0, the
+        default, is the lowest) is claimed first among due jobs of the kind.
         """
         return self.producer().submit_many(
             self.spec,
@@ -83,6 +85,7 @@ class LeaseTask(Task):
             run_id=run_id,
             tenant=tenant,
             queue=queue,
+            priority=priority,
         )[0]
 
     def submit_many(
@@ -95,6 +98,7 @@ class LeaseTask(Task):
         run_id: str | None = None,
         tenant: str | None = None,
         queue: str | None = None,
+        priority: int = 0,
     ) -> list[Job]:
         """Store many jobs with one multi-row INSERT and pipeline their wakeups."""
         return self.producer().submit_many(
@@ -106,6 +110,7 @@ class LeaseTask(Task):
             run_id=run_id,
             tenant=tenant,
             queue=queue,
+            priority=priority,
         )
 
     # Plain Celery calls are the same as submit: a leased job never bypasses its row.
@@ -124,6 +129,7 @@ class LeaseTask(Task):
             "connection",
             "run_id",
             "tenant",
+            "priority",
             "task_id",
             "expires",
             "retry",

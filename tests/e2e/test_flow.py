@@ -129,6 +129,43 @@ def test_rate_limit_bounds_claims_per_window_over_all_workers(db, fleet):
     assert {r["attempt"] for r in rows.values()} == {1}
 
 
+# --- priority ----------------------------------------------------------------------------
+
+
+def test_priority_orders_held_jobs_for_a_single_slot(db, fleet, tmp_path):
+    mod = fleet()
+    gate = tmp_path / "release-blocker"
+    blocker = mod.one_slot.submit({"release_file": str(gate)})
+    wait_for(lambda: span_rows(db, "one_slot"), what="the blocker to run")
+    low = [mod.one_slot.submit({"n": i}).id for i in range(5)]
+    high = mod.one_slot.submit({"n": "high"}, priority=5).id
+    mid = mod.one_slot.submit({"n": "mid"}, priority=3).id
+    wait_held(db, low + [high, mid], "limit")
+    gate.touch()
+    wait_all(db, [blocker.id, *low, high, mid])
+    order = [r["job_id"] for r in span_rows(db, "one_slot")]
+    assert order[:3] == [blocker.id, high, mid]
+    assert sorted(order[3:]) == sorted(low)
+    assert max_overlap(span_rows(db, "one_slot")) == 1
+
+
+def test_a_high_priority_job_overtakes_a_backlog_as_soon_as_a_slot_frees(db, fleet):
+    mod = fleet()
+    backlog = [j.id for j in mod.unlimited.submit_many([{"sleep": 0.03}] * 150)]
+    wait_for(lambda: len(span_rows(db, "unlimited")) >= 8, what="the backlog to start")
+    high = mod.unlimited.submit({"sleep": 0}, priority=9).id
+    wait_all(db, [high])
+    rows = job_rows(db, [high, *backlog])
+    submitted, started = rows[high]["created_at"], rows[high]["started_at"]
+    overtaken_by = [i for i in backlog if rows[i]["started_at"] is not None and submitted < rows[i]["started_at"] < started]
+    # At most the claims already under way when it was submitted (one per pool slot),
+    # not the ~100 wakeups queued before it.
+    assert len(overtaken_by) <= 4, len(overtaken_by)
+    still_pending = [i for i in backlog if rows[i]["status"] == "pending"]
+    assert still_pending, "the backlog drained before the high-priority job was submitted"
+    wait_all(db, backlog)
+
+
 # --- pause -------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs, pauses
+from celery_lease.errors import InvalidPayload
 from tests.conftest import CELERY, ROOT, _env
 
 MODULE = "tests.apps.app_flow"
@@ -51,3 +52,15 @@ def test_pause_of_an_unknown_kind_is_refused_in_one_line_and_stores_nothing(cli,
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("celery-lease: no job handler for kind 'no-such-kind'") and len(proc.stderr.splitlines()) == 1
     assert paused_kinds(pg) == set()
+
+
+def test_priority_is_checked_at_submit_and_celery_s_priority_option_carries_it(pg, broker, client_app):
+    mod = client_app(pg, broker, module=MODULE)
+    for bad in (-1, 1.5, "9", True, 2**31):
+        with pytest.raises(InvalidPayload, match="priority"):
+            mod.unlimited.submit({}, priority=bad)
+    with sa.create_engine(pg).connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(jobs)).scalar() == 0  # nothing stored
+    assert mod.unlimited.submit({}, priority=7).priority == 7
+    assert mod.unlimited.apply_async(({},), priority=3).priority == 3
+    assert mod.unlimited.submit({}).priority == 0
