@@ -256,6 +256,10 @@ class CeleryLease:
         """Claim ``kind`` again and wake the jobs its pause held; returns how many."""
         return self.flow.resume(kind)
 
+    def limits(self, tenant: str | None = None) -> list[dict]:
+        """Per kind and key: limits, pause, and jobs running or waiting on each."""
+        return self.flow.overview(tenant)
+
     def run_events(self, run_id: str, **kw) -> list[dict]:
         return self.store.run_events(parse_job_id(run_id), **kw)
 

@@ -11,6 +11,7 @@ loaded from ``-A`` and finds the CeleryLease instance at ``app.lease``::
     celery -A proj lease reap | sweep [--json]   what beat runs, once, now
     celery -A proj lease prune [--older-than SECONDS] [--json]
     celery -A proj lease pause KIND | resume KIND [--json]   flow control (stored, fleet-wide)
+    celery -A proj lease limits [--json]         per kind and key: limits, running, waiting
     celery -A proj lease serve [--host H] [--port P]   the HTTP API (celery_lease.api)
 
 Errors (unknown or malformed id, bad status, unreachable database, bad configuration)
@@ -260,6 +261,35 @@ def pause(ctx: click.Context, kind: str, as_json: bool) -> None:
 def resume(ctx: click.Context, kind: str, as_json: bool) -> None:
     woken = _flow_call(lambda: _leases(ctx).resume(kind))
     _emit(as_json, {"kind": kind, "paused": False, "woken": woken}, f"resumed {kind}: woke {woken} held job(s)")
+
+
+#: Columns of ``lease limits``: (heading, key of flow.FlowControl.overview's rows).
+LIMIT_COLUMNS = (
+    ("KIND", "kind"),
+    ("KEY", "key"),
+    ("CONCURRENCY", "concurrency"),
+    ("RATE", "rate_limit"),
+    ("PAUSED", "paused"),
+    ("RUNNING", "running"),
+    ("WAIT_LIMIT", "waiting_limit"),
+    ("WAIT_RATE", "waiting_rate"),
+    ("WAIT_PAUSE", "waiting_pause"),
+    ("PENDING", "pending"),
+)
+
+
+@lease.command(help="Per kind and key: limits, pause, and how many jobs run or wait on each.")
+@json_option
+@click.pass_context
+@_boundary
+def limits(ctx: click.Context, as_json: bool) -> None:
+    rows = _leases(ctx).limits()
+
+    def cell(value: Any) -> str:
+        return "yes" if value is True else "" if value is None or value is False else str(value)
+
+    text = _table([h for h, _ in LIMIT_COLUMNS], [[cell(r[k]) for _, k in LIMIT_COLUMNS] for r in rows])
+    _emit(as_json, {"kinds": rows}, text)
 
 
 @lease.command(help="Serve the HTTP API (needs the api extra).")

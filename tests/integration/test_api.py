@@ -507,7 +507,7 @@ def test_no_generated_request_gets_a_server_error(server, seeded):
     # operations are driven with hypothesis directly.
     api = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [result.ok() for result in api.get_all_operations()]
-    assert len(operations) == 6
+    assert len(operations) == 7
 
     for operation, mode in itertools.product(operations, GenerationMode):
         # A cursor is opaque: a string the schema allows is still refused (400) unless

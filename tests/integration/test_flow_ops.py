@@ -64,3 +64,111 @@ def test_priority_is_checked_at_submit_and_celery_s_priority_option_carries_it(p
     assert mod.unlimited.submit({}, priority=7).priority == 7
     assert mod.unlimited.apply_async(({},), priority=3).priority == 3
     assert mod.unlimited.submit({}).priority == 0
+
+
+# --- what operators see ------------------------------------------------------------------
+
+
+@pytest.fixture
+def flow_scene(pg, make_job):
+    """limited2: 2 running, 3 held by the limit, 1 queued; per_tenant: key a running,
+    key b held; unlimited: paused, 1 held by the pause (tenant acme)."""
+    task = "tests.apps.app_flow."
+    for _ in range(2):
+        make_job(pg, kind="limited2", task=task + "limited2", status="running", tenant="globex")
+    for _ in range(3):
+        make_job(pg, kind="limited2", task=task + "limited2", held="limit", tenant="globex")
+    make_job(pg, kind="limited2", task=task + "limited2", tenant="globex")
+    make_job(pg, kind="per_tenant", task=task + "per_tenant", status="running", concurrency_key="a", tenant="globex")
+    make_job(pg, kind="per_tenant", task=task + "per_tenant", held="limit", concurrency_key="b", tenant="globex")
+    make_job(pg, kind="unlimited", task=task + "unlimited", held="pause", tenant="acme")
+    make_job(pg, kind="unlimited", task=task + "unlimited", status="succeeded", tenant="acme")  # not counted
+    with sa.create_engine(pg).begin() as conn:
+        conn.execute(pauses.insert().values(kind="unlimited", paused_at=sa.func.now()))
+
+
+def by_kind_key(rows: list[dict]) -> dict[tuple, dict]:
+    return {(r["kind"], r["key"]): r for r in rows}
+
+
+EXPECTED = {
+    ("limited2", None): {"concurrency": 2, "running": 2, "waiting_limit": 3, "pending": 1, "paused": False},
+    ("per_tenant", "a"): {"concurrency": 1, "running": 1, "waiting_limit": 0},
+    ("per_tenant", "b"): {"concurrency": 1, "running": 0, "waiting_limit": 1},
+    ("unlimited", None): {"concurrency": None, "paused": True, "waiting_pause": 1, "running": 0},
+    ("rated", None): {"rate_limit": "4/s", "running": 0, "pending": 0},
+}
+
+
+def test_cli_limits_shows_per_kind_and_key_what_runs_and_what_waits_on_what(cli, flow_scene):
+    proc = cli("limits", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = by_kind_key(json.loads(proc.stdout)["kinds"])
+    for key, expected in EXPECTED.items():
+        assert {k: rows[key][k] for k in expected} == expected, key
+    text = cli("limits").stdout.splitlines()
+    assert text[0].split() == "KIND KEY CONCURRENCY RATE PAUSED RUNNING WAIT_LIMIT WAIT_RATE WAIT_PAUSE PENDING".split()
+    assert any(line.split()[:1] == ["limited2"] and line.split()[-5:] == ["2", "3", "0", "0", "1"] for line in text)
+
+
+def test_api_limits_counts_only_the_callers_tenant(pg, broker, client_app, flow_scene):
+    from fastapi.testclient import TestClient
+
+    from celery_lease.ops.api import create_app
+
+    tokens = {"admin": None, "acme": "acme"}
+    mod = client_app(pg, broker, conf={"lease_api_tokens": tokens}, module=MODULE)
+    client = TestClient(create_app(mod.leases))
+    assert client.get("/api/v1/limits").status_code == 401
+    everything = by_kind_key(client.get("/api/v1/limits", headers={"Authorization": "Bearer admin"}).json()["kinds"])
+    assert everything[("limited2", None)]["waiting_limit"] == 3 and everything[("unlimited", None)]["waiting_pause"] == 1
+    acme = client.get("/api/v1/limits", headers={"Authorization": "Bearer acme"}).json()["kinds"]
+    assert [(r["kind"], r["waiting_pause"], r["paused"]) for r in acme] == [("unlimited", 1, True)]
+
+
+def test_metrics_show_flow_control_per_kind_key_and_state(pg, broker, client_app, flow_scene):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from celery_lease.ops import metrics
+
+    mod = client_app(pg, broker, module=MODULE)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render(mod.leases).decode())}
+    flow = {(s.labels["kind"], s.labels["key"], s.labels["state"]): s.value for s in families["celery_lease_flow_jobs"].samples}
+    assert flow[("limited2", "", "running")] == 2 and flow[("limited2", "", "waiting_limit")] == 3
+    assert flow[("per_tenant", "b", "waiting_limit")] == 1 and flow[("unlimited", "", "waiting_pause")] == 1
+    assert {s.labels["kind"]: s.value for s in families["celery_lease_paused"].samples} == {"unlimited": 1}
+
+
+# --- slots freed outside their worker ----------------------------------------------------
+
+
+def _fill_one_slot(mod) -> tuple[str, str]:
+    """one_slot (concurrency=1): one job claimed, one held by the limit."""
+    spec = mod.leases.registry.resolve("one_slot")
+    first, second = (j.id for j in mod.one_slot.submit_many([{}, {}]))
+    assert mod.leases.flow.claim(first, spec, "w9@host/1/boot", None) is not None
+    assert mod.leases.flow.claim(second, spec, "w9@host/1/boot", None) is None
+    return first, second
+
+
+def held(db: str, job_id: str):
+    with sa.create_engine(db).connect() as conn:
+        return conn.execute(sa.select(jobs.c.held).where(jobs.c.id == job_id)).scalar_one()
+
+
+def test_a_cancel_wakes_the_job_held_by_the_slot_it_frees(pg, broker, client_app):
+    mod = client_app(pg, broker, module=MODULE)
+    first, second = _fill_one_slot(mod)
+    assert held(pg, second) == "limit"
+    assert mod.leases.cancel(first)
+    assert held(pg, second) is None  # woken (its wakeup is in Redis) by the cancel itself
+
+
+def test_a_reap_wakes_the_job_held_by_the_slot_it_frees(pg, broker, client_app):
+    mod = client_app(pg, broker, module=MODULE)
+    first, second = _fill_one_slot(mod)
+    with sa.create_engine(pg).begin() as conn:
+        expired = sa.func.now() - sa.text("interval '1 second'")
+        conn.execute(sa.update(jobs).where(jobs.c.id == first).values(lease_expires_at=expired))
+    assert mod.leases.reap() == {"requeued": 0, "expired": 1}  # max_attempts=1: expired, slot freed too
+    assert held(pg, second) is None
