@@ -8,13 +8,16 @@ the next rate window or a resume, not by the sweeper.
 from __future__ import annotations
 
 import math
+import signal
 from collections import Counter
 from datetime import datetime
 
 import pytest
 import sqlalchemy as sa
 
+from celery_lease import Status
 from celery_lease.db.schema import jobs
+from tests.apps.app import effects
 from tests.apps.app_flow import flow_metadata, spans
 from tests.conftest import wait_for
 
@@ -218,3 +221,37 @@ def test_a_cancelled_running_job_frees_its_slot_at_once(db, fleet, tmp_path):
     assert mod.leases.cancel(first)
     wait_all(db, [second])
     assert job_rows(db, [first])[first]["status"] == "cancelled"
+
+
+def test_killed_workers_slots_come_back_when_reaped_and_the_limit_holds(db, pg, broker, workers, beats, client_app):
+    conf = {"lease_reap_interval": 1, "lease_sweep_interval": 1, "lease_sweep_stale_seconds": 5}
+    env = {"CL_TEST_LEASE": "3"}
+    mod = client_app(pg, broker, conf=conf, extra_env=env, module=MODULE)
+    victim = workers(pg, broker, name="w1", module=MODULE, concurrency=2, conf=conf, extra_env=env)
+    workers(pg, broker, name="w2", module=MODULE, concurrency=2, conf=conf, extra_env=env)
+    beats(pg, broker, conf=conf, module=MODULE)
+    beats(pg, broker, conf=conf, module=MODULE)  # two beats reap and sweep side by side
+    ids = [j.id for j in mod.chaos_limited.submit_many([{"steps": 6, "sleep": 0.25}] * 10)]
+
+    def running_on_victim():
+        with db.connect() as conn:
+            return conn.execute(
+                sa.select(sa.func.count()).where(jobs.c.status == "running", jobs.c.lease_owner.startswith("w1@"))
+            ).scalar()
+
+    wait_for(running_on_victim, timeout=30, what="a limited job running on w1")
+    victim.kill(signal.SIGKILL)
+    with db.connect() as conn:
+        killed_at = conn.execute(sa.select(sa.func.clock_timestamp())).scalar_one()
+    victim.start()  # four pool slots again: only the limit keeps it at two
+    cancelled = ids[-1]  # still held or queued: a cancel must work with limits on
+    assert mod.leases.cancel(cancelled)
+    rest = ids[:-1]
+    rows = wait_all(db, rest, timeout=120)
+    with db.connect() as conn:
+        effect_counts = Counter(r[0] for r in conn.execute(sa.select(effects.c.job_id).where(effects.c.job_id.in_(ids))))
+    assert effect_counts == Counter({i: 1 for i in rest})  # 0 lost, 0 duplicated, none for the cancelled job
+    assert job_rows(db, [cancelled])[cancelled]["status"] == Status.CANCELLED.value
+    assert sum(r["lease_losses"] for r in rows.values()) >= 1  # the killed leases were reaped
+    # The killed bodies stopped when w1 was killed; the limit held throughout.
+    assert max_overlap(span_rows(db, "chaos_limited"), ended_default=killed_at) <= 2
