@@ -1,4 +1,4 @@
-"""``python -m bench [run] [options]``, ``python -m bench scale | profile | cpu``.
+"""``python -m bench [run] [options]``, ``python -m bench scale | profile | cpu | flow``.
 
 See bench/README.md for what each measures.
 """
@@ -47,12 +47,22 @@ def main(argv: list[str] | None = None) -> int:
     cpu_p = sub.add_parser("cpu", help="CPU per job by process (worker, pool, PostgreSQL, Redis) during a drain")
     cpu_p.add_argument("--n", type=int, default=6000, help="no-op jobs drained per system (default 6000)")
     cpu_p.add_argument("--results", type=Path, default=RESULTS)
+    flow_p = sub.add_parser("flow", help="the cost of a concurrency or rate limit at claim time (~30 s)")
+    flow_p.add_argument("--samples", type=int, default=500, help="timed claims per variant (default 500)")
+    flow_p.add_argument("--n", type=int, default=1000, help="no-op jobs per drain (default 1000)")
+    flow_p.add_argument("--reps", type=int, default=2, help="interleaved drains per kind (default 2)")
+    flow_p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     if args.command == "cpu":
         from bench.cpu import main as cpu_main
 
         return cpu_main(args, log)
+
+    if args.command == "flow":
+        from bench.flow import main as flow_main
+
+        return flow_main(args, log)
 
     if args.command == "scale":
         from bench.scale import main as scale_main

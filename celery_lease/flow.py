@@ -63,7 +63,7 @@ class FlowControl:
         settings: Callable[[], Settings],
     ) -> None:
         self._store = store
-        self._db = FlowStore(store)
+        self._db = FlowStore(store, prepare=settings().prepare_statements)
         self._app = app
         self._publish = publish
         self._registry = registry
@@ -102,7 +102,7 @@ class FlowControl:
         if str(row["id"]) != job_id:
             log.info("celery-lease: job %s (%s): claimed higher-priority job %s in its place", job_id, spec.kind, row["id"])
             self._publish([{"id": job_id, "task": spec.task, "queue": queue}])
-        if limits is not None:
+        if limits is not None and limits.concurrency is not None:  # a rate is not given back
             with self._lock:
                 self._slots[(str(row["id"]), row["lease_generation"])] = (spec.kind, row.get("concurrency_key"))
         return row
@@ -145,7 +145,7 @@ class FlowControl:
     def released_groups(self, groups: Sequence[tuple[str, str | None]]) -> None:
         for kind, key in dict.fromkeys(groups):
             try:
-                self._publish(self._db.top_up(kind, key))
+                self._publish(self._db.wake_for_slot(kind, key))
             except Exception:
                 # The jobs stay held; the sweeper's recovery wakes them.
                 log.warning("celery-lease: cannot wake jobs held by %s's limit; the sweeper will", kind, exc_info=True)

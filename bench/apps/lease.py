@@ -33,7 +33,17 @@ def make_app(db: str | None, broker: str | None):
     def sleep10(ctx, payload):
         body("sleep10")
 
-    return app, leases, {"noop": noop, "sleep10": sleep10}
+    # Flow control (python -m bench flow): no-op bodies behind limits they never reach,
+    # so what differs from noop is only the cost of the limit at claim and release.
+    @leases.job(kind="noop_limited", name="bench.lease.noop_limited", concurrency=64)
+    def noop_limited(ctx, payload):
+        body("noop")
+
+    @leases.job(kind="noop_rated", name="bench.lease.noop_rated", rate_limit="100000/s")
+    def noop_rated(ctx, payload):
+        body("noop")
+
+    return app, leases, {"noop": noop, "sleep10": sleep10, "noop_limited": noop_limited, "noop_rated": noop_rated}
 
 
 # The worker's app (`celery -A bench.apps.lease worker`), from the environment.

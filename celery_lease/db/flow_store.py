@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db import queries as q
-from celery_lease.status import Event, Status
+from celery_lease.db.prepared import Prepared, PreparedScript
+from celery_lease.status import Event
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -42,94 +43,103 @@ class ClaimResult:
     later: tuple[float, dict] | None = None
 
 
-def _window(state: Any, per_seconds: int) -> tuple[int, int]:
-    """(the current rate window, claims already counted in it) from a limits row.
-
-    A claim whose transaction began in an older window than the one stored (it waited
-    for the lock across the boundary) counts as a full window: it waits for the next
-    one, so no window ever holds more claims than the rate, whichever way they are
-    grouped (by window or by the claims' started_at)."""
-    window = int(math.floor(float(state["now_epoch"]) / per_seconds))
-    if window > state["rate_window"]:
-        return window, 0
-    if window == state["rate_window"]:
-        return window, state["rate_claims"]
-    return state["rate_window"], 2**31
-
-
 class FlowStore:
-    def __init__(self, store: Store) -> None:
+    """``prepare``: on PostgreSQL with prepared statements, the statements of one step
+    (lock, then claim; lock, then hold; lock, then wake) go as one PreparedScript: one
+    round trip. Otherwise they run one by one in a transaction (same statements)."""
+
+    def __init__(self, store: Store, *, prepare: bool) -> None:
         self._store = store
+        self._prepare = prepare and store.dialect == "postgresql"
+        self._scripts: dict[Any, PreparedScript] = {}
 
     def _tx(self, fn):
         # Fast commits: like the claim itself, what these write is protected by the
         # lease (a lost commit leaves a job pending, which the sweeper recovers).
         return self._store.transaction(self._store.fast, fn)
 
+    def _script(self, *stmts) -> PreparedScript:
+        if stmts not in self._scripts:
+            self._scripts[stmts] = PreparedScript(*(Prepared(s) for s in stmts))
+        return self._scripts[stmts]
+
     # --- claims ----------------------------------------------------------------------
 
     def claim_limited(self, job_id: str, owner: str, kind: str, limits: Limits) -> ClaimResult:
-        """The claim of a limited kind, in one transaction under its limits row lock:
-        the rate window, then claim_job_limited, else hold_job."""
+        """The claim of a limited kind: lock_limits, then claim_job_limited (with its
+        run event and the rate window's count) in one transaction; refused, hold_job
+        under the lock again (the reason is decided on what a release would see)."""
         rate = limits.rate
+        concurrency, rated = limits.concurrency is not None, rate is not None
+        params = {
+            "job_id": job_id,
+            "owner": owner,
+            "of_kind": kind,
+            "new_concurrency": limits.concurrency,
+            "new_rate": rate and rate.count,
+            "new_per_seconds": rate and rate.per_seconds,
+            "concurrency": limits.concurrency,
+        }
+        row: dict[str, Any] | None
+        if self._prepare:
+            script = self._script(q.lock_limits("postgresql"), q.claim_job_limited_logged(concurrency, rated))
+            rows = self._store.execute_prepared(script, params)
+            row = rows[0] if rows else None
+        else:
 
-        def work(conn: Connection) -> ClaimResult:
-            state = (
-                conn.execute(
-                    q.lock_limits(self._store.dialect),
-                    {
-                        "of_kind": kind,
-                        "new_concurrency": limits.concurrency,
-                        "new_rate": rate and rate.count,
-                        "new_per_seconds": rate and rate.per_seconds,
-                    },
-                )
-                .mappings()
-                .one()
-            )
-            window, used = _window(state, rate.per_seconds) if rate else (0, 0)
-            rate_spent = rate is not None and used >= rate.count
-            if not rate_spent:
-                params = {"job_id": job_id, "owner": owner, "concurrency": limits.concurrency}
-                row = conn.execute(q.claim_job_limited(limits.concurrency is not None), params).mappings().first()
-                if row is not None:
-                    self._store.log_events(conn, [(row, Event.CLAIMED, owner)])
-                    result = ClaimResult(row=dict(row))
-                    if rate is not None:
-                        conn.execute(q.count_rate_claim(), {"of_kind": kind, "new_window": window, "new_claims": used + 1})
-                        if used == 0 and rate.count > 1:
-                            # The first claim of a window wakes the jobs held for it.
-                            result.wake = self._wake(conn, RATE, kind, None, rate.count - 1)
-                    return result
-            held = conn.execute(
-                q.hold_job(), {"job_id": job_id, "rate_spent": rate_spent, "concurrency": limits.concurrency}
-            ).first()
-            if held is None:
-                return ClaimResult()  # not pending or not due: a duplicate delivery
-            if held.held is None:
-                return ClaimResult(retry=True)
-            result = ClaimResult(held=held.held)
-            if held.held == RATE and rate is not None:
-                # One wakeup per kind for the next window's start (the first claim there
-                # wakes the rest); the sweeper recovers it if it is lost.
-                if conn.execute(q.schedule_window_wakeup(), {"of_kind": kind, "new_window": window + 1}).rowcount:
-                    seconds = (window + 1) * rate.per_seconds - float(state["now_epoch"])
-                    result.later = (max(0.0, seconds), {"id": job_id})
+            def work(conn: Connection) -> dict[str, Any] | None:
+                conn.execute(q.lock_limits(self._store.dialect), params)
+                found = conn.execute(q.claim_job_limited(concurrency, rated), params).mappings().first()
+                if found is None:
+                    return None
+                claimed = dict(found)
+                self._store.log_events(conn, [(claimed, Event.CLAIMED, owner)])
+                claimed["window_claims"] = conn.execute(q.count_rate_claim(), params).scalar() if rated else None
+                return claimed
+
+            row = self._tx(work)
+        if row is not None:
+            result = ClaimResult(row=row)
+            if rate is not None and row["window_claims"] == 1 and rate.count > 1:
+                # This claim opened a rate window: wake the jobs held for it.
+                result.wake = self._tx(lambda c: self._wake(c, RATE, kind, None, rate.count - 1))
             return result
-
-        return self._tx(work)
+        result = self._hold(job_id, kind, limits.concurrency)
+        if result.held == RATE:
+            seconds = self._store.transaction(
+                self._store.engine(fast=True, single=True),
+                lambda c: c.execute(q.schedule_window_wakeup(), {"of_kind": kind}).scalar(),
+            )
+            if seconds is not None:
+                # One wakeup for the next window's start (the first claim there wakes
+                # the rest); the sweeper recovers it if it is lost.
+                result.later = (max(0.0, float(seconds)), {"id": job_id})
+        return result
 
     def hold(self, job_id: str) -> ClaimResult:
         """After a refused claim of an unlimited kind: held for a pause, or (retry) not
         held by anything, or neither (a duplicate delivery)."""
+        return self._hold(job_id, None, None)
 
-        def work(conn: Connection) -> ClaimResult:
-            held = conn.execute(q.hold_job(), {"job_id": job_id, "rate_spent": False, "concurrency": None}).first()
-            if held is None:
-                return ClaimResult()
-            return ClaimResult(held=held.held, retry=held.held is None)
+    def _hold(self, job_id: str, kind: str | None, concurrency: int | None) -> ClaimResult:
+        params = {"job_id": job_id, "of_kind": kind, "limited": kind is not None, "concurrency": concurrency}
+        if self._prepare:
+            stmts = (q.lock_limits_row(), q.hold_job()) if kind is not None else (q.hold_job(),)
+            rows = self._store.execute_prepared(self._script(*stmts), params)
+            held = rows[0]["held"] if rows else None
+            found = bool(rows)
+        else:
 
-        return self._tx(work)
+            def work(conn: Connection) -> tuple[bool, str | None]:
+                if kind is not None:
+                    conn.execute(q.lock_limits_row(), params)
+                marked = conn.execute(q.hold_job(), params).first()
+                return (False, None) if marked is None else (True, marked.held)
+
+            found, held = self._tx(work)
+        if not found:
+            return ClaimResult()  # not pending or not due: a duplicate delivery
+        return ClaimResult(held=held, retry=held is None)
 
     def claim_target(self, job_id: str) -> tuple[str, str | None] | None:
         """(kind, concurrency key) of a job, if it exists."""
@@ -144,19 +154,29 @@ class FlowStore:
         params = {"reason": reason, "of_kind": kind, "key": key, "limit": int(min(limit, 2**31 - 1))}
         return [dict(r) for r in conn.execute(q.wake_held(by_key), params).mappings()]
 
+    def wake_for_slot(self, kind: str, key: str | None) -> list[dict]:
+        """A limited job of (kind, key) left running: under the kind's lock, wake the
+        jobs held by its limit into the free slots (wake_for_slot). Returns wakeups."""
+        params = {"of_kind": kind, "key": key}
+        if self._prepare:
+            return self._store.execute_prepared(self._script(q.lock_limits_row(), q.wake_for_slot()), params)
+
+        def work(conn: Connection) -> list[dict]:
+            conn.execute(q.lock_limits_row(), params)
+            return [dict(r) for r in conn.execute(q.wake_for_slot(), params).mappings()]
+
+        return self._tx(work)
+
     def top_up(self, kind: str, key: str | None) -> list[dict]:
         """Under the kind's limits row lock: wake as many jobs held for its limit (of
-        ``key``) and for its rate as there is capacity now. Called when a slot frees,
-        and by the sweeper's recovery. Returns the wakeups to publish."""
+        ``key``) and for its rate as there is capacity now (the sweeper's recovery, and
+        a spent delivery of a limited kind). Returns the wakeups to publish."""
 
         def work(conn: Connection) -> list[dict]:
             state = conn.execute(q.lock_limits_row(), {"of_kind": kind}).mappings().first()
             if state is None:
                 return []
-            budget: float = math.inf
-            if state["rate"]:
-                _, used = _window(state, state["per_seconds"])
-                budget = max(0, state["rate"] - used)
+            budget: float = math.inf if state["rate_budget"] is None else state["rate_budget"]
             woken: list[dict] = []
             if state["concurrency"]:
                 running = conn.execute(q.running_count(), {"of_kind": kind, "key": key}).scalar_one()
@@ -214,7 +234,3 @@ class FlowStore:
             }
 
         return self._store.transaction(self._store.durable, work)
-
-
-#: The statuses a view of flow control counts.
-ACTIVE = (Status.PENDING.value, Status.RUNNING.value)

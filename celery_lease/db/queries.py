@@ -702,23 +702,112 @@ def _running_like(t) -> sa.ScalarSelect:
     )
 
 
+class rate_window_now(FunctionElement):
+    """The index of the current rate window: epoch seconds of the database clock
+    divided by a window's length, rounded down."""
+
+    type = sa.BigInteger()
+    inherit_cache = True
+
+
+@compiles(rate_window_now)
+def _rate_window_default(element, compiler, **kw):
+    (per,) = element.clauses
+    return f"CAST(floor(extract(epoch from now()) / {compiler.process(per, **kw)}) AS BIGINT)"
+
+
+@compiles(rate_window_now, "sqlite")
+def _rate_window_sqlite(element, compiler, **kw):
+    (per,) = element.clauses
+    # Epoch seconds are positive: truncation is rounding down.
+    epoch = f"((julianday({_now_sqlite(element, compiler)}) - 2440587.5) * 86400.0)"
+    return f"CAST({epoch} / {compiler.process(per, **kw)} AS INTEGER)"
+
+
+def _rate_open(row) -> sa.ColumnElement:
+    """A limits row's rate window still takes a claim. A claim whose transaction began
+    in an older window than the one stored (it waited for the lock across the
+    boundary) is refused, so no window, however its claims are grouped (by the window
+    that counted them or by their started_at), holds more than the rate."""
+    now = rate_window_now(row.per_seconds)
+    return sa.case(
+        (row.rate.is_(None), sa.true()),
+        (now > row.rate_window, sa.true()),
+        (now == row.rate_window, row.rate_claims < row.rate),
+        else_=sa.false(),
+    )
+
+
+def _rate_open_for(kind) -> sa.ScalarSelect:
+    row = limits.alias("lim")
+    return sa.select(_rate_open(row.c)).where(row.c.kind == kind).scalar_subquery()
+
+
 @functools.cache
-def claim_job_limited(concurrency: bool) -> sa.Update:
-    """claim_job_flow for a limited kind, run while its limits row is locked: with
-    ``concurrency``, only while fewer than :concurrency jobs of the claimed job's kind
-    and key run. (The rate window is checked under the same lock, before.)"""
+def claim_job_limited(concurrency: bool, rate: bool) -> sa.Update:
+    """claim_job_flow for a limited kind, run after lock_limits in the same transaction:
+    with ``concurrency``, only while fewer than :concurrency jobs of the claimed job's
+    kind and key run; with ``rate``, only while the kind's rate window takes a claim."""
     stmt = claim_job_flow()
     if concurrency:
         stmt = stmt.where(_running_like(_c) < sa.bindparam("concurrency", type_=sa.Integer))
+    if rate:
+        stmt = stmt.where(_rate_open_for(sa.bindparam("of_kind", type_=sa.String)))
     return stmt
+
+
+@functools.cache
+def count_rate_claim() -> sa.Update:
+    """count_rate_claim: one more claim in the kind's current rate window (a new window
+    starts at 1). Returns the count: 1 means this claim opened the window."""
+    now = rate_window_now(limits.c.per_seconds)
+    return (
+        sa.update(limits)
+        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None))
+        .values(
+            rate_window=now,
+            rate_claims=sa.case((limits.c.rate_window == now, limits.c.rate_claims + 1), else_=1),
+        )
+        .returning(limits.c.rate_claims)
+    )
+
+
+@functools.cache
+def claim_job_limited_logged(concurrency: bool, rate: bool) -> sa.Select:
+    """claim_job_limited, its run's 'claimed' event and (with ``rate``) the window's
+    count, as ONE statement (PostgreSQL), like claim_job_logged. window_claims is the
+    count after this claim (NULL without a rate)."""
+    claimed = claim_job_limited(concurrency, rate).cte("claimed")
+    logged = (
+        sa.insert(events)
+        .from_select(
+            ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
+            sa.select(
+                claimed.c.run_id,
+                claimed.c.id,
+                sa.literal(Event.CLAIMED.value),
+                claimed.c.attempt,
+                sa.bindparam("owner", type_=sa.Text),
+                db_now(),
+            ).where(claimed.c.run_id.is_not(None)),
+        )
+        .cte("logged")
+    )
+    stmt = sa.select(claimed).add_cte(logged)
+    if not rate:
+        return stmt.add_columns(sa.null().label("window_claims"))
+    counted = count_rate_claim().where(sa.exists(sa.select(claimed.c.id))).cte("counted")
+    return stmt.add_cte(counted).add_columns(sa.select(counted.c.rate_claims).scalar_subquery().label("window_claims"))
 
 
 @functools.cache
 def hold_job() -> sa.Update:
     """hold_job: a delivery flow control refused leaves its job pending, marked with
-    why: 'pause' (its kind is paused), 'rate' (:rate_spent, the window's claims are
-    used up) or 'limit' (:concurrency jobs of its kind and key run). held NULL in the
-    result means nothing holds it now (the caller claims again).
+    why: 'pause' (its kind is paused), and for a :limited kind 'rate' (its rate
+    window is spent) or 'limit' (:concurrency jobs of its kind and key run). held NULL
+    in the result means nothing holds it now: the caller claims again. Run under the
+    kind's limits row lock (after lock_limits_row) for a limited kind, so the reason is
+    decided on the same state a release sees.
 
     The pause row is read FOR SHARE: a resume that deletes it either waits for this
     statement (and then wakes the job it marked) or commits first (and this statement
@@ -726,10 +815,11 @@ def hold_job() -> sa.Update:
     of missed wakeups (stale_held_groups) leaves freshly held jobs alone.
     """
     paused = sa.exists(sa.select(pauses.c.kind).where(pauses.c.kind == _c.kind).with_for_update(read=True))
+    limited = sa.bindparam("limited", type_=sa.Boolean)
     reason = sa.case(
         (paused, "pause"),
-        (sa.bindparam("rate_spent", type_=sa.Boolean), "rate"),
-        (_running_like(_c) >= sa.bindparam("concurrency", type_=sa.Integer), "limit"),
+        (sa.and_(limited, sa.not_(sa.func.coalesce(_rate_open_for(_c.kind), sa.true()))), "rate"),
+        (sa.and_(limited, _running_like(_c) >= sa.bindparam("concurrency", type_=sa.Integer)), "limit"),
         else_=None,
     )
     return (
@@ -748,9 +838,8 @@ def get_claim_target() -> sa.Select:
 @functools.cache
 def lock_limits(dialect: str) -> sa.Insert:
     """lock_limits: create or update a kind's limits row with the limits its worker
-    declares, locking it until the transaction ends; returns the rate window state and
-    the database clock (epoch seconds). Every limited claim and every release of a
-    limited kind's slot takes this lock first, so they serialize per kind."""
+    declares, locking it until the transaction ends. Every limited claim and every
+    release of a limited kind's slot takes this lock first, so they serialize per kind."""
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     stmt = insert(limits).values(
         kind=sa.bindparam("of_kind"),
@@ -767,33 +856,80 @@ def lock_limits(dialect: str) -> sa.Insert:
             "per_seconds": stmt.excluded.per_seconds,
             "updated_at": db_now(),
         },
-    ).returning(limits, epoch_seconds(db_now()).label("now_epoch"))
-
-
-@functools.cache
-def lock_limits_row() -> sa.Select:
-    """A kind's limits row, locked (a release of a slot: the limits stay as declared)."""
-    now_epoch = epoch_seconds(db_now()).label("now_epoch")
-    return sa.select(limits, now_epoch).where(limits.c.kind == sa.bindparam("of_kind")).with_for_update()
-
-
-@functools.cache
-def count_rate_claim() -> sa.Update:
-    return (
-        sa.update(limits)
-        .where(limits.c.kind == sa.bindparam("of_kind"))
-        .values(rate_window=sa.bindparam("new_window"), rate_claims=sa.bindparam("new_claims"))
     )
 
 
 @functools.cache
+def lock_limits_row() -> sa.Select:
+    """A kind's limits row, locked (a release of a slot: the limits stay as declared),
+    with the claims its rate window still takes (NULL without a rate)."""
+    now = rate_window_now(limits.c.per_seconds)
+    budget = sa.case(
+        (limits.c.rate.is_(None), sa.null()),
+        (now > limits.c.rate_window, limits.c.rate),
+        (sa.and_(now == limits.c.rate_window, limits.c.rate > limits.c.rate_claims), limits.c.rate - limits.c.rate_claims),
+        else_=0,
+    )
+    return sa.select(limits, budget.label("rate_budget")).where(limits.c.kind == sa.bindparam("of_kind")).with_for_update()
+
+
+@functools.cache
 def schedule_window_wakeup() -> sa.Update:
-    """Record that a wakeup is sent for the start of window :new_window; matches no row
-    when one already is, so one wakeup per window and kind is scheduled."""
+    """Record that a wakeup is sent for the start of the kind's next rate window;
+    returns the seconds until then, or no row when one is already scheduled (one
+    wakeup per window and kind)."""
+    now = rate_window_now(limits.c.per_seconds)
+    following = sa.case((now > limits.c.rate_window, now), else_=limits.c.rate_window) + 1
     return (
         sa.update(limits)
-        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.woken_window < sa.bindparam("new_window"))
-        .values(woken_window=sa.bindparam("new_window"))
+        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None), limits.c.woken_window < following)
+        .values(woken_window=following)
+        .returning((following * limits.c.per_seconds - epoch_seconds(db_now())).label("seconds"))
+    )
+
+
+@functools.cache
+def wake_for_slot() -> sa.Update:
+    """wake_for_slot: after a limited job left running, the jobs of its kind and key
+    :key held by the limit, as many as slots are free now (the kind's declared
+    concurrency minus its running jobs of that key), best priority first. Run after
+    lock_limits_row in the same transaction."""
+    row, slots = limits.alias("lim"), jobs.alias("slots")
+    running = (
+        sa.select(sa.func.count())
+        .select_from(slots)
+        .where(
+            slots.c.status == _RUNNING,
+            slots.c.kind == sa.bindparam("of_kind"),
+            slots.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
+        )
+        .scalar_subquery()
+    )
+    free = (
+        sa.select(sa.case((row.c.concurrency > running, row.c.concurrency - running), else_=0))
+        .where(row.c.kind == sa.bindparam("of_kind"))
+        .scalar_subquery()
+    )
+    held = jobs.alias("held")
+    pick = (
+        sa.select(held.c.id)
+        .where(
+            held.c.status == _PENDING,
+            held.c.held == sa.literal_column("'limit'"),
+            held.c.kind == sa.bindparam("of_kind"),
+            held.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
+            _due(held.c),
+        )
+        .order_by(held.c.priority.desc(), held.c.created_at)
+        .limit(free)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return (
+        sa.update(jobs)
+        .where(_c.id.in_(pick), _c.status == Status.PENDING.value)
+        .values(held=sa.null(), woken_at=db_now())
+        .returning(*WAKEUP_COLUMNS)
     )
 
 

@@ -172,3 +172,33 @@ def test_a_reap_wakes_the_job_held_by_the_slot_it_frees(pg, broker, client_app):
         conn.execute(sa.update(jobs).where(jobs.c.id == first).values(lease_expires_at=expired))
     assert mod.leases.reap() == {"requeued": 0, "expired": 1}  # max_attempts=1: expired, slot freed too
     assert held(pg, second) is None
+
+
+# --- the limited claim on PostgreSQL, both transports ------------------------------------
+
+
+@pytest.mark.parametrize("prepare", [True, False], ids=["one-round-trip-script", "transaction"])
+def test_limited_claim_hold_and_release_on_postgresql(pg, make_job, prepare):
+    from celery_lease.db.flow_store import FlowStore
+    from celery_lease.db.store import Store
+    from celery_lease.limits import Limits, Rate
+
+    store = Store(pg)
+    flow = FlowStore(store, prepare=prepare)
+    try:
+        limits = Limits(concurrency=2, rate=Rate(3, 3600))
+        ids = [make_job(pg, kind="k", task="t") for _ in range(5)]
+        first, second = (flow.claim_limited(i, "n/1/b", "k", limits).row for i in ids[:2])
+        assert first is not None and second is not None and first["window_claims"] == 1 and second["window_claims"] == 2
+        assert flow.claim_limited(ids[2], "n/1/b", "k", limits).held == "limit"
+        with store.durable.begin() as conn:
+            conn.execute(sa.update(jobs).where(jobs.c.id == ids[0]).values(status="succeeded"))
+        assert [str(w["id"]) for w in flow.wake_for_slot("k", None)] == [ids[2]]
+        assert flow.claim_limited(ids[2], "n/1/b", "k", limits).row is not None  # the third claim of the window
+        with store.durable.begin() as conn:
+            conn.execute(sa.update(jobs).where(jobs.c.id == ids[1]).values(status="succeeded"))
+        refused = flow.claim_limited(ids[3], "n/1/b", "k", limits)  # a slot is free, the window is not
+        assert refused.held == "rate" and refused.later is not None and 0 <= refused.later[0] <= 3600
+        assert flow.claim_limited(ids[4], "n/1/b", "k", limits).later is None  # one wakeup per window
+    finally:
+        store.dispose()

@@ -24,7 +24,7 @@ OWNER = "node/1/boot"
 
 @pytest.fixture
 def flow(store):
-    return FlowStore(store)
+    return FlowStore(store, prepare=False)
 
 
 # --- declarations ------------------------------------------------------------------------
@@ -94,9 +94,9 @@ def test_concurrency_holds_the_claim_while_the_kind_is_full_and_a_release_wakes_
     assert (result.row, result.held) == (None, "limit")
     r = row(third)
     assert (r["status"], r["attempt"], r["held"]) == ("pending", 0, "limit")  # no attempt spent
-    assert flow.top_up("k", None) == []  # still full: nothing woken
+    assert flow.wake_for_slot("k", None) == []  # still full: nothing woken
     assert attempt_for(first, 1).write(flow._store, q.complete_job(), new_result=None, new_progress=None)
-    woken = flow.top_up("k", None)
+    woken = flow.wake_for_slot("k", None)
     assert [str(w["id"]) for w in woken] == [third]
     assert row(third)["held"] is None
     assert flow.claim_limited(third, OWNER, "k", limits).row is not None
@@ -120,7 +120,7 @@ def test_concurrency_key_limits_each_key_separately(flow, add_job, row):
     assert flow.claim_limited(a2, OWNER, "k", limits).held == "limit"
     claimed = flow.claim_limited(b1, OWNER, "k", limits).row
     assert claimed is not None and claimed["concurrency_key"] == "b"  # a's backlog does not block b
-    assert flow.top_up("k", "b") == []  # b's release wakes nothing of a
+    assert flow.wake_for_slot("k", "b") == []  # b's release wakes nothing of a
     assert row(a2)["held"] == "limit"
 
 
@@ -132,7 +132,7 @@ def test_release_wakes_held_jobs_best_priority_first_then_oldest(flow, add_job):
     for job in (low_old, low_new, high):
         assert flow.claim_limited(job, OWNER, "k", limits).held is not None
     assert attempt_for(running, 1).write(flow._store, q.fail_job(), new_error="x")
-    assert [str(w["id"]) for w in flow.top_up("k", None)] == [high]
+    assert [str(w["id"]) for w in flow.wake_for_slot("k", None)] == [high]
 
 
 def test_rate_limit_counts_claims_per_window_and_schedules_one_wakeup_for_the_next(flow, add_job, row, store):
