@@ -180,9 +180,12 @@ class FlowStore:
             woken: list[dict] = []
             if state["concurrency"]:
                 running = conn.execute(q.running_count(), {"of_kind": kind, "key": key}).scalar_one()
-                woken += self._wake(conn, LIMIT, kind, key, min(state["concurrency"] - running, budget), by_key=True)
-            if state["rate"]:
-                woken += self._wake(conn, RATE, kind, None, budget - len(woken))
+                free = state["concurrency"] - running
+            else:
+                free = math.inf  # the kind no longer declares a concurrency: nothing holds its jobs
+            woken += self._wake(conn, LIMIT, kind, key, min(free, budget), by_key=True)
+            # (Without a rate, budget is unbounded: jobs held by a dropped rate are all woken.)
+            woken += self._wake(conn, RATE, kind, None, budget - len(woken))
             return woken
 
         return self._tx(work)

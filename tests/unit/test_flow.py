@@ -251,3 +251,19 @@ def test_stale_held_groups_are_what_the_sweeper_recovers(flow, add_job):
     add_job(kind="k", held="pause", woken_ago=120)
     add_job(kind="fresh", held="limit", woken_ago=1)
     assert set(flow.stale_held_groups(30, 10)) == {("k", "a", "limit"), ("k", None, "pause")}
+
+
+@pytest.mark.parametrize(
+    "declared", [Limits(concurrency=5), Limits(rate=Rate(5, 3600))], ids=["rate-dropped", "concurrency-dropped"]
+)
+def test_jobs_held_by_limits_the_kind_no_longer_declares_are_recovered(flow, add_job, row, declared):
+    running = add_job(kind="k")
+    assert flow.claim_limited(running, OWNER, "k", Limits(concurrency=1, rate=Rate(1, 3600))).row is not None
+    by_limit, by_rate = add_job(kind="k"), add_job(kind="k")
+    assert flow.claim_limited(by_limit, OWNER, "k", Limits(concurrency=1)).held == "limit"
+    assert flow.claim_limited(by_rate, OWNER, "k", Limits(rate=Rate(1, 3600))).held == "rate"
+    # A new deployment drops one limit and loosens the other; its next claim declares
+    # that in the row, and the sweeper's recovery wakes both held jobs.
+    other = add_job(kind="k")
+    assert flow.claim_limited(other, OWNER, "k", declared).row is not None
+    assert {str(w["id"]) for w in flow.top_up("k", None)} == {by_limit, by_rate}
