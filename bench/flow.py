@@ -88,7 +88,7 @@ def statements(leases, tasks, samples: int) -> dict:
             job_id = next(queues[name])
             started = time.perf_counter()
             if name == "before":
-                row = store.execute_prepared(before, {"job_id": job_id, "owner": OWNER})[0]
+                row = store.execute_prepared(before, {"job_id": job_id, "owner": OWNER, "wakeup_task": specs["noop"].task})[0]
             else:
                 row = flow.claim(job_id, specs[name], OWNER, None)
             elapsed = time.perf_counter() - started

@@ -49,7 +49,7 @@ def measure(leases, task, samples: int) -> dict:
     # Claim: fresh pending jobs (submitted in one batch, their wakeups go nowhere), each
     # claimed once by primary key; then removed so the next measurement starts alike.
     jobs = iter(task.submit_many([{}] * (samples + 1)))
-    figures["claim"] = timed(lambda: leases.store.claim(next(jobs).id, "bench/0/scale"), samples)
+    figures["claim"] = timed(lambda: leases.store.claim(next(jobs).id, "bench/0/scale", task.name), samples)
     with leases.store.durable.begin() as conn:
         conn.exec_driver_sql("DELETE FROM celery_lease_jobs WHERE status IN ('pending', 'running')")
     return figures

@@ -3,32 +3,54 @@
 The table is the truth and the heartbeat is the guarantee: a cancelled job's lease is
 revoked by the cancel statement itself, and the worker holding it learns at its next
 renewal (within ``lease_seconds / 3``). This module only shortens that wait. When the
-broker is Redis, ``cancel`` publishes the cancelled ids on one channel, and every
-worker process that holds a lease listens there and renews at once on any message;
-the renewal finds the revoked lease and marks the attempt lost.
+broker is Redis, ``cancel`` publishes the cancelled ids, and every worker process that
+holds a lease listens and renews at once when a notice names a job it holds; the
+renewal finds the revoked lease and marks the attempt lost.
 
-Best-effort in both directions: a notice that cannot be published, or that arrives
-while a listener is reconnecting, is simply lost and the heartbeat takes over.
-Pub/sub is not scoped to a Redis database number, so a notice may wake processes of
-another app sharing the server; that costs them one renewal statement, nothing more.
+A notice is untrusted input: anything that can reach the Redis server can publish one.
+So a listener
+
+* hears only its own app's channel (:func:`channel`: the app's name and the broker's
+  database number; pub/sub itself ignores database numbers);
+* parses each notice: a JSON list of at most :data:`MAX_IDS` job ids, at most
+  :data:`MAX_NOTICE_BYTES` long; anything else is ignored whole;
+* acts only on a notice that names a job this process holds (no statement otherwise);
+* renews at most :data:`WAKE_RATE` times a second (bursts of :data:`WAKE_BURST`): a
+  flood of notices naming held jobs costs a bounded number of statements, and the
+  notices over the rate are dropped (the heartbeat still covers them).
+
+Best-effort in both directions: a notice that cannot be published, that is dropped, or
+that arrives while a listener is reconnecting is simply lost and the heartbeat takes over.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+from celery_lease.job import parse_job_id
 
 log = logging.getLogger("celery_lease.cancel_notice")
 
-CHANNEL = "celery-lease:cancelled"
+CHANNEL_PREFIX = "celery-lease:cancelled"
 #: Publishing is on the caller's path (leases.cancel): never wait long for Redis.
 PUBLISH_TIMEOUT = 1.0
 #: A listener that lost its connection tries again after this long.
 RECONNECT_SECONDS = 1.0
+#: A notice longer than this is ignored unread.
+MAX_NOTICE_BYTES = 64 * 1024
+#: Ids per notice; a cancel of more jobs publishes several notices.
+MAX_IDS = 1000
+#: Renewals a second that notices may cause, and the burst allowed above that rate.
+WAKE_RATE = 10.0
+WAKE_BURST = 20
+#: Ignored and dropped notices are reported in the log at most this often.
+REPORT_SECONDS = 60.0
 
 
 def redis_url(broker_url: Any) -> str | None:
@@ -39,16 +61,33 @@ def redis_url(broker_url: Any) -> str | None:
     return None
 
 
-def publish(broker_url: Any, job_ids: list[str]) -> bool:
+def channel(broker_url: Any, app_name: str | None) -> str:
+    """The channel of one app's notices on one Redis database."""
+    db = 0
+    url = redis_url(broker_url)
+    if url is not None:
+        from redis.connection import parse_url
+
+        try:
+            db = int(parse_url(url).get("db") or 0)
+        except (ValueError, TypeError):
+            db = 0
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", app_name or "celery")[:100]
+    return f"{CHANNEL_PREFIX}:{db}:{name}"
+
+
+def publish(broker_url: Any, job_ids: list[str], channel_name: str | None = None) -> bool:
     """Announce cancelled jobs; False when no notice could be sent."""
     url = redis_url(broker_url)
     if url is None or not job_ids:
         return False
     import redis
 
+    name = channel_name or channel(url, None)
     client = redis.Redis.from_url(url, socket_timeout=PUBLISH_TIMEOUT, socket_connect_timeout=PUBLISH_TIMEOUT)
     try:
-        client.publish(CHANNEL, json.dumps(job_ids))
+        for start in range(0, len(job_ids), MAX_IDS):
+            client.publish(name, json.dumps(job_ids[start : start + MAX_IDS]))
         return True
     except redis.RedisError as exc:
         log.info("celery-lease: cancel notice not sent (%s); heartbeats will notice", type(exc).__name__)
@@ -57,8 +96,79 @@ def publish(broker_url: Any, job_ids: list[str]) -> bool:
         client.close()
 
 
-def listen(broker_url: Any, wake: Callable[[], None]) -> threading.Thread | None:
-    """Start this process's listener thread, calling ``wake()`` on every notice.
+def parse(data: Any) -> set[str] | None:
+    """The job ids a notice names, or None when it is not a well-formed notice."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "replace")
+    if not isinstance(data, bytes) or len(data) > MAX_NOTICE_BYTES:
+        return None
+    try:
+        ids = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(ids, list) or not 0 < len(ids) <= MAX_IDS:
+        return None
+    if not all(isinstance(i, str) and len(i) == 36 for i in ids):
+        return None
+    try:
+        return {parse_job_id(i) for i in ids}
+    except ValueError:
+        return None
+
+
+class Listener:
+    """Turns notices into heartbeat wake-ups: only well-formed ones, naming a job this
+    process holds, at a bounded rate. Counts what it saw (for logs and tests)."""
+
+    def __init__(self, wake: Callable[[], None], held: Callable[[], Iterable[str]]) -> None:
+        self._wake = wake
+        self._held = held
+        self.received = 0
+        self.ignored = 0  # malformed, or naming no job held here
+        self.dropped = 0  # over the rate
+        self.woken = 0
+        self._tokens = float(WAKE_BURST)
+        self._refilled = time.monotonic()
+        self._reported = (0, 0)
+        self._reported_at = 0.0
+
+    def handle(self, data: Any) -> bool:
+        """One notice; True when it woke the heartbeat."""
+        self.received += 1
+        ids = parse(data)
+        if not ids or ids.isdisjoint(self._held()):
+            self.ignored += 1
+            self._report()
+            return False
+        now = time.monotonic()
+        self._tokens = min(float(WAKE_BURST), self._tokens + (now - self._refilled) * WAKE_RATE)
+        self._refilled = now
+        if self._tokens < 1.0:
+            self.dropped += 1
+            self._report()
+            return False
+        self._tokens -= 1.0
+        self.woken += 1
+        self._wake()
+        return True
+
+    def _report(self) -> None:
+        now = time.monotonic()
+        if now - self._reported_at >= REPORT_SECONDS and (self.ignored, self.dropped) != self._reported:
+            self._reported_at = now
+            self._reported = (self.ignored, self.dropped)
+            log.info(
+                "celery-lease: cancel notices ignored (malformed or naming no job held here): %d; dropped over the rate: %d",
+                self.ignored,
+                self.dropped,
+            )
+
+
+def listen(
+    broker_url: Any, wake: Callable[[], None], *, held: Callable[[], Iterable[str]], channel_name: str | None = None
+) -> Listener | None:
+    """Start this process's listener thread, calling ``wake()`` for each notice that
+    names a job in ``held()`` (within the rate).
 
     Called once per process (by the heartbeat when it starts); returns None when the
     broker is not Redis.
@@ -66,22 +176,24 @@ def listen(broker_url: Any, wake: Callable[[], None]) -> threading.Thread | None
     url = redis_url(broker_url)
     if url is None:
         return None
-    thread = threading.Thread(target=_listen, args=(url, wake), name="celery-lease-cancel-notice", daemon=True)
+    listener = Listener(wake, held)
+    name = channel_name or channel(url, None)
+    thread = threading.Thread(target=_listen, args=(url, name, listener), name="celery-lease-cancel-notice", daemon=True)
     thread.start()
-    return thread
+    return listener
 
 
-def _listen(url: str, wake: Callable[[], None]) -> None:
+def _listen(url: str, name: str, listener: Listener) -> None:
     import redis
 
     while True:
         client = redis.Redis.from_url(url, socket_connect_timeout=PUBLISH_TIMEOUT)
         try:
             pubsub = client.pubsub(ignore_subscribe_messages=True)
-            pubsub.subscribe(CHANNEL)
+            pubsub.subscribe(name)
             for message in pubsub.listen():
                 if message.get("type") == "message":
-                    wake()
+                    listener.handle(message.get("data"))
         except redis.RedisError:
             pass  # Redis restarting: the heartbeat covers the gap
         finally:

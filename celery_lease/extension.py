@@ -23,10 +23,11 @@ from typing import Any
 
 from celery import Celery
 
-from celery_lease import cancel_notice
+from celery_lease import cancel_notice, results
 from celery_lease.beat import entries
 from celery_lease.beat.maintenance import Maintenance
 from celery_lease.beat.periodic import BeatJobs, Periodic
+from celery_lease.canvas import Canvas
 from celery_lease.db import migrate
 from celery_lease.db.engine import Database, resolve_database_url
 from celery_lease.db.store import Store
@@ -38,6 +39,7 @@ from celery_lease.payload import Codec
 from celery_lease.producer import Producer
 from celery_lease.settings import Settings
 from celery_lease.worker import signals
+from celery_lease.worker.eager import EagerRunner
 from celery_lease.worker.executor import WorkerState
 from celery_lease.worker.task import LeaseTask, run_leased
 
@@ -71,10 +73,16 @@ class CeleryLease:
         self._tasks: dict[str, LeaseTask] = {}
         self._worker: WorkerState | None = None
         self._worker_pid = 0
-        app.lease = self  # found by the CLI plugin: `celery -A proj lease ...`
-        signals.connect(app, self, ping=lambda: self.store.ping(), recover=self.recover, worker_state=lambda: self.worker)
-        entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
-        self.beat_jobs = BeatJobs(app, self.registry, lambda: self.producer)
+        self._eager: EagerRunner | None = None
+        self._eager_pid = 0
+        self.canvas = Canvas(app, self.registry, lambda: self.producer, lambda: self.store)
+        app.lease = self  # found by the CLI plugin (`celery -A proj lease ...`) and results.py
+        signals.connect(
+            app, self, ping=lambda: self.store.ping(), recover=self.recover, worker_state=lambda: self.worker, cancel=self.cancel
+        )
+        results.install(app)  # AsyncResult(job_id) reads the row when the app has no result backend
+        self.beat_schedule = entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
+        self.beat_jobs = BeatJobs(app, self.registry, lambda: self.producer, self.beat_schedule.add)
 
     # --- the parts, made when first needed ---------------------------------------------
 
@@ -113,11 +121,27 @@ class CeleryLease:
     def worker(self) -> WorkerState:
         """This process's worker side (heartbeat thread, attempts); made after fork."""
         if self._worker is None or self._worker_pid != os.getpid():
+            broker = self.app.conf.broker_url
             self._worker = WorkerState(
-                self.store, self.producer, self.registry, self.settings, self.app.conf.broker_url, self.flow
+                self.store,
+                self.producer,
+                self.registry,
+                self.settings,
+                broker,
+                cancel_notice.channel(broker, self.app.main),
+                canvas=self.canvas,
+                flow=self.flow,
             )
             self._worker_pid = os.getpid()
         return self._worker
+
+    @property
+    def eager(self) -> EagerRunner:
+        """Runs jobs in this process (eager mode, ``task.apply()``, ``task(payload)``)."""
+        if self._eager is None or self._eager_pid != os.getpid():
+            self._eager = EagerRunner(self.app, self.store, self.registry, self.settings, self.canvas)
+            self._eager_pid = os.getpid()
+        return self._eager
 
     # --- registration ----------------------------------------------------------------
 
@@ -173,6 +197,8 @@ class CeleryLease:
                 owner=self,
                 producer=staticmethod(lambda: self.producer),
                 worker_state=staticmethod(lambda: self.worker),
+                eager_runner=staticmethod(lambda: self.eager),
+                canvas=self.canvas,
                 __doc__=fn.__doc__,
             )(run_leased)
             self._tasks[spec.kind] = task
@@ -206,7 +232,15 @@ class CeleryLease:
     # --- reads and control -----------------------------------------------------------
 
     def get(self, job_id: str) -> Job | None:
-        return self.store.get(parse_job_id(job_id))
+        job = self.store.get(parse_job_id(job_id))
+        return None if job is None else job.bind(self)
+
+    def AsyncResult(self, job_id: str) -> results.LeaseResult:
+        """Celery's AsyncResult for a job, reading its row (whatever the app's backend)."""
+        backend = self.app.backend
+        if not isinstance(backend, results.LeaseBackend):
+            backend = results.LeaseBackend(app=self.app)
+        return results.LeaseResult(parse_job_id(job_id), backend=backend, app=self.app)
 
     def wait(self, job_id: str, timeout: float = 30.0, poll: float = 0.1) -> Job:
         """Block until the job is terminal; raises TimeoutError, or LookupError when
@@ -218,7 +252,7 @@ class CeleryLease:
             if job is None:
                 raise LookupError(f"no job {job_id}")
             if job.terminal:
-                return job
+                return job.bind(self)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"job {job_id} is still {job.status.value} after {timeout}s")
             time.sleep(poll)
@@ -243,7 +277,8 @@ class CeleryLease:
         # Best-effort: the table already says cancelled; heartbeats enforce it.
         if job_ids:
             log.info("celery-lease: cancelled %d job(s)", len(job_ids))
-            cancel_notice.publish(self.app.conf.broker_url, job_ids)
+            broker = self.app.conf.broker_url
+            cancel_notice.publish(broker, job_ids, cancel_notice.channel(broker, self.app.main))
 
     # --- flow control ----------------------------------------------------------------
 

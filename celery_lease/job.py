@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from celery_lease.errors import JobFailed, LeaseError
 from celery_lease.status import Status
 
 
@@ -77,6 +78,47 @@ class Job:
     @property
     def terminal(self) -> bool:
         return self.status.terminal
+
+    def exception(self) -> Exception | None:
+        """What ``get()`` raises for this job: JobFailed with the stored error for a failed
+        or expired job, Celery's TaskRevokedError for a cancelled one, else None."""
+        if self.status in (Status.FAILED, Status.EXPIRED):
+            return JobFailed(self.error or self.status.value)
+        if self.status is Status.CANCELLED:
+            from celery.exceptions import TaskRevokedError
+
+            return TaskRevokedError(f"job {self.id} was cancelled")
+        return None
+
+    def bind(self, owner: Any) -> Job:
+        """Attach the CeleryLease that can read this job again (for ``get``)."""
+        object.__setattr__(self, "_owner", owner)
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled or copied Job is a plain value: the owner (engines, an app) stays here.
+        return {k: v for k, v in self.__dict__.items() if k != "_owner"}
+
+    def get(self, timeout: float | None = None, propagate: bool = True, interval: float = 0.1) -> Any:
+        """Wait until the job is terminal and return its result, as Celery's
+        ``AsyncResult.get`` does: with ``propagate`` a failed or expired job raises
+        JobFailed and a cancelled one TaskRevokedError; past ``timeout`` seconds it raises
+        celery.exceptions.TimeoutError."""
+        owner = self.__dict__.get("_owner")
+        if owner is None:
+            raise LeaseError("this Job was not returned by a CeleryLease; use leases.wait(job.id)")
+        from celery.exceptions import TimeoutError as CeleryTimeout
+
+        try:
+            done = owner.wait(self.id, timeout=float("inf") if timeout is None else timeout, poll=interval)
+        except TimeoutError:
+            raise CeleryTimeout(f"job {self.id} did not finish within {timeout}s") from None
+        error = done.exception()
+        if error is not None:
+            if propagate:
+                raise error
+            return error
+        return done.result
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready view used by the CLI and the HTTP API."""

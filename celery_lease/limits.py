@@ -23,8 +23,8 @@ from celery_lease.errors import InvalidPayload
 
 #: The width of the concurrency_key column.
 MAX_KEY_CHARS = 255
-#: Priorities are 0 (the default, lowest) up to this; higher is claimed first.
-MAX_PRIORITY = 2**31 - 1
+#: Priorities are 0 (the default, lowest) up to this (Celery's range); higher is claimed first.
+MAX_PRIORITY = 255
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*([smh])\s*$")

@@ -3,6 +3,17 @@
 A handler may annotate its payload and return type with a dataclass or a pydantic
 model. ``submit`` validates and serializes to plain JSON before anything is stored, so
 a bad payload raises there and nothing is written.
+
+Every JSON value celery-lease stores (payload, result, progress, checkpoint) passes
+:func:`storable`: JSON, under its cap, and free of what PostgreSQL cannot store (a NUL
+character, which neither ``text`` nor ``jsonb`` accepts, and lone UTF-16 surrogates,
+which are not Unicode text at all). Such a value is *refused*, never silently altered:
+changing one character of a result could corrupt a checksum or an identifier downstream.
+Stored error messages are the exception: they are text for people, so NUL and lone
+surrogates are *replaced* with U+FFFD before the message is capped (:func:`cap_error`).
+
+Refusals raise :class:`UnstorableValue` whose message never quotes the value (a payload
+may carry a secret that must not end up in the caller's logs or the job table).
 """
 
 from __future__ import annotations
@@ -10,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -21,8 +33,24 @@ from celery_lease.errors import CheckpointTooLarge, InvalidPayload
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 #: Default cap on a serialized checkpoint (bytes), checked on save and on load.
 DEFAULT_MAX_CHECKPOINT_BYTES = 10 * 1024 * 1024
+#: Default cap on a serialized result (bytes).
+DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
+#: Default cap on one ctx.publish() value (bytes): lists of jobs carry every progress.
+DEFAULT_MAX_PROGRESS_BYTES = 64 * 1024
 #: Stored error messages are capped to this many bytes, cut on a UTF-8 boundary.
 MAX_ERROR_BYTES = 512
+
+#: A JSON escape of NUL that is not itself an escaped backslash followed by "u0000".
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+_UNTEXT = re.compile("[\x00\ud800-\udfff]")
+
+
+class UnstorableValue(InvalidPayload):
+    """A value cannot be stored in the job table (not JSON, over its cap, or holding a
+    NUL or a lone surrogate). Its message names the value and the reason, never the
+    value itself. Raised by submit (nothing is stored), by ``ctx.publish`` and
+    ``ctx.save_checkpoint`` (nothing is written); a handler that lets it escape, or
+    returns such a result, ends ``failed`` with this message, without retry."""
 
 
 def _is_pydantic(tp: Any) -> bool:
@@ -35,6 +63,55 @@ def _is_dataclass_type(tp: Any) -> bool:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def storable(value: Any, what: str, cap: int, setting: str) -> int:
+    """Check that ``value`` can be stored as JSON; return its size in bytes.
+
+    Raises UnstorableValue naming ``what`` and the reason, never quoting the value.
+    """
+    try:
+        # ensure_ascii=False keeps lone surrogates as characters, so encoding finds them;
+        # NUL is escaped by json itself (as every control character is).
+        text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        # json's own text names types and reasons, never the values themselves.
+        raise UnstorableValue(f"{what} is not JSON-serializable: {str(exc)[:200]}") from None
+    if "\\u0000" in text and _ESCAPED_NUL.search(text):
+        raise UnstorableValue(f"{what} contains a NUL character (U+0000), which PostgreSQL cannot store")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise UnstorableValue(f"{what} contains a lone surrogate (not valid Unicode text)") from None
+    if size > cap:
+        raise UnstorableValue(f"{what} is {size} bytes, over the cap of {cap} ({setting})")
+    return size
+
+
+def storable_text(value: Any, what: str, max_chars: int) -> str:
+    """A short text column's value (idempotency key, tenant, queue): a str of at most
+    ``max_chars`` characters without NUL or lone surrogates. Never quoted back."""
+    if not isinstance(value, str):
+        raise InvalidPayload(f"{what} must be a string, not {type(value).__name__}")
+    if len(value) > max_chars:
+        raise InvalidPayload(f"{what} is {len(value)} characters, over the limit of {max_chars}")
+    if _UNTEXT.search(value):
+        raise InvalidPayload(f"{what} contains a NUL character or a lone surrogate")
+    return value
+
+
+def _validation_text(exc: Exception) -> str:
+    """What was wrong with the caller's input, without quoting the input: pydantic's
+    own text includes the offending values (``input_value=...``)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            items = errors(include_input=False, include_url=False)
+        except TypeError:
+            items = None
+        if items is not None:
+            return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())) or 'payload'}: {e.get('msg')}" for e in items)[:500]
+    return str(exc)[:500]
 
 
 class Codec:
@@ -65,16 +142,13 @@ class Codec:
                 value = dataclasses.asdict(obj)
             else:
                 value = payload
-            text = _dumps(value)
         except InvalidPayload:
             raise
         except (TypeError, ValueError) as exc:
-            # pydantic's ValidationError is a ValueError; its text describes the
-            # caller's own input, so it is safe and useful to show.
-            raise InvalidPayload(f"payload refused: {exc}") from None
-        if len(text.encode()) > max_bytes:
-            raise InvalidPayload(f"payload is {len(text.encode())} bytes, over the cap of {max_bytes}")
-        return json.loads(text) if value is not payload else value
+            # Describe what is wrong with the caller's input without quoting it.
+            raise InvalidPayload(f"payload refused: {_validation_text(exc)}") from None
+        storable(value, "payload", max_bytes, "lease_max_payload_bytes")
+        return json.loads(_dumps(value)) if value is not payload else value
 
     def load_payload(self, stored: Any) -> Any:
         tp: Any = self.payload_type
@@ -84,22 +158,27 @@ class Codec:
             return tp(**stored)
         return stored
 
-    def dump_result(self, result: Any) -> Any:
+    def dump_result(self, result: Any, max_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> Any:
+        """The result as JSON; raises UnstorableValue (the job fails, without retry)."""
         if _is_pydantic(type(result)):
-            return result.model_dump(mode="json")
-        if dataclasses.is_dataclass(result) and not isinstance(result, type):
+            result = result.model_dump(mode="json")
+        elif dataclasses.is_dataclass(result) and not isinstance(result, type):
             result = dataclasses.asdict(result)
-        _dumps(result)  # raises TypeError/ValueError on a result that is not JSON
+        storable(result, "result", max_bytes, "lease_max_result_bytes")
         return result
 
 
 def dump_checkpoint(data: Any, cap: int) -> Any:
-    try:
-        size = len(_dumps(data).encode())
-    except (TypeError, ValueError) as exc:
-        raise InvalidPayload(f"checkpoint is not JSON-serializable: {exc}") from None
+    """Check a checkpoint before it is saved: UnstorableValue when it is not storable
+    JSON, CheckpointTooLarge when it is over ``cap``."""
+    size = storable(data, "checkpoint", 2**62, "lease_max_checkpoint_bytes")
     if size > cap:
         raise CheckpointTooLarge(f"checkpoint is {size} bytes, over the cap of {cap}")
+    return data
+
+
+def dump_progress(data: Any, cap: int) -> Any:
+    storable(data, "progress", cap, "lease_max_progress_bytes")
     return data
 
 
@@ -109,9 +188,16 @@ def check_loaded_checkpoint(data: Any, cap: int) -> Any:
     return data
 
 
-def cap_error(message: str, limit: int = MAX_ERROR_BYTES) -> str:
-    """Cap a message to ``limit`` bytes without splitting a UTF-8 character."""
-    raw = message.encode("utf-8")
+def clean_text(message: str) -> str:
+    """``message`` with NUL and lone surrogates replaced by U+FFFD: storable text."""
+    return _UNTEXT.sub("\ufffd", message)
+
+
+def cap_error(message: Any, limit: int = MAX_ERROR_BYTES) -> str:
+    """A storable error message: NUL and lone surrogates replaced, then capped to
+    ``limit`` bytes without splitting a UTF-8 character."""
+    text = clean_text(str(message))
+    raw = text.encode("utf-8")
     if len(raw) <= limit:
-        return message
+        return text
     return raw[:limit].decode("utf-8", errors="ignore")

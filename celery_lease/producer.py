@@ -18,13 +18,16 @@ from typing import Any
 
 import sqlalchemy as sa
 from celery import Celery
+from sqlalchemy import exc as sa_exc
 
 from celery_lease import wakeups
+from celery_lease.db.schema import jobs as jobs_table
 from celery_lease.db.store import Store
 from celery_lease.errors import InvalidPayload, LeaseError
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 from celery_lease.limits import parse_priority
+from celery_lease.payload import storable_text
 from celery_lease.settings import Settings
 from celery_lease.status import Event, Status
 
@@ -45,8 +48,54 @@ def run_after_time(value: datetime | timedelta | float | None) -> datetime | Non
     if isinstance(value, timedelta):
         value = value.total_seconds()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return datetime.now(timezone.utc) + timedelta(seconds=float(value))
+        try:
+            return datetime.now(timezone.utc) + timedelta(seconds=float(value))
+        except (OverflowError, ValueError):  # NaN, or past the year 9999
+            raise InvalidPayload("run_after is out of range") from None
     raise InvalidPayload(f"run_after must be a datetime, timedelta or seconds, not {type(value).__name__}")
+
+
+def _width(column: sa.Column) -> int:
+    """The declared width of a VARCHAR column (PostgreSQL counts characters)."""
+    kind: Any = column.type
+    return int(kind.length)
+
+
+def _key(value: Any) -> str:
+    """One idempotency key: a string (an int or UUID is spelt as one), as wide as its column."""
+    if isinstance(value, (int, uuid.UUID)) and not isinstance(value, bool):
+        value = str(value)
+    return storable_text(value, "idempotency_key", _width(jobs_table.c.idempotency_key))
+
+
+def check_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Submit options checked at the boundary (types, column widths, storable text);
+    raises InvalidPayload without quoting the value, so nothing reaches the database
+    that it would refuse with a driver error (whose text holds the whole INSERT)."""
+    out = dict(options)
+    for name, column in (("tenant", jobs_table.c.tenant), ("queue", jobs_table.c.queue)):
+        if out.get(name) is not None:
+            storable_text(out[name], name, _width(column))
+    for name in ("run_id", "parent_id"):
+        if out.get(name) is not None:
+            try:
+                out[name] = parse_job_id(out[name])
+            except ValueError:
+                raise InvalidPayload(f"{name} must be a UUID") from None
+    if out.get("idempotency_key") is not None:
+        out["idempotency_key"] = _key(out["idempotency_key"])
+    return out
+
+
+def refused_value(exc: BaseException) -> bool:
+    """The database (or its driver) refused one of the values: SQLSTATE class 22, or
+    a value the driver cannot even send (NUL in text, a lone surrogate)."""
+    if isinstance(exc, LeaseError):
+        return False
+    orig = exc.orig if isinstance(exc, sa_exc.StatementError) else exc
+    if isinstance(orig, (ValueError, UnicodeError, OverflowError)):
+        return True
+    return str(getattr(orig, "pgcode", "") or "").startswith("22")
 
 
 class Producer:
@@ -62,11 +111,14 @@ class Producer:
 
     def job_row(self, spec: JobKind, payload: Any, options: dict[str, Any]) -> dict[str, Any]:
         """The column values of a new pending job (payload already serialized)."""
+        options = check_options(options)
         run_after = run_after_time(options.get("run_after"))
         run_id = options.get("run_id")
         parent_id = options.get("parent_id")
+        job_id = options.get("job_id")
         return {
-            "id": str(uuid.uuid4()),
+            # A Celery task id chosen in advance (task_id=, a frozen canvas) is the job id.
+            "id": str(uuid.uuid4()) if job_id is None else parse_job_id(job_id),
             "kind": spec.kind,
             "task": spec.task,
             "queue": options.get("queue") or spec.queue,
@@ -84,6 +136,7 @@ class Producer:
             "parent_id": None if parent_id is None else parse_job_id(parent_id),
             "idempotency_key": options.get("idempotency_key"),
             "tenant": options.get("tenant"),
+            "canvas": options.get("canvas"),
             "priority": parse_priority(options.get("priority") or 0),
             "concurrency_key": None if spec.limits is None else spec.limits.key_for(spec.kind, payload),
             "held": None,
@@ -96,10 +149,14 @@ class Producer:
         *,
         idempotency_keys: Iterable[str] | None = None,
         connection: sa.Connection | None = None,
+        wake: bool = True,
         **options: Any,
     ) -> list[Job]:
+        options = check_options(options)
         serialized = [self.serialize(spec, p) for p in payloads]  # validate all first
-        keys = None if idempotency_keys is None else [str(k) for k in idempotency_keys]
+        if isinstance(idempotency_keys, (str, bytes)):
+            raise InvalidPayload("idempotency_keys must be a list of keys, one per payload")
+        keys = None if idempotency_keys is None else [_key(k) for k in idempotency_keys]
         if keys is not None and len(keys) != len(serialized):
             raise InvalidPayload("idempotency_keys must have one key per payload")
         if keys is not None and len(set(keys)) != len(keys):
@@ -130,13 +187,22 @@ class Producer:
             store.log_events(conn, [(j, Event.DISPATCHED, None) for j in inserted])
             return inserted, jobs
 
-        if connection is not None or (run_id is None and keys is None):
-            # In the caller's transaction, or a lone INSERT that commits by itself.
-            inserted, jobs = write(connection)
-        else:
-            # The run, the rows and their events (or the key lookups) commit together.
-            inserted, jobs = store.transaction(store.durable, write)
-        due = [j for j in inserted if j.run_after is None]
+        try:
+            if connection is not None or (run_id is None and keys is None):
+                # In the caller's transaction, or a lone INSERT that commits by itself.
+                inserted, jobs = write(connection)
+            else:
+                # The run, the rows and their events (or the key lookups) commit together.
+                inserted, jobs = store.transaction(store.durable, write)
+        except Exception as exc:
+            if not refused_value(exc):
+                raise
+            # The driver's text quotes the whole INSERT, payload included: keep it out.
+            log.warning("celery-lease: the job database refused a value of a %s job (%s)", spec.kind, type(exc).__name__)
+            name = type(exc).__name__
+            raise InvalidPayload(f"the job database refused a value of this job ({name}); nothing was stored") from None
+        # wake=False: eager mode runs the job in this process; nothing goes to the broker.
+        due = [j for j in inserted if j.run_after is None] if wake else []
         if connection is None:
             self.publish_wakeups(due)
         else:

@@ -12,7 +12,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from celery_lease.payload import DEFAULT_MAX_CHECKPOINT_BYTES, DEFAULT_MAX_PAYLOAD_BYTES
+from celery_lease.payload import (
+    DEFAULT_MAX_CHECKPOINT_BYTES,
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_MAX_PROGRESS_BYTES,
+    DEFAULT_MAX_RESULT_BYTES,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +42,12 @@ class Settings:
     maintenance_queue: str = "celery_lease"
     max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    #: a handler's return value over this fails the job (without retry)
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    #: one ctx.publish() value over this is refused (UnstorableValue in the handler)
+    max_progress_bytes: int = DEFAULT_MAX_PROGRESS_BYTES
+    #: the API's /metrics answers from a cache this fresh (its aggregates scan the table)
+    metrics_cache_seconds: float = 5.0
 
     @classmethod
     def names(cls) -> list[str]:

@@ -64,6 +64,7 @@ TABLES = (
     "celery_lease_events",
     "celery_lease_runs",
     "celery_lease_jobs",
+    "celery_lease_chords",
     "celery_lease_limits",
     "celery_lease_pauses",
     "test_effects",

@@ -1,18 +1,28 @@
-"""The maintenance tasks (reap, sweep, prune) and their beat entries.
+"""The maintenance tasks (reap, sweep, prune) and the beat entries celery-lease keeps.
 
-The entries are written into ``app.conf.beat_schedule`` each time the app's
-configuration is loaded (``on_after_configure``), so a later
-``app.config_from_object(...)`` keeps them, and again when beat starts (``beat_init``,
-before its scheduler reads the schedule): an entry missing there (e.g. replaced by an
-``app.conf.beat_schedule = {...}`` assignment) is put back with a warning that names
-it. Without them nothing reaps, retries or delivers delayed jobs; pass
-``install_beat=False`` to ``CeleryLease`` to schedule maintenance yourself.
+Two kinds of entries live in ``app.conf.beat_schedule``: the maintenance ticks (unless
+``CeleryLease(app, install_beat=False)``) and the periodic leased jobs declared with
+``leases.periodic(...)``. Celery and Django projects configure the app *after* creating
+it (``app.config_from_object(...)``, ``app.conf.beat_schedule = {...}``), which replaces
+the schedule, so the entries are not written once but kept:
+
+* each time the app's configuration is loaded (``on_after_configure``, which a later
+  ``config_from_object`` triggers again), missing entries are put back silently;
+* when beat starts (``beat_init``), entries missing from its scheduler (e.g. dropped by an
+  ``app.conf.beat_schedule = {...}`` assignment, which fires no signal) are added to the
+  scheduler itself, which has already read the schedule by then, with a warning that names
+  them. Without the maintenance entries nothing reaps, retries or delivers delayed jobs.
+
+Maintenance ticks run every few seconds; Celery logs "received" and "succeeded" for every
+task at INFO, so those lines (and beat's "Sending due task") are lowered to DEBUG for the
+maintenance tasks only.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from celery import Celery, signals
 
@@ -24,6 +34,10 @@ log = logging.getLogger("celery_lease.maintenance")
 REAP_TASK = "celery_lease.reap"
 SWEEP_TASK = "celery_lease.sweep"
 PRUNE_TASK = "celery_lease.prune"
+MAINTENANCE_TASKS = frozenset({REAP_TASK, SWEEP_TASK, PRUNE_TASK})
+
+#: Celery's loggers that write one INFO line per task or tick.
+_TICK_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.beat")
 
 
 def _entries(settings: Settings) -> dict[str, dict]:
@@ -41,10 +55,90 @@ def _entries(settings: Settings) -> dict[str, dict]:
     return out
 
 
+class QuietTicks(logging.Filter):
+    """Lowers Celery's per-task INFO lines about the maintenance tasks to DEBUG: dropped
+    unless the logger is set to DEBUG (``-l DEBUG``), then shown as DEBUG lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args: Any = record.args
+        if isinstance(args, dict):
+            names = {args.get("name")}
+        elif isinstance(args, tuple):
+            names = set(args)
+        else:
+            return True
+        if record.levelno == logging.INFO and names & MAINTENANCE_TASKS:
+            # Handlers usually have no level of their own (Celery's have none), so
+            # the logger's level decides, as it would have for a DEBUG call.
+            if logging.getLogger(record.name).getEffectiveLevel() > logging.DEBUG:
+                return False
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+_QUIET = QuietTicks()
+
+
+def quiet_maintenance_logs() -> None:
+    """Install the filter on Celery's task loggers (idempotent, process-wide)."""
+    for name in _TICK_LOGGERS:
+        logger = logging.getLogger(name)
+        if _QUIET not in logger.filters:
+            logger.addFilter(_QUIET)
+
+
+class BeatSchedule:
+    """The entries celery-lease keeps in the beat schedule of one app."""
+
+    def __init__(self, app: Celery, settings: Callable[[], Settings], *, maintenance: bool) -> None:
+        self._app = app
+        self._settings = settings
+        self._maintenance = maintenance
+        self._periodic: dict[str, dict] = {}
+
+    def wanted(self) -> dict[str, dict]:
+        out = _entries(self._settings()) if self._maintenance else {}
+        out.update(self._periodic)
+        return out
+
+    def add(self, name: str, entry: dict) -> None:
+        """Keep ``entry`` (a periodic leased job) in the schedule from now on."""
+        self._periodic[name] = entry
+        # Before the app is configured, on_after_configure installs it; reading
+        # app.conf here would configure the app before the project does.
+        if self._app.configured:
+            self.install(warn=False)
+
+    def install(self, *, warn: bool, scheduler: Any = None) -> list[str]:
+        """Put missing entries back into ``app.conf.beat_schedule`` and, when beat has
+        started, into its ``scheduler``; returns the names that were missing."""
+        wanted = self.wanted()
+        schedule = dict(self._app.conf.beat_schedule or {})
+        missing = [name for name in wanted if name not in schedule]
+        if missing:
+            self._app.conf.beat_schedule = {**schedule, **{name: wanted[name] for name in missing}}
+        if scheduler is not None:
+            # The scheduler read the schedule before beat_init: add to it directly
+            # (update_from_dict only adds; custom schedulers such as
+            # django-celery-beat's store what it is given).
+            absent = [name for name in wanted if name not in scheduler.schedule]
+            if absent:
+                scheduler.update_from_dict({name: wanted[name] for name in absent})
+            missing = sorted(set(missing) | set(absent))
+        if warn and missing:
+            log.warning(
+                "celery-lease: the beat schedule had no %s entry (replaced by a later beat_schedule "
+                "setting?); added it to this beat. Without the maintenance entries nothing reaps, "
+                "retries or delivers delayed jobs",
+                ", ".join(missing),
+            )
+        return missing
+
+
 def register(
     app: Celery, maintenance: Callable[[], Maintenance], settings: Callable[[], Settings], *, install_beat: bool
-) -> None:
-    """Register the maintenance tasks and, unless disabled, keep their beat entries."""
+) -> BeatSchedule:
+    """Register the maintenance tasks and keep celery-lease's beat entries."""
 
     def reap_task():
         return maintenance().reap()
@@ -57,6 +151,7 @@ def register(
 
     for name, fn in ((REAP_TASK, reap_task), (SWEEP_TASK, sweep_task), (PRUNE_TASK, prune_task)):
         app.task(name=name, shared=False, ignore_result=True, _force_evaluate=True)(fn)
+    quiet_maintenance_logs()
 
     @signals.celeryd_after_setup.connect(weak=False)
     def consume_maintenance_queue(sender=None, instance=None, **_):
@@ -64,33 +159,18 @@ def register(
         if instance is not None and instance.app is app:
             instance.app.amqp.queues.select_add(settings().maintenance_queue)
 
-    if not install_beat:
-        return
-
-    def install(warn: bool) -> None:
-        schedule = dict(app.conf.beat_schedule or {})
-        missing = [name for name in _entries(settings()) if name not in schedule]
-        if not missing:
-            return
-        if warn:
-            log.warning(
-                "celery-lease: the beat schedule has no %s entry (replaced by a later "
-                "beat_schedule setting?); installing it. Without it nothing reaps, retries or "
-                "delivers delayed jobs",
-                ", ".join(missing),
-            )
-        entries = _entries(settings())
-        app.conf.beat_schedule = {**schedule, **{name: entries[name] for name in missing}}
+    schedule = BeatSchedule(app, settings, maintenance=install_beat)
 
     @app.on_after_configure.connect(weak=False)
     def on_configure(sender=None, **_):
-        install(warn=False)
+        schedule.install(warn=False)
 
     @signals.beat_init.connect(weak=False)
     def on_beat_start(sender=None, **_):
         if getattr(sender, "app", None) is app:
-            install(warn=True)
+            schedule.install(warn=True, scheduler=sender.scheduler)
 
     if app.configured:
-        install(warn=False)
+        schedule.install(warn=False)
     app._celery_lease_beat_handlers = (consume_maintenance_queue, on_configure, on_beat_start)
+    return schedule

@@ -2,10 +2,19 @@
 
 ``leases.periodic(name, task, every, payload)`` adds a beat entry that targets the small
 task ``celery_lease.beat_submit``. When beat fires the entry, that task's
-``apply_async`` runs *in the beat process* and fixes the slot from the tick's own time;
-a worker then submits the job with the idempotency key ``beat:{name}:{slot start}``.
-Several beat processes firing the same slot therefore submit one job: the second
-submit of a (kind, key) returns the first job and stores nothing.
+``apply_async`` runs *in the beat process* and stamps the message with the tick's own
+time; a worker then derives the slot from the entry's schedule and that time, and
+submits the job with the idempotency key ``beat:{name}:{slot start}``. Several beat
+processes firing the same slot therefore submit one job: the second submit of a
+(kind, key) returns the first job and stores nothing.
+
+A tick is untrusted input (anything that can write to the broker can send one): the
+worker never takes a key from it. It refuses a tick whose name is not an entry of this
+app, whose time is more than :data:`MAX_TICK_AGE` old or more than
+:data:`MAX_CLOCK_SKEW` ahead, or (crontab) whose minute the crontab does not fire in
+(allowing :data:`CRON_GRACE` for a late beat). So a forged tick can at most submit a
+slot that is due now, which beat submits anyway; it cannot claim a future slot's key
+ahead of time, nor replay a slot long gone.
 
 Slots:
 
@@ -22,6 +31,7 @@ end gives its late tick the next slot (run once, like any other).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -42,6 +52,18 @@ if TYPE_CHECKING:
 BEAT_SUBMIT_TASK = "celery_lease.beat_submit"
 #: The idempotency key column holds 255 characters; the slot's ISO time takes 32.
 MAX_NAME_LENGTH = 200
+#: A tick that waited longer than this (seconds) in the queue is refused.
+MAX_TICK_AGE = 3600.0
+#: How far ahead of a worker's clock a beat's clock may run (seconds).
+MAX_CLOCK_SKEW = 60.0
+#: A crontab tick may come this many minutes after a minute the crontab fires in.
+CRON_GRACE = 5
+
+log = logging.getLogger("celery_lease.beat")
+
+
+class TickRefused(ValueError):
+    """A beat_submit message that is not a tick of this app's schedule."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,50 @@ class Periodic:
 
     def slot_key(self, now: float) -> str:
         return f"beat:{self.name}:{self.slot_start(now).isoformat()}"
+
+    def fires_near(self, tick: float) -> bool:
+        """True when the schedule fires in the tick's minute or up to CRON_GRACE
+        minutes before it (every tick of an interval schedule is in some slot)."""
+        cron = self.schedule
+        if not isinstance(cron, crontab):
+            return True
+        start = datetime.fromtimestamp(tick // 60 * 60, timezone.utc)
+        for back in range(CRON_GRACE + 1):
+            at = (start - timedelta(minutes=back)).astimezone(cron.tz)
+            if (
+                at.minute in cron.minute
+                and at.hour in cron.hour
+                and at.day in cron.day_of_month
+                and at.month in cron.month_of_year
+                and at.isoweekday() % 7 in cron.day_of_week  # crontab counts Sunday as 0
+            ):
+                return True
+        return False
+
+    def tick_key(self, tick: Any, now: float) -> str:
+        """The idempotency key of the slot a tick stamped ``tick`` belongs to, derived
+        here from the schedule; raises TickRefused for a tick beat could not have sent."""
+        if isinstance(tick, str):
+            tick = self._legacy_tick(tick)
+        if isinstance(tick, bool) or not isinstance(tick, (int, float)) or not math.isfinite(tick):
+            raise TickRefused("the tick time is not a number")
+        if not now - MAX_TICK_AGE <= tick <= now + MAX_CLOCK_SKEW:
+            raise TickRefused(f"the tick time is not within {MAX_TICK_AGE:.0f}s before or {MAX_CLOCK_SKEW:.0f}s after now")
+        if not self.fires_near(tick):
+            raise TickRefused("the crontab does not fire at the tick time")
+        return self.slot_key(tick)
+
+    def _legacy_tick(self, key: str) -> float:
+        """A tick from an older beat, which sent its slot key: accepted only when it is
+        exactly the key of a slot of this schedule; the slot start is the tick time."""
+        prefix = f"beat:{self.name}:"
+        try:
+            start = datetime.fromisoformat(key[len(prefix) :]).timestamp() if key.startswith(prefix) else None
+        except ValueError:
+            start = None
+        if start is None or self.slot_key(start) != key:
+            raise TickRefused("the slot key is not one of this schedule's")
+        return start
 
 
 def _as_schedule(every: Any, app) -> BaseSchedule:
@@ -88,26 +154,41 @@ class BeatSubmitTask(Task):
     beat_jobs: BeatJobs
 
     def apply_async(self, args=None, kwargs=None, **options):
-        # Beat calls this in its own process at the tick: the slot is taken from the
-        # tick's time, not from when a worker gets to the message, so a message that
-        # waited in the queue still submits its own slot and no other.
+        # Beat calls this in its own process at the tick: the message carries the
+        # tick's time, not a key, and the worker derives the slot from it, so a message
+        # that waited in the queue still submits its own slot and no other.
         name = tuple(args)[0]
-        key = self.beat_jobs.entry(name).slot_key(time.time())
-        return super().apply_async((name, key), None, **options)
+        return super().apply_async((name, time.time()), None, **options)
 
 
-def beat_submit(self: BeatSubmitTask, name: str, key: str) -> dict[str, str]:
-    job = self.beat_jobs.submit(name, key)
+def beat_submit(self: BeatSubmitTask, *args: Any, **kwargs: Any) -> dict[str, str]:
+    """Submit the job of the slot a tick names; refuse (log, submit nothing) a message
+    that is not a tick of this app's schedule."""
+    try:
+        if len(args) != 2 or kwargs or not isinstance(args[0], str):
+            raise TickRefused("a tick carries exactly (entry name, tick time)")
+        job, key = self.beat_jobs.submit_tick(args[0], args[1], time.time())
+    except TickRefused as exc:
+        log.warning("celery-lease: beat tick %.64r refused: %s; nothing submitted", self.request.id, exc)
+        return {"refused": str(exc)}
     return {"job": job.id, "key": key}
 
 
 class BeatJobs:
     """The periodic leased jobs of one CeleryLease, and the task that submits them."""
 
-    def __init__(self, app: Celery, registry: Registry, producer: Callable[[], Producer]) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        registry: Registry,
+        producer: Callable[[], Producer],
+        keep_entry: Callable[[str, dict], None],
+    ) -> None:
         self._app = app
         self._registry = registry
         self._producer = producer
+        #: Keeps an entry in the beat schedule across later configuration (beat/entries.py).
+        self._keep_entry = keep_entry
         self._entries: dict[str, Periodic] = {}
         app.task(
             name=BEAT_SUBMIT_TASK,
@@ -125,14 +206,21 @@ class BeatJobs:
             raise ValueError(f"periodic job {name!r} is already scheduled")
         spec = self._registry.resolve(task)
         payload = {} if payload is None else payload  # a job always has a payload
-        entry = Periodic(name, spec, _as_schedule(every, self._app), self._producer().serialize(spec, payload))
+        # Validated with the codec alone: the producer reads the app's settings, and a
+        # periodic job is usually declared at import, before the project configures the app.
+        entry = Periodic(name, spec, _as_schedule(every, self._app), spec.codec.dump_payload(payload))
         self._entries[name] = entry
-        app = self._app
-        app.conf.beat_schedule = {
-            **(app.conf.beat_schedule or {}),
-            name: {"task": BEAT_SUBMIT_TASK, "schedule": entry.schedule, "args": (name,)},
-        }
+        self._keep_entry(name, {"task": BEAT_SUBMIT_TASK, "schedule": entry.schedule, "args": (name,)})
         return entry
+
+    def submit_tick(self, name: str, tick: Any, now: float) -> tuple[Job, str]:
+        """Submit ``name``'s job for the slot of a tick stamped ``tick``; raises
+        TickRefused (submitting nothing) for a tick beat could not have sent."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise TickRefused("no periodic job of that name in this process (beat and workers must run the same app)")
+        key = entry.tick_key(tick, now)
+        return self.submit(name, key), key
 
     def entry(self, name: str) -> Periodic:
         try:

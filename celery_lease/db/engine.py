@@ -87,7 +87,9 @@ class Database:
         and never echoes the URL (it may carry a password)."""
         try:
             parsed = make_url(url)
-        except sa_exc.ArgumentError:
+        except (sa_exc.ArgumentError, ValueError, TypeError):
+            # ValueError: a non-numeric port, e.g. the password of "postgresql://user:pw"
+            # read as host:port; its text would quote it.
             raise ConfigurationError(
                 f"{source} is not a valid database URL (expected e.g. postgresql+psycopg2://user@host/db or sqlite:///path)"
             ) from None

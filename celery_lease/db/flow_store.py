@@ -65,7 +65,7 @@ class FlowStore:
 
     # --- claims ----------------------------------------------------------------------
 
-    def claim_limited(self, job_id: str, owner: str, kind: str, limits: Limits) -> ClaimResult:
+    def claim_limited(self, job_id: str, owner: str, kind: str, task: str, limits: Limits) -> ClaimResult:
         """The claim of a limited kind: lock_limits, then claim_job_limited (with its
         run event and the rate window's count) in one transaction; refused, hold_job
         under the lock again (the reason is decided on what a release would see)."""
@@ -74,6 +74,7 @@ class FlowStore:
         params = {
             "job_id": job_id,
             "owner": owner,
+            "wakeup_task": task,
             "of_kind": kind,
             "new_concurrency": limits.concurrency,
             "new_rate": rate and rate.count,

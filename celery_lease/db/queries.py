@@ -29,7 +29,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
-from celery_lease.db.schema import ID, events, jobs, limits, pauses, runs
+from celery_lease.db.schema import ID, chords, events, jobs, limits, pauses, runs
 from celery_lease.status import TERMINAL, Event, Status
 
 # --- database time -----------------------------------------------------------------
@@ -106,6 +106,7 @@ CLAIMED_COLUMNS = (
     _c.run_id,
     _c.parent_id,
     _c.tenant,
+    _c.canvas,
 )
 #: What is needed to (re)publish a job's wakeup.
 WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
@@ -165,6 +166,47 @@ def get_job(job_id: str) -> sa.Select:
     return sa.select(jobs).where(_c.id == job_id)
 
 
+#: What the HTTP API shows of a job: never the payload, checkpoint or lease internals,
+#: which may be megabytes (and the lease owner names a worker host).
+VIEW_COLUMNS = (
+    _c.id,
+    _c.kind,
+    _c.status,
+    _c.result,
+    _c.error,
+    _c.progress,
+    _c.attempt,
+    _c.max_attempts,
+    _c.created_at,
+    _c.started_at,
+    _c.finished_at,
+    _c.run_id,
+    _c.parent_id,
+)
+
+
+def get_job_view(job_id: str, *, tenant: str | None = None) -> sa.Select:
+    """get_job_view: one job's API columns; with ``tenant``, only that tenant's job.
+
+    The tenant is in the WHERE clause: another tenant's job reads no more than a
+    missing one (one primary-key probe, none of its large columns)."""
+    stmt = sa.select(*VIEW_COLUMNS).where(_c.id == job_id)
+    return stmt if tenant is None else stmt.where(_c.tenant == tenant)
+
+
+def list_job_views(**filters: Any) -> sa.Select:
+    """list_job_views: list_jobs selecting only the API columns."""
+    return list_jobs(columns=VIEW_COLUMNS, **filters)
+
+
+def run_visible(run_id: str, *, tenant: str | None = None) -> sa.Select:
+    """run_visible: 1 when the run holds a job (of ``tenant``, when given)."""
+    stmt = sa.select(sa.literal(1)).where(_c.run_id == run_id)
+    if tenant is not None:
+        stmt = stmt.where(_c.tenant == tenant)
+    return stmt.limit(1)
+
+
 def list_jobs(
     *,
     status: str | None = None,
@@ -173,13 +215,15 @@ def list_jobs(
     run_id: str | None = None,
     after: tuple[Any, str] | None = None,
     limit: int = 50,
+    columns: Sequence[Any] = (jobs,),
 ) -> sa.Select:
     """Newest first; ``after`` is the (created_at, id) of the last row of a page.
 
     Keyset pagination on (created_at, id) is stable under concurrent inserts: new
-    rows sort before the cursor and never shift later pages.
+    rows sort before the cursor and never shift later pages. A tenant's pages walk
+    the ``celery_lease_jobs_tenant`` index (tenant, created_at, id).
     """
-    stmt = sa.select(jobs)
+    stmt = sa.select(*columns)
     if status is not None:
         stmt = stmt.where(_c.status == status)
     if kind is not None:
@@ -195,12 +239,32 @@ def list_jobs(
     return stmt.order_by(_c.created_at.desc(), _c.id.desc()).limit(limit)
 
 
+def _tenant_jobs_of_run(run_id: str, tenant: str) -> sa.Select:
+    return sa.select(_c.id).where(_c.run_id == run_id, _c.tenant == tenant)
+
+
 def list_run_events(run_id: str, *, after_id: int = 0, limit: int = 1000, tenant: str | None = None) -> sa.Select:
     """A run's events in order; with ``tenant``, only events of that tenant's jobs."""
     stmt = sa.select(events).where(events.c.run_id == run_id, events.c.id > after_id)
     if tenant is not None:
-        stmt = stmt.where(events.c.job_id.in_(sa.select(_c.id).where(_c.run_id == run_id, _c.tenant == tenant)))
+        stmt = stmt.where(events.c.job_id.in_(_tenant_jobs_of_run(run_id, tenant)))
     return stmt.order_by(events.c.id).limit(limit)
+
+
+def list_tenant_run_events(run_id: str, tenant: str, *, after_seq: int = 0, limit: int = 1000) -> sa.Select:
+    """list_tenant_run_events: the events of one tenant's jobs of a run, numbered 1, 2, 3
+    ... (``seq``) in order among themselves.
+
+    Event ids come from one sequence for every tenant, so the gaps between a tenant's
+    own ids would count everyone else's events: a tenant pages by ``seq`` instead.
+    (Pruning a run's old jobs deletes their events and renumbers the later ones.)
+    """
+    visible = (
+        sa.select(events, sa.func.row_number().over(order_by=events.c.id).label("seq"))
+        .where(events.c.run_id == run_id, events.c.job_id.in_(_tenant_jobs_of_run(run_id, tenant)))
+        .subquery("visible")
+    )
+    return sa.select(visible).where(visible.c.seq > after_seq).order_by(visible.c.seq).limit(limit)
 
 
 # --- metrics (read at scrape time) -----------------------------------------------------
@@ -273,11 +337,16 @@ def claim_job() -> sa.Update:
     attempt + 1 and lease_generation + 1 in the same statement: the generation
     returned is this attempt's fencing token. A job that is running elsewhere,
     terminal, or not due yet matches nothing: the delivery is a duplicate.
+
+    Guarded by the job's own task too: a wakeup is untrusted input, and a message for
+    kind B's task carrying kind A's job id must claim nothing (it would run B's
+    handler on A's payload).
     """
     return (
         sa.update(jobs)
         .where(
             _c.id == sa.bindparam("job_id"),
+            _c.task == sa.bindparam("wakeup_task", type_=_c.task.type),
             _c.status == Status.PENDING.value,
             sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
         )
@@ -621,6 +690,54 @@ def append_events() -> sa.Insert:
 
 def event_row(run_id: str, job_id: str, event: Event, attempt: int, detail: str | None = None):
     return {"run_id": run_id, "job_id": job_id, "event": event.value, "attempt": attempt, "detail": detail}
+
+
+# --- canvas (celery_lease/canvas.py) ---------------------------------------------------
+
+
+def insert_chord(dialect: str) -> sa.Insert:
+    """insert_chord: a chord's counter, before its header jobs exist. A second insert of
+    the same group (the client re-applying a frozen chord) changes nothing."""
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    return (
+        insert(chords)
+        .values(
+            id=sa.bindparam("group_id"),
+            remaining=sa.bindparam("remaining"),
+            members=sa.bindparam("members", type_=chords.c.members.type),
+            body=sa.bindparam("body", type_=chords.c.body.type),
+            created_at=db_now(),
+        )
+        .on_conflict_do_nothing(index_elements=[chords.c.id])
+    )
+
+
+@functools.cache
+def count_down_chord() -> sa.Update:
+    """count_down_chord: one header job succeeded. Runs in that job's success transaction;
+    on PostgreSQL the row lock orders concurrent members, so exactly one sees 0."""
+    return (
+        sa.update(chords)
+        .where(chords.c.id == sa.bindparam("group_id"), chords.c.remaining > 0)
+        .values(remaining=chords.c.remaining - 1)
+        .returning(chords.c.remaining, chords.c.members, chords.c.body)
+    )
+
+
+@functools.cache
+def delete_chord() -> Any:
+    """delete_chord: the body was created, or a header job failed (its errbacks fire once)."""
+    return sa.delete(chords).where(chords.c.id == sa.bindparam("group_id")).returning(chords.c.body)
+
+
+def job_results(ids: Sequence[str]) -> sa.Select:
+    return sa.select(_c.id, _c.result).where(_c.id.in_(ids))
+
+
+@functools.cache
+def make_due() -> sa.Update:
+    """make_due: a pending job may be claimed now (eager mode runs retries at once)."""
+    return sa.update(jobs).where(_c.id == sa.bindparam("job_id"), _c.status == Status.PENDING.value).values(run_after=None)
 
 
 # --- flow control (celery_lease.flow) ---------------------------------------------------

@@ -1,4 +1,4 @@
-"""The canonical schema. Migrations must reproduce it exactly (tests/test_schema.py).
+"""The canonical schema. Migrations must reproduce it exactly (tests/integration/test_schema.py).
 
 The same tables serve PostgreSQL and SQLite. Partial indexes (``WHERE status = ...``)
 keep claim, reap and sweep proportional to the live jobs, not to the terminal history.
@@ -75,6 +75,9 @@ jobs = sa.Table(
     sa.Column("updated_at", TS, nullable=False),
     sa.Column("started_at", TS),
     sa.Column("finished_at", TS),
+    # What Celery's canvas asked of this job (celery_lease/canvas.py): the rest of its
+    # chain, link / link_error signatures, its chord, priority. NULL for a plain submit.
+    sa.Column("canvas", JSON),
     sa.CheckConstraint(_in("status", Status), name="celery_lease_jobs_status_check"),
     sa.CheckConstraint("attempt >= 0 AND max_attempts >= 1", name="celery_lease_jobs_attempts_check"),
 )
@@ -101,6 +104,9 @@ sa.Index(
 )
 sa.Index("celery_lease_jobs_run", jobs.c.run_id, **_partial("run_id IS NOT NULL"))
 sa.Index("celery_lease_jobs_created", jobs.c.created_at, jobs.c.id)
+# A tenant token's pages (newest first, keyset on created_at, id) walk this in order,
+# whatever other tenants hold; untenanted jobs stay out of it (migration 0002).
+sa.Index("celery_lease_jobs_tenant", jobs.c.tenant, jobs.c.created_at, jobs.c.id, **_partial("tenant IS NOT NULL"))
 # Flow control. Jobs of unlimited kinds at the default priority enter neither index:
 # only held jobs (woken in priority order when capacity frees) and pending jobs with a
 # priority above 0 (which a claim of a lower one takes instead) are in them.
@@ -144,6 +150,19 @@ events = sa.Table(
 )
 sa.Index("celery_lease_events_run", events.c.run_id, events.c.id)
 sa.Index("celery_lease_events_job", events.c.job_id)
+
+chords = sa.Table(
+    "celery_lease_chords",
+    metadata,
+    # The chord's group id (Celery's), created before its header jobs.
+    sa.Column("id", ID, primary_key=True),
+    # Header jobs still to succeed; the success that takes it to 0 creates the body,
+    # in the same transaction, so the body is created once.
+    sa.Column("remaining", sa.Integer, nullable=False),
+    sa.Column("members", JSON, nullable=False),  # header job ids, in header order
+    sa.Column("body", JSON, nullable=False),  # the body's signature
+    sa.Column("created_at", TS, nullable=False),
+)
 
 # --- flow control ----------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -26,6 +27,17 @@ def _event_source(job: Any) -> tuple[Any, Any, int]:
     if isinstance(job, Mapping):
         return job["run_id"], job["id"], job["attempt"]
     return job.run_id, getattr(job, "job_id", None) or job.id, job.attempt
+
+
+def _view(row: Mapping[Any, Any]) -> dict[str, Any]:
+    """An API view row: ids as strings, times as aware UTC (SQLite returns them naive)."""
+    out = dict(row)
+    for key, value in out.items():
+        if isinstance(value, datetime) and value.tzinfo is None:
+            out[key] = value.replace(tzinfo=timezone.utc)
+        elif key.endswith("id") and value is not None:
+            out[key] = str(value)
+    return out
 
 
 class Store(Database):
@@ -87,6 +99,27 @@ class Store(Database):
     def list_jobs(self, **filters) -> list[Job]:
         return self.transaction(self.durable, lambda c: [Job.from_row(r) for r in c.execute(q.list_jobs(**filters)).mappings()])
 
+    def get_view(self, job_id: str, *, tenant: str | None = None) -> dict[str, Any] | None:
+        """The API columns of one job (of ``tenant``, when given), or None."""
+
+        def work(conn):
+            row = conn.execute(q.get_job_view(job_id, tenant=tenant)).mappings().first()
+            return None if row is None else _view(row)
+
+        return self.transaction(self.durable, work)
+
+    def list_views(self, **filters) -> list[dict[str, Any]]:
+        """list_jobs, reading only the API columns."""
+        return self.transaction(self.durable, lambda c: [_view(r) for r in c.execute(q.list_job_views(**filters)).mappings()])
+
+    def run_visible(self, run_id: str, *, tenant: str | None = None) -> bool:
+        return self.transaction(self.durable, lambda c: c.execute(q.run_visible(run_id, tenant=tenant)).first() is not None)
+
+    def tenant_run_events(self, run_id: str, tenant: str, *, after_seq: int = 0, limit: int = 1000) -> list[dict]:
+        """A tenant's events of a run, each with its ``seq`` among them (see queries)."""
+        stmt = q.list_tenant_run_events(run_id, tenant, after_seq=after_seq, limit=limit)
+        return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt).mappings()])
+
     def run_events(self, run_id: str, *, after_id: int = 0, limit: int = 1000, tenant: str | None = None) -> list[dict]:
         stmt = q.list_run_events(run_id, after_id=after_id, limit=limit, tenant=tenant)
         return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt).mappings()])
@@ -105,12 +138,13 @@ class Store(Database):
 
     # --- lease life ------------------------------------------------------------------
 
-    def claim(self, job_id: str, owner: str) -> dict[str, Any] | None:
-        """Claim a job for one attempt; None when the delivery is a duplicate, or
-        flow control refuses it (celery_lease.flow tells which). The row's id is the
-        job claimed: a higher-priority job of the same kind may be claimed instead."""
+    def claim(self, job_id: str, owner: str, task: str) -> dict[str, Any] | None:
+        """Claim a job for one attempt; None when the delivery is a duplicate, names a
+        job of another task than the one it was delivered to, or flow control refuses
+        it (celery_lease.flow tells which). The row's id is the job claimed: a
+        higher-priority job of the same kind may be claimed instead."""
 
-        params = {"job_id": job_id, "owner": owner}
+        params = {"job_id": job_id, "owner": owner, "wakeup_task": task}
         if self._prepared is not None:
             rows = self.execute_prepared(self._prepared["claim"], params)
             return rows[0] if rows else None
@@ -214,3 +248,27 @@ class Store(Database):
             return conn.execute(q.delete_jobs(ids)).rowcount
 
         return self.transaction(self.durable, work)
+
+    # --- canvas ----------------------------------------------------------------------
+
+    def create_chord(self, group_id: str, members: list[str], body: Any) -> None:
+        stmt = q.insert_chord(self.dialect)
+        params = {"group_id": group_id, "remaining": len(members), "members": members, "body": body}
+        self.transaction(self.durable, lambda c: c.execute(stmt, params))
+
+    def count_down_chord(self, conn: Connection, group_id: str) -> dict[str, Any] | None:
+        """In a member's success transaction: the chord row after this member, or None
+        when the chord is gone (failed) or already complete."""
+        row = conn.execute(q.count_down_chord(), {"group_id": group_id}).mappings().first()
+        return None if row is None else dict(row)
+
+    def delete_chord(self, conn: Connection, group_id: str) -> Any:
+        """Remove a chord; its body's signature, or None when it was already removed."""
+        row = conn.execute(q.delete_chord(), {"group_id": group_id}).first()
+        return None if row is None else row[0]
+
+    def job_results(self, conn: Connection, ids: Sequence[str]) -> dict[str, Any]:
+        return {str(r[0]): r[1] for r in conn.execute(q.job_results(ids))}
+
+    def make_due(self, job_id: str) -> None:
+        self.guarded(q.make_due(), {"job_id": job_id})

@@ -26,24 +26,33 @@ or, when that setting is absent, from the environment variable
 With no tokens configured every ``/api/v1`` request is refused. A missing or unknown
 token gets 401 ``{"error": "unauthorized"}``. A token bound to a tenant sees only jobs
 submitted with that ``tenant=``: another tenant's job is 404, exactly like a job that
-does not exist (a 403 would confirm the id exists), lists and run events are filtered,
-and cancelling another tenant's job is 404. ``/healthz``, ``/metrics`` and
-``/openapi.json`` need no token (probes and Prometheus scrape them); metrics carry
-counts by kind and status, never job contents.
+does not exist (a 403 would confirm the id exists), and costs the same to answer (the
+tenant is in the statement's WHERE clause); lists and run events are filtered, and
+cancelling another tenant's job is 404. In a run's events a tenant token sees neither
+which worker claimed a job (host, pid and boot id are withheld from ``claimed``
+events) nor the global event ids, whose gaps would count other tenants' activity: its
+events are numbered 1, 2, 3 ... within the run, and ``after`` takes those numbers.
+
+Routes read only the columns their response carries: never payloads or checkpoints.
+
+``/healthz`` and ``/openapi.json`` need no token. ``/metrics`` needs none unless
+``app.conf.lease_metrics_token`` (or the environment variable
+``CELERY_LEASE_METRICS_TOKEN``) is set: then it takes that token, or any token of
+``lease_api_tokens`` bound to no tenant, as ``Authorization: Bearer``. Metrics carry
+counts by kind and status, never job contents; they are computed at most once every
+``lease_metrics_cache_seconds`` (default 5) whatever the scrape rate.
 
 Errors are JSON ``{"error": code, "detail": text}``: 400 ``bad_request`` for a
-malformed id, status, limit, cursor or parameter; 404 ``not_found``; 503
-``database_unavailable`` or ``schema_not_migrated``. Bad input is refused before
-anything is read or changed.
+malformed id, status, limit, cursor or parameter, and for any query parameter a route
+does not declare (a misspelt filter must not silently widen a list); 404
+``not_found``; 503 ``database_unavailable`` or ``schema_not_migrated``. Bad input is
+refused before anything is read or changed: no input is a 5xx.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hmac
-import json
 import logging
-import os
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -55,40 +64,20 @@ from pydantic import BaseModel
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from celery_lease.errors import ConfigurationError, DatabaseUnavailable
-from celery_lease.job import Job, parse_job_id
+from celery_lease.errors import DatabaseUnavailable
+from celery_lease.job import parse_job_id
 from celery_lease.ops import listing, metrics
-from celery_lease.status import Status
+from celery_lease.ops.tokens import TOKENS_ENV, TOKENS_SETTING, load_metrics_token, load_tokens, matches
+from celery_lease.status import Event, Status
 
 if TYPE_CHECKING:
     from celery_lease.extension import CeleryLease
 
 log = logging.getLogger("celery_lease.api")
 
-TOKENS_SETTING = "lease_api_tokens"
-TOKENS_ENV = "CELERY_LEASE_API_TOKENS"
 MAX_EVENTS_LIMIT = 1000
-
-
-def load_tokens(app_conf: Any) -> dict[str, str | None]:
-    """Token -> tenant (None: every tenant), from app.conf or the environment."""
-    tokens = app_conf.get(TOKENS_SETTING) if app_conf is not None else None
-    source = f"app.conf.{TOKENS_SETTING}"
-    if tokens is None and os.environ.get(TOKENS_ENV):
-        source = TOKENS_ENV
-        try:
-            tokens = json.loads(os.environ[TOKENS_ENV])
-        except ValueError:
-            raise ConfigurationError(
-                f'{TOKENS_ENV} is not JSON (expected e.g. {{"token": "tenant", "admin-token": null}})'
-            ) from None
-    if tokens is None:
-        return {}
-    if not isinstance(tokens, dict) or not all(
-        isinstance(t, str) and t and (v is None or isinstance(v, str)) for t, v in tokens.items()
-    ):
-        raise ConfigurationError(f"{source} must map non-empty token strings to a tenant name or None")
-    return dict(tokens)
+#: Said of every route in the schema: extra query parameters are refused, not ignored.
+STRICT_QUERY = "Query parameters the route does not declare are refused (400)."
 
 
 # --- wire shapes (these make the OpenAPI schema) ----------------------------------------
@@ -128,6 +117,7 @@ class CancelOut(BaseModel):
 
 
 class EventOut(BaseModel):
+    #: The event's id; for a tenant token, its number among the tenant's events of the run.
     id: int
     run_id: str
     job_id: str
@@ -186,7 +176,7 @@ _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorOut, "description": "malformed id, status, limit, cursor or parameter"},
-    401: {"model": ErrorOut, "description": "missing or unknown bearer token"},
+    401: {"model": ErrorOut, "description": "missing or unknown bearer token (/metrics: only with lease_metrics_token)"},
     404: {"model": ErrorOut, "description": "no such job or run visible to this token"},
     503: {"model": ErrorOut, "description": "the job database cannot be reached, or is not migrated"},
 }
@@ -201,9 +191,6 @@ JOB_ID = Path(description="the job's id, a UUID", json_schema_extra={"format": "
 class Caller:
     #: The one tenant this caller may see; None means every tenant.
     tenant: str | None
-
-    def sees(self, job: Job) -> bool:
-        return self.tenant is None or job.tenant == self.tenant
 
 
 def _parse_id(value: str, what: str) -> str:
@@ -230,6 +217,8 @@ def _refuse_unknown_query(request: Request) -> None:
 def create_app(leases: CeleryLease) -> FastAPI:
     """The ASGI app serving ``leases``; reads the tokens now (ConfigurationError if bad)."""
     tokens = load_tokens(leases.app.conf)
+    metrics_token = load_metrics_token(leases.app.conf)
+    scrapes = metrics.CachedMetrics(leases, leases.settings.metrics_cache_seconds)
     if not tokens:
         log.warning(
             "celery-lease: no API tokens configured (%s or %s): every /api/v1 request gets 401",
@@ -278,37 +267,37 @@ def create_app(leases: CeleryLease) -> FastAPI:
     def caller(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> Caller:
         if credentials is None:
             raise ApiError(401, "unauthorized")
-        offered = credentials.credentials.encode()
         match = None
         # compare_digest against every token: the time taken does not depend on how
         # much of a token was guessed right, nor on which one matched.
         for token, tenant in tokens.items():
-            if hmac.compare_digest(offered, token.encode()):
+            if matches(credentials.credentials, token):
                 match = Caller(tenant)
         if match is None:
             raise ApiError(401, "unauthorized")
         return match
 
-    def visible_job(job_id: str, who: Caller) -> Job:
-        job = leases.store.get(_parse_id(job_id, "job"))
-        if job is None or not who.sees(job):
+    def visible_job(job_id: str, who: Caller) -> dict[str, Any]:
+        view = leases.store.get_view(_parse_id(job_id, "job"), tenant=who.tenant)
+        if view is None:
             raise ApiError(404, "not_found")
-        return job
+        return view
 
-    @api.get("/api/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS)
+    @api.get("/api/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, description=STRICT_QUERY)
     def get_job(job_id: str = JOB_ID, who: Caller = Security(caller)):
         return listing.api_view(visible_job(job_id, who))
 
     @api.post("/api/v1/jobs/{job_id}/cancel", response_model=CancelOut, responses=_ERRORS)
     def cancel_job(job_id: str = JOB_ID, who: Caller = Security(caller)):
         """Cancel a pending or running job; ``cancelled`` is false when it had already
-        finished (its status is unchanged)."""
+        finished (its status is unchanged). Query parameters the route does not declare
+        are refused (400)."""
         job = visible_job(job_id, who)
-        cancelled = leases.cancel(job.id)
-        now = leases.store.get(job.id)
-        return {"id": job.id, "cancelled": cancelled, "status": (now or job).status.value}
+        cancelled = leases.cancel(job["id"])
+        now = leases.store.get_view(job["id"]) or job
+        return {"id": job["id"], "cancelled": cancelled, "status": now["status"]}
 
-    @api.get("/api/v1/jobs", response_model=JobPageOut, responses=_ERRORS)
+    @api.get("/api/v1/jobs", response_model=JobPageOut, responses=_ERRORS, description=STRICT_QUERY)
     def list_jobs(
         who: Caller = Security(caller),
         status: str | None = Query(None, json_schema_extra={"enum": [s.value for s in Status]}),
@@ -320,10 +309,10 @@ def create_app(leases: CeleryLease) -> FastAPI:
             query = listing.Query.parse(status=status, kind=kind, limit=limit, cursor=cursor)
         except ValueError as exc:
             raise ApiError(400, "bad_request", str(exc)) from None
-        page = listing.list_page(leases, query, tenant=who.tenant)
-        return {"jobs": [listing.api_view(j) for j in page.jobs], "next_cursor": page.next_cursor}
+        page = listing.list_view_page(leases, query, tenant=who.tenant)
+        return {"jobs": [listing.api_view(r) for r in page.rows], "next_cursor": page.next_cursor}
 
-    @api.get("/api/v1/runs/{run_id}/events", response_model=EventPageOut, responses=_ERRORS)
+    @api.get("/api/v1/runs/{run_id}/events", response_model=EventPageOut, responses=_ERRORS, description=STRICT_QUERY)
     def run_events(
         run_id: str = Path(description="the run's id, a UUID", json_schema_extra={"format": "uuid"}),
         who: Caller = Security(caller),
@@ -333,21 +322,30 @@ def create_app(leases: CeleryLease) -> FastAPI:
     ):
         run_id = _parse_id(run_id, "run")
         # A run is visible when it holds a job the caller may see.
-        if not leases.store.list_jobs(run_id=run_id, tenant=who.tenant, limit=1):
+        if not leases.store.run_visible(run_id, tenant=who.tenant):
             raise ApiError(404, "not_found")
-        rows = leases.store.run_events(run_id, after_id=after, limit=limit + 1, tenant=who.tenant)
+        if who.tenant is None:
+            rows = leases.store.run_events(run_id, after_id=after, limit=limit + 1)
+        else:
+            rows = [
+                # Numbered among the tenant's own events; the claiming worker withheld.
+                {**r, "id": r["seq"], "detail": None if r["event"] == Event.CLAIMED.value else r["detail"]}
+                for r in leases.store.tenant_run_events(run_id, who.tenant, after_seq=after, limit=limit + 1)
+            ]
         more = len(rows) > limit
         rows = rows[:limit]
         events = [{**r, "run_id": str(r["run_id"]), "job_id": str(r["job_id"])} for r in rows]
         return {"run_id": run_id, "events": events, "next_after": rows[-1]["id"] if more else None}
 
-    @api.get("/api/v1/limits", response_model=LimitsOut, responses=_ERRORS)
+    @api.get("/api/v1/limits", response_model=LimitsOut, responses=_ERRORS, description=STRICT_QUERY)
     def limits(who: Caller = Security(caller)):
         """Flow control per kind and concurrency key. A tenant's token counts only
         that tenant's jobs."""
         return {"kinds": leases.limits(tenant=who.tenant)}
 
-    @api.get("/healthz", response_model=HealthOut, responses={503: {"model": HealthOut}})
+    @api.get(
+        "/healthz", response_model=HealthOut, responses={400: _ERRORS[400], 503: {"model": HealthOut}}, description=STRICT_QUERY
+    )
     def healthz():
         try:
             leases.store.ping()
@@ -355,13 +353,26 @@ def create_app(leases: CeleryLease) -> FastAPI:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
+    def scraper(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
+        offered = "" if credentials is None else credentials.credentials
+        # The metrics token, or an API token bound to no tenant (metrics span tenants).
+        allowed = [str(metrics_token), *(t for t, tenant in tokens.items() if tenant is None)]
+        if not any([matches(offered, token) for token in allowed]):
+            raise ApiError(401, "unauthorized")
+
+    # The schema says /metrics needs a token exactly when it does.
+    guarded = metrics_token is not None
+    metrics_responses: dict[int | str, dict[str, Any]] = {c: _ERRORS[c] for c in ((400, 401, 503) if guarded else (400, 503))}
+
     @api.get(
         "/metrics",
         response_class=Response,
-        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}, 503: _ERRORS[503]},
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}, **metrics_responses},
+        dependencies=[Security(scraper)] if guarded else [],
+        description=STRICT_QUERY,
     )
     def prometheus():
-        return Response(metrics.render(leases), media_type=metrics.CONTENT_TYPE)
+        return Response(scrapes.render(), media_type=metrics.CONTENT_TYPE)
 
     return api
 

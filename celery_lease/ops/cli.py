@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -39,12 +40,12 @@ from celery_lease.ops import listing
 #: Columns of ``lease list``: (heading, how to show it).
 LIST_COLUMNS: tuple[tuple[str, Callable[[Job], str]], ...] = (
     ("ID", lambda j: j.id),
-    ("KIND", lambda j: j.kind),
+    ("KIND", lambda j: printable(j.kind)),
     ("STATUS", lambda j: j.status.value),
     ("ATTEMPT", lambda j: f"{j.attempt}/{j.max_attempts}"),
     ("CREATED", lambda j: _when(j.created_at)),
     ("FINISHED", lambda j: _when(j.finished_at)),
-    ("ERROR", lambda j: (j.error or "")[:60]),
+    ("ERROR", lambda j: printable((j.error or "")[:60])),
 )
 
 
@@ -57,6 +58,17 @@ class CliError(click.ClickException):
 
     def show(self, file=None) -> None:
         click.echo(f"celery-lease: {self.format_message()}", err=True)
+
+
+#: Characters a terminal would act on rather than show: C0/C1 controls (escape
+#: sequences, bell, carriage return), bidirectional overrides and lone surrogates.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character spelt as an escape (``\\x1b``): job data
+    is whatever a handler or submitter wrote, and must not drive the terminal."""
+    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def _when(value: datetime | None) -> str:
@@ -141,8 +153,11 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
         raise CliError(f"no job {job_id}")
     data = job.to_dict()
     width = max(len(k) for k in data)
+    # JSON values are shown as JSON (json.dumps escapes control characters); text is
+    # escaped by printable().
     text = "\n".join(
-        f"{k.ljust(width)}  {json.dumps(v) if isinstance(v, (dict, list)) else ('' if v is None else v)}" for k, v in data.items()
+        f"{k.ljust(width)}  {json.dumps(v) if isinstance(v, (dict, list)) else ('' if v is None else printable(str(v)))}"
+        for k, v in data.items()
     )
     _emit(as_json, data, text)
 

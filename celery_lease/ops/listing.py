@@ -17,7 +17,8 @@ import binascii
 import dataclasses
 import json
 import uuid
-from datetime import datetime
+from collections.abc import Mapping
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.job import Job
@@ -80,8 +81,10 @@ def parse_limit(value: Any) -> int:
     return limit
 
 
-def encode_cursor(job: Job) -> str:
-    raw = json.dumps([job.created_at.isoformat(), job.id], separators=(",", ":")).encode()
+def encode_cursor(job: Job | Mapping[str, Any]) -> str:
+    """The cursor after ``job`` (a Job or an API view row)."""
+    created_at, job_id = (job["created_at"], job["id"]) if isinstance(job, Mapping) else (job.created_at, job.id)
+    raw = json.dumps([created_at.astimezone(timezone.utc).isoformat(), str(job_id)], separators=(",", ":")).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
@@ -100,6 +103,12 @@ def decode_cursor(token: str | None) -> tuple[datetime, str] | None:
         raise bad from None
     if created_at.tzinfo is None:
         raise bad
+    try:
+        # In UTC: PostgreSQL refuses offsets beyond +-15:59 that Python accepts, and
+        # SQLite compares times as text, which only works in one zone.
+        created_at = created_at.astimezone(timezone.utc)
+    except (OverflowError, ValueError):  # e.g. year 1 with a positive offset
+        raise bad from None
     return created_at, job_id
 
 
@@ -136,6 +145,21 @@ def list_page(leases: CeleryLease, query: Query, *, tenant: str | None = None) -
     return Page(jobs, encode_cursor(jobs[-1]) if more else None)
 
 
-def api_view(job: Job) -> dict[str, Any]:
-    full = job.to_dict()
+@dataclasses.dataclass(frozen=True)
+class ViewPage:
+    #: API view rows (API_FIELDS), newest first.
+    rows: list[dict[str, Any]]
+    next_cursor: str | None
+
+
+def list_view_page(leases: CeleryLease, query: Query, *, tenant: str | None = None) -> ViewPage:
+    """list_page reading only the columns the API shows (no payloads, checkpoints)."""
+    rows = leases.store.list_views(status=query.status, kind=query.kind, tenant=tenant, after=query.after, limit=query.limit + 1)
+    more = len(rows) > query.limit
+    rows = rows[: query.limit]
+    return ViewPage(rows, encode_cursor(rows[-1]) if more else None)
+
+
+def api_view(job: Job | Mapping[str, Any]) -> dict[str, Any]:
+    full = job if isinstance(job, Mapping) else job.to_dict()
     return {name: full[name] for name in API_FIELDS}

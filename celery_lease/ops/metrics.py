@@ -49,6 +49,10 @@ metric                                      meaning
                                             is down)
 ==========================================  ==============================================
 
+Each scrape's aggregates scan the job table, so the API answers ``/metrics`` from a
+cache at most ``lease_metrics_cache_seconds`` old (default 5 s; 0 turns it off), and
+concurrent scrapes share one computation (:class:`CachedMetrics`).
+
 The number of wakeups each sweep sent is not stored anywhere (the sweeper only stamps
 ``woken_at``), so it has no metric here; the sweep backlog is what can be alerted on.
 A worker's own renewal-statement latency lives in that worker's process and is not
@@ -57,6 +61,8 @@ visible to a scrape of the database.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -147,3 +153,25 @@ def render(leases: CeleryLease) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(LeaseCollector(leases))
     return generate_latest(registry)
+
+
+class CachedMetrics:
+    """The exposition text, recomputed at most once every ``ttl`` seconds.
+
+    Scrapes arriving while one computes wait for it and share its text; a failed
+    computation (database down) is not cached, so the next scrape tries again."""
+
+    def __init__(self, leases: CeleryLease, ttl: float) -> None:
+        self._leases = leases
+        self._ttl = ttl
+        self._lock = threading.Lock()
+        self._body: bytes | None = None
+        self._at = 0.0
+
+    def render(self) -> bytes:
+        with self._lock:
+            if self._body is not None and time.monotonic() - self._at < self._ttl:
+                return self._body
+            body = render(self._leases)
+            self._body, self._at = body, time.monotonic()
+            return body

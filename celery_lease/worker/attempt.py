@@ -48,6 +48,11 @@ class Attempt:
     tenant: str | None
     payload: Any
     checkpoint: Any
+    #: What Celery's canvas asked of this job (chain, link, chord...), or None.
+    canvas: Any = None
+    #: The outcome this attempt recorded (an executor.Outcome), None while running or when
+    #: nothing was recorded (lease lost).
+    outcome: Any = None
     #: Set once the lease is known lost (cancelled, reaped, heartbeat gave up).
     lost: threading.Event = field(default_factory=threading.Event)
     #: monotonic time of the last claim or renewal that the database confirmed.
@@ -66,6 +71,7 @@ class Attempt:
             tenant=row["tenant"],
             payload=row["payload"],
             checkpoint=row["checkpoint"],
+            canvas=row.get("canvas"),
         )
 
     @property

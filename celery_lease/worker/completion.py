@@ -18,12 +18,18 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from celery_lease.db import queries as q
+from celery_lease.errors import DatabaseUnavailable
+from celery_lease.producer import refused_value
+
 if TYPE_CHECKING:
     from celery_lease.db.store import Store
     from celery_lease.worker.attempt import Attempt
 
 log = logging.getLogger("celery_lease.worker")
 
+#: The stored error of a success whose values the database refused.
+UNSTORABLE_RESULT = "result could not be stored"
 #: Queued by Completer.flush: write what is gathered now.
 _FLUSH = object()
 
@@ -85,11 +91,35 @@ class Completer:
             )
         try:
             done = self._store.complete_many(params, len(batch))
-        except Exception:
+        except DatabaseUnavailable:
             # Left running under their leases: the reaper requeues them.
             log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
+            return
+        except Exception as exc:
+            if not refused_value(exc):
+                log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
+                return
+            # A value the database refused (values are checked before they are queued,
+            # so this is a last line of defence): one row must not cost the others.
+            log.exception("celery-lease: a batch of %d successes was refused; writing them one by one", len(batch))
+            if len(batch) > 1:
+                for item in batch:
+                    self._write([item])
+            else:
+                self._refuse(batch[0][0])
             return
         for attempt, _, _ in batch:
             if attempt.job_id not in done:
                 attempt.mark_lost()
                 log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
+
+    def _refuse(self, attempt: Attempt) -> None:
+        """The database refused this success's values: the job ends failed (fenced),
+        never stuck running nor silently dropped."""
+        try:
+            if not attempt.write(self._store, q.fail_job(), new_error=UNSTORABLE_RESULT):
+                log.warning("celery-lease: job %s: lease lost; refused success discarded", attempt.job_id)
+            else:
+                log.error("celery-lease: job %s: %s", attempt.job_id, UNSTORABLE_RESULT)
+        except Exception:
+            log.exception("celery-lease: job %s: cannot record its refused success; the reaper will requeue it", attempt.job_id)

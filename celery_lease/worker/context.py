@@ -12,7 +12,8 @@ from sqlalchemy.engine import Connection
 from celery_lease.db import queries as q
 from celery_lease.errors import JobCancelled, JobSnoozed, JobSuspended
 from celery_lease.kinds import JobKind
-from celery_lease.payload import check_loaded_checkpoint, dump_checkpoint
+from celery_lease.payload import DEFAULT_MAX_PROGRESS_BYTES, check_loaded_checkpoint, dump_checkpoint, dump_progress
+from celery_lease.producer import check_options
 from celery_lease.worker import shutdown
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class JobContext:
         heartbeat: Heartbeat,
         max_checkpoint_bytes: int,
         on_progress: Callable[[Any], None] | None = None,
+        max_progress_bytes: int = DEFAULT_MAX_PROGRESS_BYTES,
     ) -> None:
         self._attempt = attempt
         self._store = store
@@ -62,6 +64,7 @@ class JobContext:
         self._registry = registry
         self._heartbeat = heartbeat
         self._max_checkpoint_bytes = max_checkpoint_bytes
+        self._max_progress_bytes = max_progress_bytes
         self._on_progress = on_progress
         self._checkpoint = check_loaded_checkpoint(attempt.checkpoint, max_checkpoint_bytes)
         self._progress: Any = None
@@ -149,7 +152,7 @@ class JobContext:
         write per PROGRESS_MIN_INTERVAL reaches the database, and the last value is
         written with the job's completion.
         """
-        dump_checkpoint(partial, self._max_checkpoint_bytes)  # JSON and size check
+        dump_progress(partial, self._max_progress_bytes)  # storable JSON under its cap, else UnstorableValue
         self._progress = partial
         self._progress_dirty = True
         if time.monotonic() - self._progress_written_at >= PROGRESS_MIN_INTERVAL:
@@ -185,4 +188,5 @@ class JobContext:
         options.setdefault("run_id", self.run_id)
         options.setdefault("tenant", self._attempt.tenant)
         options["parent_id"] = self.job_id
+        options = check_options(options)  # refused here, in the handler, not at commit
         self.staged.children.append((spec, self._producer.serialize(spec, payload), options))

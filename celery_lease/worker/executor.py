@@ -17,7 +17,7 @@ from celery.exceptions import Retry
 
 from celery_lease.db import queries as q
 from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSnoozed, JobSuspended, LeaseLost
-from celery_lease.payload import cap_error
+from celery_lease.payload import UnstorableValue, cap_error
 from celery_lease.status import Event
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import Attempt, owner_of
@@ -26,6 +26,7 @@ from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
+    from celery_lease.canvas import Canvas
     from celery_lease.db.store import Store
     from celery_lease.flow import FlowControl
     from celery_lease.kinds import JobKind, Registry
@@ -60,15 +61,30 @@ class WorkerState:
     """Per-process worker side of celery-lease."""
 
     def __init__(
-        self, store: Store, producer: Producer, registry: Registry, settings: Settings, broker_url: str | None, flow: FlowControl
+        self,
+        store: Store,
+        producer: Producer,
+        registry: Registry,
+        settings: Settings,
+        broker_url: str | None,
+        notice_channel: str | None = None,
+        *,
+        canvas: Canvas | None = None,
+        eager: bool = False,
+        flow: FlowControl | None = None,
     ) -> None:
         self.store = store
-        #: Which claim a delivery takes, and the release of a limited job's slot.
+        #: Which claim a delivery takes, and the release of a limited job's slot. None
+        #: (eager mode): the claim's own guards (pause, priority) only, no limits.
         self.flow = flow
+        #: Chains, callbacks and chords stored in job rows (celery_lease/canvas.py).
+        self.canvas = canvas
+        #: In-process (eager) runs apply plain follow-ups in-process too.
+        self.eager = eager
         self.producer = producer
         self.registry = registry
         self.settings = settings
-        self.heartbeat = Heartbeat(store, broker_url)
+        self.heartbeat = Heartbeat(store, broker_url, notice_channel)
         #: Batches plain successes on PostgreSQL, where each statement is a round trip.
         self.completer = Completer(store) if store.dialect == "postgresql" else None
 
@@ -82,7 +98,10 @@ class WorkerState:
             # sweeper's staleness threshold.
             self.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
             return None
-        row = self.flow.claim(job_id, spec, owner_of(hostname), queue)
+        if self.flow is not None:
+            row = self.flow.claim(job_id, spec, owner_of(hostname), queue)
+        else:
+            row = self.store.claim(job_id, owner_of(hostname), spec.task)
         if row is None:
             log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
             return None
@@ -93,7 +112,8 @@ class WorkerState:
     def end(self, attempt: Attempt | None) -> None:
         if attempt is not None:
             self.heartbeat.remove(attempt)
-            self.flow.release(attempt)  # its outcome is written: a held job may take its slot
+            if self.flow is not None:
+                self.flow.release(attempt)  # its outcome is written: a held job may take its slot
 
     def flush(self) -> None:
         if self.completer is not None:
@@ -112,6 +132,7 @@ class WorkerState:
             heartbeat=self.heartbeat,
             max_checkpoint_bytes=self.settings.max_checkpoint_bytes,
             on_progress=on_progress,
+            max_progress_bytes=self.settings.max_progress_bytes,
         )
 
     def execute(self, spec: JobKind, attempt: Attempt, on_progress: Callable[[Any], None] | None = None) -> Any:
@@ -128,9 +149,16 @@ class WorkerState:
             # internal error (logged with the job id), it does not escape the lease.
             ctx = self.context(attempt, on_progress)
             result = spec.fn(ctx, spec.codec.load_payload(attempt.payload))
-            outcome = (Outcome.SUCCEEDED, spec.codec.dump_result(result))
+            # A result the table cannot hold (not JSON, over its cap, NUL, lone
+            # surrogate) is refused here, before it joins a batch of successes.
+            outcome = (Outcome.SUCCEEDED, spec.codec.dump_result(result, self.settings.max_result_bytes))
         except Failure as exc:
             outcome = (Outcome.FAILED, cap_error(exc.message))
+        except UnstorableValue as exc:
+            # Retrying cannot make the value storable: failed at once, with our own
+            # message (it names the value and the reason, never quotes the value).
+            log.warning("celery-lease: job %s (%s) attempt %d: %s", attempt.job_id, spec.kind, attempt.attempt, exc)
+            outcome = (Outcome.FAILED, cap_error(str(exc)))
         except JobSuspended:
             outcome = (Outcome.SUSPENDED, None)
         except JobSnoozed as exc:
@@ -146,7 +174,9 @@ class WorkerState:
         try:
             if status is Outcome.SUCCEEDED:
                 try:
-                    return self._succeed(ctx, attempt, value)
+                    stored = self._succeed(ctx, attempt, value)
+                    attempt.outcome = Outcome.SUCCEEDED
+                    return stored
                 except (LeaseLost, DatabaseUnavailable):
                     raise
                 except Exception:
@@ -160,6 +190,7 @@ class WorkerState:
                         attempt.attempt,
                     )
                     status = Outcome.ERROR
+            attempt.outcome = status
             if status is Outcome.SUSPENDED:
                 self._hand_off(attempt)
             elif status is Outcome.SNOOZED:
@@ -175,6 +206,7 @@ class WorkerState:
                 self._fail(attempt, error)
                 signal = JobFailed(error)
         except LeaseLost:
+            attempt.outcome = None
             log.warning("celery-lease: job %s: lease lost; %s outcome discarded", attempt.job_id, status.value)
             return None
         if signal is not None:
@@ -183,9 +215,10 @@ class WorkerState:
 
     def _succeed(self, ctx: JobContext, attempt: Attempt, result: Any) -> Any:
         staged = ctx.staged
+        followup = self.canvas.after_success(attempt, result, eager=self.eager) if self.canvas and attempt.canvas else None
         # (Not batched for a limited kind: its slot is freed once the success is written.)
-        batchable = not (staged.effects or staged.children or attempt.run_id or self.flow.holds_slot(attempt))
-        if self.completer is not None and batchable:
+        limited = self.flow is not None and self.flow.holds_slot(attempt)
+        if self.completer is not None and not (staged.effects or staged.children or attempt.run_id or followup or limited):
             self.completer.add(attempt, result, ctx.pending_progress)
             return result
         children_rows = [self.producer.job_row(child, payload, options) for child, payload, options in staged.children]
@@ -214,22 +247,35 @@ class WorkerState:
             # keyed: a child submitted with an idempotency key that already exists is that
             # job, as with submit; only the children actually inserted are returned.
             children = self.store.insert_jobs(rows, keyed=True, connection=conn) if rows else []
+            if followup is not None:  # the next chain step, callbacks, a chord's body
+                children += followup.write(conn)
             self.store.log_events(
                 conn, [(attempt, Event.SUCCEEDED, None)] + [(c, Event.DISPATCHED, f"child of {attempt.job_id}") for c in children]
             )
             return children
 
-        alone = not (staged.effects or children_rows or attempt.run_id)  # SQLite: nothing to batch
+        alone = not (staged.effects or children_rows or attempt.run_id or followup)  # SQLite: nothing to batch
         children = self.store.transaction(self.store.engine(fast=True, single=alone), work)
         self.producer.publish_wakeups(children)
+        if followup is not None:
+            followup.send()
         return result
 
     def _fail(self, attempt: Attempt, error: str) -> None:
+        followup = self.canvas.after_failure(attempt, error, eager=self.eager) if self.canvas and attempt.canvas else None
+
         def work(conn):
             attempt.fenced(self.store, conn, q.fail_job(), new_error=error)
-            self.store.log_events(conn, [(attempt, Event.FAILED, error)])
+            created = followup.write(conn) if followup is not None else []  # link_error jobs
+            self.store.log_events(
+                conn, [(attempt, Event.FAILED, error)] + [(c, Event.DISPATCHED, f"errback of {attempt.job_id}") for c in created]
+            )
+            return created
 
-        self.store.transaction(self.store.fast, work)
+        created = self.store.transaction(self.store.fast, work)
+        if followup is not None:
+            self.producer.publish_wakeups(created)
+            followup.send()
 
     def _retry(self, attempt: Attempt, delay: float) -> None:
         def work(conn):

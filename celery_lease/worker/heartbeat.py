@@ -30,9 +30,10 @@ class Heartbeat:
     #: beyond it the reaper may already have handed the job to another attempt.
     GIVE_UP_SHARE = 0.8
 
-    def __init__(self, store: Store, broker_url: str | None) -> None:
+    def __init__(self, store: Store, broker_url: str | None, notice_channel: str | None = None) -> None:
         self._store = store
         self._broker_url = broker_url
+        self._notice_channel = notice_channel
         #: Keyed by (job, generation): a second attempt of one job in this process never
         #: hides the first from lost-lease detection.
         self._attempts: dict[tuple[str, int], Attempt] = {}
@@ -42,6 +43,8 @@ class Heartbeat:
         self._pid = 0
         #: Seconds the last renewal statement took (for metrics).
         self.last_latency = 0.0
+        #: This process's cancel-notice listener (None until started, or without Redis).
+        self.notices: cancel_notice.Listener | None = None
 
     def add(self, attempt: Attempt) -> None:
         with self._lock:
@@ -51,7 +54,10 @@ class Heartbeat:
                 self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._loop, name="celery-lease-heartbeat", daemon=True)
                 self._thread.start()
-                cancel_notice.listen(self._broker_url, self.wake)  # sooner than the next round
+                # Sooner than the next round, for notices naming a job held here.
+                self.notices = cancel_notice.listen(
+                    self._broker_url, self.wake, held=self.held_jobs, channel_name=self._notice_channel
+                )
             elif shortest is None or attempt.lease_seconds < shortest:
                 # The sleeping round was timed for longer leases: re-time it now.
                 self._wake.set()
@@ -60,6 +66,11 @@ class Heartbeat:
         with self._lock:
             if self._attempts.get(attempt.key) is attempt:
                 del self._attempts[attempt.key]
+
+    def held_jobs(self) -> set[str]:
+        """The ids of the jobs whose leases this process holds (and has not lost)."""
+        with self._lock:
+            return {a.job_id for a in self._attempts.values() if not a.is_lost}
 
     def wake(self) -> None:
         """Renew now, e.g. when told by a message that a job may have been cancelled."""

@@ -8,6 +8,7 @@
 - ``worker_shutting_down``: warm shutdown; handlers stop at their next
   ``raise_if_cancelled()`` and hand their job off.
 - ``worker_process_shutdown`` / ``worker_shutdown``: write batched successes before exit.
+- revoke control command / ``task_revoked``: cancel the job (worker/revoke.py).
 
 Celery signals are process-global, so every handler first checks that the sender
 belongs to this CeleryLease's app.
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 from celery import Celery, signals
 
 from celery_lease.errors import LeaseError
-from celery_lease.worker import shutdown
+from celery_lease.worker import events, revoke, shutdown
 from celery_lease.worker.task import LeaseTask
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ def connect(
     ping: Callable[[], None],
     recover: Callable[[str], dict[str, int]],
     worker_state: Callable[[], WorkerState],
+    cancel: Callable[[str], bool],
 ) -> None:
     """Connect the handlers for ``app``'s leased tasks (those whose ``owner`` is ``owner``)."""
 
@@ -70,6 +72,10 @@ def connect(
         if ours(task):
             request = task.request
             request.lease_attempt = None  # stays None if the claim raises
+            refusal = task.wakeup_refusal()
+            if refusal is not None:
+                log.warning("celery-lease: delivery %.64r of %s refused before the claim: %s", request.id, task.name, refusal)
+                return
             queue = (request.delivery_info or {}).get("routing_key")
             request.lease_attempt = worker_state().begin(request.id, task.spec, request.hostname, queue)
 
@@ -91,3 +97,6 @@ def connect(
         worker_state().flush()
 
     app._celery_lease_signal_handlers = (check_database, recover_interrupted, claim, release, suspend, flush)
+    # `celery control revoke` / task_revoked cancel the job; -E reaches the pool processes.
+    revoke.connect(app, ours=ours, cancel=cancel)
+    events.connect(app)

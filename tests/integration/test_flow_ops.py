@@ -56,13 +56,15 @@ def test_pause_of_an_unknown_kind_is_refused_in_one_line_and_stores_nothing(cli,
 
 def test_priority_is_checked_at_submit_and_celery_s_priority_option_carries_it(pg, broker, client_app):
     mod = client_app(pg, broker, module=MODULE)
-    for bad in (-1, 1.5, "9", True, 2**31):
-        with pytest.raises(InvalidPayload, match="priority"):
+    for bad in (-1, 1.5, "9", True, 256):
+        with pytest.raises(TypeError, match="priority"):  # Celery's range, checked with the other options
             mod.unlimited.submit({}, priority=bad)
+    with pytest.raises(InvalidPayload, match="priority"):  # a child's options reach the producer directly
+        mod.leases.producer.job_row(mod.leases.registry.resolve("unlimited"), {}, {"priority": -1})
     with sa.create_engine(pg).connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(jobs)).scalar() == 0  # nothing stored
     assert mod.unlimited.submit({}, priority=7).priority == 7
-    assert mod.unlimited.apply_async(({},), priority=3).priority == 3
+    assert mod.leases.get(mod.unlimited.apply_async(({},), priority=3).id).priority == 3
     assert mod.unlimited.submit({}).priority == 0
 
 
@@ -188,17 +190,17 @@ def test_limited_claim_hold_and_release_on_postgresql(pg, make_job, prepare):
     try:
         limits = Limits(concurrency=2, rate=Rate(3, 3600))
         ids = [make_job(pg, kind="k", task="t") for _ in range(5)]
-        first, second = (flow.claim_limited(i, "n/1/b", "k", limits).row for i in ids[:2])
+        first, second = (flow.claim_limited(i, "n/1/b", "k", "t", limits).row for i in ids[:2])
         assert first is not None and second is not None and first["window_claims"] == 1 and second["window_claims"] == 2
-        assert flow.claim_limited(ids[2], "n/1/b", "k", limits).held == "limit"
+        assert flow.claim_limited(ids[2], "n/1/b", "k", "t", limits).held == "limit"
         with store.durable.begin() as conn:
             conn.execute(sa.update(jobs).where(jobs.c.id == ids[0]).values(status="succeeded"))
         assert [str(w["id"]) for w in flow.wake_for_slot("k", None)] == [ids[2]]
-        assert flow.claim_limited(ids[2], "n/1/b", "k", limits).row is not None  # the third claim of the window
+        assert flow.claim_limited(ids[2], "n/1/b", "k", "t", limits).row is not None  # the third claim of the window
         with store.durable.begin() as conn:
             conn.execute(sa.update(jobs).where(jobs.c.id == ids[1]).values(status="succeeded"))
-        refused = flow.claim_limited(ids[3], "n/1/b", "k", limits)  # a slot is free, the window is not
+        refused = flow.claim_limited(ids[3], "n/1/b", "k", "t", limits)  # a slot is free, the window is not
         assert refused.held == "rate" and refused.later is not None and 0 <= refused.later[0] <= 3600
-        assert flow.claim_limited(ids[4], "n/1/b", "k", limits).later is None  # one wakeup per window
+        assert flow.claim_limited(ids[4], "n/1/b", "k", "t", limits).later is None  # one wakeup per window
     finally:
         store.dispose()

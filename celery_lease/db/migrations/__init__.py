@@ -1,0 +1,1 @@
+"""Alembic environment and revisions of celery-lease's own tables."""

@@ -1,14 +1,14 @@
 """Flow control: job priority, concurrency key and hold reason; limits and pauses.
 
-Revision ID: 0002_flow
-Revises: 0001
+Revision ID: 0004_flow
+Revises: 0003
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0002_flow"
-down_revision = "0001"
+revision = "0004_flow"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 

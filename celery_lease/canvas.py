@@ -1,0 +1,262 @@
+"""Celery's canvas on leased tasks: chain, group, chord, link and link_error, with the
+hand-offs made durable where Celery's are not.
+
+Celery freezes every step's task id before anything runs; a leased step's job id is that
+task id (and, unless the caller gave one, its idempotency key is ``celery:<task id>``, so
+applying the same frozen step twice creates one job). What a step still has to do after
+it succeeds is stored in its row (the ``canvas`` column), never in the wakeup:
+
+* **chain** ``a.s(p) | b.s() | c.s()``: when a leased step succeeds, the next step, if it
+  is a leased task, is created *in the transaction that records the success*, its payload
+  being the result (``b.si(q)`` keeps its own payload). A worker killed at any point either
+  committed both or neither. A plain next step (or a nested group or chord) is applied
+  right after that commit with the result, as Celery's worker would: Celery's guarantee,
+  not ours, covers that one hand-off. A plain step followed by a leased one: Celery's
+  worker calls the leased task's ``apply_async``, which submits the job.
+* **link** / **link_error**: the same, for each callback. An errback gets the failed
+  job's id (Celery's ``errback(task_id)`` form); a leased errback gets the payload
+  ``{"job_id": ..., "error": ...}``. Errbacks fire when an attempt fails the job (a
+  ``Failure`` or spent retries), not for expired or cancelled jobs.
+* **group**: Celery applies each member on its own, so each member is submitted as it
+  comes (one row each); ``task.submit_many`` writes many jobs with one statement.
+* **chord**: needs celery-lease's result backend (installed when the app has none).
+  ``apply_chord`` writes a counter row before the header is applied; each header job's
+  success counts it down in its own success transaction, and the one that reaches zero
+  creates the body with the header's results in header order: the body is created once.
+  A header job that fails removes the counter (so the body never runs) and fires the
+  body's errbacks once. Header tasks must all be leased.
+* ``priority=`` is kept in the row (``canvas["priority"]``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery
+from celery.canvas import Signature, signature
+from kombu.utils import json as kombu_json
+
+from celery_lease.kinds import JobKind, Registry
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from celery_lease.db.store import Store
+    from celery_lease.job import Job
+    from celery_lease.producer import Producer
+    from celery_lease.worker.attempt import Attempt
+
+log = logging.getLogger("celery_lease")
+
+#: Celery's canvas options a leased job keeps in its row.
+STORED_OPTIONS = ("chain", "link", "link_error", "root_id", "parent_id", "group_id", "group_index", "priority", "argsrepr")
+
+
+def to_json(value: Any) -> Any:
+    """Signatures (with datetimes, nested signatures...) as plain JSON for the row."""
+    return json.loads(kombu_json.dumps(value))
+
+
+def from_json(value: Any) -> Any:
+    return kombu_json.loads(json.dumps(value))
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)) and not isinstance(value, Signature):
+        return list(value)
+    return [value]
+
+
+class Canvas:
+    """The canvas of one CeleryLease's leased tasks, producer and worker side."""
+
+    def __init__(self, app: Celery, registry: Registry, producer: Callable[[], Producer], store: Callable[[], Store]) -> None:
+        self._app = app
+        self._registry = registry
+        self._producer = producer
+        self._store = store
+
+    # --- which signatures are ours ----------------------------------------------------
+
+    def spec_of(self, sig: Any) -> JobKind | None:
+        """The job kind of a plain signature of one of our leased tasks, else None
+        (a plain task, a group, a chain, a chord)."""
+        if not isinstance(sig, dict) or sig.get("subtask_type") or "task" not in sig:
+            return None
+        spec = getattr(self._app.tasks.get(sig["task"]), "spec", None)
+        if isinstance(spec, JobKind) and spec.kind in self._registry.names() and self._registry.resolve(spec.kind) is spec:
+            return spec
+        return None
+
+    @staticmethod
+    def check_step(sig: Any, spec: JobKind, *, receives_result: bool) -> None:
+        """A leased step takes exactly one payload: the previous result or its own."""
+        args = tuple(sig.get("args") or ())
+        kwargs = dict(sig.get("kwargs") or {})
+        immutable = bool(sig.get("immutable"))
+        count = len(args) + len(kwargs) + (1 if receives_result and not immutable else 0)
+        if count != 1 or (kwargs and set(kwargs) != {"payload"}):
+            raise TypeError(
+                f"leased task {sig['task']} takes one payload: in a chain or callback use "
+                f"{spec.kind}.s() to receive the previous result, or {spec.kind}.si(payload) to ignore it"
+            )
+
+    # --- producer side: what a submit stores --------------------------------------------
+
+    def pack(self, options: dict[str, Any]) -> dict[str, Any] | None:
+        """The row's canvas from Celery's apply_async options (which it consumes); checks
+        every leased step ahead, so a bad chain stores nothing."""
+        stored = {key: options.pop(key) for key in STORED_OPTIONS if options.get(key) not in (None, [], ())}
+        chord = options.pop("chord", None)
+        if chord is not None:
+            stored["chord"] = stored.get("group_id")
+            if not stored["chord"]:
+                raise TypeError("a chord header job needs its group id (apply the chord, not its members)")
+        for sig in _as_list(stored.get("chain")):
+            spec = self.spec_of(sig)
+            if spec is not None:
+                self.check_step(sig, spec, receives_result=True)
+        for key in ("link", "link_error"):
+            if key in stored:
+                stored[key] = _as_list(stored[key])
+                for sig in stored[key]:
+                    spec = self.spec_of(sig)
+                    if spec is not None:
+                        self.check_step(sig, spec, receives_result=True)
+        return to_json(stored) if stored else None
+
+    def create_chord(self, group_id: str, members: list[str], body: Any) -> None:
+        self._store().create_chord(group_id, members, to_json(body))
+
+    # --- worker side: what an outcome sets off ------------------------------------------
+
+    def after_success(self, attempt: Attempt, result: Any, *, eager: bool = False) -> Followup | None:
+        canvas = from_json(attempt.canvas) if attempt.canvas else None
+        if not canvas:
+            return None
+        follow = Followup(self, attempt, eager=eager)
+        chain = _as_list(canvas.get("chain"))
+        if chain:
+            follow.next_step(signature(chain.pop(), app=self._app), (result,), chain, canvas)
+        for callback in _as_list(canvas.get("link")):
+            follow.next_step(signature(callback, app=self._app), (result,), [], canvas)
+        if canvas.get("chord"):
+            follow.chord_member = str(canvas["chord"])
+        return follow
+
+    def after_failure(self, attempt: Attempt, error: str, *, eager: bool = False) -> Followup | None:
+        canvas = from_json(attempt.canvas) if attempt.canvas else None
+        if not canvas:
+            return None
+        follow = Followup(self, attempt, eager=eager)
+        for errback in _as_list(canvas.get("link_error")):
+            follow.errback(signature(errback, app=self._app), error, canvas)
+        if canvas.get("chord"):
+            follow.chord_failed = str(canvas["chord"])
+        return follow
+
+
+class Followup:
+    """The jobs and messages one job's outcome sets off.
+
+    ``write(conn)`` runs inside the transaction that records the outcome (after its fenced
+    update matched): it inserts the leased next steps and counts the chord down.
+    ``send()`` runs after that commit: it applies the plain ones.
+    """
+
+    def __init__(self, canvas: Canvas, attempt: Attempt, *, eager: bool) -> None:
+        self._canvas = canvas
+        self._attempt = attempt
+        self._eager = eager
+        self.rows: list[dict[str, Any]] = []
+        self.sends: list[tuple[Signature, tuple, dict[str, Any]]] = []
+        self.chord_member: str | None = None
+        self.chord_failed: str | None = None
+
+    def _lineage(self, canvas: dict) -> dict[str, Any]:
+        return {"root_id": canvas.get("root_id") or self._attempt.job_id, "parent_id": self._attempt.job_id}
+
+    def _row(self, spec: JobKind, sig: Signature, payload: Any, extra: dict[str, Any]) -> dict[str, Any]:
+        options = dict(sig.options)
+        job_id = options.get("task_id") or str(uuid.uuid4())
+        stored = {key: options[key] for key in STORED_OPTIONS if options.get(key) not in (None, [], ())}
+        stored.update({k: v for k, v in extra.items() if v not in (None, [])})
+        producer = self._canvas._producer()
+        row_options = {
+            "job_id": job_id,
+            "idempotency_key": f"celery:{job_id}",
+            "queue": options.get("queue"),
+            "run_id": self._attempt.run_id,
+            "tenant": self._attempt.tenant,
+            "parent_id": self._attempt.job_id,
+            "canvas": to_json(stored) if stored else None,
+        }
+        return producer.job_row(spec, producer.serialize(spec, payload), row_options)
+
+    def next_step(self, sig: Signature, args: tuple, rest: list, canvas: dict) -> None:
+        spec = self._canvas.spec_of(sig)
+        if spec is None:
+            options: dict[str, Any] = dict(self._lineage(canvas))
+            if rest:
+                options["chain"] = rest
+            self.sends.append((sig, args, options))
+            return
+        payload = sig.args[0] if sig.immutable or not args else args[0]
+        if sig.kwargs.get("payload") is not None:
+            payload = sig.kwargs["payload"]
+        self.rows.append(self._row(spec, sig, payload, {"chain": rest, **self._lineage(canvas)}))
+
+    def errback(self, sig: Signature, error: str, canvas: dict) -> None:
+        spec = self._canvas.spec_of(sig)
+        job_id = self._attempt.job_id
+        if spec is None:
+            self.sends.append((sig, (job_id,), self._lineage(canvas)))
+        else:
+            payload = sig.args[0] if sig.immutable and sig.args else {"job_id": job_id, "error": error}
+            self.rows.append(self._row(spec, sig, payload, self._lineage(canvas)))
+
+    def write(self, conn: Connection) -> list[Job]:
+        store = self._canvas._store()
+        if self.chord_member is not None:
+            row = store.count_down_chord(conn, self.chord_member)
+            if row is not None and row["remaining"] == 0:
+                store.delete_chord(conn, self.chord_member)
+                members = [str(m) for m in row["members"]]
+                results = store.job_results(conn, members)
+                self._chord_body(from_json(row["body"]), [results.get(m) for m in members])
+        if self.chord_failed is not None:
+            body = store.delete_chord(conn, self.chord_failed)
+            if body is not None:  # the first header job to fail: the body's errbacks, once
+                body_sig = signature(from_json(body), app=self._canvas._app)
+                for errback in _as_list(body_sig.options.get("link_error")):
+                    self.errback(signature(errback, app=self._canvas._app), "a chord header job failed", {})
+        if not self.rows:
+            return []
+        # keyed: a step whose frozen id already made a job is that job, created once.
+        return store.insert_jobs(self.rows, keyed=True, connection=conn)
+
+    def _chord_body(self, body: Signature, results: list) -> None:
+        body = signature(body, app=self._canvas._app)
+        spec = self._canvas.spec_of(body)
+        if spec is None:
+            self.sends.append((body, (results,), {}))
+        else:
+            payload = body.args[0] if body.immutable and body.args else results
+            self.rows.append(self._row(spec, body, payload, {}))
+
+    def send(self) -> None:
+        """Apply the plain signatures; a failure is logged (the outcome is committed)."""
+        for sig, args, options in self.sends:
+            try:
+                if self._eager:
+                    sig.apply(args, **options)
+                else:
+                    sig.apply_async(args, **options)
+            except Exception:
+                log.exception("celery-lease: job %s: cannot apply %s after its outcome", self._attempt.job_id, sig.get("task"))

@@ -1,0 +1,53 @@
+"""Bearer tokens of the HTTP API and of its /metrics route, from app.conf or the
+environment (see :mod:`celery_lease.ops.api` for what each one may see)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from typing import Any
+
+from celery_lease.errors import ConfigurationError
+
+TOKENS_SETTING = "lease_api_tokens"
+TOKENS_ENV = "CELERY_LEASE_API_TOKENS"
+METRICS_TOKEN_SETTING = "lease_metrics_token"
+METRICS_TOKEN_ENV = "CELERY_LEASE_METRICS_TOKEN"
+
+
+def load_tokens(app_conf: Any) -> dict[str, str | None]:
+    """Token -> tenant (None: every tenant), from app.conf or the environment."""
+    tokens = app_conf.get(TOKENS_SETTING) if app_conf is not None else None
+    source = f"app.conf.{TOKENS_SETTING}"
+    if tokens is None and os.environ.get(TOKENS_ENV):
+        source = TOKENS_ENV
+        try:
+            tokens = json.loads(os.environ[TOKENS_ENV])
+        except ValueError:
+            raise ConfigurationError(
+                f'{TOKENS_ENV} is not JSON (expected e.g. {{"token": "tenant", "admin-token": null}})'
+            ) from None
+    if tokens is None:
+        return {}
+    if not isinstance(tokens, dict) or not all(
+        isinstance(t, str) and t and (v is None or isinstance(v, str)) for t, v in tokens.items()
+    ):
+        raise ConfigurationError(f"{source} must map non-empty token strings to a tenant name or None")
+    return dict(tokens)
+
+
+def load_metrics_token(app_conf: Any) -> str | None:
+    """The token /metrics requires, or None when it is open."""
+    token = app_conf.get(METRICS_TOKEN_SETTING) if app_conf is not None else None
+    source = f"app.conf.{METRICS_TOKEN_SETTING}"
+    if token is None and os.environ.get(METRICS_TOKEN_ENV):
+        token, source = os.environ[METRICS_TOKEN_ENV], METRICS_TOKEN_ENV
+    if token is not None and (not isinstance(token, str) or not token):
+        raise ConfigurationError(f"{source} must be a non-empty string")
+    return token
+
+
+def matches(offered: str, token: str) -> bool:
+    """Constant-time comparison: the time taken does not tell how much was guessed right."""
+    return hmac.compare_digest(offered.encode(), token.encode())

@@ -1,0 +1,62 @@
+"""What Celery's task events (and so Flower) say about a leased job.
+
+Celery's own events describe the wakeup message, which carries no arguments and whose
+execution ends however the job did; these fill in the job's truth:
+
+* when an attempt starts: a ``task-started`` event carrying the attempt as ``retries``
+  (attempt - 1), the payload as ``args`` (or the ``argsrepr=`` given at submit) and
+  ``{"attempt", "max_attempts"}`` as ``kwargs``. Flower merges it into the task it shows.
+* when an attempt stops because the job was cancelled (``leases.cancel``, ``revoke``), or
+  a wakeup arrives for a cancelled job: ``task-revoked``, so Flower shows REVOKED; the
+  body then raises Celery's ``Ignore`` so no ``task-succeeded`` follows.
+
+Sent only when the worker sends task events (``-E`` / ``worker_send_task_events``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery, signals
+from celery.utils.saferepr import saferepr
+
+if TYPE_CHECKING:
+    from celery import Task
+
+    from celery_lease.worker.attempt import Attempt
+
+#: Longest payload repr put in an event, as Celery's argsrepr.
+MAX_REPR = 1024
+
+
+def enabled(task: Task) -> bool:
+    return bool(task.app.conf.worker_send_task_events)
+
+
+def attempt_started(task: Task, attempt: Attempt) -> None:
+    if not enabled(task):
+        return
+    argsrepr = (attempt.canvas or {}).get("argsrepr")
+    task.send_event(
+        "task-started",
+        retries=max(attempt.attempt - 1, 0),
+        args=argsrepr if isinstance(argsrepr, str) else saferepr([attempt.payload], MAX_REPR),
+        kwargs=saferepr({"attempt": attempt.attempt, "max_attempts": attempt.max_attempts}),
+    )
+
+
+def revoked(task: Task) -> None:
+    if enabled(task):
+        task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+
+
+def connect(app: Celery) -> None:
+    """``celery worker -E`` enables task events on the worker object only; record it in the
+    app's configuration before the pool forks, so the pool processes see it too."""
+
+    @signals.celeryd_after_setup.connect(weak=False)
+    def note_task_events(sender=None, instance: Any = None, **_):
+        if instance is not None and instance.app is app and instance.task_events:
+            app.conf.worker_send_task_events = True
+
+    app._celery_lease_event_handlers = (note_task_events,)

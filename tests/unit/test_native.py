@@ -1,0 +1,65 @@
+"""Pure rules of the Celery-native layer, and the canvas statements on SQLite."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from celery_lease.worker.task import check_options, one_payload
+
+
+def test_options_are_kept_ignored_or_refused_with_what_to_use_instead():
+    kept = check_options("t", {"countdown": 5, "priority": 3, "expires": 10, "retry": True, "queue": None})
+    assert kept == {"countdown": 5, "priority": 3}
+    with pytest.raises(TypeError, match="lease_seconds"):
+        check_options("t", {"time_limit": 3})
+    with pytest.raises(TypeError, match="queue="):
+        check_options("t", {"routing_key": "x"})
+    with pytest.raises(TypeError, match="unsupported option 'bogus'"):
+        check_options("t", {"bogus": 1})
+    for bad in (256, -1, "5", True):
+        with pytest.raises(TypeError, match="priority"):
+            check_options("t", {"priority": bad})
+
+
+def test_one_payload():
+    assert one_payload("t", ({"a": 1},), None) == {"a": 1}
+    assert one_payload("t", (), {"payload": 3}) == 3
+    for args, kwargs in (((), {}), ((1, 2), {}), ((1,), {"x": 2})):
+        with pytest.raises(TypeError, match="exactly one payload"):
+            one_payload("t", args, kwargs)
+
+
+def test_celery_states_of_job_rows(store, add_job):
+    from celery_lease.errors import JobFailed
+    from celery_lease.results import meta_of
+
+    def meta(**columns):
+        return meta_of("x", store.get(add_job(**columns)))
+
+    assert meta(status="pending")["status"] == "PENDING"
+    assert meta(status="pending", attempt=2)["status"] == "RETRY"
+    started = meta(status="running", attempt=1, progress={"p": 1})
+    assert started["status"] == "STARTED" and started["result"] == {"p": 1} and started["retries"] == 0
+    assert meta(status="succeeded", attempt=3, result=[1])["result"] == [1]
+    failed = meta(status="failed", attempt=1, error="no rows")
+    assert failed["status"] == "FAILURE" and isinstance(failed["result"], JobFailed) and str(failed["result"]) == "no rows"
+    assert meta(status="cancelled")["status"] == "REVOKED"
+    assert meta_of("x", None)["status"] == "PENDING"
+
+
+def test_a_chord_counts_down_to_zero_once(store):
+    group, members = str(uuid.uuid4()), [str(uuid.uuid4()) for _ in range(2)]
+    store.create_chord(group, members, {"task": "body"})
+    store.create_chord(group, members, {"task": "other"})  # re-applied: unchanged
+
+    def count_down():
+        return store.transaction(store.durable, lambda conn: store.count_down_chord(conn, group))
+
+    assert count_down()["remaining"] == 1
+    last = count_down()
+    assert last["remaining"] == 0 and last["members"] == members and last["body"] == {"task": "body"}
+    assert count_down() is None  # a member counted twice cannot fire the body again
+    assert store.transaction(store.durable, lambda conn: store.delete_chord(conn, group)) == {"task": "body"}
+    assert store.transaction(store.durable, lambda conn: store.delete_chord(conn, group)) is None
