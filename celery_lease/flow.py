@@ -81,7 +81,7 @@ class FlowControl:
         for _ in range(2):  # a second time only when nothing held a claimable job
             if limits is None:
                 row = self._store.claim(job_id, owner, spec.task)
-                result = ClaimResult(row=row) if row is not None else self._db.hold(job_id)
+                result = ClaimResult(row=row) if row is not None else self._db.hold(job_id, spec.task)
             else:
                 result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits)
             if not result.retry:

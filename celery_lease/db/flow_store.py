@@ -105,7 +105,7 @@ class FlowStore:
                 # This claim opened a rate window: wake the jobs held for it.
                 result.wake = self._tx(lambda c: self._wake(c, RATE, kind, None, rate.count - 1))
             return result
-        result = self._hold(job_id, kind, limits.concurrency)
+        result = self._hold(job_id, task, kind, limits.concurrency)
         if result.held == RATE:
             seconds = self._store.transaction(
                 self._store.engine(fast=True, single=True),
@@ -117,13 +117,13 @@ class FlowStore:
                 result.later = (max(0.0, float(seconds)), {"id": job_id})
         return result
 
-    def hold(self, job_id: str) -> ClaimResult:
+    def hold(self, job_id: str, task: str) -> ClaimResult:
         """After a refused claim of an unlimited kind: held for a pause, or (retry) not
-        held by anything, or neither (a duplicate delivery)."""
-        return self._hold(job_id, None, None)
+        held by anything, or neither (a duplicate delivery, or one for another task)."""
+        return self._hold(job_id, task, None, None)
 
-    def _hold(self, job_id: str, kind: str | None, concurrency: int | None) -> ClaimResult:
-        params = {"job_id": job_id, "of_kind": kind, "limited": kind is not None, "concurrency": concurrency}
+    def _hold(self, job_id: str, task: str, kind: str | None, concurrency: int | None) -> ClaimResult:
+        params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None, "concurrency": concurrency}
         if self._prepare:
             stmts = (q.lock_limits_row(), q.hold_job()) if kind is not None else (q.hold_job(),)
             rows = self._store.execute_prepared(self._script(*stmts), params)

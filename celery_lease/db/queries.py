@@ -941,7 +941,13 @@ def hold_job() -> sa.Update:
     )
     return (
         sa.update(jobs)
-        .where(_c.id == sa.bindparam("job_id"), _c.status == Status.PENDING.value, _due(_c))
+        .where(
+            _c.id == sa.bindparam("job_id"),
+            # As in claim_job: an untrusted wakeup naming another task's job writes nothing.
+            _c.task == sa.bindparam("wakeup_task", type_=_c.task.type),
+            _c.status == Status.PENDING.value,
+            _due(_c),
+        )
         .values(held=reason, woken_at=db_now())
         .returning(_c.held, _c.kind, _c.concurrency_key)
     )

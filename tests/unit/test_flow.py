@@ -160,7 +160,7 @@ def test_pause_holds_claims_of_that_kind_only_and_resume_wakes_them(flow, store,
     paused = add_job(kind="k")
     other = add_job(kind="other")
     assert store.claim(paused, OWNER, TASK) is None
-    assert flow.hold(paused).held == "pause"
+    assert flow.hold(paused, TASK).held == "pause"
     assert row(paused)["held"] == "pause"
     assert store.claim(other, OWNER, TASK) is not None
     limited = add_job(kind="k")
@@ -170,9 +170,19 @@ def test_pause_holds_claims_of_that_kind_only_and_resume_wakes_them(flow, store,
     assert store.claim(paused, OWNER, TASK) is not None
 
 
+def test_a_wakeup_for_another_task_neither_claims_nor_marks_the_job(flow, store, add_job, row):
+    job = add_job(kind="k")
+    flow.pause("k")
+    assert store.claim(job, OWNER, "tests.other") is None
+    assert flow.hold(job, "tests.other").held is None
+    assert flow.claim_limited(job, OWNER, "k", "tests.other", Limits(concurrency=1)).held is None
+    r = row(job)
+    assert (r["status"], r["held"], r["woken_at"]) == ("pending", None, None)
+
+
 def test_hold_of_a_claimable_job_asks_for_a_second_claim(flow, add_job, row):
     job = add_job(kind="k")
-    result = flow.hold(job)
+    result = flow.hold(job, TASK)
     assert (result.held, result.retry) == (None, True)
 
 
