@@ -1,4 +1,4 @@
-"""``python -m bench [run] [options]``, ``python -m bench scale | profile | cpu``.
+"""``python -m bench [run] [options]``, ``python -m bench scale | profile | cpu | flow``.
 
 The default (``run``) measures every system and body side by side, then the scale
 figures, and writes bench/results/latest.md: the figures of issue #12 with their goals,
@@ -41,7 +41,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.systems import FACTORIES, PLANNED, SYSTEMS
+    from bench.systems import FACTORIES, SYSTEMS
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command")
@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--systems",
             default=",".join(SYSTEMS),
-            help=f"comma-separated, plain Celery first (default {','.join(SYSTEMS)}; known: {', '.join(FACTORIES)}; "
-            f"planned: {', '.join(PLANNED)})",
+            help=f"comma-separated, plain Celery first (default {','.join(SYSTEMS)}; known: {', '.join(FACTORIES)})",
         )
         p.add_argument(
             "--scale-rows",
@@ -91,12 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     cpu_p.add_argument("--n", type=int, default=6000, help="no-op jobs drained per system (default 6000)")
     cpu_p.add_argument("--reps", type=int, default=1, help="interleaved repetitions (default 1)")
     cpu_p.add_argument("--results", type=Path, default=RESULTS)
+    flow_p = sub.add_parser("flow", help="the cost of a concurrency or rate limit at claim time (~30 s)")
+    flow_p.add_argument("--samples", type=int, default=500, help="timed claims per variant (default 500)")
+    flow_p.add_argument("--n", type=int, default=1000, help="no-op jobs per drain (default 1000)")
+    flow_p.add_argument("--reps", type=int, default=2, help="interleaved drains per kind (default 2)")
+    flow_p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     if args.command == "cpu":
         from bench.cpu import main as cpu_main
 
         return cpu_main(args, log)
+
+    if args.command == "flow":
+        from bench.flow import main as flow_main
+
+        return flow_main(args, log)
+
     if args.command == "scale":
         from bench.scale import main as scale_main
 

@@ -24,7 +24,7 @@ LABELS = {
 }
 BODY_LABELS = {"noop": "no-op", "sleep1": "1 ms", "sleep10": "10 ms"}
 #: Systems compared with another celery-lease system as well as with plain Celery: the
-#: flow-control cost is lease-pg-limited over lease-pg (see systems.PLANNED).
+#: flow-control cost is lease-pg-limited over lease-pg (see systems.FACTORIES).
 BASELINES = {"lease-pg-limited": "lease-pg"}
 #: Sizes the maintenance goals are stated at.
 GOAL_TERMINAL_ROWS = 1_000_000

@@ -5,6 +5,8 @@ Control flow inside a handler (not errors of celery-lease itself)::
     Failure                 the handler gives up: job -> failed, message stored, no retry
     JobCancelled            raised by ctx.raise_if_cancelled(): stop now, write nothing
      └── JobSuspended       warm shutdown: stop now, the job is handed to another worker
+    JobSnoozed              raised by ctx.snooze(s): back to pending, due in s seconds,
+                            no attempt spent
 
 Raised to Celery after the outcome is stored, so Flower shows the job's state::
 
@@ -46,6 +48,14 @@ class JobCancelled(Exception):
 
 class JobSuspended(JobCancelled):
     """The worker is shutting down; the job goes back to pending for another worker."""
+
+
+class JobSnoozed(Exception):
+    """The handler snoozed its job: it is pending again, due later, attempt not spent."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"snoozed for {seconds:g}s")
+        self.seconds = seconds
 
 
 class JobFailed(Exception):

@@ -9,6 +9,7 @@ this object:
     producer.Producer      submit / submit_many, wakeups after commit
     kinds.Registry         the job kinds @leases.job declared
     worker.*               claim, heartbeat, body, completion (Celery signals)
+    flow.FlowControl       concurrency / rate limits, priority, pause (claim-time)
     beat.*                 reap / sweep / prune / recover and their beat entries
 """
 
@@ -30,8 +31,10 @@ from celery_lease.canvas import Canvas
 from celery_lease.db import migrate
 from celery_lease.db.engine import Database, resolve_database_url
 from celery_lease.db.store import Store
+from celery_lease.flow import FlowControl
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind, Registry
+from celery_lease.limits import Limits
 from celery_lease.payload import Codec
 from celery_lease.producer import Producer
 from celery_lease.settings import Settings
@@ -65,6 +68,7 @@ class CeleryLease:
         self._store: Store | None = None
         self._producer: Producer | None = None
         self._maintenance: Maintenance | None = None
+        self._flow: FlowControl | None = None
         self.registry = Registry()
         self._tasks: dict[str, LeaseTask] = {}
         self._worker: WorkerState | None = None
@@ -104,8 +108,14 @@ class CeleryLease:
     @property
     def maintenance(self) -> Maintenance:
         if self._maintenance is None:
-            self._maintenance = Maintenance(self.store, self.producer.publish_wakeups, self.settings)
+            self._maintenance = Maintenance(self.store, self.producer.publish_wakeups, self.settings, flow=self.flow)
         return self._maintenance
+
+    @property
+    def flow(self) -> FlowControl:
+        if self._flow is None:
+            self._flow = FlowControl(self.store, self.app, self.producer.publish_wakeups, self.registry, lambda: self.settings)
+        return self._flow
 
     @property
     def worker(self) -> WorkerState:
@@ -120,6 +130,7 @@ class CeleryLease:
                 broker,
                 cancel_notice.channel(broker, self.app.main),
                 canvas=self.canvas,
+                flow=self.flow,
             )
             self._worker_pid = os.getpid()
         return self._worker
@@ -144,8 +155,18 @@ class CeleryLease:
         retry_backoff_max: float = 300.0,
         queue: str | None = None,
         name: str | None = None,
+        concurrency: int | None = None,
+        concurrency_key: Callable[[Any], Any] | None = None,
+        rate_limit: str | None = None,
     ) -> Callable[[Callable], LeaseTask]:
-        """Register ``fn(ctx, payload)`` as the handler of jobs of ``kind``."""
+        """Register ``fn(ctx, payload)`` as the handler of jobs of ``kind``.
+
+        Flow control, enforced in the database for every worker at once (see
+        :mod:`celery_lease.flow`): at most ``concurrency`` jobs of the kind run at once
+        (per key, with ``concurrency_key``: a function of the payload); at most
+        ``rate_limit`` claims ("20/s", "100/m", "1000/h") per window.
+        """
+        limits = Limits.declare(concurrency, concurrency_key, rate_limit)
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if lease_seconds < 1:
@@ -163,6 +184,7 @@ class CeleryLease:
                 retry_backoff=retry_backoff,
                 retry_backoff_max=retry_backoff_max,
                 queue=queue,
+                limits=limits,
             )
             self.registry.add(spec)
             task = self.app.task(
@@ -241,12 +263,14 @@ class CeleryLease:
         broker can carry the notice) and its later writes are discarded."""
         cancelled = self.store.cancel(job_id=parse_job_id(job_id))
         self._notify_cancelled(cancelled)
+        self.flow.released(cancelled)  # a cancelled running job frees its slot at once
         return bool(cancelled)
 
     def cancel_run(self, run_id: str) -> int:
         """Cancel every non-terminal job of a run; the run accepts no new jobs."""
         cancelled = self.store.cancel(run_id=parse_job_id(run_id))
         self._notify_cancelled(cancelled)
+        self.flow.released(cancelled)
         return len(cancelled)
 
     def _notify_cancelled(self, job_ids: list[str]) -> None:
@@ -255,6 +279,21 @@ class CeleryLease:
             log.info("celery-lease: cancelled %d job(s)", len(job_ids))
             broker = self.app.conf.broker_url
             cancel_notice.publish(broker, job_ids, cancel_notice.channel(broker, self.app.main))
+
+    # --- flow control ----------------------------------------------------------------
+
+    def pause(self, kind: Any) -> bool:
+        """Claim no job of ``kind`` until resume (stored in the database: survives
+        restarts); running jobs finish. False when it was already paused."""
+        return self.flow.pause(kind)
+
+    def resume(self, kind: Any) -> int:
+        """Claim ``kind`` again and wake the jobs its pause held; returns how many."""
+        return self.flow.resume(kind)
+
+    def limits(self, tenant: str | None = None) -> list[dict]:
+        """Per kind and key: limits, pause, and jobs running or waiting on each."""
+        return self.flow.overview(tenant)
 
     def run_events(self, run_id: str, **kw) -> list[dict]:
         return self.store.run_events(parse_job_id(run_id), **kw)

@@ -44,6 +44,7 @@ class Job:
     tenant: str | None
     task: str
     queue: str | None
+    priority: int = 0
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> Job:
@@ -71,6 +72,7 @@ class Job:
             tenant=row["tenant"],
             task=row["task"],
             queue=row["queue"],
+            priority=row.get("priority", 0),
         )
 
     @property

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from celery_lease.errors import UnknownKind
+from celery_lease.limits import Limits
 from celery_lease.payload import Codec
 
 
@@ -27,6 +28,8 @@ class JobKind:
     retry_backoff_max: float
     #: The queue its wakeups go to (None: Celery's routing decides).
     queue: str | None
+    #: Flow control (concurrency, concurrency_key, rate_limit); None: unlimited.
+    limits: Limits | None = None
 
 
 class Registry:

@@ -26,6 +26,7 @@ from celery_lease.db.store import Store
 from celery_lease.errors import InvalidPayload, LeaseError
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
+from celery_lease.limits import parse_priority
 from celery_lease.payload import storable_text
 from celery_lease.settings import Settings
 from celery_lease.status import Event, Status
@@ -137,6 +138,9 @@ class Producer:
             "idempotency_key": options.get("idempotency_key"),
             "tenant": options.get("tenant"),
             "canvas": options.get("canvas"),
+            "priority": parse_priority(options.get("priority") or 0),
+            "concurrency_key": None if spec.limits is None else spec.limits.key_for(spec.kind, payload),
+            "held": None,
         }
 
     def submit_many(

@@ -60,7 +60,15 @@ def pg_url():
         yield url
 
 
-TABLES = ("celery_lease_events", "celery_lease_runs", "celery_lease_jobs", "celery_lease_chords", "test_effects")
+TABLES = (
+    "celery_lease_events",
+    "celery_lease_runs",
+    "celery_lease_jobs",
+    "celery_lease_chords",
+    "celery_lease_limits",
+    "celery_lease_pauses",
+    "test_effects",
+)
 
 
 @pytest.fixture

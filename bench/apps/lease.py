@@ -24,10 +24,10 @@ from celery_lease import CeleryLease
 LEASE_SECONDS = 5
 
 
-def _job(leases: CeleryLease, name: str, options: dict):
+def _job(leases: CeleryLease, name: str, options: dict, body_name: str | None = None):
     @leases.job(kind=name, name=f"bench.lease.{name}", **{"lease_seconds": LEASE_SECONDS, **options})
     def run(ctx, payload):
-        body(name)
+        body(body_name or name)
 
     return run
 
@@ -44,7 +44,12 @@ def make_app(db: str | None, broker: str | None, job_options: dict | None = None
         task_ignore_result=True,
     )
     leases = CeleryLease(app, db, install_beat=False, **settings)
-    return app, leases, {name: _job(leases, name, job_options or {}) for name in BODIES}
+    tasks = {name: _job(leases, name, job_options or {}) for name in BODIES}
+    # Flow control (python -m bench flow): no-op bodies behind limits they never reach,
+    # so what differs from noop is only the cost of the limit at claim and release.
+    tasks["noop_limited"] = _job(leases, "noop_limited", {"concurrency": 64}, body_name="noop")
+    tasks["noop_rated"] = _job(leases, "noop_rated", {"rate_limit": "100000/s"}, body_name="noop")
+    return app, leases, tasks
 
 
 # The worker's app (`celery -A bench.apps.lease worker`), from the environment.

@@ -17,6 +17,7 @@ from celery_lease.worker.attempt import BOOT_ID
 
 if TYPE_CHECKING:
     from celery_lease.db.store import Store
+    from celery_lease.flow import FlowControl
     from celery_lease.settings import Settings
 
 log = logging.getLogger("celery_lease.maintenance")
@@ -36,14 +37,21 @@ def _batches(step: Callable[[], tuple[list, bool]]) -> list:
 
 
 class Maintenance:
-    def __init__(self, store: Store, publish_wakeups: Callable[[Sequence[dict]], int], settings: Settings) -> None:
+    def __init__(
+        self, store: Store, publish_wakeups: Callable[[Sequence[dict]], int], settings: Settings, flow: FlowControl | None = None
+    ) -> None:
         self._store = store
+        #: Flow control: reaped and recovered jobs free their slots; the sweep also
+        #: recovers held jobs whose wakeup was missed.
+        self._flow = flow
         self._publish = publish_wakeups
         self._settings = settings
 
     def _requeue_counts(self, rows: list[dict], final: Status) -> dict[str, int]:
         requeued = [r for r in rows if r["status"] == Status.PENDING.value]
         self._publish(requeued)
+        if self._flow is not None and rows:
+            self._flow.released([str(r["id"]) for r in rows])
         return {"requeued": len(requeued), final.value: len(rows) - len(requeued)}
 
     def reap(self) -> dict[str, int]:
@@ -76,6 +84,8 @@ class Maintenance:
 
         rows = _batches(step)
         sent = self._publish(rows)
+        if self._flow is not None:
+            sent += self._flow.sweep()
         if rows:
             log.info("celery-lease: swept %d wakeup(s), %d published", len(rows), sent)
         return sent

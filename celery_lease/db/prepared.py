@@ -70,3 +70,31 @@ class Prepared:
             if cur.description is None:
                 return [], []
             return [d[0] for d in cur.description], cur.fetchall()
+
+
+class PreparedScript(Prepared):
+    """Prepared statements sent together as one simple query: one round trip, run as
+    one implicit transaction (on an autocommit connection). Under READ COMMITTED each
+    statement takes a new snapshot, so a statement after a lock sees what the lock's
+    previous holder committed (flow control's "lock the kind, then count"). The rows
+    are the last statement's."""
+
+    def __init__(self, *parts: Prepared) -> None:
+        self.parts = parts
+        self.name = "+".join(p.name for p in parts)
+        self.execute_sql = "; ".join(p.execute_sql for p in parts)
+
+    def values(self, params: dict[str, Any]) -> list[Any]:
+        return [value for part in self.parts for value in part.values(params)]
+
+    def execute(self, dbapi_connection, info: dict, params: dict[str, Any]) -> tuple[list[str], Sequence[tuple]]:
+        prepared = info.setdefault(_KEY, set())
+        with dbapi_connection.cursor() as cur:
+            for part in self.parts:
+                if part.name not in prepared:
+                    cur.execute(part.prepare_sql)
+                    prepared.add(part.name)
+            cur.execute(self.execute_sql, self.values(params))
+            if cur.description is None:
+                return [], []
+            return [d[0] for d in cur.description], cur.fetchall()

@@ -29,7 +29,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
-from celery_lease.db.schema import ID, chords, events, jobs, runs
+from celery_lease.db.schema import ID, chords, events, jobs, limits, pauses, runs
 from celery_lease.status import TERMINAL, Event, Status
 
 # --- database time -----------------------------------------------------------------
@@ -359,6 +359,7 @@ def lease_health() -> sa.Select:
         _c.status == Status.PENDING.value,
         sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
         sa.or_(_c.woken_at.is_(None), _c.woken_at < db_now_plus(-_seconds("stale_seconds"))),
+        _c.held.is_(None),
     )
     return sa.select(
         sa.func.count().filter(running),
@@ -409,7 +410,7 @@ def claim_job_logged() -> sa.Select:
     """claim_job, plus the run's 'claimed' event when the job belongs to a run, as ONE
     statement (PostgreSQL data-modifying CTE): the claim stays a single round trip
     and the event can never exist without the claim, nor the claim without it."""
-    claimed = claim_job().cte("claimed")
+    claimed = claim_job_flow().cte("claimed")
     logged = (
         sa.insert(events)
         .from_select(
@@ -565,6 +566,31 @@ def hand_off_job() -> sa.Update:
     )
 
 
+@functools.cache
+def snooze_job() -> sa.Update:
+    """snooze_job: running -> pending, due in :delay seconds, without spending the attempt.
+
+    Not a failure: the attempt is given back (as by a shutdown handoff), so a job may
+    snooze any number of times whatever its max_attempts; the checkpoint is kept. Due
+    at once (:delay 0) it is marked woken, since the caller publishes its wakeup;
+    later, the sweeper wakes it when due.
+    """
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(
+            status=Status.PENDING.value,
+            attempt=_c.attempt - 1,
+            run_after=db_now_plus(_seconds("delay")),
+            woken_at=sa.case((_seconds("delay") <= 0, db_now()), else_=sa.null()),
+            held=sa.null(),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
 # --- revoking statements (producer, beat, worker start) -------------------------------
 
 
@@ -664,6 +690,7 @@ def claim_due_wakeups() -> sa.Update:
         _c.status == Status.PENDING.value,
         sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
         sa.or_(_c.woken_at.is_(None), _c.woken_at < db_now_plus(-_seconds("stale_seconds"))),
+        _c.held.is_(None),  # flow control wakes held jobs when their cause ends (flow.py)
     )
     return (
         sa.update(jobs)
@@ -753,3 +780,412 @@ def job_results(ids: Sequence[str]) -> sa.Select:
 def make_due() -> sa.Update:
     """make_due: a pending job may be claimed now (eager mode runs retries at once)."""
     return sa.update(jobs).where(_c.id == sa.bindparam("job_id"), _c.status == Status.PENDING.value).values(run_after=None)
+
+
+# --- flow control (celery_lease.flow) ---------------------------------------------------
+#
+# Constants a partial index predicate needs are literal SQL, not bound values: a
+# prepared statement's generic plan can only use celery_lease_jobs_priority (or _held)
+# when its WHERE visibly implies the index's predicate.
+
+_PENDING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.PENDING.value}'")
+_RUNNING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.RUNNING.value}'")
+
+
+def _due(t) -> sa.ColumnElement:
+    return sa.or_(t.run_after.is_(None), t.run_after <= db_now())
+
+
+def _better_job() -> sa.ScalarSelect:
+    """The job a delivery for :job_id claims instead: the first due pending job of the
+    same kind, queue and concurrency key with a higher priority. NULL (claim :job_id)
+    when there is none, or when :job_id is not itself due and pending (a stale
+    delivery claims nothing, as before)."""
+    named, best = jobs.alias("named"), jobs.alias("best")
+    return (
+        sa.select(best.c.id)
+        .where(
+            named.c.id == sa.bindparam("job_id", type_=ID),
+            named.c.status == Status.PENDING.value,
+            _due(named.c),
+            best.c.status == _PENDING,
+            best.c.priority > sa.literal_column("0"),
+            best.c.priority > named.c.priority,
+            best.c.kind == named.c.kind,
+            best.c.queue.is_not_distinct_from(named.c.queue),
+            best.c.concurrency_key.is_not_distinct_from(named.c.concurrency_key),
+            _due(best.c),
+        )
+        .order_by(best.c.priority.desc(), best.c.created_at)
+        .limit(1)
+        .with_for_update(of=best, skip_locked=True)
+        .scalar_subquery()
+    )
+
+
+_not_paused = ~sa.exists().where(pauses.c.kind == _c.kind)
+
+
+@functools.cache
+def claim_job_flow() -> sa.Update:
+    """claim_job, under flow control: nothing of a paused kind is claimed, and a
+    higher-priority due job of the same kind, queue and key is claimed in place of the
+    delivered one (whose wakeup the caller sends again). Every other guard of
+    claim_job applies unchanged, to the job actually claimed: this is claim_job with
+    its target :job_id replaced, so a guard added there is inherited here."""
+    target = sa.func.coalesce(_better_job(), sa.bindparam("job_id", type_=ID))
+
+    def retarget(element):
+        if isinstance(element, sa.BindParameter) and element.key == "job_id":
+            return target
+        return None
+
+    # held is cleared by the claim itself (a held job may be the one claimed).
+    stmt: Any = sa.sql.visitors.replacement_traverse(claim_job().values(held=sa.null()), {}, retarget)  # type: ignore[call-overload]
+    # The concurrency key too: a limited attempt's end frees the slot of its key.
+    return stmt.where(_not_paused).returning(_c.concurrency_key)
+
+
+def _running_like(t) -> sa.ScalarSelect:
+    """How many jobs of t's kind and concurrency key are running."""
+    slots = jobs.alias("slots")
+    return (
+        sa.select(sa.func.count())
+        .select_from(slots)
+        .where(
+            slots.c.status == _RUNNING,
+            slots.c.kind == t.kind,
+            slots.c.concurrency_key.is_not_distinct_from(t.concurrency_key),
+        )
+        .scalar_subquery()
+    )
+
+
+class rate_window_now(FunctionElement):
+    """The index of the current rate window: epoch seconds of the database clock
+    divided by a window's length, rounded down."""
+
+    type = sa.BigInteger()
+    inherit_cache = True
+
+
+@compiles(rate_window_now)
+def _rate_window_default(element, compiler, **kw):
+    (per,) = element.clauses
+    return f"CAST(floor(extract(epoch from now()) / {compiler.process(per, **kw)}) AS BIGINT)"
+
+
+@compiles(rate_window_now, "sqlite")
+def _rate_window_sqlite(element, compiler, **kw):
+    (per,) = element.clauses
+    # Epoch seconds are positive: truncation is rounding down.
+    epoch = f"((julianday({_now_sqlite(element, compiler)}) - 2440587.5) * 86400.0)"
+    return f"CAST({epoch} / {compiler.process(per, **kw)} AS INTEGER)"
+
+
+def _rate_open(row) -> sa.ColumnElement:
+    """A limits row's rate window still takes a claim. A claim whose transaction began
+    in an older window than the one stored (it waited for the lock across the
+    boundary) is refused, so no window, however its claims are grouped (by the window
+    that counted them or by their started_at), holds more than the rate."""
+    now = rate_window_now(row.per_seconds)
+    return sa.case(
+        (row.rate.is_(None), sa.true()),
+        (now > row.rate_window, sa.true()),
+        (now == row.rate_window, row.rate_claims < row.rate),
+        else_=sa.false(),
+    )
+
+
+def _rate_open_for(kind) -> sa.ScalarSelect:
+    row = limits.alias("lim")
+    return sa.select(_rate_open(row.c)).where(row.c.kind == kind).scalar_subquery()
+
+
+@functools.cache
+def claim_job_limited(concurrency: bool, rate: bool) -> sa.Update:
+    """claim_job_flow for a limited kind, run after lock_limits in the same transaction:
+    with ``concurrency``, only while fewer than :concurrency jobs of the claimed job's
+    kind and key run; with ``rate``, only while the kind's rate window takes a claim."""
+    stmt = claim_job_flow()
+    if concurrency:
+        stmt = stmt.where(_running_like(_c) < sa.bindparam("concurrency", type_=sa.Integer))
+    if rate:
+        stmt = stmt.where(_rate_open_for(sa.bindparam("of_kind", type_=sa.String)))
+    return stmt
+
+
+@functools.cache
+def count_rate_claim() -> sa.Update:
+    """count_rate_claim: one more claim in the kind's current rate window (a new window
+    starts at 1). Returns the count: 1 means this claim opened the window."""
+    now = rate_window_now(limits.c.per_seconds)
+    return (
+        sa.update(limits)
+        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None))
+        .values(
+            rate_window=now,
+            rate_claims=sa.case((limits.c.rate_window == now, limits.c.rate_claims + 1), else_=1),
+        )
+        .returning(limits.c.rate_claims)
+    )
+
+
+@functools.cache
+def claim_job_limited_logged(concurrency: bool, rate: bool) -> sa.Select:
+    """claim_job_limited, its run's 'claimed' event and (with ``rate``) the window's
+    count, as ONE statement (PostgreSQL), like claim_job_logged. window_claims is the
+    count after this claim (NULL without a rate)."""
+    claimed = claim_job_limited(concurrency, rate).cte("claimed")
+    logged = (
+        sa.insert(events)
+        .from_select(
+            ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
+            sa.select(
+                claimed.c.run_id,
+                claimed.c.id,
+                sa.literal(Event.CLAIMED.value),
+                claimed.c.attempt,
+                sa.bindparam("owner", type_=sa.Text),
+                db_now(),
+            ).where(claimed.c.run_id.is_not(None)),
+        )
+        .cte("logged")
+    )
+    stmt = sa.select(claimed).add_cte(logged)
+    if not rate:
+        return stmt.add_columns(sa.null().label("window_claims"))
+    counted = count_rate_claim().where(sa.exists(sa.select(claimed.c.id))).cte("counted")
+    return stmt.add_cte(counted).add_columns(sa.select(counted.c.rate_claims).scalar_subquery().label("window_claims"))
+
+
+@functools.cache
+def hold_job() -> sa.Update:
+    """hold_job: a delivery flow control refused leaves its job pending, marked with
+    why: 'pause' (its kind is paused), and for a :limited kind 'rate' (its rate
+    window is spent) or 'limit' (:concurrency jobs of its kind and key run). held NULL
+    in the result means nothing holds it now: the caller claims again. Run under the
+    kind's limits row lock (after lock_limits_row) for a limited kind, so the reason is
+    decided on the same state a release sees.
+
+    The pause row is read FOR SHARE: a resume that deletes it either waits for this
+    statement (and then wakes the job it marked) or commits first (and this statement
+    sees no pause). woken_at records when the job was held, so the sweeper's recovery
+    of missed wakeups (stale_held_groups) leaves freshly held jobs alone.
+    """
+    paused = sa.exists(sa.select(pauses.c.kind).where(pauses.c.kind == _c.kind).with_for_update(read=True))
+    limited = sa.bindparam("limited", type_=sa.Boolean)
+    reason = sa.case(
+        (paused, "pause"),
+        (sa.and_(limited, sa.not_(sa.func.coalesce(_rate_open_for(_c.kind), sa.true()))), "rate"),
+        (sa.and_(limited, _running_like(_c) >= sa.bindparam("concurrency", type_=sa.Integer)), "limit"),
+        else_=None,
+    )
+    return (
+        sa.update(jobs)
+        .where(
+            _c.id == sa.bindparam("job_id"),
+            # As in claim_job: an untrusted wakeup naming another task's job writes nothing.
+            _c.task == sa.bindparam("wakeup_task", type_=_c.task.type),
+            _c.status == Status.PENDING.value,
+            _due(_c),
+        )
+        .values(held=reason, woken_at=db_now())
+        .returning(_c.held, _c.kind, _c.concurrency_key)
+    )
+
+
+@functools.cache
+def get_claim_target() -> sa.Select:
+    return sa.select(_c.kind, _c.concurrency_key, _c.status).where(_c.id == sa.bindparam("job_id"))
+
+
+@functools.cache
+def lock_limits(dialect: str) -> sa.Insert:
+    """lock_limits: create or update a kind's limits row with the limits its worker
+    declares, locking it until the transaction ends. Every limited claim and every
+    release of a limited kind's slot takes this lock first, so they serialize per kind."""
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert(limits).values(
+        kind=sa.bindparam("of_kind"),
+        concurrency=sa.bindparam("new_concurrency"),
+        rate=sa.bindparam("new_rate"),
+        per_seconds=sa.bindparam("new_per_seconds"),
+        updated_at=db_now(),
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[limits.c.kind],
+        set_={
+            "concurrency": stmt.excluded.concurrency,
+            "rate": stmt.excluded.rate,
+            "per_seconds": stmt.excluded.per_seconds,
+            "updated_at": db_now(),
+        },
+    )
+
+
+@functools.cache
+def lock_limits_row() -> sa.Select:
+    """A kind's limits row, locked (a release of a slot: the limits stay as declared),
+    with the claims its rate window still takes (NULL without a rate)."""
+    now = rate_window_now(limits.c.per_seconds)
+    budget = sa.case(
+        (limits.c.rate.is_(None), sa.null()),
+        (now > limits.c.rate_window, limits.c.rate),
+        (sa.and_(now == limits.c.rate_window, limits.c.rate > limits.c.rate_claims), limits.c.rate - limits.c.rate_claims),
+        else_=0,
+    )
+    return sa.select(limits, budget.label("rate_budget")).where(limits.c.kind == sa.bindparam("of_kind")).with_for_update()
+
+
+@functools.cache
+def schedule_window_wakeup() -> sa.Update:
+    """Record that a wakeup is sent for the start of the kind's next rate window;
+    returns the seconds until then, or no row when one is already scheduled (one
+    wakeup per window and kind)."""
+    now = rate_window_now(limits.c.per_seconds)
+    following = sa.case((now > limits.c.rate_window, now), else_=limits.c.rate_window) + 1
+    return (
+        sa.update(limits)
+        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None), limits.c.woken_window < following)
+        .values(woken_window=following)
+        .returning((following * limits.c.per_seconds - epoch_seconds(db_now())).label("seconds"))
+    )
+
+
+@functools.cache
+def wake_for_slot() -> sa.Update:
+    """wake_for_slot: after a limited job left running, the jobs of its kind and key
+    :key held by the limit, as many as slots are free now (the kind's declared
+    concurrency minus its running jobs of that key), best priority first. Run after
+    lock_limits_row in the same transaction."""
+    row, slots = limits.alias("lim"), jobs.alias("slots")
+    running = (
+        sa.select(sa.func.count())
+        .select_from(slots)
+        .where(
+            slots.c.status == _RUNNING,
+            slots.c.kind == sa.bindparam("of_kind"),
+            slots.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
+        )
+        .scalar_subquery()
+    )
+    free = (
+        sa.select(sa.case((row.c.concurrency > running, row.c.concurrency - running), else_=0))
+        .where(row.c.kind == sa.bindparam("of_kind"))
+        .scalar_subquery()
+    )
+    held = jobs.alias("held")
+    pick = (
+        sa.select(held.c.id)
+        .where(
+            held.c.status == _PENDING,
+            held.c.held == sa.literal_column("'limit'"),
+            held.c.kind == sa.bindparam("of_kind"),
+            held.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
+            _due(held.c),
+        )
+        .order_by(held.c.priority.desc(), held.c.created_at)
+        .limit(free)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return (
+        sa.update(jobs)
+        .where(_c.id.in_(pick), _c.status == Status.PENDING.value)
+        .values(held=sa.null(), woken_at=db_now())
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
+@functools.cache
+def running_count() -> sa.Select:
+    return sa.select(sa.func.count()).where(
+        _c.status == _RUNNING,
+        _c.kind == sa.bindparam("of_kind"),
+        _c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
+    )
+
+
+@functools.cache
+def wake_held(by_key: bool) -> sa.Update:
+    """wake_held: up to :limit jobs of :of_kind held for :reason (with ``by_key``, of
+    concurrency key :key only), best priority first, then oldest: no longer held,
+    woken now. Returns what their wakeups need."""
+    where = [_c.status == _PENDING, _c.held == sa.bindparam("reason"), _c.kind == sa.bindparam("of_kind"), _due(_c)]
+    if by_key:
+        where.append(_c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)))
+    pick = (
+        sa.select(_c.id)
+        .where(*where)
+        .order_by(_c.priority.desc(), _c.created_at)
+        .limit(sa.bindparam("limit"))
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return (
+        sa.update(jobs)
+        .where(_c.id.in_(pick), _c.status == Status.PENDING.value, _c.held == sa.bindparam("reason"))
+        .values(held=sa.null(), woken_at=db_now())
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
+def limited_groups(ids: Sequence[str]) -> sa.Select:
+    """(kind, concurrency key) of these jobs, for the kinds that have a limits row."""
+    return sa.select(_c.kind, _c.concurrency_key).distinct().where(_c.id.in_(ids), _c.kind.in_(sa.select(limits.c.kind)))
+
+
+@functools.cache
+def stale_held_groups() -> sa.Select:
+    """(kind, key, held) groups with a job held longer than :stale_seconds: where a
+    wakeup may have been missed (a worker died between freeing a slot and waking the
+    next job, a window wakeup was lost). Bounded by :limit."""
+    return (
+        sa.select(_c.kind, _c.concurrency_key, _c.held)
+        .distinct()
+        .where(
+            _c.status == _PENDING,
+            _c.held.is_not(None),
+            _c.woken_at < db_now_plus(-_seconds("stale_seconds")),
+        )
+        .limit(sa.bindparam("limit"))
+    )
+
+
+@functools.cache
+def pause_kind(dialect: str) -> sa.Insert:
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    return (
+        insert(pauses)
+        .values(kind=sa.bindparam("of_kind"), paused_at=db_now())
+        .on_conflict_do_nothing(index_elements=[pauses.c.kind])
+    )
+
+
+@functools.cache
+def resume_kind() -> sa.Delete:
+    return sa.delete(pauses).where(pauses.c.kind == sa.bindparam("of_kind"))
+
+
+@functools.cache
+def is_paused() -> sa.Select:
+    return sa.select(pauses.c.kind).where(pauses.c.kind == sa.bindparam("of_kind"))
+
+
+@functools.cache
+def list_pauses() -> sa.Select:
+    return sa.select(pauses).order_by(pauses.c.kind)
+
+
+@functools.cache
+def list_limits() -> sa.Select:
+    return sa.select(limits).order_by(limits.c.kind)
+
+
+def flow_counts(tenant: str | None = None) -> sa.Select:
+    """Per (kind, concurrency key, status, held): active jobs, for the limits view."""
+    stmt = sa.select(_c.kind, _c.concurrency_key, _c.status, _c.held, sa.func.count()).where(_c.status.in_(_ACTIVE))
+    if tenant is not None:
+        stmt = stmt.where(_c.tenant == tenant)
+    return stmt.group_by(_c.kind, _c.concurrency_key, _c.status, _c.held)

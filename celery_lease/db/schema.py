@@ -63,6 +63,14 @@ jobs = sa.Table(
     sa.Column("parent_id", ID),
     sa.Column("idempotency_key", sa.String(255)),
     sa.Column("tenant", sa.String(200)),
+    # Flow control (celery_lease.flow). Higher priority is claimed first among due
+    # pending jobs of a kind; the concurrency key (from the kind's concurrency_key
+    # function, at submit) is what a per-key limit counts; held says why flow control
+    # refused a claim ('limit', 'rate', 'pause'): the job stays pending, spends no
+    # attempt, and is woken when that cause ends. Cleared when it is woken or claimed.
+    sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("concurrency_key", sa.String(255)),
+    sa.Column("held", sa.String(16)),
     sa.Column("created_at", TS, nullable=False),
     sa.Column("updated_at", TS, nullable=False),
     sa.Column("started_at", TS),
@@ -99,6 +107,24 @@ sa.Index("celery_lease_jobs_created", jobs.c.created_at, jobs.c.id)
 # A tenant token's pages (newest first, keyset on created_at, id) walk this in order,
 # whatever other tenants hold; untenanted jobs stay out of it (migration 0002).
 sa.Index("celery_lease_jobs_tenant", jobs.c.tenant, jobs.c.created_at, jobs.c.id, **_partial("tenant IS NOT NULL"))
+# Flow control. Jobs of unlimited kinds at the default priority enter neither index:
+# only held jobs (woken in priority order when capacity frees) and pending jobs with a
+# priority above 0 (which a claim of a lower one takes instead) are in them.
+sa.Index(
+    "celery_lease_jobs_held",
+    jobs.c.kind,
+    jobs.c.concurrency_key,
+    jobs.c.priority,
+    jobs.c.created_at,
+    **_partial("status = 'pending' AND held IS NOT NULL"),
+)
+sa.Index(
+    "celery_lease_jobs_priority",
+    jobs.c.kind,
+    jobs.c.priority,
+    jobs.c.created_at,
+    **_partial("status = 'pending' AND priority > 0"),
+)
 
 runs = sa.Table(
     "celery_lease_runs",
@@ -136,4 +162,33 @@ chords = sa.Table(
     sa.Column("members", JSON, nullable=False),  # header job ids, in header order
     sa.Column("body", JSON, nullable=False),  # the body's signature
     sa.Column("created_at", TS, nullable=False),
+)
+
+# --- flow control ----------------------------------------------------------------------
+
+limits = sa.Table(
+    "celery_lease_limits",
+    metadata,
+    # One row per limited kind: every claim of the kind locks it (FOR UPDATE), so the
+    # count of its running jobs and its rate window cannot change under a claim.
+    sa.Column("kind", sa.String(200), primary_key=True),
+    # The limits as last declared by a worker's @leases.job (the code is the truth;
+    # these let beat and operators see and apply them without importing handlers).
+    sa.Column("concurrency", sa.Integer),
+    sa.Column("rate", sa.Integer),
+    sa.Column("per_seconds", sa.Integer),
+    # The current rate window (epoch seconds // per_seconds, database clock), the claims
+    # counted in it, and the window a wakeup is already scheduled for.
+    sa.Column("rate_window", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("rate_claims", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("woken_window", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("updated_at", TS, nullable=False),
+)
+
+pauses = sa.Table(
+    "celery_lease_pauses",
+    metadata,
+    # A row pauses its kind: no claim of that kind succeeds until resume deletes it.
+    sa.Column("kind", sa.String(200), primary_key=True),
+    sa.Column("paused_at", TS, nullable=False),
 )

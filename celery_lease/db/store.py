@@ -213,8 +213,10 @@ class Store(Database):
     # --- lease life ------------------------------------------------------------------
 
     def claim(self, job_id: str, owner: str, task: str) -> dict[str, Any] | None:
-        """Claim a job for one attempt; None when the delivery is a duplicate, or
-        names a job of another task than the one it was delivered to."""
+        """Claim a job for one attempt; None when the delivery is a duplicate, names a
+        job of another task than the one it was delivered to, or flow control refuses
+        it (celery_lease.flow tells which). The row's id is the job claimed: a
+        higher-priority job of the same kind may be claimed instead."""
 
         params = {"job_id": job_id, "owner": owner, "wakeup_task": task}
         if self._prepared is not None:
@@ -227,10 +229,11 @@ class Store(Database):
             return None if row is None else dict(row)
 
         def work(conn):
-            row = conn.execute(q.claim_job(), params).mappings().first()
+            # The job claimed may be another than job_id: see queries.claim_job_flow.
+            row = conn.execute(q.claim_job_flow(), params).mappings().first()
             if row is None:
                 return None
-            self.log_events(conn, [({**row, "id": job_id}, Event.CLAIMED, owner)])
+            self.log_events(conn, [(row, Event.CLAIMED, owner)])
             return dict(row)
 
         return self.transaction(self.fast, work)

@@ -7,6 +7,7 @@ needs the ``api`` extra). Routes::
     POST /api/v1/jobs/{id}/cancel     cancel a pending or running job
     GET  /api/v1/jobs                 ?status=&kind=&limit=&cursor=  newest first
     GET  /api/v1/runs/{id}/events     ?after=&limit=  a run's event log, oldest first
+    GET  /api/v1/limits               flow control per kind and key: limits, running, waiting
     GET  /healthz                     200 when the database answers, else 503
     GET  /metrics                     Prometheus text (see celery_lease.metrics)
     GET  /openapi.json                the OpenAPI schema
@@ -131,6 +132,26 @@ class EventPageOut(BaseModel):
     events: list[EventOut]
     #: Pass as ``after`` for the next page; None when this page is the last.
     next_after: int | None = None
+
+
+class LimitOut(BaseModel):
+    kind: str
+    #: The concurrency key (None: the kind as a whole).
+    key: str | None = None
+    concurrency: int | None = None
+    rate_limit: str | None = None
+    paused: bool
+    running: int
+    #: Pending jobs held back by the kind's concurrency limit, its rate, or its pause.
+    waiting_limit: int
+    waiting_rate: int
+    waiting_pause: int
+    #: Other pending jobs (queued for a worker, or due later).
+    pending: int
+
+
+class LimitsOut(BaseModel):
+    kinds: list[LimitOut]
 
 
 class HealthOut(BaseModel):
@@ -315,6 +336,12 @@ def create_app(leases: CeleryLease) -> FastAPI:
         rows = rows[:limit]
         events = [{**r, "run_id": str(r["run_id"]), "job_id": str(r["job_id"])} for r in rows]
         return {"run_id": run_id, "events": events, "next_after": rows[-1]["id"] if more else None}
+
+    @api.get("/api/v1/limits", response_model=LimitsOut, responses=_ERRORS, description=STRICT_QUERY)
+    def limits(who: Caller = Security(caller)):
+        """Flow control per kind and concurrency key. A tenant's token counts only
+        that tenant's jobs."""
+        return {"kinds": leases.limits(tenant=who.tenant)}
 
     @api.get(
         "/healthz", response_model=HealthOut, responses={400: _ERRORS[400], 503: {"model": HealthOut}}, description=STRICT_QUERY

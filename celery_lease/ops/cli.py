@@ -10,6 +10,8 @@ loaded from ``-A`` and finds the CeleryLease instance at ``app.lease``::
     celery -A proj lease cancel-run RUN [--json]
     celery -A proj lease reap | sweep [--json]   what beat runs, once, now
     celery -A proj lease prune [--older-than SECONDS] [--json]
+    celery -A proj lease pause KIND | resume KIND [--json]   flow control (stored, fleet-wide)
+    celery -A proj lease limits [--json]         per kind and key: limits, running, waiting
     celery -A proj lease serve [--host H] [--port P]   the HTTP API (celery_lease.api)
 
 Errors (unknown or malformed id, bad status, unreachable database, bad configuration)
@@ -31,7 +33,7 @@ from typing import Any
 import click
 from sqlalchemy import exc as sa_exc
 
-from celery_lease.errors import LeaseError
+from celery_lease.errors import LeaseError, UnknownKind
 from celery_lease.job import Job, parse_job_id
 from celery_lease.ops import listing
 
@@ -246,6 +248,63 @@ def prune(ctx: click.Context, older_than: str | None, as_json: bool) -> None:
             raise CliError(f"--older-than must be a number of seconds >= 0, not {older_than[:40]!r}", 2)
     deleted = _leases(ctx).prune(age)
     _emit(as_json, {"deleted": deleted}, f"deleted {deleted} finished job(s)")
+
+
+def _flow_call(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except UnknownKind as exc:  # refused before anything was read or written
+        raise CliError(str(exc), exit_code=2) from None
+
+
+@lease.command(help="Claim no job of KIND until resumed (stored: survives restarts); running jobs finish.")
+@click.argument("kind")
+@json_option
+@click.pass_context
+@_boundary
+def pause(ctx: click.Context, kind: str, as_json: bool) -> None:
+    paused = _flow_call(lambda: _leases(ctx).pause(kind))
+    text = f"paused {kind}" if paused else f"{kind} was already paused"
+    _emit(as_json, {"kind": kind, "paused": True, "changed": paused}, text)
+
+
+@lease.command(help="Claim KIND again and wake every job its pause held.")
+@click.argument("kind")
+@json_option
+@click.pass_context
+@_boundary
+def resume(ctx: click.Context, kind: str, as_json: bool) -> None:
+    woken = _flow_call(lambda: _leases(ctx).resume(kind))
+    _emit(as_json, {"kind": kind, "paused": False, "woken": woken}, f"resumed {kind}: woke {woken} held job(s)")
+
+
+#: Columns of ``lease limits``: (heading, key of flow.FlowControl.overview's rows).
+LIMIT_COLUMNS = (
+    ("KIND", "kind"),
+    ("KEY", "key"),
+    ("CONCURRENCY", "concurrency"),
+    ("RATE", "rate_limit"),
+    ("PAUSED", "paused"),
+    ("RUNNING", "running"),
+    ("WAIT_LIMIT", "waiting_limit"),
+    ("WAIT_RATE", "waiting_rate"),
+    ("WAIT_PAUSE", "waiting_pause"),
+    ("PENDING", "pending"),
+)
+
+
+@lease.command(help="Per kind and key: limits, pause, and how many jobs run or wait on each.")
+@json_option
+@click.pass_context
+@_boundary
+def limits(ctx: click.Context, as_json: bool) -> None:
+    rows = _leases(ctx).limits()
+
+    def cell(value: Any) -> str:
+        return "yes" if value is True else "" if value is None or value is False else str(value)
+
+    text = _table([h for h, _ in LIMIT_COLUMNS], [[cell(r[k]) for _, k in LIMIT_COLUMNS] for r in rows])
+    _emit(as_json, {"kinds": rows}, text)
 
 
 @lease.command(help="Serve the HTTP API (needs the api extra).")

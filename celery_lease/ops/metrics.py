@@ -36,6 +36,12 @@ metric                                      meaning
 ``celery_lease_leases_overdue``             running jobs whose lease has elapsed: the
                                             reaper's backlog (non-zero for long means no
                                             beat is running the reaper)
+``celery_lease_flow_jobs{kind,key,state}``  flow control: jobs ``running``, or pending and
+                                            held by a limit (``waiting_limit``), a rate
+                                            (``waiting_rate``) or a pause
+                                            (``waiting_pause``). ``key`` is the concurrency
+                                            key ("" for none): one series per key in use
+``celery_lease_paused{kind}``               1 for each paused kind
 ``celery_lease_sweep_backlog``              due pending jobs with no wakeup for
                                             ``lease_sweep_stale_seconds``: what the next
                                             sweep will re-send (non-zero for long means
@@ -117,6 +123,19 @@ class LeaseCollector:
         yield run_events
         yield by_cause
         yield GaugeMetricFamily("celery_lease_reaped", "Reaper actions recorded in run event logs.", value=reaped)
+
+        flow = GaugeMetricFamily(
+            "celery_lease_flow_jobs", "Jobs running or held by flow control, per kind and key.", labels=["kind", "key", "state"]
+        )
+        paused = GaugeMetricFamily("celery_lease_paused", "Paused kinds (1).", labels=["kind"])
+        rows = self._leases.limits()
+        for row in rows:
+            for state in ("running", "waiting_limit", "waiting_rate", "waiting_pause"):
+                flow.add_metric([row["kind"], row["key"] or "", state], row[state])
+        for kind in sorted({row["kind"] for row in rows if row["paused"]}):
+            paused.add_metric([kind], 1)
+        yield flow
+        yield paused
 
         running, age, overdue, unswept = data["leases"]
         yield GaugeMetricFamily("celery_lease_running", "Jobs running under a lease.", value=running)

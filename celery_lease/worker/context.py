@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.engine import Connection
 
 from celery_lease.db import queries as q
-from celery_lease.errors import JobCancelled, JobSuspended
+from celery_lease.errors import JobCancelled, JobSnoozed, JobSuspended
 from celery_lease.kinds import JobKind
 from celery_lease.payload import DEFAULT_MAX_PROGRESS_BYTES, check_loaded_checkpoint, dump_checkpoint, dump_progress
 from celery_lease.producer import check_options
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 #: ctx.publish() writes at most this often; the latest value always lands at the end.
 PROGRESS_MIN_INTERVAL = 0.25
+#: The longest ctx.snooze(): a year.
+MAX_SNOOZE_SECONDS = 365 * 86400.0
 
 
 @dataclass
@@ -115,6 +117,17 @@ class JobContext:
             raise JobCancelled(self.job_id)
         if self.suspended:
             raise JobSuspended(self.job_id)
+
+    def snooze(self, seconds: float) -> None:
+        """End this attempt without spending it: the job goes back to pending, due in
+        ``seconds`` (the sweeper wakes it then; 0 wakes it at once), keeping its
+        checkpoint. Not a failure: a job may snooze any number of times, whatever its
+        max_attempts. Raises JobSnoozed, so nothing after it runs; do not catch it."""
+        # (NaN fails the range check too.)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (0 <= seconds <= MAX_SNOOZE_SECONDS):
+            raise ValueError(f"snooze takes seconds from 0 to {MAX_SNOOZE_SECONDS:g}, not {seconds!r}")
+        self.flush_progress()
+        raise JobSnoozed(float(seconds))
 
     def heartbeat(self) -> bool:
         """Renew the lease now (the background heartbeat does this on its own).

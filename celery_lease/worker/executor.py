@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Retry
 
 from celery_lease.db import queries as q
-from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSuspended, LeaseLost
+from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSnoozed, JobSuspended, LeaseLost
 from celery_lease.payload import UnstorableValue, cap_error
 from celery_lease.status import Event
 from celery_lease.worker import shutdown
@@ -28,6 +28,7 @@ from celery_lease.worker.heartbeat import Heartbeat
 if TYPE_CHECKING:
     from celery_lease.canvas import Canvas
     from celery_lease.db.store import Store
+    from celery_lease.flow import FlowControl
     from celery_lease.kinds import JobKind, Registry
     from celery_lease.producer import Producer
     from celery_lease.settings import Settings
@@ -51,6 +52,7 @@ class Outcome(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"  # Failure(msg): no retry
     SUSPENDED = "suspended"  # warm shutdown: hand the job off
+    SNOOZED = "snoozed"  # ctx.snooze(): back to pending, due later, attempt not spent
     CANCELLED = "cancelled"  # lease lost or job cancelled: write nothing
     ERROR = "error"  # any other exception: retry while attempts remain
 
@@ -69,8 +71,12 @@ class WorkerState:
         *,
         canvas: Canvas | None = None,
         eager: bool = False,
+        flow: FlowControl | None = None,
     ) -> None:
         self.store = store
+        #: Which claim a delivery takes, and the release of a limited job's slot. None
+        #: (eager mode): the claim's own guards (pause, priority) only, no limits.
+        self.flow = flow
         #: Chains, callbacks and chords stored in job rows (celery_lease/canvas.py).
         self.canvas = canvas
         #: In-process (eager) runs apply plain follow-ups in-process too.
@@ -92,17 +98,22 @@ class WorkerState:
             # sweeper's staleness threshold.
             self.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
             return None
-        row = self.store.claim(job_id, owner_of(hostname), spec.task)
+        if self.flow is not None:
+            row = self.flow.claim(job_id, spec, owner_of(hostname), queue)
+        else:
+            row = self.store.claim(job_id, owner_of(hostname), spec.task)
         if row is None:
             log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
             return None
-        attempt = Attempt.from_claim(job_id, row)
+        attempt = Attempt.from_claim(str(row["id"]), row)  # a higher-priority job may be claimed instead
         self.heartbeat.add(attempt)
         return attempt
 
     def end(self, attempt: Attempt | None) -> None:
         if attempt is not None:
             self.heartbeat.remove(attempt)
+            if self.flow is not None:
+                self.flow.release(attempt)  # its outcome is written: a held job may take its slot
 
     def flush(self) -> None:
         if self.completer is not None:
@@ -150,6 +161,8 @@ class WorkerState:
             outcome = (Outcome.FAILED, cap_error(str(exc)))
         except JobSuspended:
             outcome = (Outcome.SUSPENDED, None)
+        except JobSnoozed as exc:
+            outcome = (Outcome.SNOOZED, exc.seconds)
         except JobCancelled:
             outcome = (Outcome.CANCELLED, None)
         except Exception:
@@ -180,6 +193,8 @@ class WorkerState:
             attempt.outcome = status
             if status is Outcome.SUSPENDED:
                 self._hand_off(attempt)
+            elif status is Outcome.SNOOZED:
+                self._snooze(attempt, value)  # type: ignore[arg-type]  # the snooze's seconds
             elif status is Outcome.CANCELLED:
                 log.info("celery-lease: job %s: stopped after cancel or lease loss", attempt.job_id)
             elif status is Outcome.ERROR and attempt.attempt < attempt.max_attempts:
@@ -201,7 +216,9 @@ class WorkerState:
     def _succeed(self, ctx: JobContext, attempt: Attempt, result: Any) -> Any:
         staged = ctx.staged
         followup = self.canvas.after_success(attempt, result, eager=self.eager) if self.canvas and attempt.canvas else None
-        if self.completer is not None and not (staged.effects or staged.children or attempt.run_id or followup):
+        # (Not batched for a limited kind: its slot is freed once the success is written.)
+        limited = self.flow is not None and self.flow.holds_slot(attempt)
+        if self.completer is not None and not (staged.effects or staged.children or attempt.run_id or followup or limited):
             self.completer.add(attempt, result, ctx.pending_progress)
             return result
         children_rows = [self.producer.job_row(child, payload, options) for child, payload, options in staged.children]
@@ -281,3 +298,19 @@ class WorkerState:
         row = self.store.transaction(self.store.fast, work)
         log.info("celery-lease: job %s: handed off on shutdown", attempt.job_id)
         self.producer.publish_wakeups([row])
+
+    def _snooze(self, attempt: Attempt, seconds: float) -> None:
+        """ctx.snooze(): back to pending, due in ``seconds``, attempt not spent."""
+
+        def work(conn):
+            row = conn.execute(q.snooze_job(), {**attempt.fence, "delay": seconds}).mappings().first()
+            if row is None:
+                attempt.mark_lost()
+                raise LeaseLost()
+            self.store.log_events(conn, [(attempt, Event.REQUEUED, f"snoozed for {seconds:g}s")])
+            return dict(row)
+
+        row = self.store.transaction(self.store.fast, work)
+        log.info("celery-lease: job %s: snoozed for %gs", attempt.job_id, seconds)
+        if seconds <= 0:
+            self.producer.publish_wakeups([row])

@@ -194,6 +194,8 @@ class LeaseTask(Task):
         wakeup is published only after that transaction commits; a rollback leaves
         neither. With ``idempotency_key``, a second submit of the same kind and key
         returns the first job and stores nothing. ``job.get(timeout)`` waits for it.
+        A higher ``priority`` (0, the default, is the lowest; up to 255) is claimed
+        first among due jobs of the kind (docs/flow-control.md).
         """
         return self.submit_many(
             [payload],
@@ -229,6 +231,7 @@ class LeaseTask(Task):
             run_id=run_id,
             tenant=tenant,
             queue=queue,
+            priority=priority,
             canvas=canvas,
         )
         return [job.bind(self.owner) for job in jobs]
@@ -262,6 +265,8 @@ class LeaseTask(Task):
             "tenant": options.pop("tenant", None),
             "queue": options.pop("queue", None),
             "job_id": task_id,
+            # Flow control orders claims by it; canvas.pack keeps Celery's copy too.
+            "priority": options.get("priority"),
         }
         if options.get("chord") is not None and not isinstance(self.app.backend, LeaseBackend):
             raise TypeError(

@@ -1,0 +1,194 @@
+"""``python -m bench flow``: what a limit costs at claim time (about 30 s).
+
+1. Statements, timed from this process on a loopback connection to a throwaway
+   PostgreSQL database, interleaved sample by sample so drift hits every variant alike:
+
+   * ``claim_job`` as it was before flow control (the prepared claim + run-event CTE
+     built on the unchanged ``claim_job``): the baseline;
+   * the claim of an unlimited kind now (``claim_job_flow``: + pause guard + priority
+     probe), through ``FlowControl.claim`` as a worker calls it;
+   * the claim of a ``concurrency=64`` kind and of a ``rate_limit="100000/s"`` kind (one
+     transaction under the kind's limits row lock; limits never reached);
+   * the release of a limited job's slot (``FlowControl.release``: one transaction that
+     locks the row, counts running jobs and wakes nobody).
+
+   Each claimed job is completed (untimed) before the next sample.
+2. End to end: one ``celery worker -c 2`` drains N no-op jobs of each kind (unlimited,
+   concurrency=64, rate 100000/s), interleaved, repeated; jobs/s from the rows' own
+   first claim and last completion.
+
+Output: ``bench/results/flow.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from bench import harness
+from bench.run import percentile
+from bench.systems import CELERY_WORKER
+
+OWNER = "bench@host/1/flow"
+KINDS = ("noop", "noop_limited", "noop_rated")
+
+
+def _claim_before_flow_control():
+    """The worker's claim statement as it was before flow control: claim_job (which
+    flow control leaves untouched) and the run's 'claimed' event, as one CTE."""
+    from celery_lease.db import queries as q
+    from celery_lease.db.schema import events
+    from celery_lease.status import Event
+
+    claimed = q.claim_job().cte("claimed")
+    logged = (
+        sa.insert(events)
+        .from_select(
+            ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
+            sa.select(
+                claimed.c.run_id,
+                claimed.c.id,
+                sa.literal(Event.CLAIMED.value),
+                claimed.c.attempt,
+                sa.bindparam("owner", type_=sa.Text),
+                q.db_now(),
+            ).where(claimed.c.run_id.is_not(None)),
+        )
+        .cte("logged")
+    )
+    return sa.select(claimed).add_cte(logged)
+
+
+def statements(leases, tasks, samples: int) -> dict:
+    from celery_lease.db import queries as q
+    from celery_lease.db.prepared import Prepared
+    from celery_lease.worker.attempt import Attempt
+
+    store, flow = leases.store, leases.flow
+    before = Prepared(_claim_before_flow_control())
+    specs = {kind: leases.registry.resolve(kind) for kind in KINDS}
+    queues = {kind: iter(j.id for j in tasks[kind].submit_many([{}] * (samples + 5))) for kind in KINDS}
+    queues["before"] = iter(j.id for j in tasks["noop"].submit_many([{}] * (samples + 5)))
+    timings: dict[str, list[float]] = {k: [] for k in ("before", *KINDS, "release")}
+
+    def complete(row) -> None:
+        store.guarded(
+            q.complete_job(),
+            {"job_id": str(row["id"]), "generation": row["lease_generation"], "new_result": None, "new_progress": None},
+        )
+
+    for i in range(samples + 5):  # the first 5 warm connections and prepared statements
+        for name in ("before", *KINDS):
+            job_id = next(queues[name])
+            started = time.perf_counter()
+            if name == "before":
+                row = store.execute_prepared(before, {"job_id": job_id, "owner": OWNER, "wakeup_task": specs["noop"].task})[0]
+            else:
+                row = flow.claim(job_id, specs[name], OWNER, None)
+            elapsed = time.perf_counter() - started
+            assert row is not None, f"{name}: claim refused"
+            complete(row)
+            if name in ("noop_limited", "noop_rated"):
+                attempt = Attempt.from_claim(str(row["id"]), row)
+                started = time.perf_counter()
+                flow.release(attempt)
+                if name == "noop_limited" and i >= 5:
+                    timings["release"].append((time.perf_counter() - started) * 1e6)
+            if i >= 5:
+                timings[name].append(elapsed * 1e6)
+    return {name: {"median_us": statistics.median(v), "p99_us": percentile(v, 99)} for name, v in timings.items()}
+
+
+def drain(leases, tasks, kind: str, n: int, timeout: float = 120) -> float:
+    """Submit n jobs of kind while the worker runs; jobs/s from first claim to last completion."""
+    tasks[kind].submit_many([{}] * n)
+    count = sa.text("SELECT count(*) FROM celery_lease_jobs WHERE kind = :k AND status = 'succeeded'")
+
+    def done() -> bool:
+        with leases.store.durable.connect() as conn:
+            return conn.execute(count, {"k": kind}).scalar() >= n
+
+    harness.wait_for(done, timeout=timeout, interval=0.1, what=f"{n} {kind} jobs")
+    with leases.store.durable.begin() as conn:
+        first, last = conn.execute(
+            sa.text("SELECT min(started_at), max(finished_at) FROM celery_lease_jobs WHERE kind = :k"), {"k": kind}
+        ).one()
+        conn.execute(sa.text("DELETE FROM celery_lease_jobs WHERE kind = :k"), {"k": kind})
+    return n / (last - first).total_seconds()
+
+
+def main(args, log) -> int:
+    from bench.apps.lease import make_app
+
+    dbs = harness.Databases()
+    results: dict = {"samples": args.samples, "n": args.n, "reps": args.reps}
+    with tempfile.TemporaryDirectory(prefix="celery-lease-bench-flow-") as tmp:
+        out = Path(tmp)
+        redis = harness.RedisServer(out)
+        redis.start()
+        worker = None
+        try:
+            url = dbs.create("flow")
+            app, leases, tasks = make_app(url, redis.url)
+            leases.create_schema()
+            results["statements"] = statements(leases, tasks, args.samples)
+            log(f"statements: {results['statements']}")
+            with leases.store.durable.begin() as conn:
+                conn.execute(sa.text("DELETE FROM celery_lease_jobs"))
+            env = {
+                **os.environ,
+                "BENCH_BROKER": redis.url,
+                "BENCH_OUT": str(out),
+                "BENCH_DB": url,
+                "PYTHONPATH": str(harness.ROOT),
+            }
+            worker = harness.WorkerProcess(
+                [harness.celery(), "-A", "bench.apps.lease", *CELERY_WORKER, "-n", "flow@bench"], env, out
+            )
+            worker.start()
+            rates: dict[str, list[float]] = {k: [] for k in KINDS}
+            for rep in range(args.reps):
+                for kind in KINDS:
+                    rates[kind].append(drain(leases, tasks, kind, args.n))
+                log(f"rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:.0f}/s" for k, v in rates.items()))
+            results["drain_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
+            results["drain_all"] = rates
+            leases.store.dispose()
+        finally:
+            if worker is not None:
+                worker.kill()
+            redis.stop()
+            dbs.close()
+    st, dr = results["statements"], results["drain_per_s"]
+    base = st["before"]["median_us"]
+    lines = [
+        "| claim path | median µs | p99 µs | vs. before flow control |",
+        "|---|---|---|---|",
+        *(
+            f"| {label} | {st[k]['median_us']:.0f} | {st[k]['p99_us']:.0f} | "
+            + ("(not a claim)" if k == "release" else f"{st[k]['median_us'] - base:+.0f} µs")
+            + " |"
+            for k, label in (
+                ("before", "claim_job before flow control (baseline)"),
+                ("noop", "unlimited kind (claim_job_flow)"),
+                ("noop_limited", "concurrency=64"),
+                ("noop_rated", 'rate_limit="100000/s"'),
+                ("release", "release of a concurrency slot (after the outcome)"),
+            )
+        ),
+        "",
+        f"| drain, 1 worker -c 2, {args.n} no-op jobs, median of {args.reps} | jobs/s | vs. unlimited |",
+        "|---|---|---|",
+        *(f"| {k} | {dr[k]:.0f} | {dr[k] / dr['noop'] - 1:+.0%} |" for k in KINDS),
+    ]
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "flow.json").write_text(json.dumps(results, indent=2))
+    (args.results / "flow.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0

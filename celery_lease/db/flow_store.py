@@ -1,0 +1,240 @@
+"""The flow-control transactions: one method each, over the named statements of
+:mod:`celery_lease.db.queries` ("flow control" section). The decisions around them
+(which path a claim takes, what to publish) are :mod:`celery_lease.flow`.
+
+Lock order, everywhere: a kind's limits row (``lock_limits`` / ``lock_limits_row``),
+then its pause row (FOR SHARE, inside ``hold_job``), then job rows. Resume takes the
+pause row, then job rows. Nothing takes a limits row while holding a job row, so these
+transactions cannot deadlock with each other or with cancel and reap (job rows only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery_lease.db import queries as q
+from celery_lease.db.prepared import Prepared, PreparedScript
+from celery_lease.status import Event
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from celery_lease.db.store import Store
+    from celery_lease.limits import Limits
+
+#: The reasons a pending job is held (the jobs.held column).
+PAUSE, RATE, LIMIT = "pause", "rate", "limit"
+
+
+@dataclasses.dataclass
+class ClaimResult:
+    #: The claimed row (the job claimed may be another than the one delivered).
+    row: dict[str, Any] | None = None
+    #: Why the delivered job is held, when it is.
+    held: str | None = None
+    #: The delivered job is pending, due and held by nothing: claim it again.
+    retry: bool = False
+    #: Wakeups to publish now (jobs woken because a new rate window opened).
+    wake: list[dict] = dataclasses.field(default_factory=list)
+    #: (seconds, wakeup): the wakeup to publish at the start of the next rate window.
+    later: tuple[float, dict] | None = None
+
+
+class FlowStore:
+    """``prepare``: on PostgreSQL with prepared statements, the statements of one step
+    (lock, then claim; lock, then hold; lock, then wake) go as one PreparedScript: one
+    round trip. Otherwise they run one by one in a transaction (same statements)."""
+
+    def __init__(self, store: Store, *, prepare: bool) -> None:
+        self._store = store
+        self._prepare = prepare and store.dialect == "postgresql"
+        self._scripts: dict[Any, PreparedScript] = {}
+
+    def _tx(self, fn):
+        # Fast commits: like the claim itself, what these write is protected by the
+        # lease (a lost commit leaves a job pending, which the sweeper recovers).
+        return self._store.transaction(self._store.fast, fn)
+
+    def _script(self, *stmts) -> PreparedScript:
+        if stmts not in self._scripts:
+            self._scripts[stmts] = PreparedScript(*(Prepared(s) for s in stmts))
+        return self._scripts[stmts]
+
+    # --- claims ----------------------------------------------------------------------
+
+    def claim_limited(self, job_id: str, owner: str, kind: str, task: str, limits: Limits) -> ClaimResult:
+        """The claim of a limited kind: lock_limits, then claim_job_limited (with its
+        run event and the rate window's count) in one transaction; refused, hold_job
+        under the lock again (the reason is decided on what a release would see)."""
+        rate = limits.rate
+        concurrency, rated = limits.concurrency is not None, rate is not None
+        params = {
+            "job_id": job_id,
+            "owner": owner,
+            "wakeup_task": task,
+            "of_kind": kind,
+            "new_concurrency": limits.concurrency,
+            "new_rate": rate and rate.count,
+            "new_per_seconds": rate and rate.per_seconds,
+            "concurrency": limits.concurrency,
+        }
+        row: dict[str, Any] | None
+        if self._prepare:
+            script = self._script(q.lock_limits("postgresql"), q.claim_job_limited_logged(concurrency, rated))
+            rows = self._store.execute_prepared(script, params)
+            row = rows[0] if rows else None
+        else:
+
+            def work(conn: Connection) -> dict[str, Any] | None:
+                conn.execute(q.lock_limits(self._store.dialect), params)
+                found = conn.execute(q.claim_job_limited(concurrency, rated), params).mappings().first()
+                if found is None:
+                    return None
+                claimed = dict(found)
+                self._store.log_events(conn, [(claimed, Event.CLAIMED, owner)])
+                claimed["window_claims"] = conn.execute(q.count_rate_claim(), params).scalar() if rated else None
+                return claimed
+
+            row = self._tx(work)
+        if row is not None:
+            result = ClaimResult(row=row)
+            if rate is not None and row["window_claims"] == 1 and rate.count > 1:
+                # This claim opened a rate window: wake the jobs held for it.
+                result.wake = self._tx(lambda c: self._wake(c, RATE, kind, None, rate.count - 1))
+            return result
+        result = self._hold(job_id, task, kind, limits.concurrency)
+        if result.held == RATE:
+            seconds = self._store.transaction(
+                self._store.engine(fast=True, single=True),
+                lambda c: c.execute(q.schedule_window_wakeup(), {"of_kind": kind}).scalar(),
+            )
+            if seconds is not None:
+                # One wakeup for the next window's start (the first claim there wakes
+                # the rest); the sweeper recovers it if it is lost.
+                result.later = (max(0.0, float(seconds)), {"id": job_id})
+        return result
+
+    def hold(self, job_id: str, task: str) -> ClaimResult:
+        """After a refused claim of an unlimited kind: held for a pause, or (retry) not
+        held by anything, or neither (a duplicate delivery, or one for another task)."""
+        return self._hold(job_id, task, None, None)
+
+    def _hold(self, job_id: str, task: str, kind: str | None, concurrency: int | None) -> ClaimResult:
+        params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None, "concurrency": concurrency}
+        if self._prepare:
+            stmts = (q.lock_limits_row(), q.hold_job()) if kind is not None else (q.hold_job(),)
+            rows = self._store.execute_prepared(self._script(*stmts), params)
+            held = rows[0]["held"] if rows else None
+            found = bool(rows)
+        else:
+
+            def work(conn: Connection) -> tuple[bool, str | None]:
+                if kind is not None:
+                    conn.execute(q.lock_limits_row(), params)
+                marked = conn.execute(q.hold_job(), params).first()
+                return (False, None) if marked is None else (True, marked.held)
+
+            found, held = self._tx(work)
+        if not found:
+            return ClaimResult()  # not pending or not due: a duplicate delivery
+        return ClaimResult(held=held, retry=held is None)
+
+    def claim_target(self, job_id: str) -> tuple[str, str | None] | None:
+        """(kind, concurrency key) of a job, if it exists."""
+        row = self._store.transaction(self._store.durable, lambda c: c.execute(q.get_claim_target(), {"job_id": job_id}).first())
+        return None if row is None else (row.kind, row.concurrency_key)
+
+    # --- waking held jobs --------------------------------------------------------------
+
+    def _wake(self, conn: Connection, reason: str, kind: str, key: Any, limit: float, by_key: bool = False) -> list[dict]:
+        if limit <= 0:
+            return []
+        params = {"reason": reason, "of_kind": kind, "key": key, "limit": int(min(limit, 2**31 - 1))}
+        return [dict(r) for r in conn.execute(q.wake_held(by_key), params).mappings()]
+
+    def wake_for_slot(self, kind: str, key: str | None) -> list[dict]:
+        """A limited job of (kind, key) left running: under the kind's lock, wake the
+        jobs held by its limit into the free slots (wake_for_slot). Returns wakeups."""
+        params = {"of_kind": kind, "key": key}
+        if self._prepare:
+            return self._store.execute_prepared(self._script(q.lock_limits_row(), q.wake_for_slot()), params)
+
+        def work(conn: Connection) -> list[dict]:
+            conn.execute(q.lock_limits_row(), params)
+            return [dict(r) for r in conn.execute(q.wake_for_slot(), params).mappings()]
+
+        return self._tx(work)
+
+    def top_up(self, kind: str, key: str | None) -> list[dict]:
+        """Under the kind's limits row lock: wake as many jobs held for its limit (of
+        ``key``) and for its rate as there is capacity now (the sweeper's recovery, and
+        a spent delivery of a limited kind). Returns the wakeups to publish."""
+
+        def work(conn: Connection) -> list[dict]:
+            state = conn.execute(q.lock_limits_row(), {"of_kind": kind}).mappings().first()
+            if state is None:
+                return []
+            budget: float = math.inf if state["rate_budget"] is None else state["rate_budget"]
+            woken: list[dict] = []
+            if state["concurrency"]:
+                running = conn.execute(q.running_count(), {"of_kind": kind, "key": key}).scalar_one()
+                free = state["concurrency"] - running
+            else:
+                free = math.inf  # the kind no longer declares a concurrency: nothing holds its jobs
+            woken += self._wake(conn, LIMIT, kind, key, min(free, budget), by_key=True)
+            # (Without a rate, budget is unbounded: jobs held by a dropped rate are all woken.)
+            woken += self._wake(conn, RATE, kind, None, budget - len(woken))
+            return woken
+
+        return self._tx(work)
+
+    def wake_all(self, reason: str, kind: str, batch: int) -> list[dict]:
+        """Wake every job of ``kind`` held for ``reason`` (a resume), in batches."""
+        out: list[dict] = []
+        while True:
+            rows = self._store.transaction(self._store.durable, lambda c: self._wake(c, reason, kind, None, batch))
+            out += rows
+            if len(rows) < batch:
+                return out
+
+    def limited_groups(self, ids: Sequence[str]) -> list[tuple[str, str | None]]:
+        if not ids:
+            return []
+        rows = self._store.transaction(self._store.durable, lambda c: c.execute(q.limited_groups(ids)).all())
+        return [(r.kind, r.concurrency_key) for r in rows]
+
+    def stale_held_groups(self, stale_seconds: float, limit: int) -> list[tuple[str, str | None, str]]:
+        params = {"stale_seconds": stale_seconds, "limit": limit}
+        rows = self._store.transaction(self._store.durable, lambda c: c.execute(q.stale_held_groups(), params).all())
+        return [(r.kind, r.concurrency_key, r.held) for r in rows]
+
+    # --- pause -----------------------------------------------------------------------
+
+    def pause(self, kind: str) -> bool:
+        """True when this call paused the kind (False: it already was)."""
+        stmt = q.pause_kind(self._store.dialect)
+        return self._store.transaction(self._store.durable, lambda c: c.execute(stmt, {"of_kind": kind}).rowcount == 1)
+
+    def resume(self, kind: str) -> bool:
+        return self._store.transaction(self._store.durable, lambda c: c.execute(q.resume_kind(), {"of_kind": kind}).rowcount == 1)
+
+    def is_paused(self, kind: str) -> bool:
+        row = self._store.transaction(self._store.durable, lambda c: c.execute(q.is_paused(), {"of_kind": kind}).first())
+        return row is not None
+
+    # --- what operators see --------------------------------------------------------
+
+    def overview(self, tenant: str | None = None) -> dict[str, Any]:
+        """Declared limits, pauses, and active jobs per (kind, key, status, held)."""
+
+        def work(conn: Connection) -> dict[str, Any]:
+            return {
+                "limits": [dict(r) for r in conn.execute(q.list_limits()).mappings()],
+                "pauses": [dict(r) for r in conn.execute(q.list_pauses()).mappings()],
+                "counts": [tuple(r) for r in conn.execute(q.flow_counts(tenant))],
+            }
+
+        return self._store.transaction(self._store.durable, work)

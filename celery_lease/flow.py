@@ -1,0 +1,228 @@
+"""Flow control across the fleet: concurrency limits, rate limits, priority, pause.
+
+Every limit is enforced in the database at claim time, so it holds for every worker
+process and host at once (Celery's own ``rate_limit`` is per worker).
+
+* **Which claim.** A kind that declares no limit claims as before: one statement,
+  ``claim_job_flow`` (claim_job plus two guards: no claim of a paused kind, and a
+  higher-priority due job of the same kind, queue and key is claimed in place of the
+  delivered one). A kind with ``concurrency=`` or ``rate_limit=`` claims in one short
+  transaction that first locks the kind's row in ``celery_lease_limits``; under that
+  lock it checks the rate window and claims only while fewer than ``concurrency`` jobs
+  of the job's kind and key run. Claims of one limited kind are therefore serialized.
+* **Held, not lost.** A refused claim leaves its job ``pending`` (no attempt spent) and
+  marks why in ``jobs.held``: ``limit``, ``rate`` or ``pause``. Its wakeup is spent;
+  nothing polls. It is woken when the cause ends: a limited job leaving ``running``
+  (success, failure, retry, handoff, snooze, lease loss; a cancel; a reap) wakes as many
+  held jobs of its kind and key as there are free slots, best priority first; a
+  rate-limited kind schedules one wakeup for the next window, and the first claim of a
+  window wakes the jobs held for it; a resume wakes every job the pause held. A
+  release takes the same limits row lock as the claims, so a job held by a claim that
+  raced with the release is seen by it. The sweeper still recovers what a crash made
+  us miss (:meth:`FlowControl.sweep`).
+* **Priority** is decided by the database, not the broker: see ``claim_job_flow``. The
+  delivered job whose turn was taken gets a new wakeup.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery_lease.db.flow_store import LIMIT, PAUSE, RATE, ClaimResult, FlowStore
+from celery_lease.limits import Rate
+from celery_lease.wakeups import RETRY_POLICY
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from celery_lease.db.store import Store
+    from celery_lease.kinds import JobKind, Registry
+    from celery_lease.settings import Settings
+    from celery_lease.worker.attempt import Attempt
+
+log = logging.getLogger("celery_lease.flow")
+
+#: What a view of flow control shows per (kind, key).
+STATES = ("running", "waiting_limit", "waiting_rate", "waiting_pause", "pending")
+_WAITING = {LIMIT: "waiting_limit", RATE: "waiting_rate", PAUSE: "waiting_pause"}
+
+
+class FlowControl:
+    """Flow control for one CeleryLease: the claim of each delivery, the release of a
+    limited job's slot, pause and resume, the sweeper's recovery, the view."""
+
+    def __init__(
+        self,
+        store: Store,
+        app: Celery,
+        publish: Callable[[Sequence[dict]], int],
+        registry: Registry,
+        settings: Callable[[], Settings],
+    ) -> None:
+        self._store = store
+        self._db = FlowStore(store, prepare=settings().prepare_statements)
+        self._app = app
+        self._publish = publish
+        self._registry = registry
+        self._settings = settings
+        #: (job id, generation) -> (kind, key) of each limited attempt of this process.
+        self._slots: dict[tuple[str, int], tuple[str, str | None]] = {}
+        self._lock = threading.Lock()
+
+    # --- worker: claim and release ---------------------------------------------------
+
+    def claim(self, job_id: str, spec: JobKind, owner: str, queue: str | None) -> dict[str, Any] | None:
+        """Claim the job a delivery names (or a better one); None when nothing is
+        claimed. Held jobs are marked; whatever must be woken is published."""
+        limits = spec.limits
+        for _ in range(2):  # a second time only when nothing held a claimable job
+            if limits is None:
+                row = self._store.claim(job_id, owner, spec.task)
+                result = ClaimResult(row=row) if row is not None else self._db.hold(job_id, spec.task)
+            else:
+                result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits)
+            if not result.retry:
+                break
+        self._publish_result(result, spec, queue)
+        row = result.row
+        if row is None:
+            if result.held is not None:
+                log.info("celery-lease: job %s (%s): held by its %s", job_id, spec.kind, result.held)
+            elif limits is not None:
+                # A spent or duplicate delivery of a limited kind (its job was claimed
+                # by a higher-priority swap, cancelled, ...): if it carried a rate
+                # window's wakeup, make sure the window's capacity is used.
+                target = self._db.claim_target(job_id)
+                if target is not None:
+                    self._publish(self._db.top_up(*target))
+            return None
+        if str(row["id"]) != job_id:
+            log.info("celery-lease: job %s (%s): claimed higher-priority job %s in its place", job_id, spec.kind, row["id"])
+            self._publish([{"id": job_id, "task": spec.task, "queue": queue}])
+        if limits is not None and limits.concurrency is not None:  # a rate is not given back
+            with self._lock:
+                self._slots[(str(row["id"]), row["lease_generation"])] = (spec.kind, row.get("concurrency_key"))
+        return row
+
+    def _publish_result(self, result: ClaimResult, spec: JobKind, queue: str | None) -> None:
+        if result.wake:
+            self._publish(result.wake)
+        if result.later is not None:
+            seconds, wakeup = result.later
+            try:
+                self._app.send_task(
+                    spec.task,
+                    task_id=wakeup["id"],
+                    queue=queue or spec.queue,
+                    countdown=seconds,
+                    add_to_parent=False,
+                    retry_policy=RETRY_POLICY,
+                )
+            except Exception as exc:
+                log.warning("celery-lease: cannot schedule the next rate window's wakeup (%s)", type(exc).__name__)
+
+    def holds_slot(self, attempt: Attempt) -> bool:
+        """True for an attempt of a limited kind: its end must free its slot at once."""
+        with self._lock:
+            return attempt.key in self._slots
+
+    def release(self, attempt: Attempt) -> None:
+        """The attempt's outcome is written (task_postrun): wake held jobs into the slot."""
+        with self._lock:
+            slot = self._slots.pop(attempt.key, None)
+        if slot is not None:
+            self.released_groups([slot])
+
+    # --- jobs that left running elsewhere (cancel, reap, restart recovery) -------------
+
+    def released(self, job_ids: Sequence[str]) -> None:
+        """These jobs left running (or pending) outside their worker: free their slots."""
+        self.released_groups(self._db.limited_groups(job_ids))
+
+    def released_groups(self, groups: Sequence[tuple[str, str | None]]) -> None:
+        for kind, key in dict.fromkeys(groups):
+            try:
+                self._publish(self._db.wake_for_slot(kind, key))
+            except Exception:
+                # The jobs stay held; the sweeper's recovery wakes them.
+                log.warning("celery-lease: cannot wake jobs held by %s's limit; the sweeper will", kind, exc_info=True)
+
+    # --- pause -----------------------------------------------------------------------
+
+    def pause(self, kind: str) -> bool:
+        """Stop claiming jobs of ``kind`` (stored, survives restarts); running jobs
+        finish. True when this call paused it."""
+        return self._db.pause(self._registry.resolve(kind).kind)
+
+    def resume(self, kind: str) -> int:
+        """Claim ``kind`` again and wake every job its pause held; returns how many."""
+        name = self._registry.resolve(kind).kind
+        self._db.resume(name)
+        woken = self._db.wake_all(PAUSE, name, self._settings().batch_size)
+        self._publish(woken)
+        return len(woken)
+
+    def is_paused(self, kind: str) -> bool:
+        return self._db.is_paused(self._registry.resolve(kind).kind)
+
+    # --- beat ------------------------------------------------------------------------
+
+    def sweep(self) -> int:
+        """Recover held jobs whose wakeup was missed: groups held longer than the sweep
+        staleness threshold are topped up (limit, rate) or woken (pause ended, or the
+        kind no longer declares a limit). Returns the wakeups published."""
+        settings = self._settings()
+        sent = 0
+        for kind, key, held in self._db.stale_held_groups(settings.sweep_stale_seconds, settings.batch_size):
+            spec = next((s for s in self._registry if s.kind == kind), None)
+            if held == PAUSE:
+                if self._db.is_paused(kind):
+                    continue
+                woken = self._db.wake_all(PAUSE, kind, settings.batch_size)
+            elif spec is not None and spec.limits is None:
+                woken = self._db.wake_all(held, kind, settings.batch_size)
+            else:
+                woken = self._db.top_up(kind, key)
+            sent += self._publish(woken)
+        return sent
+
+    # --- what operators see --------------------------------------------------------
+
+    def overview(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Per kind and key: its limits, whether it is paused, and how many jobs run,
+        wait on the limit, the rate or the pause, or are pending otherwise."""
+        data = self._db.overview(tenant)
+        declared: dict[str, tuple[int | None, str | None]] = {
+            r["kind"]: (r["concurrency"], str(Rate(r["rate"], r["per_seconds"])) if r["rate"] else None) for r in data["limits"]
+        }
+        for spec in self._registry:  # what this process declares is newer than the row
+            if spec.limits is not None:
+                rate = spec.limits.rate
+                declared[spec.kind] = (spec.limits.concurrency, None if rate is None else str(rate))
+        paused = {r["kind"] for r in data["pauses"]}
+        rows: dict[tuple[str, str | None], dict[str, Any]] = {}
+
+        def entry(kind: str, key: str | None) -> dict[str, Any]:
+            if (kind, key) not in rows:
+                concurrency, rate = declared.get(kind, (None, None))
+                rows[kind, key] = {
+                    "kind": kind,
+                    "key": key,
+                    "concurrency": concurrency,
+                    "rate_limit": rate,
+                    "paused": kind in paused,
+                    **dict.fromkeys(STATES, 0),
+                }
+            return rows[kind, key]
+
+        for kind, key, status, held, count in data["counts"]:
+            state = "running" if status == "running" else _WAITING.get(held, "pending")
+            entry(kind, key)[state] += count
+        if tenant is None:  # limits and pauses of kinds with no active job, too
+            for kind in set(declared) | paused:
+                if not any(k == kind for k, _ in rows):
+                    entry(kind, None)
+        return sorted(rows.values(), key=lambda r: (r["kind"], r["key"] or ""))

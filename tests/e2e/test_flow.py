@@ -1,0 +1,257 @@
+"""Flow control with real workers: two `celery worker` processes with two pool children
+each, PostgreSQL and a private Redis. Every limit is measured from what the bodies
+themselves recorded (test_flow_spans, database clock), not from what the claims say.
+No beat runs unless a test says so: a held job must be woken by the release of a slot,
+the next rate window or a resume, not by the sweeper.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections import Counter
+from datetime import datetime
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease import Status
+from celery_lease.db.schema import jobs
+from tests.apps.app import effects
+from tests.apps.app_flow import flow_metadata, spans
+from tests.conftest import wait_for
+
+MODULE = "tests.apps.app_flow"
+
+
+@pytest.fixture
+def db(pg):
+    engine = sa.create_engine(pg)
+    flow_metadata.create_all(engine)
+    with engine.begin() as conn:
+        conn.execute(spans.delete())
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def fleet(pg, broker, workers, client_app):
+    """fleet(conf=, extra_env=) -> the app module in this process, after starting two
+    workers (-c 2 each) on it; they are in ``module.fleet``."""
+
+    def start(conf: dict | None = None, extra_env: dict | None = None):
+        mod = client_app(pg, broker, conf=conf, extra_env=extra_env, module=MODULE)
+        mod.fleet = [
+            workers(pg, broker, name=name, module=MODULE, concurrency=2, conf=conf, extra_env=extra_env) for name in ("w1", "w2")
+        ]
+        return mod
+
+    return start
+
+
+def span_rows(db, kind: str) -> list[dict]:
+    with db.connect() as conn:
+        stmt = sa.select(spans).where(spans.c.kind == kind).order_by(spans.c.started_at)
+        return [dict(r) for r in conn.execute(stmt).mappings()]
+
+
+def max_overlap(rows: list[dict], ended_default: datetime | None = None) -> int:
+    """The most bodies running at one instant. An end and a start at the same instant
+    do not overlap."""
+    points = []
+    for r in rows:
+        end = r["ended_at"] or ended_default
+        assert end is not None, f"span of {r['job_id']} never ended"
+        points += [(r["started_at"], 1), (end, -1)]
+    running = most = 0
+    for _, step in sorted(points, key=lambda p: (p[0], p[1])):
+        running += step
+        most = max(most, running)
+    return most
+
+
+def job_rows(db, ids) -> dict[str, dict]:
+    with db.connect() as conn:
+        return {str(r["id"]): dict(r) for r in conn.execute(sa.select(jobs).where(jobs.c.id.in_(ids))).mappings()}
+
+
+def wait_all(db, ids, status: str = "succeeded", timeout: float = 60, sweep=None) -> dict[str, dict]:
+    def done():
+        if sweep is not None:
+            sweep()
+        rows = job_rows(db, ids)
+        return rows if all(r["status"] == status for r in rows.values()) else None
+
+    return wait_for(done, timeout=timeout, interval=0.1, what=f"{len(ids)} jobs to be {status}")
+
+
+def wait_held(db, ids, reason: str, timeout: float = 30) -> None:
+    wait_for(
+        lambda: all(r["held"] == reason for r in job_rows(db, ids).values()),
+        timeout=timeout,
+        what=f"{len(ids)} jobs held by {reason}",
+    )
+
+
+# --- concurrency -------------------------------------------------------------------------
+
+
+def test_concurrency_is_a_limit_across_every_worker_and_held_jobs_wake_on_release(db, fleet):
+    mod = fleet()
+    ids = [j.id for j in mod.limited2.submit_many([{"sleep": 0.6}] * 8)]
+    rows = wait_all(db, ids)
+    assert max_overlap(span_rows(db, "limited2")) == 2  # four pool slots, never more than two bodies
+    # Held jobs stayed pending and spent no attempt: each ran exactly once, as attempt 1.
+    assert {r["attempt"] for r in rows.values()} == {1}
+    assert len(span_rows(db, "limited2")) == 8
+
+
+def test_concurrency_key_limits_each_key_and_one_keys_backlog_does_not_block_another(db, fleet):
+    mod = fleet()
+    ids = [mod.per_tenant.submit({"tenant": t, "sleep": 0.5}).id for t in ["a"] * 4 + ["b"] * 2]
+    wait_all(db, ids)
+    rows = span_rows(db, "per_tenant")
+    assert max_overlap([r for r in rows if r["tenant"] == "a"]) == 1
+    assert max_overlap([r for r in rows if r["tenant"] == "b"]) == 1
+    # b's jobs ran beside a's backlog rather than after it.
+    assert max_overlap(rows) == 2
+    last_a_start = max(r["started_at"] for r in rows if r["tenant"] == "a")
+    assert all(r["ended_at"] < last_a_start for r in rows if r["tenant"] == "b")
+
+
+# --- rate --------------------------------------------------------------------------------
+
+
+def test_rate_limit_bounds_claims_per_window_over_all_workers(db, fleet):
+    mod = fleet(extra_env={"CL_TEST_RATE": "4/s"})
+    ids = [j.id for j in mod.rated.submit_many([{}] * 14)]
+    rows = wait_all(db, ids, timeout=60)  # no beat: each window's wakeup comes from the last one
+    per_window = Counter(math.floor(r["started_at"].timestamp()) for r in rows.values())
+    assert max(per_window.values()) <= 4, per_window
+    assert len(per_window) >= 4
+    assert {r["attempt"] for r in rows.values()} == {1}
+
+
+# --- priority ----------------------------------------------------------------------------
+
+
+def test_priority_orders_held_jobs_for_a_single_slot(db, fleet, tmp_path):
+    mod = fleet()
+    gate = tmp_path / "release-blocker"
+    blocker = mod.one_slot.submit({"release_file": str(gate)})
+    wait_for(lambda: span_rows(db, "one_slot"), what="the blocker to run")
+    low = [mod.one_slot.submit({"n": i}).id for i in range(5)]
+    high = mod.one_slot.submit({"n": "high"}, priority=5).id
+    mid = mod.one_slot.submit({"n": "mid"}, priority=3).id
+    wait_held(db, low + [high, mid], "limit")
+    gate.touch()
+    wait_all(db, [blocker.id, *low, high, mid])
+    order = [r["job_id"] for r in span_rows(db, "one_slot")]
+    assert order[:3] == [blocker.id, high, mid]
+    assert sorted(order[3:]) == sorted(low)
+    assert max_overlap(span_rows(db, "one_slot")) == 1
+
+
+def test_a_high_priority_job_overtakes_a_backlog_as_soon_as_a_slot_frees(db, fleet):
+    mod = fleet()
+    backlog = [j.id for j in mod.unlimited.submit_many([{"sleep": 0.03}] * 150)]
+    wait_for(lambda: len(span_rows(db, "unlimited")) >= 8, what="the backlog to start")
+    high = mod.unlimited.submit({"sleep": 0}, priority=9).id
+    wait_all(db, [high])
+    rows = job_rows(db, [high, *backlog])
+    submitted, started = rows[high]["created_at"], rows[high]["started_at"]
+    overtaken_by = [i for i in backlog if rows[i]["started_at"] is not None and submitted < rows[i]["started_at"] < started]
+    # At most the claims already under way when it was submitted (one per pool slot),
+    # not the ~100 wakeups queued before it.
+    assert len(overtaken_by) <= 4, len(overtaken_by)
+    still_pending = [i for i in backlog if rows[i]["status"] == "pending"]
+    assert still_pending, "the backlog drained before the high-priority job was submitted"
+    wait_all(db, backlog)
+
+
+# --- pause -------------------------------------------------------------------------------
+
+
+def test_pause_survives_a_restart_lets_running_jobs_finish_and_resume_wakes_the_held(db, fleet, tmp_path):
+    mod = fleet()
+    gate = tmp_path / "release"
+    running = mod.unlimited.submit({"release_file": str(gate)}).id
+    wait_for(lambda: span_rows(db, "unlimited"), what="a job to run")
+    assert mod.leases.pause("unlimited") is True
+    held = [j.id for j in mod.unlimited.submit_many([{}] * 3)]
+    wait_held(db, held, "pause")
+    gate.touch()
+    wait_all(db, [running])  # the running job finished under the pause
+    # Restart the fleet: the pause is in the database, not in a worker.
+    for worker in mod.fleet:
+        worker.restart()
+    mod.leases.sweep()  # the sweeper does not wake paused jobs either
+    late = mod.unlimited.submit({}).id
+    wait_held(db, [late], "pause")
+    rows = job_rows(db, held + [late])
+    assert {(r["status"], r["attempt"]) for r in rows.values()} == {("pending", 0)}
+    assert mod.leases.resume("unlimited") == 4
+    wait_all(db, held + [late])
+    assert len(span_rows(db, "unlimited")) == 5
+
+
+# --- snooze ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [0, 0.3])
+def test_snooze_any_number_of_times_with_max_attempts_1_still_succeeds(db, fleet, delay):
+    mod = fleet()
+    job = mod.snoozer.submit({"times": 3, "delay": delay})
+    # A delayed snooze is due later: the sweeper (beat) wakes it, as it wakes retries.
+    rows = wait_all(db, [job.id], sweep=mod.leases.sweep if delay else None)
+    row = rows[job.id]
+    assert row["result"] == {"snoozed": 3, "attempt": 1}
+    assert (row["attempt"], row["max_attempts"], row["checkpoint"]) == (1, 1, None)
+
+
+# --- cancel and faults -------------------------------------------------------------------
+
+
+def test_a_cancelled_running_job_frees_its_slot_at_once(db, fleet, tmp_path):
+    mod = fleet()
+    first = mod.one_slot.submit({"release_file": str(tmp_path / "never")}).id
+    wait_for(lambda: span_rows(db, "one_slot"), what="the first job to run")
+    second = mod.one_slot.submit({}).id
+    wait_held(db, [second], "limit")
+    assert mod.leases.cancel(first)
+    wait_all(db, [second])
+    assert job_rows(db, [first])[first]["status"] == "cancelled"
+
+
+def test_killed_workers_slots_come_back_when_reaped_and_the_limit_holds(db, pg, broker, workers, beats, client_app):
+    conf = {"lease_reap_interval": 1, "lease_sweep_interval": 1, "lease_sweep_stale_seconds": 5}
+    env = {"CL_TEST_LEASE": "3"}
+    mod = client_app(pg, broker, conf=conf, extra_env=env, module=MODULE)
+    victim = workers(pg, broker, name="w1", module=MODULE, concurrency=2, conf=conf, extra_env=env)
+    workers(pg, broker, name="w2", module=MODULE, concurrency=2, conf=conf, extra_env=env)
+    beats(pg, broker, conf=conf, module=MODULE)
+    beats(pg, broker, conf=conf, module=MODULE)  # two beats reap and sweep side by side
+    ids = [j.id for j in mod.chaos_limited.submit_many([{"steps": 6, "sleep": 0.25}] * 10)]
+
+    def running_on_victim():
+        with db.connect() as conn:
+            return conn.execute(
+                sa.select(sa.func.count()).where(jobs.c.status == "running", jobs.c.lease_owner.startswith("w1@"))
+            ).scalar()
+
+    wait_for(running_on_victim, timeout=30, what="a limited job running on w1")
+    victim.kill(signal.SIGKILL)
+    with db.connect() as conn:
+        killed_at = conn.execute(sa.select(sa.func.clock_timestamp())).scalar_one()
+    victim.start()  # four pool slots again: only the limit keeps it at two
+    cancelled = ids[-1]  # still held or queued: a cancel must work with limits on
+    assert mod.leases.cancel(cancelled)
+    rest = ids[:-1]
+    rows = wait_all(db, rest, timeout=120)
+    with db.connect() as conn:
+        effect_counts = Counter(r[0] for r in conn.execute(sa.select(effects.c.job_id).where(effects.c.job_id.in_(ids))))
+    assert effect_counts == Counter({i: 1 for i in rest})  # 0 lost, 0 duplicated, none for the cancelled job
+    assert job_rows(db, [cancelled])[cancelled]["status"] == Status.CANCELLED.value
+    assert sum(r["lease_losses"] for r in rows.values()) >= 1  # the killed leases were reaped
+    # The killed bodies stopped when w1 was killed; the limit held throughout.
+    assert max_overlap(span_rows(db, "chaos_limited"), ended_default=killed_at) <= 2

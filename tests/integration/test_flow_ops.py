@@ -1,0 +1,206 @@
+"""Flow control as operators meet it: `celery -A ... lease pause|resume|limits` as real
+subprocesses, the HTTP API and the metrics, against PostgreSQL. Jobs are put in the
+states to show with make_job; no worker runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.db.schema import jobs, pauses
+from celery_lease.errors import InvalidPayload
+from tests.conftest import CELERY, ROOT, _env
+
+MODULE = "tests.apps.app_flow"
+
+
+@pytest.fixture
+def cli(pg, broker):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [CELERY, "-A", MODULE, "lease", *args], env=_env(pg, broker), cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+
+    return run
+
+
+def paused_kinds(db: str) -> set[str]:
+    with sa.create_engine(db).connect() as conn:
+        return {r[0] for r in conn.execute(sa.select(pauses.c.kind))}
+
+
+def test_pause_and_resume_from_the_cli_are_stored_and_resume_wakes_the_held(cli, pg, make_job):
+    proc = cli("pause", "unlimited")
+    assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "paused unlimited", "")
+    assert paused_kinds(pg) == {"unlimited"}
+    assert cli("pause", "unlimited").stdout.strip() == "unlimited was already paused"
+    held = make_job(pg, kind="unlimited", task="tests.apps.app_flow.unlimited", held="pause")
+    proc = cli("resume", "unlimited", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"kind": "unlimited", "paused": False, "woken": 1}
+    assert paused_kinds(pg) == set()
+    with sa.create_engine(pg).connect() as conn:
+        row = conn.execute(sa.select(jobs.c.held, jobs.c.woken_at).where(jobs.c.id == held)).one()
+    assert row.held is None and row.woken_at is not None
+
+
+def test_pause_of_an_unknown_kind_is_refused_in_one_line_and_stores_nothing(cli, pg):
+    proc = cli("pause", "no-such-kind")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("celery-lease: no job handler for kind 'no-such-kind'") and len(proc.stderr.splitlines()) == 1
+    assert paused_kinds(pg) == set()
+
+
+def test_priority_is_checked_at_submit_and_celery_s_priority_option_carries_it(pg, broker, client_app):
+    mod = client_app(pg, broker, module=MODULE)
+    for bad in (-1, 1.5, "9", True, 256):
+        with pytest.raises(TypeError, match="priority"):  # Celery's range, checked with the other options
+            mod.unlimited.submit({}, priority=bad)
+    with pytest.raises(InvalidPayload, match="priority"):  # a child's options reach the producer directly
+        mod.leases.producer.job_row(mod.leases.registry.resolve("unlimited"), {}, {"priority": -1})
+    with sa.create_engine(pg).connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(jobs)).scalar() == 0  # nothing stored
+    assert mod.unlimited.submit({}, priority=7).priority == 7
+    assert mod.leases.get(mod.unlimited.apply_async(({},), priority=3).id).priority == 3
+    assert mod.unlimited.submit({}).priority == 0
+
+
+# --- what operators see ------------------------------------------------------------------
+
+
+@pytest.fixture
+def flow_scene(pg, make_job):
+    """limited2: 2 running, 3 held by the limit, 1 queued; per_tenant: key a running,
+    key b held; unlimited: paused, 1 held by the pause (tenant acme)."""
+    task = "tests.apps.app_flow."
+    for _ in range(2):
+        make_job(pg, kind="limited2", task=task + "limited2", status="running", tenant="globex")
+    for _ in range(3):
+        make_job(pg, kind="limited2", task=task + "limited2", held="limit", tenant="globex")
+    make_job(pg, kind="limited2", task=task + "limited2", tenant="globex")
+    make_job(pg, kind="per_tenant", task=task + "per_tenant", status="running", concurrency_key="a", tenant="globex")
+    make_job(pg, kind="per_tenant", task=task + "per_tenant", held="limit", concurrency_key="b", tenant="globex")
+    make_job(pg, kind="unlimited", task=task + "unlimited", held="pause", tenant="acme")
+    make_job(pg, kind="unlimited", task=task + "unlimited", status="succeeded", tenant="acme")  # not counted
+    with sa.create_engine(pg).begin() as conn:
+        conn.execute(pauses.insert().values(kind="unlimited", paused_at=sa.func.now()))
+
+
+def by_kind_key(rows: list[dict]) -> dict[tuple, dict]:
+    return {(r["kind"], r["key"]): r for r in rows}
+
+
+EXPECTED = {
+    ("limited2", None): {"concurrency": 2, "running": 2, "waiting_limit": 3, "pending": 1, "paused": False},
+    ("per_tenant", "a"): {"concurrency": 1, "running": 1, "waiting_limit": 0},
+    ("per_tenant", "b"): {"concurrency": 1, "running": 0, "waiting_limit": 1},
+    ("unlimited", None): {"concurrency": None, "paused": True, "waiting_pause": 1, "running": 0},
+    ("rated", None): {"rate_limit": "4/s", "running": 0, "pending": 0},
+}
+
+
+def test_cli_limits_shows_per_kind_and_key_what_runs_and_what_waits_on_what(cli, flow_scene):
+    proc = cli("limits", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = by_kind_key(json.loads(proc.stdout)["kinds"])
+    for key, expected in EXPECTED.items():
+        assert {k: rows[key][k] for k in expected} == expected, key
+    text = cli("limits").stdout.splitlines()
+    assert text[0].split() == "KIND KEY CONCURRENCY RATE PAUSED RUNNING WAIT_LIMIT WAIT_RATE WAIT_PAUSE PENDING".split()
+    assert any(line.split()[:1] == ["limited2"] and line.split()[-5:] == ["2", "3", "0", "0", "1"] for line in text)
+
+
+def test_api_limits_counts_only_the_callers_tenant(pg, broker, client_app, flow_scene):
+    from fastapi.testclient import TestClient
+
+    from celery_lease.ops.api import create_app
+
+    tokens = {"admin": None, "acme": "acme"}
+    mod = client_app(pg, broker, conf={"lease_api_tokens": tokens}, module=MODULE)
+    client = TestClient(create_app(mod.leases))
+    assert client.get("/api/v1/limits").status_code == 401
+    everything = by_kind_key(client.get("/api/v1/limits", headers={"Authorization": "Bearer admin"}).json()["kinds"])
+    assert everything[("limited2", None)]["waiting_limit"] == 3 and everything[("unlimited", None)]["waiting_pause"] == 1
+    acme = client.get("/api/v1/limits", headers={"Authorization": "Bearer acme"}).json()["kinds"]
+    assert [(r["kind"], r["waiting_pause"], r["paused"]) for r in acme] == [("unlimited", 1, True)]
+
+
+def test_metrics_show_flow_control_per_kind_key_and_state(pg, broker, client_app, flow_scene):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from celery_lease.ops import metrics
+
+    mod = client_app(pg, broker, module=MODULE)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render(mod.leases).decode())}
+    flow = {(s.labels["kind"], s.labels["key"], s.labels["state"]): s.value for s in families["celery_lease_flow_jobs"].samples}
+    assert flow[("limited2", "", "running")] == 2 and flow[("limited2", "", "waiting_limit")] == 3
+    assert flow[("per_tenant", "b", "waiting_limit")] == 1 and flow[("unlimited", "", "waiting_pause")] == 1
+    assert {s.labels["kind"]: s.value for s in families["celery_lease_paused"].samples} == {"unlimited": 1}
+
+
+# --- slots freed outside their worker ----------------------------------------------------
+
+
+def _fill_one_slot(mod) -> tuple[str, str]:
+    """one_slot (concurrency=1): one job claimed, one held by the limit."""
+    spec = mod.leases.registry.resolve("one_slot")
+    first, second = (j.id for j in mod.one_slot.submit_many([{}, {}]))
+    assert mod.leases.flow.claim(first, spec, "w9@host/1/boot", None) is not None
+    assert mod.leases.flow.claim(second, spec, "w9@host/1/boot", None) is None
+    return first, second
+
+
+def held(db: str, job_id: str):
+    with sa.create_engine(db).connect() as conn:
+        return conn.execute(sa.select(jobs.c.held).where(jobs.c.id == job_id)).scalar_one()
+
+
+def test_a_cancel_wakes_the_job_held_by_the_slot_it_frees(pg, broker, client_app):
+    mod = client_app(pg, broker, module=MODULE)
+    first, second = _fill_one_slot(mod)
+    assert held(pg, second) == "limit"
+    assert mod.leases.cancel(first)
+    assert held(pg, second) is None  # woken (its wakeup is in Redis) by the cancel itself
+
+
+def test_a_reap_wakes_the_job_held_by_the_slot_it_frees(pg, broker, client_app):
+    mod = client_app(pg, broker, module=MODULE)
+    first, second = _fill_one_slot(mod)
+    with sa.create_engine(pg).begin() as conn:
+        expired = sa.func.now() - sa.text("interval '1 second'")
+        conn.execute(sa.update(jobs).where(jobs.c.id == first).values(lease_expires_at=expired))
+    assert mod.leases.reap() == {"requeued": 0, "expired": 1}  # max_attempts=1: expired, slot freed too
+    assert held(pg, second) is None
+
+
+# --- the limited claim on PostgreSQL, both transports ------------------------------------
+
+
+@pytest.mark.parametrize("prepare", [True, False], ids=["one-round-trip-script", "transaction"])
+def test_limited_claim_hold_and_release_on_postgresql(pg, make_job, prepare):
+    from celery_lease.db.flow_store import FlowStore
+    from celery_lease.db.store import Store
+    from celery_lease.limits import Limits, Rate
+
+    store = Store(pg)
+    flow = FlowStore(store, prepare=prepare)
+    try:
+        limits = Limits(concurrency=2, rate=Rate(3, 3600))
+        ids = [make_job(pg, kind="k", task="t") for _ in range(5)]
+        first, second = (flow.claim_limited(i, "n/1/b", "k", "t", limits).row for i in ids[:2])
+        assert first is not None and second is not None and first["window_claims"] == 1 and second["window_claims"] == 2
+        assert flow.claim_limited(ids[2], "n/1/b", "k", "t", limits).held == "limit"
+        with store.durable.begin() as conn:
+            conn.execute(sa.update(jobs).where(jobs.c.id == ids[0]).values(status="succeeded"))
+        assert [str(w["id"]) for w in flow.wake_for_slot("k", None)] == [ids[2]]
+        assert flow.claim_limited(ids[2], "n/1/b", "k", "t", limits).row is not None  # the third claim of the window
+        with store.durable.begin() as conn:
+            conn.execute(sa.update(jobs).where(jobs.c.id == ids[1]).values(status="succeeded"))
+        refused = flow.claim_limited(ids[3], "n/1/b", "k", "t", limits)  # a slot is free, the window is not
+        assert refused.held == "rate" and refused.later is not None and 0 <= refused.later[0] <= 3600
+        assert flow.claim_limited(ids[4], "n/1/b", "k", "t", limits).later is None  # one wakeup per window
+    finally:
+        store.dispose()
