@@ -33,18 +33,20 @@ log = logging.getLogger("celery_lease")
 _COMMIT_WAKEUPS = "celery_lease.wakeups"
 
 
-def run_after_time(value: datetime | timedelta | float | None) -> datetime | None:
-    """A delayed job's due time (UTC) from a datetime, a timedelta or seconds."""
+def run_after_time(value: datetime | timedelta | float | None) -> tuple[datetime | None, float | None]:
+    """A delayed job's due time as (absolute UTC instant, delay in seconds), one of
+    them set: a datetime is the caller's instant; a timedelta or seconds is a delay
+    that the database counts from its own clock (see queries.insert_jobs)."""
     if value is None:
-        return None
+        return None, None
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise InvalidPayload("run_after must be timezone-aware (e.g. datetime.now(timezone.utc))")
-        return value.astimezone(timezone.utc)
+        return value.astimezone(timezone.utc), None
     if isinstance(value, timedelta):
         value = value.total_seconds()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return datetime.now(timezone.utc) + timedelta(seconds=float(value))
+        return None, float(value)
     raise InvalidPayload(f"run_after must be a datetime, timedelta or seconds, not {type(value).__name__}")
 
 
@@ -61,7 +63,7 @@ class Producer:
 
     def job_row(self, spec: JobKind, payload: Any, options: dict[str, Any]) -> dict[str, Any]:
         """The column values of a new pending job (payload already serialized)."""
-        run_after = run_after_time(options.get("run_after"))
+        due_at, due_in = run_after_time(options.get("run_after"))
         run_id = options.get("run_id")
         parent_id = options.get("parent_id")
         return {
@@ -76,9 +78,9 @@ class Producer:
             "lease_generation": 0,
             "lease_losses": 0,
             "payload": payload,
-            "run_after": run_after,
-            # A job due now is woken by submit itself; a delayed one by the sweeper.
-            "woken_at": None if run_after else datetime.now(timezone.utc),
+            # run_after and woken_at are set by the database's clock from these.
+            "due_at": due_at,
+            "due_in": due_in,
             "run_id": None if run_id is None else parse_job_id(run_id),
             "parent_id": None if parent_id is None else parse_job_id(parent_id),
             "idempotency_key": options.get("idempotency_key"),

@@ -89,8 +89,7 @@ class Database:
             parsed = make_url(url)
         except sa_exc.ArgumentError:
             raise ConfigurationError(
-                f"{source} is not a valid database URL "
-                "(expected e.g. postgresql+psycopg2://user@host/db or sqlite:///path)"
+                f"{source} is not a valid database URL (expected e.g. postgresql+psycopg2://user@host/db or sqlite:///path)"
             ) from None
         if parsed.get_backend_name() not in ("postgresql", "sqlite"):
             raise ConfigurationError(

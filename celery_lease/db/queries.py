@@ -114,8 +114,12 @@ WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
 # --- producer ------------------------------------------------------------------------
 
 
-#: The columns a submit binds; the database fills created_at / updated_at.
-INSERTED_COLUMNS = tuple(c.name for c in jobs.c if c.name not in ("created_at", "updated_at"))
+#: The columns a submit binds; the database fills created_at / updated_at, and
+#: run_after / woken_at from the bound due_at / due_in (see insert_jobs).
+INSERTED_COLUMNS = tuple(c.name for c in jobs.c if c.name not in ("created_at", "updated_at", "run_after", "woken_at")) + (
+    "due_at",
+    "due_in",
+)
 
 
 @functools.cache
@@ -136,8 +140,18 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
         stmt = stmt.on_conflict_do_nothing(
             index_elements=[_c.kind, _c.idempotency_key], index_where=_c.idempotency_key.is_not(None)
         )
-    # created_at / updated_at come from the database clock, like every other time.
-    return stmt.values(created_at=db_now(), updated_at=db_now()).returning(*jobs.c)
+    # Every time comes from the database clock: a submitting host whose clock is off
+    # must not move a job's due time or hide a lost wakeup (woken_at). A delay
+    # (:due_in seconds) is counted from the database's now; an absolute :due_at is the
+    # caller's own instant and is kept. A job due at once is woken by submit itself.
+    due_at = sa.bindparam("due_at", type_=_c.run_after.type)
+    due_in = sa.bindparam("due_in", type_=sa.Float)
+    return stmt.values(
+        created_at=db_now(),
+        updated_at=db_now(),
+        run_after=sa.case((due_in.is_not(None), db_now_plus(due_in)), else_=due_at),
+        woken_at=sa.case((sa.and_(due_in.is_(None), due_at.is_(None)), db_now()), else_=sa.null()),
+    ).returning(*jobs.c)
 
 
 def get_jobs_by_keys(kind: str, keys: Sequence[str]) -> sa.Select:

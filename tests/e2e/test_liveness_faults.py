@@ -1,0 +1,118 @@
+"""The lease promise in production configurations (issue #9), against real PostgreSQL,
+Redis, `celery worker` and `celery beat` processes: maintenance that runs on time
+whatever the pool does and whatever beat's clock says, heartbeats across lease lengths
+and pools, durability across a PostgreSQL crash, hung connections, lost replies.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease import Status
+from celery_lease.db.schema import jobs
+from tests.conftest import SUMMARY_LINES, wait_for
+from tests.harness import faketime
+
+APP = "tests.apps.app_liveness"
+LONG = {"CL_TEST_LEASE": "300"}
+#: beat ticks every second, so a test sees many of them in a few seconds.
+FAST_BEAT = {"lease_reap_interval": 1, "lease_sweep_interval": 1, "lease_sweep_stale_seconds": 2}
+
+
+@pytest.fixture
+def db(pg):
+    engine = sa.create_engine(pg)
+    yield engine
+    engine.dispose()
+
+
+def row(db, job_id: str) -> dict:
+    with db.connect() as conn:
+        return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
+
+
+def status_of(db, job_id: str) -> str:
+    return row(db, job_id)["status"]
+
+
+def expired_lease(make_job, pg, **columns) -> str:
+    """A job left running by a worker that is gone, its lease elapsed by the database's clock."""
+    values = dict(
+        status="running",
+        attempt=1,
+        lease_generation=1,
+        lease_owner="gone@elsewhere/1/boot",
+        lease_expires_at=datetime.now(timezone.utc) - timedelta(minutes=30),
+        payload={"value": "expired"},
+    )
+    values.update(columns)
+    return make_job(pg, **values)
+
+
+def summary(request, line: str) -> None:
+    request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
+    print(line)
+
+
+# --- maintenance on time (items 9, 11) ----------------------------------------------------
+
+
+def test_maintenance_ticks_run_while_every_pool_slot_is_busy(
+    pg, broker, client_app, workers, beats, db, make_job, tmp_path, request
+):
+    """Two pool children held by long jobs and job messages prefetched behind them: the
+    reaper still runs every tick. (Ticks used to be pool tasks with an ``expires``:
+    they waited behind the jobs and were discarded unrun.)"""
+    mod = client_app(pg, broker, conf=FAST_BEAT, extra_env=LONG, module=APP)
+    w = workers(pg, broker, conf=FAST_BEAT, extra_env=LONG, module=APP, concurrency=2)
+    gate = tmp_path / "gate"
+    busy = [mod.stale.submit({"gate": str(gate), "marker_dir": str(tmp_path)}) for _ in range(2)]
+    wait_for(lambda: all(status_of(db, j.id) == "running" for j in busy), timeout=30, what="both pool slots busy")
+    queued = mod.echo.submit_many([{"value": i} for i in range(6)])  # prefetched behind the busy slots
+    beat = beats(pg, broker, conf=FAST_BEAT, module=APP)
+    try:
+        lost = expired_lease(make_job, pg)
+        wait_for(lambda: status_of(db, lost) != "running", timeout=30, what="beat's reaper to requeue the lost job")
+        assert status_of(db, lost) == "pending"
+        assert all(status_of(db, j.id) == "running" for j in busy)  # the pool was busy all along
+
+        def sends() -> int:
+            return beat.log().count("Sending due task celery_lease.reap")
+
+        start_sent, start_ran = sends(), w.log().count("maintenance tick celery_lease.reap done")
+        wait_for(lambda: sends() >= start_sent + 10, timeout=60, what="ten more reap ticks from beat")
+        sent = sends() - start_sent
+        wait_for(
+            lambda: w.log().count("maintenance tick celery_lease.reap done") - start_ran >= sent - 2,
+            timeout=10,
+            what="the worker to run the ticks beat sent",
+        )
+        ran = w.log().count("maintenance tick celery_lease.reap done") - start_ran
+        assert all(status_of(db, j.id) == "running" for j in busy)
+        summary(request, f"maintenance with every pool slot busy: reap ticks sent={sent} ran={ran} (before: expired unrun)")
+    finally:
+        gate.touch()
+    for job in [*busy, *queued]:
+        assert mod.leases.wait(job.id, timeout=60).status is Status.SUCCEEDED
+    assert "Discarding revoked task" not in w.log()
+
+
+@pytest.mark.skipif(not faketime.available(), reason="needs libfaketime and a C compiler (bash dev.sh test installs them)")
+@pytest.mark.parametrize("skew", ["-6s", "-5m", "+5m"])
+def test_beat_with_a_skewed_clock_still_reaps_and_sweeps(pg, broker, client_app, workers, beats, db, make_job, skew):
+    """Only the database's clock decides: a beat host 6 s or minutes off still gets
+    every tick run (an ``expires`` from its clock made a slow beat's ticks arrive
+    expired, and maintenance stopped)."""
+    mod = client_app(pg, broker, conf=FAST_BEAT, module=APP)
+    w = workers(pg, broker, conf=FAST_BEAT, module=APP)
+    beat = beats(pg, broker, conf=FAST_BEAT, module=APP, env_hook=lambda env: faketime.skewed_env(skew, env))
+    lost = expired_lease(make_job, pg)
+    never_woken = make_job(pg, payload={"value": "never woken"})
+    # Nothing in this process reaps or sweeps: only beat's ticks can finish these.
+    assert mod.leases.wait(lost, timeout=60).status is Status.SUCCEEDED
+    assert mod.leases.wait(never_woken, timeout=60).status is Status.SUCCEEDED
+    assert "Discarding revoked task" not in w.log()
+    assert "Sending due task celery_lease.sweep" in beat.log()
