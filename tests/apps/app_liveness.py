@@ -76,3 +76,12 @@ def stale(ctx: JobContext, payload: dict) -> dict:
         ctx.flush_progress()
         _marker(payload, f"progress-{ctx.job_id}-cancelled={ctx.cancelled}")
     return {"attempt": ctx.attempt}
+
+
+@leases.job(kind="poller", max_attempts=3, lease_seconds=int(os.environ.get("CL_TEST_LEASE", "6")), retry_backoff=0.1)
+def poller(ctx: JobContext, payload: dict) -> dict:
+    """Polls raise_if_cancelled for payload["seconds"] (first attempt) or payload["then"]
+    (later ones) without writing anything."""
+    _marker(payload, f"poller-{ctx.job_id}-{ctx.attempt}")
+    _poll(ctx, payload.get("seconds", 30) if ctx.attempt == 1 else payload.get("then", 0.5))
+    return {"attempt": ctx.attempt, "pid": os.getpid()}

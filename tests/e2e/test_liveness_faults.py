@@ -116,3 +116,71 @@ def test_beat_with_a_skewed_clock_still_reaps_and_sweeps(pg, broker, client_app,
     assert mod.leases.wait(never_woken, timeout=60).status is Status.SUCCEEDED
     assert "Discarding revoked task" not in w.log()
     assert "Sending due task celery_lease.sweep" in beat.log()
+
+
+# --- the heartbeat across lease lengths and attempts (items 1, 11) --------------------------
+
+
+def eager_reaper(leases, seen: dict):
+    """A reaper as eager as it can be: anything it reaps is a lease the heartbeat let lapse."""
+
+    def step():
+        for key, value in leases.reap().items():
+            seen[key] = seen.get(key, 0) + value
+
+    return step
+
+
+@pytest.mark.parametrize("pool", ["solo", "prefork"])
+def test_a_short_lease_after_a_long_one_in_the_same_process_is_renewed(pg, broker, client_app, workers, db, tmp_path, pool):
+    """A 60 s-lease job, then a 3 s-lease job in the same process: the heartbeat, asleep
+    for the 20 s it computed for the first, must wake for the second. (Before the
+    regroup it slept on: the short lease lapsed and the reaper took a live job.)"""
+    mod = client_app(pg, broker, module=APP)
+    workers(pg, broker, module=APP, pool=pool, concurrency=1)
+    first = mod.long_lease.submit({"seconds": 0.5})
+    assert mod.leases.wait(first.id, timeout=30).status is Status.SUCCEEDED
+    second = mod.short_lease.submit({"seconds": 8})
+    reaped: dict = {}
+    reap = eager_reaper(mod.leases, reaped)
+
+    def finished():
+        reap()
+        return mod.leases.get(second.id).terminal
+
+    wait_for(finished, timeout=60, interval=0.3, what="the short-lease job")
+    done = mod.leases.get(second.id)
+    assert reaped.get("requeued", 0) == 0 and reaped.get("expired", 0) == 0, reaped
+    assert done.status is Status.SUCCEEDED and done.attempt == 1 and done.lease_losses == 0
+    assert done.result["pid"] == mod.leases.get(first.id).result["pid"]  # one process ran both
+
+
+def test_a_second_attempt_in_the_same_process_does_not_hide_the_first(pg, broker, client_app, workers, db):
+    """Attempt 1 of a job is reaped while its handler still runs, and attempt 2 lands in
+    another thread of the same process: attempt 1 must still learn that its lease is
+    lost. (Keyed by job id alone, attempt 2 replaced attempt 1 in the heartbeat, which
+    then never checked attempt 1 again: it ran on believing it held the lease.)"""
+    env = {"CL_TEST_LEASE": "3"}
+    mod = client_app(pg, broker, extra_env=env, module=APP)
+    w = workers(pg, broker, extra_env=env, module=APP, pool="threads", concurrency=2)
+    job = mod.poller.submit({"seconds": 30, "then": 0.5})  # attempt 1 polls for 30 s, writing nothing
+    wait_for(lambda: row(db, job.id)["status"] == "running", timeout=30, what="attempt 1")
+
+    def lapse_and_reap() -> bool:
+        with db.begin() as conn:
+            conn.execute(
+                sa.update(jobs)
+                .where(jobs.c.id == job.id, jobs.c.status == "running", jobs.c.attempt == 1)
+                .values(lease_expires_at=sa.func.now() - sa.text("interval '1 second'"))
+            )
+        return mod.leases.reap()["requeued"] == 1
+
+    wait_for(lapse_and_reap, timeout=30, interval=0.2, what="attempt 1 to be reaped")
+    wait_for(lambda: row(db, job.id)["attempt"] == 2, timeout=30, what="attempt 2 in the same worker")
+    wait_for(
+        lambda: w.log().count(f"job {job.id}: stopped after cancel or lease loss") >= 1,
+        timeout=15,
+        what="attempt 1 to stop",
+    )
+    done = mod.leases.wait(job.id, timeout=30)
+    assert done.status is Status.SUCCEEDED and done.attempt == 2
