@@ -27,6 +27,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.dml import ReturningDelete
 from sqlalchemy.sql.functions import FunctionElement
 
 from celery_lease.db.schema import ID, events, jobs, runs
@@ -509,15 +510,26 @@ def _requeue_or(final: Status) -> dict[str, Any]:
     }
 
 
-def _batch(where: sa.ColumnElement, order_by, limit_param: str) -> sa.ScalarSelect:
-    """A bounded batch of ids, locked and skipping rows another beat already holds."""
+def _batch(name: str, where: sa.ColumnElement, order_by, limit_param: str) -> sa.CTE:
+    """A bounded batch of ids, locked, skipping rows another beat holds; the statement
+    joins it by primary key (``UPDATE ... FROM batch WHERE id = batch.id``).
+
+    A MATERIALIZED CTE is computed once per statement. As an ``id IN (SELECT ... LIMIT
+    ... FOR UPDATE SKIP LOCKED)`` subquery the planner could rescan it once per outer
+    row (statistics taken while few leases were expired make it pick a nested loop),
+    each rescan skipping the rows the statement had just updated and locking more: one
+    statement then took every matching row (20,000 expired leases: one 49 s statement,
+    quadratic). Joined by key, the statement touches at most ``:limit`` rows and costs
+    one index probe per row, whatever the backlog and the statistics.
+    """
     return (
         sa.select(_c.id)
         .where(where)
         .order_by(order_by)
         .limit(sa.bindparam(limit_param))
         .with_for_update(skip_locked=True)
-        .scalar_subquery()
+        .cte(name)
+        .prefix_with("MATERIALIZED")
     )
 
 
@@ -530,9 +542,10 @@ def reap_expired() -> sa.Update:
     attempts are spent. Bounded by :limit; safe with several beats (SKIP LOCKED)."""
     values = _requeue_or(Status.EXPIRED)
     values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal("lease expired")), else_=_c.error)
+    batch = _batch("expired", _lease_elapsed, _c.lease_expires_at, "limit")
     return (
         sa.update(jobs)
-        .where(_c.id.in_(_batch(_lease_elapsed, _c.lease_expires_at, "limit")), _lease_elapsed)
+        .where(_c.id == batch.c.id)  # locked by this statement: still running and expired
         .values(**values)
         .returning(_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue)
     )
@@ -568,29 +581,27 @@ def claim_due_wakeups() -> sa.Update:
         sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
         sa.or_(_c.woken_at.is_(None), _c.woken_at < db_now_plus(-_seconds("stale_seconds"))),
     )
+    batch = _batch("due", due, _c.run_after, "limit")
     return (
         sa.update(jobs)
-        .where(_c.id.in_(_batch(due, _c.run_after, "limit")), due)
+        .where(_c.id == batch.c.id)  # locked by this statement: still pending and due
         .values(woken_at=db_now())
         .returning(*WAKEUP_COLUMNS)
     )
 
 
 @functools.cache
-def prunable_jobs() -> sa.Select:
-    """A bounded batch of terminal jobs finished before :cutoff_seconds ago."""
-    return (
-        sa.select(_c.id)
-        .where(_c.status.in_(_TERMINAL), _c.finished_at < db_now_plus(-_seconds("cutoff_seconds")))
-        .order_by(_c.finished_at)
-        .limit(sa.bindparam("limit"))
-    )
+def prune_jobs(dialect: str) -> ReturningDelete:
+    """prune_jobs: a bounded batch of terminal jobs finished before :cutoff_seconds ago.
 
-
-def delete_jobs(ids: Sequence[str]) -> sa.Delete:
-    # Re-checks terminal status: a job cannot be un-terminated, but this keeps the
-    # delete correct even if the batch was read in another transaction.
-    return sa.delete(jobs).where(_c.id.in_(ids), _c.status.in_(_TERMINAL))
+    Returns the ids deleted; the caller deletes their events in the same transaction.
+    """
+    old = sa.and_(_c.status.in_(_TERMINAL), _c.finished_at < db_now_plus(-_seconds("cutoff_seconds")))
+    batch = _batch("prunable", old, _c.finished_at, "limit")
+    # PostgreSQL: DELETE ... USING batch (joined by key). SQLite has no USING; it has
+    # no planner rescans either (and no row locks), so IN the batch is the same there.
+    where = _c.id == batch.c.id if dialect == "postgresql" else _c.id.in_(sa.select(batch.c.id))
+    return sa.delete(jobs).where(where).returning(_c.id)
 
 
 def delete_job_events(ids: Sequence[str]) -> sa.Delete:

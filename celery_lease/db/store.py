@@ -204,10 +204,10 @@ class Store(Database):
 
     def prune(self, older_than_seconds: float, limit: int) -> int:
         def work(conn):
-            ids = [str(r[0]) for r in conn.execute(q.prunable_jobs(), {"cutoff_seconds": older_than_seconds, "limit": limit})]
-            if not ids:
-                return 0
-            conn.execute(q.delete_job_events(ids))
-            return conn.execute(q.delete_jobs(ids)).rowcount
+            params = {"cutoff_seconds": older_than_seconds, "limit": limit}
+            ids = [str(r[0]) for r in conn.execute(q.prune_jobs(self.dialect), params)]
+            if ids:
+                conn.execute(q.delete_job_events(ids))
+            return len(ids)
 
         return self.transaction(self.durable, work)

@@ -6,6 +6,7 @@ retries, the heartbeat's renewal statement.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
-from tests.conftest import ROOT, _env
+from tests.conftest import ROOT, SUMMARY_LINES, _env
 from tests.harness import faketime
 from tests.harness.services import wait_for
 
@@ -47,6 +48,7 @@ def test_a_submitting_host_an_hour_fast_moves_no_due_or_wakeup_time(pg, broker, 
     script = textwrap.dedent(
         """
         import json
+import statistics
         from tests.apps.app import echo
         now = echo.submit({"value": "now"})
         later = echo.submit({"value": "later"}, run_after=2)
@@ -75,3 +77,68 @@ def test_a_submitting_host_an_hour_fast_moves_no_due_or_wakeup_time(pg, broker, 
         return set(swept) >= {now_id, *delayed}
 
     wait_for(sweep_all, timeout=20, interval=0.25, what="the sweeper to re-send every wakeup")
+
+
+# --- mass expiry (item 8) -------------------------------------------------------------------
+
+MASS = 100_000
+BATCH = 500
+
+#: One backlog per maintenance statement: rows it must work through, inserted in bulk.
+#: (status, attempt, lease_generation, lease_owner, lease_expires_at, run_after, woken_at, finished_at)
+_MASS_ROWS = {
+    "reap": "'running', 1, 1, 'gone@host/1/boot', now() - interval '1 hour' + g * interval '1 ms', NULL, NULL, NULL",
+    "sweep": "'pending', 0, 0, NULL, NULL, NULL, NULL, NULL",
+    "prune": "'succeeded', 1, 1, NULL, NULL, NULL, NULL, now() - interval '30 days' + g * interval '1 ms'",
+}
+
+
+def _insert_mass(db, kind: str) -> None:
+    with db.begin() as conn:
+        # Statistics from before the mass expiry (an empty table): what made the planner
+        # rescan the old batch subquery once per row.
+        conn.exec_driver_sql("ANALYZE celery_lease_jobs")
+        conn.exec_driver_sql(
+            "INSERT INTO celery_lease_jobs (id, kind, task, status, attempt, lease_generation, lease_owner,"
+            " lease_expires_at, run_after, woken_at, finished_at, max_attempts, lease_seconds, lease_losses,"
+            " payload, created_at, updated_at) "
+            f"SELECT gen_random_uuid(), 'echo', 'tests.apps.app.echo', {_MASS_ROWS[kind]}, 3, 30, 0, '{{}}'::jsonb,"
+            f" now(), now() FROM generate_series(1, {MASS}) g"
+        )
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["reap", "sweep", "prune"])
+def test_mass_backlog_is_worked_off_in_bounded_statements_at_linear_cost(pg, client_app, db, kind, request):
+    """100,000 expired leases (due wakeups, old terminal jobs): each statement touches
+    at most batch_size rows, and the time per statement does not grow with the
+    backlog. (The ``IN (... LIMIT ... FOR UPDATE SKIP LOCKED)`` subquery was rescanned
+    per row: one statement took every row, in time quadratic in them.)"""
+    import time
+
+    mod = client_app(pg, "memory://")
+    store = mod.leases.store
+    _insert_mass(db, kind)
+    statement = {
+        "reap": lambda: len(store.reap(BATCH)),
+        "sweep": lambda: len(store.claim_due_wakeups(30, BATCH)),
+        "prune": lambda: store.prune(7 * 86400, BATCH),
+    }[kind]
+    per_statement: list[tuple[int, float]] = []
+    total = 0
+    while total < MASS:
+        started = time.perf_counter()
+        n = statement()
+        per_statement.append((n, time.perf_counter() - started))
+        assert 0 < n <= BATCH, (kind, n, total)
+        total += n
+    assert total == MASS and statement() == 0
+    elapsed = sum(t for _, t in per_statement)
+    first = statistics.median(t for _, t in per_statement[:20])
+    last = statistics.median(t for _, t in per_statement[-20:])
+    line = (
+        f"mass {kind}: {MASS} rows in {len(per_statement)} statements of <= {BATCH}: {MASS / elapsed:,.0f} rows/s; "
+        f"median statement {first * 1000:.1f} ms with {MASS} left, {last * 1000:.1f} ms with < {20 * BATCH} left"
+    )
+    request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
+    print(line)
