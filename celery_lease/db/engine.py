@@ -2,11 +2,15 @@
 
 Two kinds of commit share one database:
 
-* durable: what a caller was told succeeded (submit, cancel, reap, sweep, recovery,
-  prune) commits synchronously;
-* fast: what only an attempt's own lease protects (claim, heartbeat, progress,
-  checkpoint, completion). On PostgreSQL it commits with ``synchronous_commit = off``:
-  a crash of PostgreSQL can lose the last few hundred milliseconds of such commits.
+* durable (synchronous): everything anyone may have been told or may rely on — submit,
+  cancel, reap, sweep, recovery, prune, and the lease life: claim (its generation is a
+  fencing token that must never be issued twice, also across a crash), renewal (the
+  worker counts on the lease it was told it holds), success (with effects and
+  children), failure, retry, handoff. A success that ``wait()`` or the API reported
+  survives a crash of PostgreSQL. Batched successes share one flush (Completer).
+* fast: progress and checkpoint writes only. On PostgreSQL they commit with
+  ``synchronous_commit = off``: a crash can lose the last few hundred milliseconds of
+  them, which only repeats work from an earlier checkpoint.
 
 Database errors never carry the driver's text outward (it can hold host names or
 credentials): they surface as DatabaseUnavailable naming the setting.
@@ -193,7 +197,7 @@ class Database:
                 raise
         raise AssertionError("unreachable")
 
-    def execute_prepared(self, stmt: Prepared, params: dict[str, Any], *, fast: bool = True) -> list[dict[str, Any]]:
+    def execute_prepared(self, stmt: Prepared, params: dict[str, Any], *, fast: bool = False) -> list[dict[str, Any]]:
         """Run a per-job statement alone (autocommit; asynchronous commit when ``fast``)
         as a server-side prepared statement on a raw driver connection; same retry and
         error rules as transaction()."""

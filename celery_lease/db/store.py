@@ -114,7 +114,7 @@ class Store(Database):
             return rows[0] if rows else None
         if self.dialect == "postgresql":
             row = self.transaction(
-                self.engine(fast=True, single=True), lambda conn: conn.execute(q.claim_job_logged(), params).mappings().first()
+                self.engine(single=True), lambda conn: conn.execute(q.claim_job_logged(), params).mappings().first()
             )
             return None if row is None else dict(row)
 
@@ -125,7 +125,7 @@ class Store(Database):
             self.log_events(conn, [({**row, "id": job_id}, Event.CLAIMED, owner)])
             return dict(row)
 
-        return self.transaction(self.fast, work)
+        return self.transaction(self.durable, work)
 
     def renew(self, leases: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
         """Renew many (job, generation) leases in one statement; return those still held."""
@@ -133,7 +133,7 @@ class Store(Database):
         def work(conn):
             return {(str(r[0]), r[1]) for r in conn.execute(q.renew_leases(leases))}
 
-        return self.transaction(self.engine(fast=True, single=True), work)
+        return self.transaction(self.engine(single=True), work)
 
     def complete_many(self, params: dict[str, Any], count: int) -> set[str]:
         """complete_jobs for ``count`` attempts; returns the ids that completed."""
@@ -142,12 +142,13 @@ class Store(Database):
             stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(q.complete_jobs(count)))
             return {str(r["id"]) for r in self.execute_prepared(stmt, params)}
         return self.transaction(
-            self.engine(fast=True, single=True), lambda conn: {str(r[0]) for r in conn.execute(q.complete_jobs(count), params)}
+            self.engine(single=True), lambda conn: {str(r[0]) for r in conn.execute(q.complete_jobs(count), params)}
         )
 
     def guarded(self, stmt, params: dict[str, Any], *, connection: Connection | None = None) -> bool:
         """Run one guarded write; False when its guard matched no row. Alone (committed
-        by itself) unless a ``connection`` is given."""
+        by itself, asynchronously: progress and checkpoints) unless a ``connection`` is
+        given."""
         return self.transaction(
             self.engine(fast=True, single=True), lambda conn: conn.execute(stmt, params).rowcount == 1, connection=connection
         )

@@ -207,7 +207,8 @@ class WorkerState:
             return children
 
         alone = not (staged.effects or children_rows or attempt.run_id)  # SQLite: nothing to batch
-        children = self.store.transaction(self.store.engine(fast=True, single=alone), work)
+        # Durable: once this commits, wait() and the API may report the success.
+        children = self.store.transaction(self.store.engine(single=alone), work)
         self.producer.publish_wakeups(children)
         return result
 
@@ -216,14 +217,14 @@ class WorkerState:
             attempt.fenced(self.store, conn, q.fail_job(), new_error=error)
             self.store.log_events(conn, [(attempt, Event.FAILED, error)])
 
-        self.store.transaction(self.store.fast, work)
+        self.store.transaction(self.store.durable, work)
 
     def _retry(self, attempt: Attempt, delay: float) -> None:
         def work(conn):
             attempt.fenced(self.store, conn, q.retry_job(), delay=delay)
             self.store.log_events(conn, [(attempt, Event.RETRIED, f"in {delay:.1f}s")])
 
-        self.store.transaction(self.store.fast, work)
+        self.store.transaction(self.store.durable, work)
 
     def _hand_off(self, attempt: Attempt) -> None:
         """Warm shutdown: back to pending at once, attempt not spent, wakeup sent."""
@@ -236,6 +237,6 @@ class WorkerState:
             self.store.log_events(conn, [(attempt, Event.REQUEUED, "shutdown handoff")])
             return dict(row)
 
-        row = self.store.transaction(self.store.fast, work)
+        row = self.store.transaction(self.store.durable, work)
         log.info("celery-lease: job %s: handed off on shutdown", attempt.job_id)
         self.producer.publish_wakeups([row])
