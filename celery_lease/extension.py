@@ -27,7 +27,7 @@ from celery_lease.beat import entries
 from celery_lease.beat.maintenance import Maintenance
 from celery_lease.beat.periodic import BeatJobs, Periodic
 from celery_lease.db import migrate
-from celery_lease.db.engine import Database, resolve_database_url
+from celery_lease.db.engine import Database, Timeouts, resolve_database_url
 from celery_lease.db.store import Store
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind, Registry
@@ -68,7 +68,14 @@ class CeleryLease:
         self._worker: WorkerState | None = None
         self._worker_pid = 0
         app.lease = self  # found by the CLI plugin: `celery -A proj lease ...`
-        signals.connect(app, self, ping=lambda: self.store.ping(), recover=self.recover, worker_state=lambda: self.worker)
+        signals.connect(
+            app,
+            self,
+            ping=lambda: self.store.ping(),
+            size_pools=lambda concurrency: self.store.size_for_concurrency(concurrency),
+            recover=self.recover,
+            worker_state=lambda: self.worker,
+        )
         entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
         self.beat_jobs = BeatJobs(app, self.registry, lambda: self.producer)
 
@@ -84,7 +91,9 @@ class CeleryLease:
     def store(self) -> Store:
         if self._store is None:
             url, source = resolve_database_url(self._database_url, self.app.conf)
-            self._store = Store(url, source=source, prepare_statements=self.settings.prepare_statements)
+            s = self.settings
+            timeouts = Timeouts(connect=s.connect_timeout, statement=s.statement_timeout, heartbeat=s.heartbeat_timeout)
+            self._store = Store(url, source=source, prepare_statements=s.prepare_statements, timeouts=timeouts)
         return self._store
 
     @property

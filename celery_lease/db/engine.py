@@ -18,6 +18,7 @@ credentials): they surface as DatabaseUnavailable naming the setting.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -73,17 +74,57 @@ def _on_sqlite_begin(conn) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Seconds; 0 means none. PostgreSQL only (SQLite waits on its file lock)."""
+
+    #: establishing a connection
+    connect: float = 10.0
+    #: one statement of the pooled connections (handlers' effects run there too)
+    statement: float = 0.0
+    #: the heartbeat's own connection: statement and lock timeout of a renewal
+    heartbeat: float = 5.0
+
+
+#: Pool size outside a worker (a web app, beat, the CLI); a worker sizes its pools from
+#: its concurrency (Database.size_for_concurrency).
+DEFAULT_POOL_SIZE = 4
+DEFAULT_MAX_OVERFLOW = 8
+#: Every connection: TCP keepalives find a peer that vanished (host down, network cut)
+#: while the connection is idle, tcp_user_timeout while a request is unanswered.
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+TCP_USER_TIMEOUT_MS = 60_000
+
+
 class Database:
     """One job database: its engines, pooled connections and transactions."""
 
-    def __init__(self, url: str, *, source: str = "database_url") -> None:
+    def __init__(self, url: str, *, source: str = "database_url", timeouts: Timeouts | None = None) -> None:
         parsed = self.parse_url(url, source)
         self.url = parsed
         self.source = source
         self.dialect = parsed.get_backend_name()
-        self._engines: dict[tuple[bool, bool], Engine] = {}
+        self.timeouts = timeouts or Timeouts()
+        self._engines: dict[tuple[bool, bool, bool], Engine] = {}
         self._hot = threading.local()  # per thread: a held connection for prepared statements
         self._pid = os.getpid()
+        self._pool_size = DEFAULT_POOL_SIZE
+        self._max_overflow = DEFAULT_MAX_OVERFLOW
+        #: Whether each thread keeps its own connection for prepared statements (a
+        #: worker: threads are bounded by its concurrency). Elsewhere (a web app with
+        #: any number of threads) a connection is taken from the pool per statement, so
+        #: threads never pin more connections than the pool has.
+        self._pin = False
+
+    def size_for_concurrency(self, concurrency: int) -> None:
+        """A worker running ``concurrency`` handlers at once (threads pool: in this
+        process): each may hold a pinned connection for its claim and a pooled one for
+        its success transaction, besides the completer and maintenance. Replaces the
+        engines made so far (e.g. by the startup ping)."""
+        self._pool_size = max(DEFAULT_POOL_SIZE, concurrency + 4)
+        self._max_overflow = max(DEFAULT_MAX_OVERFLOW, concurrency + 8)
+        self._pin = True
+        self.dispose()
 
     @staticmethod
     def parse_url(url: str, source: str = "database_url") -> sa.URL:
@@ -108,17 +149,35 @@ class Database:
     def display_url(self) -> str:
         return self.url.render_as_string(hide_password=True)
 
-    def _create_engine(self, *, fast: bool, single: bool) -> Engine:
+    def _create_engine(self, *, fast: bool, single: bool, heartbeat: bool) -> Engine:
         kwargs: dict[str, Any] = {}
         if self.dialect == "sqlite":
             kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
         else:
-            kwargs["pool_size"] = 4
-            kwargs["max_overflow"] = 8
-            kwargs["connect_args"] = {"connect_timeout": 10, "application_name": "celery-lease"}
+            connect_args: dict[str, Any] = {"application_name": "celery-lease", **KEEPALIVES}
+            options = []
             if fast:
-                kwargs["connect_args"]["options"] = "-c synchronous_commit=off"
-            if single:
+                options.append("-c synchronous_commit=off")
+            if heartbeat:
+                # Its own connection, never shared with handler traffic, so a renewal
+                # never waits for a pool checkout; and it gives up quickly: the worker
+                # then judges its leases by its own clock (Attempt.is_lost).
+                kwargs.update(pool_size=1, max_overflow=0, pool_timeout=max(1.0, self.timeouts.heartbeat))
+                ms = int(self.timeouts.heartbeat * 1000)
+                options += [f"-c statement_timeout={ms}", f"-c lock_timeout={ms}"]
+                connect_args["tcp_user_timeout"] = ms
+                connect_args["connect_timeout"] = max(1, round(self.timeouts.heartbeat))
+            else:
+                kwargs.update(pool_size=self._pool_size, max_overflow=self._max_overflow)
+                if self.timeouts.statement:
+                    options.append(f"-c statement_timeout={int(self.timeouts.statement * 1000)}")
+                connect_args["tcp_user_timeout"] = TCP_USER_TIMEOUT_MS
+                if self.timeouts.connect:
+                    connect_args["connect_timeout"] = max(1, round(self.timeouts.connect))
+            if options:
+                connect_args["options"] = " ".join(options)
+            kwargs["connect_args"] = connect_args
+            if single or heartbeat:
                 # One statement is its own transaction: no BEGIN and COMMIT round trips.
                 kwargs["isolation_level"] = "AUTOCOMMIT"
         try:
@@ -130,8 +189,9 @@ class Database:
             sa.event.listen(engine, "begin", _on_sqlite_begin)
         return engine
 
-    def engine(self, *, fast: bool = False, single: bool = False) -> Engine:
-        """The engine for durable or fast commits, transactional or single-statement.
+    def engine(self, *, fast: bool = False, single: bool = False, heartbeat: bool = False) -> Engine:
+        """The engine for durable or fast commits, transactional or single-statement,
+        or the heartbeat's own (one connection, short timeouts).
 
         SQLite has one engine: one file, no asynchronous commit, no network round trip.
         """
@@ -143,9 +203,9 @@ class Database:
             self._engines.clear()
             self._hot = threading.local()
             self._pid = os.getpid()
-        key = (False, False) if self.dialect == "sqlite" else (fast, single)
+        key = (False, False, False) if self.dialect == "sqlite" else (fast, single, heartbeat)
         if key not in self._engines:
-            self._engines[key] = self._create_engine(fast=key[0], single=key[1])
+            self._engines[key] = self._create_engine(fast=key[0], single=key[1], heartbeat=key[2])
         engine = self._engines[key]
         return engine
 
@@ -204,19 +264,24 @@ class Database:
         engine = self.engine(fast=fast, single=True)
         slot = "fast" if fast else "durable"
         for attempt in range(1, RECONNECT_ATTEMPTS + 1):
-            # Each thread keeps one connection per engine for these statements (the
-            # claiming thread, the completer, a submitting thread): no pool checkout,
-            # reset and checkin per job.
-            raw = getattr(self._hot, slot, None)
+            # In a worker each thread keeps one connection per engine for these
+            # statements (the claiming thread, the completer): no pool checkout, reset
+            # and checkin per job. Elsewhere the pool lends one per statement (the
+            # statement stays prepared on it: raw.info lives with the connection).
+            raw = getattr(self._hot, slot, None) if self._pin else None
             if raw is None:
                 raw = engine.raw_connection()
-                setattr(self._hot, slot, raw)
+                if self._pin:
+                    setattr(self._hot, slot, raw)
             try:
                 columns, rows = stmt.execute(raw.dbapi_connection, raw.info, params)
+                if not self._pin:
+                    raw.close()  # back to the pool
                 return [dict(zip(columns, row)) for row in rows]
             except engine.dialect.loaded_dbapi.Error as exc:
                 dropped = engine.dialect.is_disconnect(exc, raw.dbapi_connection, None)
-                setattr(self._hot, slot, None)
+                if self._pin:
+                    setattr(self._hot, slot, None)
                 if dropped:
                     # As SQLAlchemy does on a disconnect: the pool's other idle
                     # connections likely died with this one (a restarted or

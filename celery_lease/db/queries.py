@@ -332,19 +332,29 @@ def claim_job_logged() -> sa.Select:
     return sa.select(claimed).add_cte(logged)
 
 
-def renew_leases(leases: Iterable[tuple[str, int]]) -> sa.Update:
+def renew_leases(dialect: str, leases: Iterable[tuple[str, int]]) -> sa.Select | sa.Update:
     """renew_leases: one statement for every lease a worker process holds.
 
-    Returns (id, generation) of each lease renewed; a lease missing from it is lost.
+    Returns (id, lease_generation, renewed) of each lease still held; a lease missing
+    from it is lost. On PostgreSQL a row locked by another transaction is skipped, not
+    waited for, and comes back with renewed = false: held (as of the statement's
+    snapshot) but not renewed this round. The lock is typically this process's own
+    success transaction running a slow ``ctx.effect``; waiting for it would hold up the
+    renewal of every other lease of the process until their leases lapsed. (A lock
+    held by a cancel or a reap is seen at the next round, once it committed.)
     """
+    keys = list(leases)
+    held = sa.and_(sa.tuple_(_c.id, _c.lease_generation).in_(keys), _c.status == Status.RUNNING.value)
+    renew = {"lease_expires_at": db_now_plus(_c.lease_seconds), "updated_at": db_now()}
+    if dialect != "postgresql":  # SQLite: no row locks, every held lease is renewed
+        renewed_all = sa.literal(True).label("renewed")
+        return sa.update(jobs).where(held).values(**renew).returning(_c.id, _c.lease_generation, renewed_all)
+    locked = sa.select(_c.id).where(held).with_for_update(skip_locked=True).cte("renewable").prefix_with("MATERIALIZED")
+    renewed = sa.update(jobs).where(_c.id == locked.c.id).values(**renew).returning(_c.id).cte("renewed")
     return (
-        sa.update(jobs)
-        .where(
-            sa.tuple_(_c.id, _c.lease_generation).in_(list(leases)),
-            _c.status == Status.RUNNING.value,
-        )
-        .values(lease_expires_at=db_now_plus(_c.lease_seconds), updated_at=db_now())
-        .returning(_c.id, _c.lease_generation)
+        sa.select(_c.id, _c.lease_generation, renewed.c.id.is_not(None).label("renewed"))
+        .select_from(jobs.outerjoin(renewed, renewed.c.id == _c.id))
+        .where(held)
     )
 
 

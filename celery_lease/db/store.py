@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from celery_lease.db import queries as q
-from celery_lease.db.engine import Database
+from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.prepared import Prepared
 from celery_lease.job import Job
 from celery_lease.status import Event
@@ -29,8 +29,10 @@ def _event_source(job: Any) -> tuple[Any, Any, int]:
 
 
 class Store(Database):
-    def __init__(self, url: str, *, source: str = "database_url", prepare_statements: bool = True) -> None:
-        super().__init__(url, source=source)
+    def __init__(
+        self, url: str, *, source: str = "database_url", prepare_statements: bool = True, timeouts: Timeouts | None = None
+    ) -> None:
+        super().__init__(url, source=source, timeouts=timeouts)
         #: The per-job statements, prepared server-side (PostgreSQL only).
         self._prepared: dict[str, Prepared] | None = None
         if self.dialect == "postgresql" and prepare_statements:
@@ -127,13 +129,15 @@ class Store(Database):
 
         return self.transaction(self.durable, work)
 
-    def renew(self, leases: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
-        """Renew many (job, generation) leases in one statement; return those still held."""
+    def renew(self, leases: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bool]:
+        """Renew many (job, generation) leases in one statement, on the heartbeat's own
+        connection; return those still held, each with whether it was renewed (False:
+        its row was locked by a transaction, see queries.renew_leases)."""
 
         def work(conn):
-            return {(str(r[0]), r[1]) for r in conn.execute(q.renew_leases(leases))}
+            return {(str(r[0]), r[1]): bool(r[2]) for r in conn.execute(q.renew_leases(self.dialect, leases))}
 
-        return self.transaction(self.engine(single=True), work)
+        return self.transaction(self.engine(heartbeat=True), work)
 
     def complete_many(self, params: dict[str, Any], count: int) -> set[str]:
         """complete_jobs for ``count`` attempts; returns the ids that completed."""

@@ -37,6 +37,9 @@ class Heartbeat:
         #: hides the first from lost-lease detection.
         self._attempts: dict[tuple[str, int], Attempt] = {}
         self._lock = threading.Lock()
+        #: One renewal at a time on the heartbeat's single connection (the thread's
+        #: rounds and a handler's ctx.heartbeat()).
+        self._renewing = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
@@ -85,6 +88,12 @@ class Heartbeat:
             delay = self._interval() if ok else self.RETRY_SECONDS
 
     def _renew(self, attempts: list[Attempt]) -> bool:
+        with self._renewing:
+            return self._renew_held(attempts)
+
+    def _renew_held(self, attempts: list[Attempt]) -> bool:
+        # The database set each new expiry after this instant: counting from it, the
+        # attempt's own deadline never falls after the one in the table.
         started = time.monotonic()
         try:
             held = self._store.renew([a.key for a in attempts])
@@ -100,7 +109,10 @@ class Heartbeat:
         self.last_latency = now - started
         for a in attempts:
             if a.key in held:
-                a.renewed_at = now
+                # Held but not renewed: its row was locked (this process's own success
+                # transaction, most likely): not lost, and not waited for.
+                if held[a.key]:
+                    a.renewed_at = started
                 continue
             a.mark_lost()
             with self._lock:

@@ -85,3 +85,18 @@ def poller(ctx: JobContext, payload: dict) -> dict:
     _marker(payload, f"poller-{ctx.job_id}-{ctx.attempt}")
     _poll(ctx, payload.get("seconds", 30) if ctx.attempt == 1 else payload.get("then", 0.5))
     return {"attempt": ctx.attempt, "pid": os.getpid()}
+
+
+@leases.job(kind="slow_effect", max_attempts=3, lease_seconds=int(os.environ.get("CL_TEST_LEASE", "6")))
+def slow_effect(ctx: JobContext, payload: dict) -> dict:
+    """Its success transaction holds the job's row lock for payload["sleep"] seconds
+    (a slow effect), longer than its lease."""
+    _marker(payload, f"slow-{ctx.job_id}-{ctx.attempt}")
+    attempt = ctx.attempt
+
+    def slow(conn):
+        time.sleep(payload.get("sleep", 5))
+        conn.execute(effects.insert().values(job_id=ctx.job_id, attempt=attempt, note="slow"))
+
+    ctx.effect(slow)
+    return {"attempt": attempt}

@@ -266,3 +266,46 @@ def test_successes_and_claims_survive_a_postgresql_crash(crashable_pg, broker, c
         assert row(engine, held.id)["lease_generation"] == generation
     finally:
         engine.dispose()
+
+
+# --- threads pool, own heartbeat connection, renewal around locks (items 2, 3) -------------
+
+
+def effect_rows(db, job_id: str) -> list[int]:
+    from tests.apps.app import effects
+
+    with db.connect() as conn:
+        return [r[0] for r in conn.execute(sa.select(effects.c.attempt).where(effects.c.job_id == job_id))]
+
+
+def test_threads_pool_of_16_keeps_every_lease_while_one_success_holds_its_row_lock(pg, broker, client_app, workers, db):
+    """``--pool threads -c 16`` with 3 s leases: claims, renewals and a slow success
+    transaction share one process. Every lease is kept: the heartbeat has its own
+    connection (it waited 30 s for one of the 12 pooled ones, and every lease was
+    lost), and the renewal skips the row its own process's success transaction has
+    locked instead of waiting on it (7 s, while the other leases lapsed)."""
+    env = {"CL_TEST_LEASE": "3"}
+    mod = client_app(pg, broker, extra_env=env, module=APP)
+    workers(pg, broker, extra_env=env, module=APP, pool="threads", concurrency=16)
+    pollers = mod.poller.submit_many([{"seconds": 9}] * 15)
+    slow = mod.slow_effect.submit({"sleep": 7})
+    jobs_ = [*pollers, slow]
+    reaped: dict = {}
+    reap = eager_reaper(mod.leases, reaped)
+
+    def all_running():
+        reap()
+        return all(row(db, j.id)["status"] == "running" for j in jobs_)
+
+    wait_for(all_running, timeout=60, interval=0.3, what="16 jobs running at once")
+
+    def finished():
+        reap()
+        return all(mod.leases.get(j.id).terminal for j in jobs_)
+
+    wait_for(finished, timeout=90, interval=0.3, what="every job to finish")
+    assert reaped.get("requeued", 0) == 0 and reaped.get("expired", 0) == 0, reaped
+    for job in jobs_:
+        done = mod.leases.get(job.id)
+        assert done.status is Status.SUCCEEDED and done.attempt == 1 and done.lease_losses == 0, done
+    assert effect_rows(db, slow.id) == [1]

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import sqlalchemy as sa
@@ -48,7 +49,6 @@ def test_a_submitting_host_an_hour_fast_moves_no_due_or_wakeup_time(pg, broker, 
     script = textwrap.dedent(
         """
         import json
-import statistics
         from tests.apps.app import echo
         now = echo.submit({"value": "now"})
         later = echo.submit({"value": "later"}, run_after=2)
@@ -142,3 +142,62 @@ def test_mass_backlog_is_worked_off_in_bounded_statements_at_linear_cost(pg, cli
     )
     request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
     print(line)
+
+
+# --- the heartbeat's renewal (item 3) ----------------------------------------------------------
+
+
+def test_renewal_skips_a_row_locked_by_a_success_transaction_without_losing_it(pg, client_app, db, make_job):
+    """A success transaction running a slow effect holds its row lock: the renewal of
+    the process's leases must neither wait for it (it used to, while every other lease
+    lapsed) nor report that lease lost."""
+    from datetime import datetime, timedelta, timezone
+
+    soon = datetime.now(timezone.utc) + timedelta(seconds=3)
+    busy, other = (
+        make_job(pg, status="running", attempt=1, lease_generation=1, lease_owner="w/1/b", lease_expires_at=soon)
+        for _ in range(2)
+    )
+    store = client_app(pg, "memory://").leases.store
+    result: dict = {}
+    with db.connect() as locker:
+        tx = locker.begin()
+        locker.execute(sa.update(jobs).where(jobs.c.id == busy).values(progress={"effect": "running"}))
+        renewal = threading.Thread(target=lambda: result.update(store.renew([(busy, 1), (other, 1), (other, 0)])))
+        renewal.start()
+        renewal.join(30)
+        waited = renewal.is_alive()
+        tx.rollback()  # a renewal that waited on the lock returns now
+        renewal.join(30)
+    assert not waited, "the renewal waited on the row lock"
+    assert result == {(busy, 1): False, (other, 1): True}
+    assert row(db, other)["lease_expires_at"] > soon + timedelta(seconds=20)  # renewed to now + 30 s
+    assert row(db, busy)["lease_expires_at"] == soon  # not renewed this round, not lost either
+
+
+def test_a_web_app_submitting_from_many_threads_does_not_exhaust_the_pool(pg, broker, client_app, db):
+    """Submits from 40 threads at once, in a process that is not a worker: each thread
+    used to pin a pooled connection for its prepared INSERT, and the 13th waited 30 s
+    for one of the 12 and failed. Outside a worker the pool lends one per statement."""
+    mod = client_app(pg, broker)
+    errors: list[BaseException] = []
+    start, done = threading.Barrier(40), threading.Barrier(40)
+
+    def submit_five():
+        # Like a web server's request threads: they live on after a request.
+        start.wait()
+        try:
+            for i in range(5):
+                mod.echo.submit({"value": i})
+        except BaseException as exc:  # reported below, with its type
+            errors.append(exc)
+        done.wait(timeout=90)
+
+    threads = [threading.Thread(target=submit_five) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    with db.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(jobs)).scalar() == 200
