@@ -4,11 +4,19 @@ Every write an attempt makes goes through :meth:`Attempt.write` (or, inside a la
 transaction, :meth:`Attempt.fenced`): a guarded statement matching the job's id,
 ``running`` and this attempt's ``lease_generation``. Zero rows means the lease is lost
 (cancelled, reaped, taken by a newer attempt); :meth:`mark_lost` records that once, and
-the handler sees it as ``ctx.cancelled``. Nothing else decides that a lease is lost.
+the handler sees it as ``ctx.cancelled``.
+
+The attempt also judges its lease by its own monotonic clock: once ``LAPSE_SHARE`` of
+``lease_seconds`` has passed since the last renewal the database confirmed (counted from
+when that renewal was *sent*, so never later than the expiry the database set), the
+lease is lost whatever the heartbeat is doing. A heartbeat stuck on a connection that
+stopped answering cannot keep a handler running while the reaper hands its job to
+another worker: the handler stops at its next check and writes nothing more.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -27,7 +35,13 @@ if TYPE_CHECKING:
 #: Identifies this boot of the worker. Set at import in the worker's main process and
 #: inherited by its pool children, so restart recovery can tell "running under this
 #: node name from an earlier boot" (interrupted) from "running here now".
+log = logging.getLogger("celery_lease.worker")
+
 BOOT_ID = uuid.uuid4().hex[:12]
+
+#: Share of its lease after which an attempt with no confirmed renewal counts as lost:
+#: the margin covers a process paused by the scheduler and the clocks' drift.
+LAPSE_SHARE = 0.8
 
 
 def owner_of(node: str | None) -> str:
@@ -50,12 +64,15 @@ class Attempt:
     checkpoint: Any
     #: Set once the lease is known lost (cancelled, reaped, heartbeat gave up).
     lost: threading.Event = field(default_factory=threading.Event)
-    #: monotonic time of the last claim or renewal that the database confirmed.
+    #: monotonic time at which the last claim or renewal that the database confirmed
+    #: was sent.
     renewed_at: float = field(default_factory=time.monotonic)
 
     @classmethod
-    def from_claim(cls, job_id: str, row: dict[str, Any]) -> Attempt:
+    def from_claim(cls, job_id: str, row: dict[str, Any], *, sent_at: float | None = None) -> Attempt:
+        """``sent_at``: monotonic time at which the claim was sent."""
         return cls(
+            renewed_at=time.monotonic() if sent_at is None else sent_at,
             job_id=job_id,
             generation=row["lease_generation"],
             attempt=row["attempt"],
@@ -78,8 +95,19 @@ class Attempt:
         return {"job_id": self.job_id, "generation": self.generation}
 
     @property
+    def lapses_at(self) -> float:
+        """Monotonic time at which the lease counts as lost without a renewal."""
+        return self.renewed_at + self.lease_seconds * LAPSE_SHARE
+
+    @property
     def is_lost(self) -> bool:
-        return self.lost.is_set()
+        if self.lost.is_set():
+            return True
+        if time.monotonic() >= self.lapses_at:
+            log.warning("celery-lease: job %s: no lease renewal confirmed in time; lease lost", self.job_id)
+            self.lost.set()
+            return True
+        return False
 
     def mark_lost(self) -> None:
         self.lost.set()
@@ -96,7 +124,9 @@ class Attempt:
 
     def fenced(self, store: Store, conn: Connection, stmt, **params: Any) -> None:
         """A fenced statement inside ``conn``'s transaction; raises LeaseLost (so the
-        transaction rolls back whole) when its guard matches no row."""
+        transaction rolls back whole) when the lease is lost, now or before."""
+        if self.is_lost:
+            raise LeaseLost()
         if not store.guarded(stmt, {**self.fence, **params}, connection=conn):
             self.mark_lost()
             raise LeaseLost()

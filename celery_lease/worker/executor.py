@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 import random
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -76,11 +77,12 @@ class WorkerState:
             # sweeper's staleness threshold.
             self.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
             return None
+        sent_at = time.monotonic()
         row = self.store.claim(job_id, owner_of(hostname))
         if row is None:
             log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
             return None
-        attempt = Attempt.from_claim(job_id, row)
+        attempt = Attempt.from_claim(job_id, row, sent_at=sent_at)
         self.heartbeat.add(attempt)
         return attempt
 
@@ -172,6 +174,8 @@ class WorkerState:
 
     def _succeed(self, ctx: JobContext, attempt: Attempt, result: Any) -> Any:
         staged = ctx.staged
+        if attempt.is_lost:  # by its own clock too: write nothing more
+            raise LeaseLost()
         if self.completer is not None and not (staged.effects or staged.children or attempt.run_id):
             self.completer.add(attempt, result, ctx.pending_progress)
             return result
@@ -230,6 +234,8 @@ class WorkerState:
         """Warm shutdown: back to pending at once, attempt not spent, wakeup sent."""
 
         def work(conn):
+            if attempt.is_lost:
+                raise LeaseLost()
             row = conn.execute(q.hand_off_job(), attempt.fence).mappings().first()
             if row is None:
                 attempt.mark_lost()

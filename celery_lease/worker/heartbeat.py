@@ -2,9 +2,11 @@
 
 One daemon thread per process. A round runs every third of the shortest lease held,
 and at once when an attempt with a shorter lease arrives or a cancel notice comes in.
-A renewal that fails on a database error is retried every second; an attempt whose
-lease would expire before a renewal lands is marked lost, so its handler stops writing
-before another attempt can be claimed.
+A renewal that fails on a database error is retried every second. Renewals run on a
+connection of their own with short timeouts; whatever the heartbeat does, an attempt
+whose renewal is not confirmed in time counts as lost by its own clock
+(:attr:`Attempt.is_lost`), so its handler stops writing before another attempt can be
+claimed.
 """
 
 from __future__ import annotations
@@ -26,9 +28,6 @@ log = logging.getLogger("celery_lease.worker")
 
 class Heartbeat:
     RETRY_SECONDS = 1.0
-    #: Past this share of its lease without a confirmed renewal an attempt gives up:
-    #: beyond it the reaper may already have handed the job to another attempt.
-    GIVE_UP_SHARE = 0.8
 
     def __init__(self, store: Store, broker_url: str | None) -> None:
         self._store = store
@@ -69,7 +68,13 @@ class Heartbeat:
         self._wake.set()
 
     def renew_now(self, attempt: Attempt) -> bool:
-        self._renew([attempt])
+        # A round stuck on a connection that stopped answering must not hold the
+        # handler past the moment its lease lapses by its own clock.
+        if self._renewing.acquire(timeout=max(0.0, attempt.lapses_at - time.monotonic())):
+            try:
+                self._renew_held([attempt])
+            finally:
+                self._renewing.release()
         return not attempt.is_lost
 
     def _interval(self) -> float:
@@ -98,12 +103,9 @@ class Heartbeat:
         try:
             held = self._store.renew([a.key for a in attempts])
         except Exception:
+            # Each attempt gives up by its own clock (Attempt.is_lost) once the renewal
+            # it needs is too late; until then, retry.
             log.warning("celery-lease: heartbeat failed; retrying within the lease", exc_info=True)
-            now = time.monotonic()
-            for a in attempts:
-                if now - a.renewed_at > a.lease_seconds * self.GIVE_UP_SHARE:
-                    log.warning("celery-lease: job %s: heartbeat gave up; lease lost", a.job_id)
-                    a.mark_lost()
             return False
         now = time.monotonic()
         self.last_latency = now - started

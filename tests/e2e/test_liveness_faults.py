@@ -309,3 +309,46 @@ def test_threads_pool_of_16_keeps_every_lease_while_one_success_holds_its_row_lo
         done = mod.leases.get(job.id)
         assert done.status is Status.SUCCEEDED and done.attempt == 1 and done.lease_losses == 0, done
     assert effect_rows(db, slow.id) == [1]
+
+
+# --- a database connection that stops answering (item 4) -------------------------------------
+
+
+@pytest.fixture
+def proxy():
+    """A TCP proxy in front of the shared PostgreSQL, that the test may freeze or cut."""
+    from tests.harness.services import PG_ADMIN
+    from tests.harness.tcpproxy import TcpProxy
+
+    url = sa.engine.make_url(PG_ADMIN)
+    p = TcpProxy(url.host or "127.0.0.1", url.port or 5432).start()
+    yield p
+    p.close()
+
+
+def test_a_heartbeat_stuck_on_a_silent_connection_stops_the_handler_by_its_own_clock(pg, broker, client_app, workers, db, proxy):
+    """The worker's connections stop answering (no error, no reply: a hung server or a
+    half-open connection): its heartbeat blocks. The handler must still stop once its
+    lease has lapsed by the worker's own clock, before the reaper may hand the job to
+    another attempt. (It ran on believing it held the lease.)"""
+    env = {"CL_TEST_LEASE": "6"}
+    mod = client_app(pg, broker, extra_env=env, module=APP)
+    w = workers(proxy.url_for(pg), broker, extra_env=env, module=APP, concurrency=1)
+    job = mod.poller.submit({"seconds": 60, "then": 0.5})  # writes nothing: only its clock can tell it
+    claimed = wait_for(lambda: (lambda r: r if r["status"] == "running" else None)(row(db, job.id)), timeout=30)
+    # Once renewed, the heartbeat's connection is open: the next renewal hangs on it.
+    wait_for(lambda: row(db, job.id)["lease_expires_at"] > claimed["lease_expires_at"], timeout=30, what="a renewal")
+    proxy.pause()
+    try:
+        wait_for(
+            lambda: f"job {job.id}: stopped after cancel or lease loss" in w.log(),
+            timeout=20,
+            what="the handler to stop while its connection hangs",
+        )
+        assert f"job {job.id}: no lease renewal confirmed in time; lease lost" in w.log()
+        assert row(db, job.id)["attempt"] == 1  # nobody else has it yet
+        wait_for(lambda: mod.leases.reap()["requeued"] == 1, timeout=20, interval=0.25, what="the reaper")
+    finally:
+        proxy.resume()
+    done = mod.leases.wait(job.id, timeout=60)
+    assert done.status is Status.SUCCEEDED and done.attempt == 2 and done.lease_losses == 1
