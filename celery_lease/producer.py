@@ -114,19 +114,24 @@ class Producer:
         def write(conn: sa.Connection | None) -> tuple[list[Job], list[Job]]:
             if run_id is not None and not store.ensure_run(run_id, connection=conn):
                 raise LeaseError(f"run {run_id} is cancelled; it accepts no new jobs")
-            inserted = store.insert_jobs(rows, keyed=keys is not None, connection=conn)
+            # landed: rows an earlier try of this very write committed before its reply
+            # was lost (with their events: a write commits whole); returned, woken,
+            # not inserted or logged again.
+            landed: list[Job] = []
+            inserted = store.insert_jobs(rows, keyed=keys is not None, connection=conn, landed=landed)
+            store.log_events(conn, [(j, Event.DISPATCHED, None) for j in inserted])
+            ours = {j.id: j for j in [*inserted, *landed]}
             if keys is None:
-                jobs = inserted
+                jobs = [ours[str(r["id"])] for r in rows]
             else:
                 # Conflicting keys inserted nothing: return the jobs that hold them.
-                by_key = {j.idempotency_key: j for j in inserted}
+                by_key = {j.idempotency_key: j for j in ours.values()}
                 missing = [k for k in keys if k not in by_key]
                 if missing:
                     for j in store.get_jobs_by_keys(spec.kind, missing, connection=conn):
                         by_key[j.idempotency_key] = j
                 jobs = [by_key[k] for k in keys]
-            store.log_events(conn, [(j, Event.DISPATCHED, None) for j in inserted])
-            return inserted, jobs
+            return list(ours.values()), jobs
 
         if connection is not None or (run_id is None and keys is None):
             # In the caller's transaction, or a lone INSERT that commits by itself.

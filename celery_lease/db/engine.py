@@ -233,11 +233,22 @@ class Database:
 
     # --- transactions ----------------------------------------------------------------
 
-    def transaction(self, engine: Engine, fn: Callable[[Connection], T], *, connection: Connection | None = None) -> T:
+    def transaction(
+        self,
+        engine: Engine,
+        fn: Callable[[Connection], T],
+        *,
+        connection: Connection | None = None,
+        on_retry: Callable[[], None] | None = None,
+    ) -> T:
         """Run ``fn`` in one transaction and commit; in the caller's ``connection``
         when given (the caller commits). A dropped connection is retried a few times;
         any other database error surfaces as DatabaseUnavailable without the driver's
-        message (which can carry host names or credentials)."""
+        message (which can carry host names or credentials).
+
+        A connection that dropped during COMMIT leaves it unknown whether the work
+        landed: a retried ``fn`` must be idempotent and check what landed; ``on_retry``
+        is called before each retry so the caller knows."""
         if connection is not None:
             return fn(connection)
         for attempt in range(1, RECONNECT_ATTEMPTS + 1):
@@ -247,6 +258,8 @@ class Database:
             except sa_exc.DBAPIError as exc:
                 if exc.connection_invalidated and attempt < RECONNECT_ATTEMPTS:
                     log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
+                    if on_retry is not None:
+                        on_retry()
                     time.sleep(0.05 * attempt)
                     continue
                 if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
@@ -257,10 +270,13 @@ class Database:
                 raise
         raise AssertionError("unreachable")
 
-    def execute_prepared(self, stmt: Prepared, params: dict[str, Any], *, fast: bool = False) -> list[dict[str, Any]]:
+    def execute_prepared(
+        self, stmt: Prepared, params: dict[str, Any], *, fast: bool = False, on_retry: Callable[[], None] | None = None
+    ) -> list[dict[str, Any]]:
         """Run a per-job statement alone (autocommit; asynchronous commit when ``fast``)
         as a server-side prepared statement on a raw driver connection; same retry and
-        error rules as transaction()."""
+        error rules as transaction() (a retried statement may have landed before its
+        reply was lost: ``on_retry`` tells the caller to check)."""
         engine = self.engine(fast=fast, single=True)
         slot = "fast" if fast else "durable"
         for attempt in range(1, RECONNECT_ATTEMPTS + 1):
@@ -292,6 +308,8 @@ class Database:
                     raw.close()
                 if dropped and attempt < RECONNECT_ATTEMPTS:
                     log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
+                    if on_retry is not None:
+                        on_retry()
                     time.sleep(0.05 * attempt)
                     continue
                 if isinstance(exc, (engine.dialect.loaded_dbapi.OperationalError, engine.dialect.loaded_dbapi.InterfaceError)):

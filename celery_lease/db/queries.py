@@ -128,7 +128,9 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
     """insert_jobs: new pending rows; values are bound per row by the caller.
 
     With an idempotency key, a conflicting (kind, key) inserts nothing; the caller
-    then reads the existing job with ``get_jobs_by_keys``.
+    then reads the existing job with ``get_jobs_by_keys``. A row whose id exists
+    inserts nothing either: ids are fresh UUIDs, so that row is this very submit,
+    landed by an earlier try whose reply was lost (``get_jobs_by_ids`` reads it).
     """
     stmt: Any
     if dialect == "postgresql":
@@ -138,9 +140,9 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
     else:  # pragma: no cover - Store refuses other dialects
         raise AssertionError(dialect)
     if on_key_conflict_nothing:
-        stmt = stmt.on_conflict_do_nothing(
-            index_elements=[_c.kind, _c.idempotency_key], index_where=_c.idempotency_key.is_not(None)
-        )
+        stmt = stmt.on_conflict_do_nothing()  # on the key or on the id
+    else:
+        stmt = stmt.on_conflict_do_nothing(index_elements=[_c.id])
     # Every time comes from the database clock: a submitting host whose clock is off
     # must not move a job's due time or hide a lost wakeup (woken_at). A delay
     # (:due_in seconds) is counted from the database's now; an absolute :due_at is the
@@ -157,6 +159,10 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
 
 def get_jobs_by_keys(kind: str, keys: Sequence[str]) -> sa.Select:
     return sa.select(jobs).where(_c.kind == kind, _c.idempotency_key.in_(keys))
+
+
+def get_jobs_by_ids(ids: Sequence[str]) -> sa.Select:
+    return sa.select(jobs).where(_c.id.in_(ids))
 
 
 def mark_not_woken(ids: Sequence[str]) -> sa.Update:
@@ -280,6 +286,10 @@ def lease_health() -> sa.Select:
 # --- the lease life (worker) ---------------------------------------------------------
 
 
+#: The detail of the run event of a job that a claim found in a cancelled run.
+RUN_CANCELLED = "run cancelled"
+
+
 @functools.cache
 def claim_job() -> sa.Update:
     """claim_job: pending -> running for one attempt, atomically.
@@ -287,7 +297,29 @@ def claim_job() -> sa.Update:
     attempt + 1 and lease_generation + 1 in the same statement: the generation
     returned is this attempt's fencing token. A job that is running elsewhere,
     terminal, or not due yet matches nothing: the delivery is a duplicate.
+
+    A job whose run is cancelled never starts: the same statement makes it
+    ``cancelled`` instead (the returned ``status`` says which). Such a job can exist:
+    a child committed with its parent's success, or a ``submit(run_id=R,
+    connection=...)`` committed after ``cancel_run(R)`` looked at the run's jobs. The
+    run's row is read FOR SHARE, so a claim racing a ``cancel_run`` that has marked
+    the run but not yet committed waits for it and sees the run cancelled; a
+    ``cancel_run`` that comes after the claim waits for the claim and then revokes it.
     """
+    run = (
+        sa.select(runs.c.cancelled_at.is_not(None).label("cancelled"))
+        .select_from(runs.join(jobs, runs.c.id == _c.run_id))
+        .where(_c.id == sa.bindparam("job_id"))
+        .with_for_update(read=True, of=runs)
+        .cte("run")
+        .prefix_with("MATERIALIZED")
+    )
+    # Read only while building the new row, so no job row is locked while it waits.
+    cancelled = sa.func.coalesce(sa.select(run.c.cancelled).scalar_subquery(), sa.false())
+
+    def unless_cancelled(value, otherwise):
+        return sa.case((cancelled, otherwise), else_=value)
+
     return (
         sa.update(jobs)
         .where(
@@ -296,15 +328,33 @@ def claim_job() -> sa.Update:
             sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
         )
         .values(
-            status=Status.RUNNING.value,
-            attempt=_c.attempt + 1,
+            status=unless_cancelled(sa.literal(Status.RUNNING.value), sa.literal(Status.CANCELLED.value)),
+            attempt=unless_cancelled(_c.attempt + 1, _c.attempt),
             lease_generation=_c.lease_generation + 1,
-            lease_owner=sa.bindparam("owner"),
-            lease_expires_at=db_now_plus(_c.lease_seconds),
-            started_at=sa.func.coalesce(_c.started_at, db_now()),
+            lease_owner=unless_cancelled(sa.bindparam("owner", type_=_c.lease_owner.type), sa.null()),
+            lease_expires_at=unless_cancelled(db_now_plus(_c.lease_seconds), sa.null()),
+            started_at=unless_cancelled(sa.func.coalesce(_c.started_at, db_now()), _c.started_at),
+            finished_at=unless_cancelled(_c.finished_at, db_now()),
             updated_at=db_now(),
         )
-        .returning(*CLAIMED_COLUMNS)
+        .returning(*CLAIMED_COLUMNS, _c.status)
+    )
+
+
+@functools.cache
+def adopt_claim() -> sa.Update:
+    """adopt_claim: a claim retried after its reply was lost found the job running
+    under this very owner: the lost claim had landed. Takes that attempt (its attempt
+    number and generation) and restarts its lease from now, as the claim would have.
+
+    The caller checks that no other attempt of this job lives in its process (the
+    owner is one process): then the running row can only be that claim's.
+    """
+    return (
+        sa.update(jobs)
+        .where(_c.id == sa.bindparam("job_id"), _c.status == Status.RUNNING.value, _c.lease_owner == sa.bindparam("owner"))
+        .values(lease_expires_at=db_now_plus(_c.lease_seconds), updated_at=db_now())
+        .returning(*CLAIMED_COLUMNS, _c.status)
     )
 
 
@@ -321,9 +371,15 @@ def claim_job_logged() -> sa.Select:
             sa.select(
                 claimed.c.run_id,
                 claimed.c.id,
-                sa.literal(Event.CLAIMED.value),
+                sa.case(
+                    (claimed.c.status == Status.CANCELLED.value, sa.literal(Event.CANCELLED.value)),
+                    else_=sa.literal(Event.CLAIMED.value),
+                ),
                 claimed.c.attempt,
-                sa.bindparam("owner", type_=sa.Text),
+                sa.case(
+                    (claimed.c.status == Status.CANCELLED.value, sa.literal(RUN_CANCELLED)),
+                    else_=sa.bindparam("owner", type_=sa.Text),
+                ),
                 db_now(),
             ).where(claimed.c.run_id.is_not(None)),
         )
@@ -423,6 +479,12 @@ def complete_jobs(count: int) -> sa.Update:
         )
         .returning(_c.id)
     )
+
+
+def landed_successes(leases: Iterable[tuple[str, int]]) -> sa.Select:
+    """Which of these (job, generation) attempts are recorded as succeeded (a write
+    retried after its reply was lost checks what had landed)."""
+    return sa.select(_c.id).where(sa.tuple_(_c.id, _c.lease_generation).in_(list(leases)), _c.status == Status.SUCCEEDED.value)
 
 
 @functools.cache

@@ -8,7 +8,7 @@ events are built here, in :meth:`Store.log_events`, and nowhere else.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -17,7 +17,7 @@ from celery_lease.db import queries as q
 from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.prepared import Prepared
 from celery_lease.job import Job
-from celery_lease.status import Event
+from celery_lease.status import Event, Status
 
 log = logging.getLogger("celery_lease")
 
@@ -43,21 +43,43 @@ class Store(Database):
 
     # --- producer --------------------------------------------------------------------
 
-    def insert_jobs(self, rows: list[dict[str, Any]], *, keyed: bool, connection=None) -> list[Job]:
+    def insert_jobs(
+        self, rows: list[dict[str, Any]], *, keyed: bool, connection=None, landed: list[Job] | None = None
+    ) -> list[Job]:
+        """Insert new jobs; returns those this call inserted. A row whose id already
+        exists was inserted by an earlier try of this same submit whose reply was lost
+        (a retry after a dropped connection): it is read back, not inserted again nor
+        reported as a conflict, and appended to ``landed``."""
         if self._prepared is not None and len(rows) == 1 and not keyed and connection is None:
             # A plain single submit: one prepared INSERT, committed durably.
-            return [Job.from_row(r) for r in self.execute_prepared(self._prepared["insert"], rows[0], fast=False)]
-        stmt = q.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
+            inserted = [Job.from_row(r) for r in self.execute_prepared(self._prepared["insert"], rows[0])]
+        else:
+            stmt = q.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
 
-        def work(conn: Connection) -> list[Job]:
-            if len(rows) == 1:
-                result = conn.execute(stmt, rows[0])
-            else:
-                result = conn.execute(stmt, rows)
-            return [Job.from_row(r) for r in result.mappings()]
+            def work(conn: Connection) -> list[Job]:
+                if len(rows) == 1:
+                    result = conn.execute(stmt, rows[0])
+                else:
+                    result = conn.execute(stmt, rows)
+                return [Job.from_row(r) for r in result.mappings()]
 
-        # The INSERT is one statement: outside a caller's transaction it commits alone.
-        return self.transaction(self.engine(single=True), work, connection=connection)
+            # The INSERT is one statement: outside a caller's transaction it commits alone.
+            inserted = self.transaction(self.engine(single=True), work, connection=connection)
+        if len(inserted) < len(rows):
+            new = {j.id for j in inserted}
+            missing = [str(r["id"]) for r in rows if str(r["id"]) not in new]
+            found = self.get_jobs_by_ids(missing, connection=connection)
+            if found:
+                log.warning("celery-lease: %d job(s) had landed before a lost reply; not inserted again", len(found))
+                if landed is not None:
+                    landed.extend(found)
+        return inserted
+
+    def get_jobs_by_ids(self, ids: Sequence[str], *, connection=None) -> list[Job]:
+        def work(conn):
+            return [Job.from_row(r) for r in conn.execute(q.get_jobs_by_ids(ids)).mappings()]
+
+        return self.transaction(self.durable, work, connection=connection)
 
     def get_jobs_by_keys(self, kind: str, keys: Sequence[str], *, connection=None) -> list[Job]:
         def work(conn):
@@ -107,27 +129,52 @@ class Store(Database):
 
     # --- lease life ------------------------------------------------------------------
 
-    def claim(self, job_id: str, owner: str) -> dict[str, Any] | None:
-        """Claim a job for one attempt; None when the delivery is a duplicate."""
+    def claim(self, job_id: str, owner: str, *, may_adopt: Callable[[int], bool] | None = None) -> dict[str, Any] | None:
+        """Claim a job for one attempt; None when the delivery is a duplicate. A row
+        whose ``status`` is ``cancelled`` is a job the claim found in a cancelled run
+        (and cancelled): it must not start.
 
+        A claim retried after a dropped connection may have landed before its reply was
+        lost; then the retry matches nothing (the job is running) and the job is
+        adopted if it runs under this ``owner`` and ``may_adopt(its generation)`` (no
+        other attempt of it lives in this process; see queries.adopt_claim), instead of
+        being left running with no body until its lease expires.
+        """
         params = {"job_id": job_id, "owner": owner}
+        retried: list[bool] = []
+
+        def note_retry() -> None:
+            retried.append(True)
+
+        row: Any
         if self._prepared is not None:
-            rows = self.execute_prepared(self._prepared["claim"], params)
-            return rows[0] if rows else None
-        if self.dialect == "postgresql":
+            rows = self.execute_prepared(self._prepared["claim"], params, on_retry=note_retry)
+            row = rows[0] if rows else None
+        elif self.dialect == "postgresql":
             row = self.transaction(
-                self.engine(single=True), lambda conn: conn.execute(q.claim_job_logged(), params).mappings().first()
+                self.engine(single=True),
+                lambda conn: conn.execute(q.claim_job_logged(), params).mappings().first(),
+                on_retry=note_retry,
             )
-            return None if row is None else dict(row)
+        else:
 
-        def work(conn):
-            row = conn.execute(q.claim_job(), params).mappings().first()
-            if row is None:
-                return None
-            self.log_events(conn, [({**row, "id": job_id}, Event.CLAIMED, owner)])
-            return dict(row)
+            def work(conn):
+                claimed = conn.execute(q.claim_job(), params).mappings().first()
+                if claimed is not None:
+                    run_cancelled = claimed["status"] == Status.CANCELLED.value
+                    event, detail = (Event.CANCELLED, q.RUN_CANCELLED) if run_cancelled else (Event.CLAIMED, owner)
+                    self.log_events(conn, [({**claimed, "id": job_id}, event, detail)])
+                return claimed
 
-        return self.transaction(self.durable, work)
+            row = self.transaction(self.durable, work, on_retry=note_retry)
+        if row is None and retried and may_adopt is not None:
+            adopt = q.adopt_claim()
+            row = self.transaction(self.engine(single=True), lambda conn: conn.execute(adopt, params).mappings().first())
+            if row is not None and not may_adopt(row["lease_generation"]):
+                row = None  # an attempt of this process holds it: a duplicate after all
+            if row is not None:
+                log.warning("celery-lease: job %s: its claim had landed before the reply was lost; adopted", job_id)
+        return None if row is None else dict(row)
 
     def renew(self, leases: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bool]:
         """Renew many (job, generation) leases in one statement, on the heartbeat's own
@@ -140,14 +187,33 @@ class Store(Database):
         return self.transaction(self.engine(heartbeat=True), work)
 
     def complete_many(self, params: dict[str, Any], count: int) -> set[str]:
-        """complete_jobs for ``count`` attempts; returns the ids that completed."""
+        """complete_jobs for ``count`` attempts; returns the ids that completed. After a
+        retry (a dropped connection) those that had landed before the reply was lost
+        count as completed too."""
+        retried: list[bool] = []
         if self._prepared is not None:
             key = f"complete_{count}"
             stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(q.complete_jobs(count)))
-            return {str(r["id"]) for r in self.execute_prepared(stmt, params)}
-        return self.transaction(
-            self.engine(single=True), lambda conn: {str(r[0]) for r in conn.execute(q.complete_jobs(count), params)}
-        )
+            done = {str(r["id"]) for r in self.execute_prepared(stmt, params, on_retry=lambda: retried.append(True))}
+        else:
+            done = self.transaction(
+                self.engine(single=True),
+                lambda conn: {str(r[0]) for r in conn.execute(q.complete_jobs(count), params)},
+                on_retry=lambda: retried.append(True),
+            )
+        if retried and len(done) < count:
+            keys = [(str(params[f"job_id_{i}"]), params[f"generation_{i}"]) for i in range(count)]
+            done |= self.landed_successes([k for k in keys if k[0] not in done])
+        return done
+
+    def landed_successes(self, leases: Sequence[tuple[str, int]]) -> set[str]:
+        """Of these (job, generation) attempts, the ids recorded as succeeded under that
+        generation: only that attempt can have written it (a success keeps the
+        generation; every other transition bumps it)."""
+        if not leases:
+            return set()
+        stmt = q.landed_successes(leases)
+        return self.transaction(self.durable, lambda conn: {str(r[0]) for r in conn.execute(stmt)})
 
     def guarded(self, stmt, params: dict[str, Any], *, connection: Connection | None = None) -> bool:
         """Run one guarded write; False when its guard matched no row. Alone (committed

@@ -67,6 +67,8 @@ class Attempt:
     #: monotonic time at which the last claim or renewal that the database confirmed
     #: was sent.
     renewed_at: float = field(default_factory=time.monotonic)
+    #: Its success is queued in the Completer, not written yet.
+    pending_write: bool = False
 
     @classmethod
     def from_claim(cls, job_id: str, row: dict[str, Any], *, sent_at: float | None = None) -> Attempt:

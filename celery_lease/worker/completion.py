@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -32,8 +33,10 @@ class Completer:
     LINGER = 0.002
     MAX_BATCH = 64
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, on_written: Callable[[Attempt], None] | None = None) -> None:
         self._store = store
+        #: Called for each attempt once its success is written (or given up on).
+        self._on_written = on_written
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._pid = 0
@@ -84,12 +87,18 @@ class Completer:
                 }
             )
         try:
-            done = self._store.complete_many(params, len(batch))
-        except Exception:
-            # Left running under their leases: the reaper requeues them.
-            log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
-            return
-        for attempt, _, _ in batch:
-            if attempt.job_id not in done:
-                attempt.mark_lost()
-                log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
+            try:
+                done = self._store.complete_many(params, len(batch))
+            except Exception:
+                # Left running under their leases: the reaper requeues them.
+                log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
+                return
+            for attempt, _, _ in batch:
+                if attempt.job_id not in done:
+                    attempt.mark_lost()
+                    log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
+        finally:
+            for attempt, _, _ in batch:
+                attempt.pending_write = False
+                if self._on_written is not None:
+                    self._on_written(attempt)

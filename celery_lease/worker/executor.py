@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from celery.exceptions import Retry
 from celery_lease.db import queries as q
 from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSuspended, LeaseLost
 from celery_lease.payload import cap_error
-from celery_lease.status import Event
+from celery_lease.status import Event, Status
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import Attempt, owner_of
 from celery_lease.worker.completion import Completer
@@ -65,7 +66,21 @@ class WorkerState:
         self.settings = settings
         self.heartbeat = Heartbeat(store, broker_url)
         #: Batches plain successes on PostgreSQL, where each statement is a round trip.
-        self.completer = Completer(store) if store.dialect == "postgresql" else None
+        self.completer = Completer(store, on_written=self._release) if store.dialect == "postgresql" else None
+        #: What a claim whose reply was lost needs to know before it adopts a job found
+        #: running under this process (Store.claim): claims in progress here per job,
+        #: and the attempts that live here until their outcome is written.
+        self._claiming: dict[str, int] = {}
+        self._live: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+
+    def _release(self, attempt: Attempt) -> None:
+        with self._lock:
+            self._live.discard(attempt.key)
+
+    def _may_adopt(self, job_id: str, generation: int) -> bool:
+        with self._lock:
+            return self._claiming.get(job_id) == 1 and (job_id, generation) not in self._live
 
     # --- task_prerun / task_postrun ------------------------------------------------
 
@@ -77,10 +92,24 @@ class WorkerState:
             # sweeper's staleness threshold.
             self.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
             return None
+        with self._lock:
+            self._claiming[job_id] = self._claiming.get(job_id, 0) + 1
         sent_at = time.monotonic()
-        row = self.store.claim(job_id, owner_of(hostname))
-        if row is None:
-            log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
+        try:
+            row = self.store.claim(job_id, owner_of(hostname), may_adopt=lambda generation: self._may_adopt(job_id, generation))
+            if row is not None and row["status"] == Status.RUNNING.value:
+                with self._lock:
+                    self._live.add((job_id, row["lease_generation"]))
+        finally:
+            with self._lock:
+                self._claiming[job_id] -= 1
+                if not self._claiming[job_id]:
+                    del self._claiming[job_id]
+        if row is None or row["status"] == Status.CANCELLED.value:
+            if row is None:
+                log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
+            else:
+                log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", job_id)
             return None
         attempt = Attempt.from_claim(job_id, row, sent_at=sent_at)
         self.heartbeat.add(attempt)
@@ -89,6 +118,8 @@ class WorkerState:
     def end(self, attempt: Attempt | None) -> None:
         if attempt is not None:
             self.heartbeat.remove(attempt)
+            if not attempt.pending_write:  # else the completer releases it once written
+                self._release(attempt)
 
     def flush(self) -> None:
         if self.completer is not None:
@@ -177,6 +208,7 @@ class WorkerState:
         if attempt.is_lost:  # by its own clock too: write nothing more
             raise LeaseLost()
         if self.completer is not None and not (staged.effects or staged.children or attempt.run_id):
+            attempt.pending_write = True
             self.completer.add(attempt, result, ctx.pending_progress)
             return result
         children_rows = [self.producer.job_row(child, payload, options) for child, payload, options in staged.children]
@@ -211,8 +243,17 @@ class WorkerState:
             return children
 
         alone = not (staged.effects or children_rows or attempt.run_id)  # SQLite: nothing to batch
-        # Durable: once this commits, wait() and the API may report the success.
-        children = self.store.transaction(self.store.engine(single=alone), work)
+        retried: list[bool] = []
+        try:
+            # Durable: once this commits, wait() and the API may report the success.
+            children = self.store.transaction(self.store.engine(single=alone), work, on_retry=lambda: retried.append(True))
+        except LeaseLost:
+            # Retried after a dropped connection: the first try may have committed
+            # before its reply was lost (its children are then woken by the sweeper).
+            if retried and self.store.landed_successes([attempt.key]):
+                log.warning("celery-lease: job %s: success had landed before the reply was lost", attempt.job_id)
+                return result
+            raise
         self.producer.publish_wakeups(children)
         return result
 

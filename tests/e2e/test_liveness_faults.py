@@ -352,3 +352,49 @@ def test_a_heartbeat_stuck_on_a_silent_connection_stops_the_handler_by_its_own_c
         proxy.resume()
     done = mod.leases.wait(job.id, timeout=60)
     assert done.status is Status.SUCCEEDED and done.attempt == 2 and done.lease_losses == 1
+
+
+# --- lost replies (item 7) ---------------------------------------------------------------------
+
+
+def test_a_claim_whose_reply_was_lost_runs_the_job_once(pg, broker, client_app, workers, db, proxy, tmp_path):
+    """The claim commits, then the worker's connection drops before the reply. The
+    retried claim finds the job running under this very worker process and takes that
+    attempt. (It took it for a duplicate delivery: the job stayed running with no body
+    until its lease expired, and an attempt was spent.)"""
+    mod = client_app(pg, broker, module=APP)
+    job = mod.echo.submit({"value": "claim", "marker_dir": str(tmp_path)})
+    proxy.cut_reply_to(job.id.encode())  # the first statement naming the job: its claim
+    w = workers(proxy.url_for(pg), broker, module=APP)
+    done = mod.leases.wait(job.id, timeout=60)
+    assert proxy.cuts == 1
+    assert done.status is Status.SUCCEEDED and done.attempt == 1 and done.lease_losses == 0
+    assert done.result == {"echo": "claim", "attempt": 1}
+    assert f"job {job.id}: its claim had landed before the reply was lost; adopted" in w.log()
+    assert len((tmp_path / f"echo-{job.id}").read_text().split()) == 1  # the body ran once
+
+
+# --- cancel_run racing new jobs (item 10) -------------------------------------------------------
+
+
+def test_a_job_committed_into_a_run_after_cancel_run_never_starts(pg, broker, client_app, workers, db, tmp_path):
+    """submit(run_id=R, connection=...) is still uncommitted while cancel_run(R) runs;
+    then it commits and its wakeup goes out. The job must end cancelled without its
+    body ever running. (It ran: the run was cancelled, this job was pending.)"""
+    mod = client_app(pg, broker, module=APP)
+    workers(pg, broker, module=APP)
+    run_id = str(uuid.uuid4())
+    first = mod.echo.submit({"value": "first"}, run_id=run_id)
+    assert mod.leases.wait(first.id, timeout=30).status is Status.SUCCEEDED
+    engine = sa.create_engine(pg)
+    try:
+        with engine.connect() as conn:
+            tx = conn.begin()
+            late = mod.echo.submit({"value": "late", "marker_dir": str(tmp_path)}, run_id=run_id, connection=conn)
+            assert mod.leases.cancel_run(run_id) == 0  # it cannot see the uncommitted job
+            tx.commit()  # publishes the wakeup
+    finally:
+        engine.dispose()
+    done = mod.leases.wait(late.id, timeout=30)
+    assert done.status is Status.CANCELLED and done.attempt == 0 and done.started_at is None
+    assert not (tmp_path / f"echo-{late.id}").exists()

@@ -201,3 +201,82 @@ def test_a_web_app_submitting_from_many_threads_does_not_exhaust_the_pool(pg, br
     assert errors == []
     with db.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(jobs)).scalar() == 200
+
+
+# --- lost replies (item 7) ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def proxy():
+    from tests.harness.services import PG_ADMIN
+    from tests.harness.tcpproxy import TcpProxy
+
+    url = sa.engine.make_url(PG_ADMIN)
+    p = TcpProxy(url.host or "127.0.0.1", url.port or 5432).start()
+    yield p
+    p.close()
+
+
+def _jobs_with_payload(db, value: str) -> list[str]:
+    with db.connect() as conn:
+        return [str(r[0]) for r in conn.execute(sa.select(jobs.c.id).where(jobs.c.payload["value"].as_string() == value))]
+
+
+@pytest.mark.parametrize("how", ["single", "keyed", "run"])
+def test_a_submit_whose_reply_was_lost_is_retried_without_duplicate_or_error(pg, broker, client_app, db, proxy, how):
+    """The INSERT (or the COMMIT of a run's submit) reaches PostgreSQL and commits, then
+    the connection drops before the reply: the retry must find what landed. (It raised
+    a raw UniqueViolation for a job that existed, and callers retried and duplicated.)"""
+    import uuid
+
+    mod = client_app(proxy.url_for(pg), broker)
+    marker = f"lost-reply-{uuid.uuid4().hex}"
+    options: dict = {}
+    if how == "keyed":
+        options["idempotency_key"] = marker
+    if how == "run":
+        options["run_id"] = str(uuid.uuid4())
+        proxy.cut_reply_to(b"COMMIT")  # the run, the row and its event commit together
+    else:
+        proxy.cut_reply_to(marker.encode())
+    job = mod.echo.submit({"value": marker}, **options)
+    assert proxy.cuts == 1  # the reply really was lost
+    assert _jobs_with_payload(db, marker) == [job.id]
+    assert mod.leases.get(job.id).status.value == "pending"
+    if how == "run":
+        events = mod.leases.run_events(options["run_id"])
+        assert [e["event"] for e in events] == ["dispatched"]  # logged once, by the try that landed
+
+
+# --- cancel_run racing new jobs (item 10) -------------------------------------------------------
+
+
+def test_a_claim_racing_an_uncommitted_cancel_run_waits_and_cancels_the_job(pg, broker, client_app, db):
+    """cancel_run(R) has marked the run cancelled but not committed yet, and missed a
+    job of R (committed after it looked, e.g. a child of a parent's success): a claim
+    of that job waits for the cancel and then cancels the job instead of starting it.
+    (It started it: the run's jobs were all cancelled, but this one ran.)"""
+    import uuid
+
+    from celery_lease.db import queries as q
+
+    mod = client_app(pg, broker)
+    run_id = str(uuid.uuid4())
+    job = mod.echo.submit({"value": 1}, run_id=run_id)
+    store = mod.leases.store
+    result: dict = {}
+    with db.connect() as canceller:
+        tx = canceller.begin()
+        canceller.execute(q.cancel_run(), {"run_id": run_id})  # what cancel_run does first
+        claim = threading.Thread(target=lambda: result.update(row=store.claim(job.id, "w@host/1/boot")))
+        claim.start()
+        claim.join(2)
+        waited = claim.is_alive()
+        tx.commit()
+        claim.join(30)
+    assert waited, "the claim did not wait for the cancel in progress"
+    assert result["row"]["status"] == "cancelled"
+    after = row(db, job.id)
+    assert (after["status"], after["attempt"], after["lease_owner"]) == ("cancelled", 0, None)
+    assert after["finished_at"] is not None and after["started_at"] is None
+    assert [(e["event"], e["detail"]) for e in mod.leases.run_events(run_id)][-1] == ("cancelled", "run cancelled")
