@@ -128,12 +128,19 @@ class CeleryLease:
         retry_backoff_max: float = 300.0,
         queue: str | None = None,
         name: str | None = None,
+        timeout: float | None = None,
     ) -> Callable[[Callable], LeaseTask]:
-        """Register ``fn(ctx, payload)`` as the handler of jobs of ``kind``."""
+        """Register ``fn(ctx, payload)`` as the handler of jobs of ``kind``.
+
+        ``timeout``: seconds an attempt may run; then its lease is given up and the job
+        retried (an attempt spent, as for an error), and the handler is stopped at its
+        next ``raise_if_cancelled()`` with anything it writes afterwards discarded."""
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if lease_seconds < 1:
             raise ValueError("lease_seconds must be at least 1")
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise ValueError("timeout must be a positive number of seconds")
 
         def decorate(fn: Callable) -> LeaseTask:
             task_name = name or self.app.gen_task_name(fn.__name__, fn.__module__)
@@ -147,6 +154,7 @@ class CeleryLease:
                 retry_backoff=retry_backoff,
                 retry_backoff_max=retry_backoff_max,
                 queue=queue,
+                timeout=None if timeout is None else float(timeout),
             )
             self.registry.add(spec)
             task = self.app.task(

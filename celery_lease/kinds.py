@@ -27,6 +27,8 @@ class JobKind:
     retry_backoff_max: float
     #: The queue its wakeups go to (None: Celery's routing decides).
     queue: str | None
+    #: Seconds an attempt may run before it is stopped and retried (None: no limit).
+    timeout: float | None = None
 
 
 class Registry:

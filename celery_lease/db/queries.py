@@ -165,6 +165,11 @@ def get_jobs_by_ids(ids: Sequence[str]) -> sa.Select:
     return sa.select(jobs).where(_c.id.in_(ids))
 
 
+def pending_wakeups(ids: Sequence[str]) -> sa.Select:
+    """What publishing a wakeup needs (the job's own task and queue), for pending jobs."""
+    return sa.select(*WAKEUP_COLUMNS).where(_c.id.in_(ids), _c.status == Status.PENDING.value)
+
+
 def mark_not_woken(ids: Sequence[str]) -> sa.Update:
     """mark_not_woken: a wakeup could not be published; the sweeper sends it next tick."""
     return sa.update(jobs).where(_c.id.in_(ids), _c.status == Status.PENDING.value).values(woken_at=None)

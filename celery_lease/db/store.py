@@ -75,6 +75,9 @@ class Store(Database):
                     landed.extend(found)
         return inserted
 
+    def pending_wakeups(self, ids: Sequence[str]) -> list[dict]:
+        return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(q.pending_wakeups(ids)).mappings()])
+
     def get_jobs_by_ids(self, ids: Sequence[str], *, connection=None) -> list[Job]:
         def work(conn):
             return [Job.from_row(r) for r in conn.execute(q.get_jobs_by_ids(ids)).mappings()]

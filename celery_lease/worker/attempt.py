@@ -22,10 +22,11 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery_lease.errors import LeaseLost
+from celery_lease.errors import DatabaseUnavailable, LeaseLost
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("celery_lease.worker")
 
 BOOT_ID = uuid.uuid4().hex[:12]
+
+#: Seconds between tries of a write while the database is unreachable (the last repeats).
+BLIP_WAITS = (0.1, 0.25, 0.5, 1.0)
+
+T = TypeVar("T")
 
 #: Share of its lease after which an attempt with no confirmed renewal counts as lost:
 #: the margin covers a process paused by the scheduler and the clocks' drift.
@@ -69,6 +75,9 @@ class Attempt:
     renewed_at: float = field(default_factory=time.monotonic)
     #: Its success is queued in the Completer, not written yet.
     pending_write: bool = False
+    #: Monotonic time after which the attempt is stopped and retried (kind's timeout).
+    deadline: float | None = None
+    kind: str = ""
 
     @classmethod
     def from_claim(cls, job_id: str, row: dict[str, Any], *, sent_at: float | None = None) -> Attempt:
@@ -85,6 +94,7 @@ class Attempt:
             tenant=row["tenant"],
             payload=row["payload"],
             checkpoint=row["checkpoint"],
+            kind=row.get("kind", ""),
         )
 
     @property
@@ -114,13 +124,34 @@ class Attempt:
     def mark_lost(self) -> None:
         self.lost.set()
 
+    def ride_out(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:
+        """Run ``write`` (one of this attempt's writes); while the database is
+        unreachable, try again until the lease lapses by this attempt's own clock, then
+        raise LeaseLost. A short database blip (a restart, a failover) then costs a
+        pause, not the attempt: the handler's checkpoint or outcome lands once the
+        database is back. ``on_retry`` is told of each new try (the last may have
+        landed before its reply was lost)."""
+        waits = iter(BLIP_WAITS)
+        while True:
+            if self.is_lost:
+                raise LeaseLost()
+            try:
+                return write()
+            except DatabaseUnavailable:
+                wait = next(waits, BLIP_WAITS[-1])
+                log.warning("celery-lease: job %s: database unavailable; trying again within the lease", self.job_id)
+                if on_retry is not None:
+                    on_retry()
+                time.sleep(max(0.0, min(wait, self.lapses_at - time.monotonic())))
+
     def write(self, store: Store, stmt, **params: Any) -> bool:
         """One fenced statement committed alone; False (writing nothing) when the lease
-        is lost, now or before."""
-        if self.is_lost:
+        is lost, now or before, or lapses while the database is unreachable."""
+        try:
+            if self.ride_out(lambda: store.guarded(stmt, {**self.fence, **params})):
+                return True
+        except LeaseLost:
             return False
-        if store.guarded(stmt, {**self.fence, **params}):
-            return True
         self.mark_lost()
         return False
 

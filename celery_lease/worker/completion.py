@@ -19,6 +19,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from celery_lease.errors import DatabaseUnavailable
+from celery_lease.worker.attempt import BLIP_WAITS
+
 if TYPE_CHECKING:
     from celery_lease.db.store import Store
     from celery_lease.worker.attempt import Attempt
@@ -76,6 +79,36 @@ class Completer:
                     self._queue.task_done()
 
     def _write(self, batch: list[tuple[Attempt, Any, Any]]) -> None:
+        try:
+            waits = iter(BLIP_WAITS)
+            while True:
+                # While the database is unreachable, try again with the attempts whose
+                # leases have not lapsed; the others are left to the reaper, exactly as
+                # if their process had died a moment earlier inside the body.
+                live = [item for item in batch if not item[0].is_lost]
+                if not live:
+                    return
+                try:
+                    done = self._store.complete_many(self._params(live), len(live))
+                    break
+                except DatabaseUnavailable:
+                    log.warning("celery-lease: database unavailable; %d success(es) wait within their leases", len(live))
+                    time.sleep(next(waits, BLIP_WAITS[-1]))
+                except Exception:
+                    log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(live))
+                    return
+            for attempt, _, _ in live:
+                if attempt.job_id not in done:
+                    attempt.mark_lost()
+                    log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
+        finally:
+            for attempt, _, _ in batch:
+                attempt.pending_write = False
+                if self._on_written is not None:
+                    self._on_written(attempt)
+
+    @staticmethod
+    def _params(batch: list[tuple[Attempt, Any, Any]]) -> dict[str, Any]:
         params: dict[str, Any] = {}
         for i, (attempt, result, progress) in enumerate(batch):
             params.update(
@@ -86,19 +119,4 @@ class Completer:
                     f"new_progress_{i}": progress,
                 }
             )
-        try:
-            try:
-                done = self._store.complete_many(params, len(batch))
-            except Exception:
-                # Left running under their leases: the reaper requeues them.
-                log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
-                return
-            for attempt, _, _ in batch:
-                if attempt.job_id not in done:
-                    attempt.mark_lost()
-                    log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
-        finally:
-            for attempt, _, _ in batch:
-                attempt.pending_write = False
-                if self._on_written is not None:
-                    self._on_written(attempt)
+        return params

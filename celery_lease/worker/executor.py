@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Retry
 
 from celery_lease.db import queries as q
-from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSuspended, LeaseLost
+from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSuspended, LeaseError, LeaseLost
 from celery_lease.payload import cap_error
 from celery_lease.status import Event, Status
 from celery_lease.worker import shutdown
@@ -39,6 +39,8 @@ log = logging.getLogger("celery_lease.worker")
 #: to the log with the job id, never to the table: a dependency's message may carry a
 #: secret (a DSN, a token, a row of customer data).
 INTERNAL_ERROR = "internal error"
+#: The stored error of a job whose last attempt ran past its kind's timeout.
+TIMED_OUT = "timed out"
 
 
 def backoff(attempt: int, base: float, cap: float) -> float:
@@ -64,7 +66,7 @@ class WorkerState:
         self.producer = producer
         self.registry = registry
         self.settings = settings
-        self.heartbeat = Heartbeat(store, broker_url)
+        self.heartbeat = Heartbeat(store, broker_url, on_timeout=self._time_out)
         #: Batches plain successes on PostgreSQL, where each statement is a round trip.
         self.completer = Completer(store, on_written=self._release) if store.dialect == "postgresql" else None
         #: What a claim whose reply was lost needs to know before it adopts a job found
@@ -89,8 +91,12 @@ class WorkerState:
         if shutdown.requested():
             # Warm shutdown: leave the job pending, and since this (early-acked)
             # delivery is spent, wake another worker for it now rather than after the
-            # sweeper's staleness threshold.
-            self.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
+            # sweeper's staleness threshold: on the job's own queue (the row's; this
+            # delivery's routing key need not name a queue), and only if it is pending.
+            try:
+                self.producer.publish_wakeups(self.store.pending_wakeups([job_id]))
+            except LeaseError:
+                log.warning("celery-lease: job %s: not re-woken at shutdown; the sweeper will", job_id)
             return None
         with self._lock:
             self._claiming[job_id] = self._claiming.get(job_id, 0) + 1
@@ -112,6 +118,8 @@ class WorkerState:
                 log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", job_id)
             return None
         attempt = Attempt.from_claim(job_id, row, sent_at=sent_at)
+        if spec.timeout is not None:
+            attempt.deadline = sent_at + spec.timeout
         self.heartbeat.add(attempt)
         return attempt
 
@@ -244,9 +252,15 @@ class WorkerState:
 
         alone = not (staged.effects or children_rows or attempt.run_id)  # SQLite: nothing to batch
         retried: list[bool] = []
+
+        def note_retry() -> None:
+            retried.append(True)
+
         try:
             # Durable: once this commits, wait() and the API may report the success.
-            children = self.store.transaction(self.store.engine(single=alone), work, on_retry=lambda: retried.append(True))
+            children = attempt.ride_out(
+                lambda: self.store.transaction(self.store.engine(single=alone), work, on_retry=note_retry), note_retry
+            )
         except LeaseLost:
             # Retried after a dropped connection: the first try may have committed
             # before its reply was lost (its children are then woken by the sweeper).
@@ -257,19 +271,41 @@ class WorkerState:
         self.producer.publish_wakeups(children)
         return result
 
+    def _time_out(self, attempt: Attempt) -> None:
+        """The heartbeat found ``attempt`` past its kind's timeout: record a retry (or,
+        with no attempt left, a failure) now; the heartbeat then marks it lost, so the
+        handler stops at its next check and nothing it writes afterwards lands."""
+        spec = self.registry.resolve(attempt.kind)
+        log.warning(
+            "celery-lease: job %s (%s) attempt %d timed out after %ss; stopping it",
+            attempt.job_id,
+            spec.kind,
+            attempt.attempt,
+            spec.timeout,
+        )
+        try:
+            if attempt.attempt < attempt.max_attempts:
+                delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
+                self._retry(attempt, delay, why="timed out")
+            else:
+                self._fail(attempt, TIMED_OUT)
+        except LeaseLost:
+            log.info("celery-lease: job %s: lease already lost at its timeout", attempt.job_id)
+
     def _fail(self, attempt: Attempt, error: str) -> None:
         def work(conn):
             attempt.fenced(self.store, conn, q.fail_job(), new_error=error)
             self.store.log_events(conn, [(attempt, Event.FAILED, error)])
 
-        self.store.transaction(self.store.durable, work)
+        attempt.ride_out(lambda: self.store.transaction(self.store.durable, work))
 
-    def _retry(self, attempt: Attempt, delay: float) -> None:
+    def _retry(self, attempt: Attempt, delay: float, why: str | None = None) -> None:
         def work(conn):
             attempt.fenced(self.store, conn, q.retry_job(), delay=delay)
-            self.store.log_events(conn, [(attempt, Event.RETRIED, f"in {delay:.1f}s")])
+            detail = f"in {delay:.1f}s" if why is None else f"{why}; in {delay:.1f}s"
+            self.store.log_events(conn, [(attempt, Event.RETRIED, detail)])
 
-        self.store.transaction(self.store.durable, work)
+        attempt.ride_out(lambda: self.store.transaction(self.store.durable, work))
 
     def _hand_off(self, attempt: Attempt) -> None:
         """Warm shutdown: back to pending at once, attempt not spent, wakeup sent."""
@@ -284,6 +320,6 @@ class WorkerState:
             self.store.log_events(conn, [(attempt, Event.REQUEUED, "shutdown handoff")])
             return dict(row)
 
-        row = self.store.transaction(self.store.durable, work)
+        row = attempt.ride_out(lambda: self.store.transaction(self.store.durable, work))
         log.info("celery-lease: job %s: handed off on shutdown", attempt.job_id)
         self.producer.publish_wakeups([row])

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from celery_lease import cancel_notice
@@ -29,9 +30,11 @@ log = logging.getLogger("celery_lease.worker")
 class Heartbeat:
     RETRY_SECONDS = 1.0
 
-    def __init__(self, store: Store, broker_url: str | None) -> None:
+    def __init__(self, store: Store, broker_url: str | None, on_timeout: Callable[[Attempt], None] | None = None) -> None:
         self._store = store
         self._broker_url = broker_url
+        #: Called (from this thread) for an attempt past its kind's timeout.
+        self._on_timeout = on_timeout
         #: Keyed by (job, generation): a second attempt of one job in this process never
         #: hides the first from lost-lease detection.
         self._attempts: dict[tuple[str, int], Attempt] = {}
@@ -54,8 +57,9 @@ class Heartbeat:
                 self._thread = threading.Thread(target=self._loop, name="celery-lease-heartbeat", daemon=True)
                 self._thread.start()
                 cancel_notice.listen(self._broker_url, self.wake)  # sooner than the next round
-            elif shortest is None or attempt.lease_seconds < shortest:
-                # The sleeping round was timed for longer leases: re-time it now.
+            elif shortest is None or attempt.lease_seconds < shortest or attempt.deadline is not None:
+                # The sleeping round was timed for longer leases (or no deadline):
+                # re-time it now.
                 self._wake.set()
 
     def remove(self, attempt: Attempt) -> None:
@@ -80,17 +84,35 @@ class Heartbeat:
     def _interval(self) -> float:
         with self._lock:
             leases = [a.lease_seconds for a in self._attempts.values()]
-        return min(leases) / 3 if leases else 1.0
+            deadlines = [a.deadline for a in self._attempts.values() if a.deadline is not None and not a.lost.is_set()]
+        interval = min(leases) / 3 if leases else 1.0
+        if deadlines:
+            interval = min(interval, max(0.0, min(deadlines) - time.monotonic()))
+        return interval
 
     def _loop(self) -> None:
         delay = self._interval()
         while True:
             self._wake.wait(delay)
             self._wake.clear()
+            self._time_out_overdue()
             with self._lock:
                 attempts = [a for a in self._attempts.values() if not a.is_lost]
             ok = self._renew(attempts) if attempts else True
-            delay = self._interval() if ok else self.RETRY_SECONDS
+            delay = self._interval() if ok else min(self.RETRY_SECONDS, self._interval())
+
+    def _time_out_overdue(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            overdue = [a for a in self._attempts.values() if a.deadline is not None and now >= a.deadline and not a.is_lost]
+        for a in overdue:
+            try:
+                if self._on_timeout is not None:
+                    self._on_timeout(a)
+            except Exception:
+                log.exception("celery-lease: job %s: cannot record its timeout", a.job_id)
+            finally:
+                a.mark_lost()  # stop the handler; its later writes are discarded
 
     def _renew(self, attempts: list[Attempt]) -> bool:
         with self._renewing:

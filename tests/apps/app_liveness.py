@@ -100,3 +100,22 @@ def slow_effect(ctx: JobContext, payload: dict) -> dict:
 
     ctx.effect(slow)
     return {"attempt": attempt}
+
+
+@leases.job(kind="hung", max_attempts=2, lease_seconds=30, timeout=2, retry_backoff=0.1)
+def hung(ctx: JobContext, payload: dict) -> dict:
+    """Attempt 1 hangs for payload["seconds"]: polling raise_if_cancelled when
+    payload["cooperative"], else sleeping through it. Later attempts return at once."""
+    _marker(payload, f"hung-{ctx.job_id}-{ctx.attempt}")
+    if ctx.attempt == 1:
+        if payload.get("cooperative"):
+            _poll(ctx, payload["seconds"])
+        else:
+            time.sleep(payload["seconds"])
+    return {"attempt": ctx.attempt}
+
+
+@leases.job(kind="hung_once", max_attempts=1, lease_seconds=30, timeout=1)
+def hung_once(ctx: JobContext, payload: dict) -> dict:
+    _poll(ctx, payload.get("seconds", 30))
+    return {"attempt": ctx.attempt}

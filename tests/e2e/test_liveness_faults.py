@@ -398,3 +398,111 @@ def test_a_job_committed_into_a_run_after_cancel_run_never_starts(pg, broker, cl
     done = mod.leases.wait(late.id, timeout=30)
     assert done.status is Status.CANCELLED and done.attempt == 0 and done.started_at is None
     assert not (tmp_path / f"echo-{late.id}").exists()
+
+
+# --- smaller holes (item 11) -------------------------------------------------------------------
+
+
+def run_events(db, job_id: str) -> list[tuple[str, str | None]]:
+    from celery_lease.db.schema import events
+
+    with db.connect() as conn:
+        stmt = sa.select(events.c.event, events.c.detail).where(events.c.job_id == job_id).order_by(events.c.id)
+        return [tuple(r) for r in conn.execute(stmt)]
+
+
+def test_an_attempt_past_its_kinds_timeout_is_stopped_and_retried(pg, broker, client_app, workers, db, tmp_path):
+    """A handler that hangs (cooperative or not) held its lease forever: the heartbeat
+    renewed it as long as the process lived. With ``timeout=2`` the attempt is given up
+    after 2 s and retried at once; with no attempt left the job fails "timed out"."""
+    mod = client_app(pg, broker, module=APP)
+    w = workers(pg, broker, module=APP, concurrency=3)
+    run = str(uuid.uuid4())
+    polite = mod.hung.submit({"seconds": 60, "cooperative": True}, run_id=run)
+    stubborn = mod.hung.submit({"seconds": 8, "marker_dir": str(tmp_path)}, run_id=run)
+    last = mod.hung_once.submit({"seconds": 60})
+    for job in (polite, stubborn):
+        # Retries are delivered by the sweeper: play beat.
+        wait_for(lambda: mod.leases.sweep() >= 0 and mod.leases.get(job.id).terminal, timeout=60, interval=0.3)
+        done = mod.leases.get(job.id)
+        assert done.status is Status.SUCCEEDED and done.attempt == 2 and done.result == {"attempt": 2}
+        assert any(e == "retried" and d.startswith("timed out") for e, d in run_events(db, job.id))
+        assert f"job {job.id} (hung) attempt 1 timed out after 2.0s" in w.log()
+    failed = mod.leases.wait(last.id, timeout=30)
+    assert failed.status is Status.FAILED and failed.error == "timed out" and failed.attempt == 1
+    wait_for(lambda: f"job {polite.id}: stopped after cancel or lease loss" in w.log(), timeout=10, what="attempt 1 to stop")
+    # The stubborn attempt 1 wakes from its sleep long after: its success is discarded.
+    wait_for(
+        lambda: (
+            f"job {stubborn.id}: lease lost; succeeded outcome discarded" in w.log()
+            or f"job {stubborn.id}: lease lost; success discarded" in w.log()
+        ),
+        timeout=30,
+        what="the timed-out attempt's late success to be refused",
+    )
+    assert mod.leases.get(stubborn.id).result == {"attempt": 2}
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_and_outcomes_during_a_short_database_restart_cost_no_attempt(crashable_pg, broker, client_app, workers):
+    """PostgreSQL restarts (2 s down) while a job checkpoints every 0.2 s: the writes
+    wait for it within the lease. (The first failed write raised out of the handler:
+    the attempt was spent, or the job left running until reaped.)"""
+    url = migrated(crashable_pg)
+    env = {"CL_TEST_LEASE": "30"}
+    mod = client_app(url, broker, extra_env=env, module=APP)
+    workers(url, broker, extra_env=env, module=APP, concurrency=2)
+    engine = sa.create_engine(url)
+    try:
+        job = mod.steps.submit({"steps": 30, "sleep": 0.2})
+        plain = mod.poller.submit({"seconds": 4})  # its plain success lands around the restart
+        wait_for(lambda: (row(engine, job.id)["checkpoint"] or {}).get("i", 0) >= 3, timeout=30, what="checkpoint 3")
+        engine.dispose()
+        crashable_pg.restart(downtime=2.0)
+        for j in (job, plain):
+            done = mod.leases.wait(j.id, timeout=90)
+            assert done.status is Status.SUCCEEDED and done.attempt == 1 and done.lease_losses == 0, done
+        assert mod.leases.get(job.id).result == {"counted": 30, "resumed_from": 0}
+    finally:
+        engine.dispose()
+
+
+# --- the audit: guarded paths a stale attempt really takes (item 9 of the audit) -----------------
+
+
+def test_every_write_of_a_stale_attempt_is_refused_by_the_database_guard(pg, broker, client_app, workers, db, tmp_path):
+    """Attempt 1 of each job is reaped while its handler waits at a gate (its process
+    does not know: no renewal is due for 100 s and nothing tells it), attempt 2 runs
+    and succeeds; then attempt 1 goes on and tries each kind of write: a batched plain
+    success, a failure, a retry, a progress write. Each reaches the database and its
+    fence refuses it; the job keeps attempt 2's outcome."""
+    mod = client_app(pg, broker, extra_env=LONG, module=APP)
+    w = workers(pg, broker, extra_env=LONG, module=APP, pool="threads", concurrency=8)
+    gate = tmp_path / "gate"
+    ends = ("plain", "fail", "raise", "progress")
+    jobs_ = {end: mod.stale.submit({"gate": str(gate), "end": end, "marker_dir": str(tmp_path)}) for end in ends}
+    wait_for(lambda: all(row(db, j.id)["status"] == "running" for j in jobs_.values()), timeout=30, what="attempts 1")
+
+    with db.begin() as conn:  # every lease elapses, by the database's clock
+        ids = [j.id for j in jobs_.values()]
+        conn.execute(sa.update(jobs).where(jobs.c.id.in_(ids)).values(lease_expires_at=sa.func.now() - sa.text("interval '1 s'")))
+    assert mod.leases.reap() == {"requeued": 4, "expired": 0}
+    for job in jobs_.values():
+        done = mod.leases.wait(job.id, timeout=60)
+        assert done.status is Status.SUCCEEDED and done.attempt == 2 and done.result == {"attempt": 2}
+
+    gate.touch()
+    refused = {
+        "plain": "lease lost; success discarded",  # the Completer's batched write
+        "fail": "lease lost; failed outcome discarded",
+        "raise": "lease lost; error outcome discarded",
+        "progress": "lease lost; succeeded outcome discarded",
+    }
+    for end, job in jobs_.items():
+        wait_for(lambda: f"job {job.id}: {refused[end]}" in w.log(), timeout=30, what=f"the stale {end} to be refused")
+        after = row(db, job.id)
+        assert (after["status"], after["attempt"], after["result"]) == ("succeeded", 2, {"attempt": 2})
+        assert after["progress"] is None and after["error"] is None
+    # The progress write reached the database (no renewal had told attempt 1 anything),
+    # and its refusal is what cancelled the attempt's context.
+    assert (tmp_path / f"progress-{jobs_['progress'].id}-cancelled=True").exists()

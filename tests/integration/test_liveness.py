@@ -280,3 +280,73 @@ def test_a_claim_racing_an_uncommitted_cancel_run_waits_and_cancels_the_job(pg, 
     assert (after["status"], after["attempt"], after["lease_owner"]) == ("cancelled", 0, None)
     assert after["finished_at"] is not None and after["started_at"] is None
     assert [(e["event"], e["detail"]) for e in mod.leases.run_events(run_id)][-1] == ("cancelled", "run cancelled")
+
+
+# --- a wakeup delivered during warm shutdown (items 9, 11) ---------------------------------------
+
+
+def test_a_wakeup_delivered_during_warm_shutdown_is_republished_to_the_jobs_own_queue(pg, broker, redis_server, client_app):
+    """A delivery that reaches a handler slot after warm shutdown began is spent (acked
+    early): the job stays pending and is woken again at once, on its own queue (the
+    row's), not on the delivery's routing key. (It went to the routing key: with a
+    queue bound under another key, to a queue nobody consumes.)"""
+    import redis
+
+    from celery_lease.worker import shutdown
+
+    mod = client_app(pg, broker)
+    r = redis.Redis(port=redis_server.port)
+    job = mod.echo.submit({"value": 1}, queue="special")
+    running = mod.echo.submit({"value": 2})
+    mod.leases.store.claim(running.id, "elsewhere/1/boot")  # not pending: nothing to re-wake
+    redis_server.flush()  # their wakeups were delivered (and spent)
+    shutdown.request()
+    try:
+        assert mod.leases.worker.begin(job.id, mod.echo.spec, "w@host", "special.key") is None
+        assert mod.leases.worker.begin(running.id, mod.echo.spec, "w@host", "celery") is None
+    finally:
+        shutdown.reset()
+    assert r.llen("special") == 1 and r.llen("special.key") == 0 and r.llen("celery") == 0
+    assert mod.leases.get(job.id).status.value == "pending" and mod.leases.get(job.id).attempt == 0
+
+
+def test_the_reaper_expires_a_lease_with_no_attempt_left(pg, broker, client_app, db, make_job):
+    """The reaper's other branch: an elapsed lease on the last attempt ends the job
+    ``expired`` with error "lease expired", counted as a lease loss and logged."""
+    import uuid
+    from datetime import datetime, timedelta, timezone
+
+    from celery_lease.db.schema import runs
+
+    mod = client_app(pg, broker)
+    run_id = str(uuid.uuid4())
+    with db.begin() as conn:
+        conn.execute(runs.insert().values(id=run_id, created_at=sa.func.now()))
+    gone = datetime.now(timezone.utc) - timedelta(seconds=5)
+    spent = make_job(
+        pg,
+        status="running",
+        attempt=3,
+        max_attempts=3,
+        lease_generation=4,
+        lease_owner="gone/1/b",
+        lease_expires_at=gone,
+        run_id=run_id,
+    )
+    retry = make_job(
+        pg,
+        status="running",
+        attempt=1,
+        max_attempts=3,
+        lease_generation=1,
+        lease_owner="gone/1/b",
+        lease_expires_at=gone,
+        run_id=run_id,
+    )
+    assert mod.leases.reap() == {"requeued": 1, "expired": 1}
+    r = row(db, spent)
+    assert (r["status"], r["error"], r["lease_losses"], r["lease_generation"]) == ("expired", "lease expired", 1, 5)
+    assert r["lease_owner"] is None and r["lease_expires_at"] is None and r["finished_at"] is not None
+    assert row(db, retry)["status"] == "pending"
+    events = {(e["job_id"], e["event"], e["detail"]) for e in mod.leases.run_events(run_id)}
+    assert (spent, "reaped", "lease expired: expired") in {(str(j), e, d) for j, e, d in events}
