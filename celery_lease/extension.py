@@ -29,7 +29,7 @@ from celery_lease.beat.maintenance import Maintenance
 from celery_lease.beat.periodic import BeatJobs, Periodic
 from celery_lease.canvas import Canvas
 from celery_lease.db import migrate
-from celery_lease.db.engine import Database, resolve_database_url
+from celery_lease.db.engine import Database, Timeouts, resolve_database_url
 from celery_lease.db.store import Store
 from celery_lease.flow import FlowControl
 from celery_lease.job import Job, parse_job_id
@@ -78,7 +78,13 @@ class CeleryLease:
         self.canvas = Canvas(app, self.registry, lambda: self.producer, lambda: self.store)
         app.lease = self  # found by the CLI plugin (`celery -A proj lease ...`) and results.py
         signals.connect(
-            app, self, ping=lambda: self.store.ping(), recover=self.recover, worker_state=lambda: self.worker, cancel=self.cancel
+            app,
+            self,
+            ping=lambda: self.store.ping(),
+            size_pools=lambda concurrency: self.store.size_for_concurrency(concurrency),
+            recover=self.recover,
+            worker_state=lambda: self.worker,
+            cancel=self.cancel,
         )
         results.install(app)  # AsyncResult(job_id) reads the row when the app has no result backend
         self.beat_schedule = entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
@@ -96,7 +102,9 @@ class CeleryLease:
     def store(self) -> Store:
         if self._store is None:
             url, source = resolve_database_url(self._database_url, self.app.conf)
-            self._store = Store(url, source=source, prepare_statements=self.settings.prepare_statements)
+            s = self.settings
+            timeouts = Timeouts(connect=s.connect_timeout, statement=s.statement_timeout, heartbeat=s.heartbeat_timeout)
+            self._store = Store(url, source=source, prepare_statements=s.prepare_statements, timeouts=timeouts)
         return self._store
 
     @property
@@ -158,6 +166,7 @@ class CeleryLease:
         concurrency: int | None = None,
         concurrency_key: Callable[[Any], Any] | None = None,
         rate_limit: str | None = None,
+        timeout: float | None = None,
     ) -> Callable[[Callable], LeaseTask]:
         """Register ``fn(ctx, payload)`` as the handler of jobs of ``kind``.
 
@@ -165,12 +174,18 @@ class CeleryLease:
         :mod:`celery_lease.flow`): at most ``concurrency`` jobs of the kind run at once
         (per key, with ``concurrency_key``: a function of the payload); at most
         ``rate_limit`` claims ("20/s", "100/m", "1000/h") per window.
+
+        ``timeout``: seconds an attempt may run; then its lease is given up and the job
+        retried (an attempt spent, as for an error), and the handler is stopped at its
+        next ``raise_if_cancelled()`` with anything it writes afterwards discarded.
         """
         limits = Limits.declare(concurrency, concurrency_key, rate_limit)
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if lease_seconds < 1:
             raise ValueError("lease_seconds must be at least 1")
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise ValueError("timeout must be a positive number of seconds")
 
         def decorate(fn: Callable) -> LeaseTask:
             task_name = name or self.app.gen_task_name(fn.__name__, fn.__module__)
@@ -185,6 +200,7 @@ class CeleryLease:
                 retry_backoff_max=retry_backoff_max,
                 queue=queue,
                 limits=limits,
+                timeout=None if timeout is None else float(timeout),
             )
             self.registry.add(spec)
             task = self.app.task(

@@ -74,13 +74,16 @@ class FlowControl:
 
     # --- worker: claim and release ---------------------------------------------------
 
-    def claim(self, job_id: str, spec: JobKind, owner: str, queue: str | None) -> dict[str, Any] | None:
+    def claim(
+        self, job_id: str, spec: JobKind, owner: str, queue: str | None, *, may_adopt: Callable[[int], bool] | None = None
+    ) -> dict[str, Any] | None:
         """Claim the job a delivery names (or a better one); None when nothing is
-        claimed. Held jobs are marked; whatever must be woken is published."""
+        claimed. Held jobs are marked; whatever must be woken is published.
+        ``may_adopt``: see Store.claim (a claim whose reply was lost)."""
         limits = spec.limits
         for _ in range(2):  # a second time only when nothing held a claimable job
             if limits is None:
-                row = self._store.claim(job_id, owner, spec.task)
+                row = self._store.claim(job_id, owner, spec.task, may_adopt=may_adopt)
                 result = ClaimResult(row=row) if row is not None else self._db.hold(job_id, spec.task)
             else:
                 result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits)

@@ -30,6 +30,8 @@ class JobKind:
     queue: str | None
     #: Flow control (concurrency, concurrency_key, rate_limit); None: unlimited.
     limits: Limits | None = None
+    #: Seconds an attempt may run before it is stopped and retried (None: no limit).
+    timeout: float | None = None
 
 
 class Registry:

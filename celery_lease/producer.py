@@ -10,6 +10,7 @@ delivers it later.
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 import weakref
 from collections.abc import Iterable, Sequence
@@ -37,21 +38,23 @@ log = logging.getLogger("celery_lease")
 _COMMIT_WAKEUPS = "celery_lease.wakeups"
 
 
-def run_after_time(value: datetime | timedelta | float | None) -> datetime | None:
-    """A delayed job's due time (UTC) from a datetime, a timedelta or seconds."""
+def run_after_time(value: datetime | timedelta | float | None) -> tuple[datetime | None, float | None]:
+    """A delayed job's due time as (absolute UTC instant, delay in seconds), one of
+    them set: a datetime is the caller's instant; a timedelta or seconds is a delay
+    that the database counts from its own clock (see queries.insert_jobs)."""
     if value is None:
-        return None
+        return None, None
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise InvalidPayload("run_after must be timezone-aware (e.g. datetime.now(timezone.utc))")
-        return value.astimezone(timezone.utc)
+        return value.astimezone(timezone.utc), None
     if isinstance(value, timedelta):
         value = value.total_seconds()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            return datetime.now(timezone.utc) + timedelta(seconds=float(value))
-        except (OverflowError, ValueError):  # NaN, or past the year 9999
-            raise InvalidPayload("run_after is out of range") from None
+        seconds = float(value)
+        if not math.isfinite(seconds) or abs(seconds) > 100 * 365 * 86400:
+            raise InvalidPayload("run_after is out of range")
+        return None, seconds
     raise InvalidPayload(f"run_after must be a datetime, timedelta or seconds, not {type(value).__name__}")
 
 
@@ -113,7 +116,7 @@ class Producer:
     def job_row(self, spec: JobKind, payload: Any, options: dict[str, Any]) -> dict[str, Any]:
         """The column values of a new pending job (payload already serialized)."""
         options = check_options(options)
-        run_after = run_after_time(options.get("run_after"))
+        due_at, due_in = run_after_time(options.get("run_after"))
         run_id = options.get("run_id")
         parent_id = options.get("parent_id")
         job_id = options.get("job_id")
@@ -130,9 +133,9 @@ class Producer:
             "lease_generation": 0,
             "lease_losses": 0,
             "payload": payload,
-            "run_after": run_after,
-            # A job due now is woken by submit itself; a delayed one by the sweeper.
-            "woken_at": None if run_after else datetime.now(timezone.utc),
+            # run_after and woken_at are set by the database's clock from these.
+            "due_at": due_at,
+            "due_in": due_in,
             "run_id": None if run_id is None else parse_job_id(run_id),
             "parent_id": None if parent_id is None else parse_job_id(parent_id),
             "idempotency_key": options.get("idempotency_key"),
@@ -164,34 +167,37 @@ class Producer:
             raise InvalidPayload("idempotency_keys must be distinct within one submit_many")
         if not serialized:
             return []
-        # Jobs of one call differ only in id, payload and key: the rest is built once.
-        shared = self.job_row(spec, None, options)
-        if options.get("job_id") is not None:
+        if options.get("job_id") is not None and len(serialized) != 1:
             # A frozen Celery task id (canvas, task_id=) names exactly one job.
-            if len(serialized) != 1:
-                raise InvalidPayload("a job id can be given for one payload only")
-            ids = [shared["id"]]
-        else:
-            ids = [str(uuid.uuid4()) for _ in serialized]
-        run_id = shared["run_id"]
+            raise InvalidPayload("a job id can be given for one payload only")
+        rows = [
+            self.job_row(spec, payload, {**options, "idempotency_key": None if keys is None else keys[i]})
+            for i, payload in enumerate(serialized)
+        ]
+        run_id = rows[0]["run_id"]
         store = self._store
 
         def write(conn: sa.Connection | None) -> tuple[list[Job], list[Job]]:
             if run_id is not None and not store.ensure_run(run_id, connection=conn):
                 raise LeaseError(f"run {run_id} is cancelled; it accepts no new jobs")
-            inserted = store.insert_job_batch(shared, ids, serialized, keys, connection=conn)
+            # landed: rows an earlier try of this very write committed before its reply
+            # was lost (with their events: a write commits whole); returned, woken,
+            # not inserted or logged again.
+            landed: list[Job] = []
+            inserted = store.insert_jobs(rows, keyed=keys is not None, connection=conn, landed=landed)
+            store.log_events(conn, [(j, Event.DISPATCHED, None) for j in inserted])
+            ours = {j.id: j for j in [*inserted, *landed]}
             if keys is None:
-                jobs = inserted
+                jobs = [ours[str(r["id"])] for r in rows]
             else:
                 # Conflicting keys inserted nothing: return the jobs that hold them.
-                by_key = {j.idempotency_key: j for j in inserted}
+                by_key = {j.idempotency_key: j for j in ours.values()}
                 missing = [k for k in keys if k not in by_key]
                 if missing:
                     for j in store.get_jobs_by_keys(spec.kind, missing, connection=conn):
                         by_key[j.idempotency_key] = j
                 jobs = [by_key[k] for k in keys]
-            store.log_events(conn, [(j, Event.DISPATCHED, None) for j in inserted])
-            return inserted, jobs
+            return list(ours.values()), jobs
 
         try:
             if connection is not None or (run_id is None and keys is None):

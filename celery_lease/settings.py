@@ -38,8 +38,14 @@ class Settings:
     batch_size: int = 500
     #: PostgreSQL: PREPARE the per-job statements (see db/prepared.py)
     prepare_statements: bool = True
-    #: beat's reap/sweep/prune ticks go here; every worker of the app consumes it
+    #: beat's reap/sweep/prune ticks go here; a thread of every worker's main process consumes it
     maintenance_queue: str = "celery_lease"
+    #: PostgreSQL: seconds to establish a connection
+    connect_timeout: float = 10.0
+    #: PostgreSQL: statement timeout of pooled connections (0: none; effects run there too)
+    statement_timeout: float = 0.0
+    #: PostgreSQL: statement and lock timeout of the heartbeat's own connection
+    heartbeat_timeout: float = 5.0
     max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     #: a handler's return value over this fails the job (without retry)

@@ -274,11 +274,22 @@ def workers(tmp_path):
 class Beat:
     """A real `celery beat` subprocess."""
 
-    def __init__(self, db: str, broker: str, workdir: Path, conf: dict | None = None, module: str = "tests.apps.app") -> None:
+    def __init__(
+        self,
+        db: str,
+        broker: str,
+        workdir: Path,
+        conf: dict | None = None,
+        module: str = "tests.apps.app",
+        extra_env: dict | None = None,
+        env_hook=None,
+    ) -> None:
         self.log_path = workdir / f"beat-{uuid.uuid4().hex[:6]}.log"
         schedule = workdir / f"beat-schedule-{uuid.uuid4().hex[:6]}"
         self.args = [CELERY, "-A", module, "beat", "-l", "INFO", "-s", str(schedule)]
-        self.env = _env(db, broker, conf)
+        self.env = _env(db, broker, conf, extra_env)
+        if env_hook is not None:  # e.g. tests.harness.faketime.skewed_env: a skewed clock
+            self.env = env_hook(self.env)
         self.proc = None
 
     def start(self) -> Beat:
@@ -301,8 +312,8 @@ class Beat:
 def beats(tmp_path):
     started: list[Beat] = []
 
-    def start(db: str, broker: str, conf: dict | None = None, module: str = "tests.apps.app") -> Beat:
-        beat = Beat(db, broker, tmp_path, conf, module)
+    def start(db: str, broker: str, conf: dict | None = None, module: str = "tests.apps.app", **options) -> Beat:
+        beat = Beat(db, broker, tmp_path, conf, module, **options)
         started.append(beat)
         return beat.start()
 

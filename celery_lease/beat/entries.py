@@ -21,12 +21,14 @@ maintenance tasks only.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from celery import Celery, signals
 
 from celery_lease.beat.maintenance import Maintenance
+from celery_lease.beat.runner import TickRunner
 from celery_lease.settings import Settings
 
 log = logging.getLogger("celery_lease.maintenance")
@@ -40,19 +42,21 @@ MAINTENANCE_TASKS = frozenset({REAP_TASK, SWEEP_TASK, PRUNE_TASK})
 _TICK_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.beat")
 
 
+def _intervals(settings: Settings) -> dict[str, float]:
+    return {
+        REAP_TASK: float(settings.reap_interval),
+        SWEEP_TASK: float(settings.sweep_interval),
+        PRUNE_TASK: float(settings.prune_interval),
+    }
+
+
 def _entries(settings: Settings) -> dict[str, dict]:
-    # Own queue: behind a backlog of wakeups on the default queue, a tick would wait
-    # (and expire) while reaping is most needed. expires: a tick that waited longer
-    # than its interval (workers down) is dropped, not piled up.
-    out = {}
-    for name, interval in (
-        (REAP_TASK, settings.reap_interval),
-        (SWEEP_TASK, settings.sweep_interval),
-        (PRUNE_TASK, settings.prune_interval),
-    ):
-        options = {"expires": float(interval), "queue": settings.maintenance_queue}
-        out[name] = {"task": name, "schedule": float(interval), "options": options}
-    return out
+    # Own queue, consumed by a thread of each worker's main process (beat/runner.py),
+    # never by the pool: behind prefetched job messages a tick would wait while
+    # reaping is most needed. No "expires": it would be an absolute time from beat's
+    # clock, judged by the worker's; a backlog is skipped by the runner instead.
+    options = {"queue": settings.maintenance_queue}
+    return {name: {"task": name, "schedule": interval, "options": options} for name, interval in _intervals(settings).items()}
 
 
 class QuietTicks(logging.Filter):
@@ -149,15 +153,38 @@ def register(
     def prune_task():
         return maintenance().prune()
 
-    for name, fn in ((REAP_TASK, reap_task), (SWEEP_TASK, sweep_task), (PRUNE_TASK, prune_task)):
+    fns = {REAP_TASK: reap_task, SWEEP_TASK: sweep_task, PRUNE_TASK: prune_task}
+    for name, fn in fns.items():
+        # Still tasks: a tick sent by hand (or that reaches a pool) runs there too.
         app.task(name=name, shared=False, ignore_result=True, _force_evaluate=True)(fn)
     quiet_maintenance_logs()
 
+    runners: dict[int, TickRunner] = {}
+
     @signals.celeryd_after_setup.connect(weak=False)
-    def consume_maintenance_queue(sender=None, instance=None, **_):
-        # Every worker of this app also consumes the maintenance queue, whatever -Q says.
+    def keep_ticks_out_of_the_pool(sender=None, instance=None, **_):
+        # The pool's consumer leaves the maintenance queue to the TickRunner, even when
+        # -Q names it (as deployments did before), unless it is the only queue.
         if instance is not None and instance.app is app:
-            instance.app.amqp.queues.select_add(settings().maintenance_queue)
+            queues = instance.app.amqp.queues
+            name = settings().maintenance_queue
+            if set(queues.consume_from) - {name}:
+                queues.deselect(name)
+
+    @signals.worker_ready.connect(weak=False)
+    def run_ticks(sender=None, **_):
+        # The main process, after restart recovery and after the pool forked.
+        if getattr(sender, "app", None) is not app:
+            return
+        tasks = {name: (fns[name], interval) for name, interval in _intervals(settings()).items()}
+        runner = runners.setdefault(os.getpid(), TickRunner(app, settings().maintenance_queue, tasks))
+        runner.start()
+
+    @signals.worker_shutdown.connect(weak=False)
+    def stop_ticks(sender=None, **_):
+        runner = runners.pop(os.getpid(), None)
+        if runner is not None:
+            runner.stop()
 
     schedule = BeatSchedule(app, settings, maintenance=install_beat)
 
@@ -172,5 +199,5 @@ def register(
 
     if app.configured:
         schedule.install(warn=False)
-    app._celery_lease_beat_handlers = (consume_maintenance_queue, on_configure, on_beat_start)
+    app._celery_lease_beat_handlers = (keep_ticks_out_of_the_pool, run_ticks, stop_ticks, on_configure, on_beat_start)
     return schedule

@@ -2,11 +2,15 @@
 
 Two kinds of commit share one database:
 
-* durable: what a caller was told succeeded (submit, cancel, reap, sweep, recovery,
-  prune) commits synchronously;
-* fast: what only an attempt's own lease protects (claim, heartbeat, progress,
-  checkpoint, completion). On PostgreSQL it commits with ``synchronous_commit = off``:
-  a crash of PostgreSQL can lose the last few hundred milliseconds of such commits.
+* durable (synchronous): everything anyone may have been told or may rely on — submit,
+  cancel, reap, sweep, recovery, prune, and the lease life: claim (its generation is a
+  fencing token that must never be issued twice, also across a crash), renewal (the
+  worker counts on the lease it was told it holds), success (with effects and
+  children), failure, retry, handoff. A success that ``wait()`` or the API reported
+  survives a crash of PostgreSQL. Batched successes share one flush (Completer).
+* fast: progress and checkpoint writes only. On PostgreSQL they commit with
+  ``synchronous_commit = off``: a crash can lose the last few hundred milliseconds of
+  them, which only repeats work from an earlier checkpoint.
 
 Database errors never carry the driver's text outward (it can hold host names or
 credentials): they surface as DatabaseUnavailable naming the setting.
@@ -14,6 +18,7 @@ credentials): they surface as DatabaseUnavailable naming the setting.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -69,17 +74,57 @@ def _on_sqlite_begin(conn) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Seconds; 0 means none. PostgreSQL only (SQLite waits on its file lock)."""
+
+    #: establishing a connection
+    connect: float = 10.0
+    #: one statement of the pooled connections (handlers' effects run there too)
+    statement: float = 0.0
+    #: the heartbeat's own connection: statement and lock timeout of a renewal
+    heartbeat: float = 5.0
+
+
+#: Pool size outside a worker (a web app, beat, the CLI); a worker sizes its pools from
+#: its concurrency (Database.size_for_concurrency).
+DEFAULT_POOL_SIZE = 4
+DEFAULT_MAX_OVERFLOW = 8
+#: Every connection: TCP keepalives find a peer that vanished (host down, network cut)
+#: while the connection is idle, tcp_user_timeout while a request is unanswered.
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+TCP_USER_TIMEOUT_MS = 60_000
+
+
 class Database:
     """One job database: its engines, pooled connections and transactions."""
 
-    def __init__(self, url: str, *, source: str = "database_url") -> None:
+    def __init__(self, url: str, *, source: str = "database_url", timeouts: Timeouts | None = None) -> None:
         parsed = self.parse_url(url, source)
         self.url = parsed
         self.source = source
         self.dialect = parsed.get_backend_name()
-        self._engines: dict[tuple[bool, bool], Engine] = {}
+        self.timeouts = timeouts or Timeouts()
+        self._engines: dict[tuple[bool, bool, bool], Engine] = {}
         self._hot = threading.local()  # per thread: a held connection for prepared statements
         self._pid = os.getpid()
+        self._pool_size = DEFAULT_POOL_SIZE
+        self._max_overflow = DEFAULT_MAX_OVERFLOW
+        #: Whether each thread keeps its own connection for prepared statements (a
+        #: worker: threads are bounded by its concurrency). Elsewhere (a web app with
+        #: any number of threads) a connection is taken from the pool per statement, so
+        #: threads never pin more connections than the pool has.
+        self._pin = False
+
+    def size_for_concurrency(self, concurrency: int) -> None:
+        """A worker running ``concurrency`` handlers at once (threads pool: in this
+        process): each may hold a pinned connection for its claim and a pooled one for
+        its success transaction, besides the completer and maintenance. Replaces the
+        engines made so far (e.g. by the startup ping)."""
+        self._pool_size = max(DEFAULT_POOL_SIZE, concurrency + 4)
+        self._max_overflow = max(DEFAULT_MAX_OVERFLOW, concurrency + 8)
+        self._pin = True
+        self.dispose()
 
     @staticmethod
     def parse_url(url: str, source: str = "database_url") -> sa.URL:
@@ -106,17 +151,35 @@ class Database:
     def display_url(self) -> str:
         return self.url.render_as_string(hide_password=True)
 
-    def _create_engine(self, *, fast: bool, single: bool) -> Engine:
+    def _create_engine(self, *, fast: bool, single: bool, heartbeat: bool) -> Engine:
         kwargs: dict[str, Any] = {}
         if self.dialect == "sqlite":
             kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
         else:
-            kwargs["pool_size"] = 4
-            kwargs["max_overflow"] = 8
-            kwargs["connect_args"] = {"connect_timeout": 10, "application_name": "celery-lease"}
+            connect_args: dict[str, Any] = {"application_name": "celery-lease", **KEEPALIVES}
+            options = []
             if fast:
-                kwargs["connect_args"]["options"] = "-c synchronous_commit=off"
-            if single:
+                options.append("-c synchronous_commit=off")
+            if heartbeat:
+                # Its own connection, never shared with handler traffic, so a renewal
+                # never waits for a pool checkout; and it gives up quickly: the worker
+                # then judges its leases by its own clock (Attempt.is_lost).
+                kwargs.update(pool_size=1, max_overflow=0, pool_timeout=max(1.0, self.timeouts.heartbeat))
+                ms = int(self.timeouts.heartbeat * 1000)
+                options += [f"-c statement_timeout={ms}", f"-c lock_timeout={ms}"]
+                connect_args["tcp_user_timeout"] = ms
+                connect_args["connect_timeout"] = max(1, round(self.timeouts.heartbeat))
+            else:
+                kwargs.update(pool_size=self._pool_size, max_overflow=self._max_overflow)
+                if self.timeouts.statement:
+                    options.append(f"-c statement_timeout={int(self.timeouts.statement * 1000)}")
+                connect_args["tcp_user_timeout"] = TCP_USER_TIMEOUT_MS
+                if self.timeouts.connect:
+                    connect_args["connect_timeout"] = max(1, round(self.timeouts.connect))
+            if options:
+                connect_args["options"] = " ".join(options)
+            kwargs["connect_args"] = connect_args
+            if single or heartbeat:
                 # One statement is its own transaction: no BEGIN and COMMIT round trips.
                 kwargs["isolation_level"] = "AUTOCOMMIT"
         try:
@@ -128,8 +191,9 @@ class Database:
             sa.event.listen(engine, "begin", _on_sqlite_begin)
         return engine
 
-    def engine(self, *, fast: bool = False, single: bool = False) -> Engine:
-        """The engine for durable or fast commits, transactional or single-statement.
+    def engine(self, *, fast: bool = False, single: bool = False, heartbeat: bool = False) -> Engine:
+        """The engine for durable or fast commits, transactional or single-statement,
+        or the heartbeat's own (one connection, short timeouts).
 
         SQLite has one engine: one file, no asynchronous commit, no network round trip.
         """
@@ -141,9 +205,9 @@ class Database:
             self._engines.clear()
             self._hot = threading.local()
             self._pid = os.getpid()
-        key = (False, False) if self.dialect == "sqlite" else (fast, single)
+        key = (False, False, False) if self.dialect == "sqlite" else (fast, single, heartbeat)
         if key not in self._engines:
-            self._engines[key] = self._create_engine(fast=key[0], single=key[1])
+            self._engines[key] = self._create_engine(fast=key[0], single=key[1], heartbeat=key[2])
         engine = self._engines[key]
         return engine
 
@@ -171,11 +235,22 @@ class Database:
 
     # --- transactions ----------------------------------------------------------------
 
-    def transaction(self, engine: Engine, fn: Callable[[Connection], T], *, connection: Connection | None = None) -> T:
+    def transaction(
+        self,
+        engine: Engine,
+        fn: Callable[[Connection], T],
+        *,
+        connection: Connection | None = None,
+        on_retry: Callable[[], None] | None = None,
+    ) -> T:
         """Run ``fn`` in one transaction and commit; in the caller's ``connection``
         when given (the caller commits). A dropped connection is retried a few times;
         any other database error surfaces as DatabaseUnavailable without the driver's
-        message (which can carry host names or credentials)."""
+        message (which can carry host names or credentials).
+
+        A connection that dropped during COMMIT leaves it unknown whether the work
+        landed: a retried ``fn`` must be idempotent and check what landed; ``on_retry``
+        is called before each retry so the caller knows."""
         if connection is not None:
             return fn(connection)
         for attempt in range(1, RECONNECT_ATTEMPTS + 1):
@@ -185,6 +260,8 @@ class Database:
             except sa_exc.DBAPIError as exc:
                 if exc.connection_invalidated and attempt < RECONNECT_ATTEMPTS:
                     log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
+                    if on_retry is not None:
+                        on_retry()
                     time.sleep(0.05 * attempt)
                     continue
                 if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
@@ -195,26 +272,34 @@ class Database:
                 raise
         raise AssertionError("unreachable")
 
-    def execute_prepared(self, stmt: Prepared, params: dict[str, Any], *, fast: bool = True) -> list[dict[str, Any]]:
+    def execute_prepared(
+        self, stmt: Prepared, params: dict[str, Any], *, fast: bool = False, on_retry: Callable[[], None] | None = None
+    ) -> list[dict[str, Any]]:
         """Run a per-job statement alone (autocommit; asynchronous commit when ``fast``)
         as a server-side prepared statement on a raw driver connection; same retry and
-        error rules as transaction()."""
+        error rules as transaction() (a retried statement may have landed before its
+        reply was lost: ``on_retry`` tells the caller to check)."""
         engine = self.engine(fast=fast, single=True)
         slot = "fast" if fast else "durable"
         for attempt in range(1, RECONNECT_ATTEMPTS + 1):
-            # Each thread keeps one connection per engine for these statements (the
-            # claiming thread, the completer, a submitting thread): no pool checkout,
-            # reset and checkin per job.
-            raw = getattr(self._hot, slot, None)
+            # In a worker each thread keeps one connection per engine for these
+            # statements (the claiming thread, the completer): no pool checkout, reset
+            # and checkin per job. Elsewhere the pool lends one per statement (the
+            # statement stays prepared on it: raw.info lives with the connection).
+            raw = getattr(self._hot, slot, None) if self._pin else None
             if raw is None:
                 raw = engine.raw_connection()
-                setattr(self._hot, slot, raw)
+                if self._pin:
+                    setattr(self._hot, slot, raw)
             try:
                 columns, rows = stmt.execute(raw.dbapi_connection, raw.info, params)
+                if not self._pin:
+                    raw.close()  # back to the pool
                 return [dict(zip(columns, row)) for row in rows]
             except engine.dialect.loaded_dbapi.Error as exc:
                 dropped = engine.dialect.is_disconnect(exc, raw.dbapi_connection, None)
-                setattr(self._hot, slot, None)
+                if self._pin:
+                    setattr(self._hot, slot, None)
                 if dropped:
                     # As SQLAlchemy does on a disconnect: the pool's other idle
                     # connections likely died with this one (a restarted or
@@ -225,6 +310,8 @@ class Database:
                     raw.close()
                 if dropped and attempt < RECONNECT_ATTEMPTS:
                     log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
+                    if on_retry is not None:
+                        on_retry()
                     time.sleep(0.05 * attempt)
                     continue
                 if isinstance(exc, (engine.dialect.loaded_dbapi.OperationalError, engine.dialect.loaded_dbapi.InterfaceError)):

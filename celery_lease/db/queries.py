@@ -27,6 +27,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.dml import ReturningDelete
 from sqlalchemy.sql.functions import FunctionElement
 
 from celery_lease.db.schema import ID, chords, events, jobs, limits, pauses, runs
@@ -115,8 +116,12 @@ WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
 # --- producer ------------------------------------------------------------------------
 
 
-#: The columns a submit binds; the database fills created_at / updated_at.
-INSERTED_COLUMNS = tuple(c.name for c in jobs.c if c.name not in ("created_at", "updated_at"))
+#: The columns a submit binds; the database fills created_at / updated_at, and
+#: run_after / woken_at from the bound due_at / due_in (see insert_jobs).
+INSERTED_COLUMNS = tuple(c.name for c in jobs.c if c.name not in ("created_at", "updated_at", "run_after", "woken_at")) + (
+    "due_at",
+    "due_in",
+)
 
 
 @functools.cache
@@ -124,7 +129,9 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
     """insert_jobs: new pending rows; values are bound per row by the caller.
 
     With an idempotency key, a conflicting (kind, key) inserts nothing; the caller
-    then reads the existing job with ``get_jobs_by_keys``.
+    then reads the existing job with ``get_jobs_by_keys``. A row whose id exists
+    inserts nothing either: ids are fresh UUIDs, so that row is this very submit,
+    landed by an earlier try whose reply was lost (``get_jobs_by_ids`` reads it).
     """
     stmt: Any
     if dialect == "postgresql":
@@ -134,57 +141,34 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
     else:  # pragma: no cover - Store refuses other dialects
         raise AssertionError(dialect)
     if on_key_conflict_nothing:
-        stmt = stmt.on_conflict_do_nothing(
-            index_elements=[_c.kind, _c.idempotency_key], index_where=_c.idempotency_key.is_not(None)
-        )
-    # created_at / updated_at come from the database clock, like every other time.
-    return stmt.values(created_at=db_now(), updated_at=db_now()).returning(*jobs.c)
-
-
-#: What insert_job_batch binds once per batch (every job of one submit_many shares them).
-BATCH_SHARED_COLUMNS = tuple(
-    c
-    for c in INSERTED_COLUMNS
-    if c not in ("id", "payload", "idempotency_key")
-    and c not in ("result", "progress", "error", "checkpoint", "lease_owner", "lease_expires_at", "started_at", "finished_at")
-)
-
-
-@functools.cache
-def insert_job_batch(*, on_key_conflict_nothing: bool) -> sa.Insert:
-    """insert_job_batch: many new pending jobs of one kind in one statement (PostgreSQL).
-
-    The per-job values are three arrays, unnested side by side: ``:ids``, ``:payloads``
-    (JSON text) and ``:keys`` (idempotency keys, or NULL for none); every other column is
-    one value for the whole batch (``BATCH_SHARED_COLUMNS``). The text is the same
-    whatever the batch size, so PostgreSQL parses and plans a short statement where a
-    multi-row VALUES would be as long as the batch. Returns the id and created_at of each
-    row inserted (created_at is the statement's clock, the same for all); with keys, a
-    conflicting key inserts nothing and the caller reads the job that holds it.
-    """
-    texts = postgresql.ARRAY(sa.Text)
-    arrays = [sa.cast(sa.bindparam(name), texts) for name in ("ids", "payloads", "keys")]
-    per_job = sa.func.unnest(*arrays).table_valued("id", "payload", "key").render_derived()
-    values: dict[str, Any] = {
-        "id": sa.cast(per_job.c.id, ID),
-        "payload": sa.cast(per_job.c.payload, postgresql.JSONB),
-        "idempotency_key": per_job.c.key,
-        "created_at": db_now(),
-        "updated_at": db_now(),
-    }
-    for name in BATCH_SHARED_COLUMNS:
-        # The bind carries the column's type too, so a JSON value (canvas) is serialized.
-        values[name] = sa.cast(sa.bindparam(name, type_=jobs.c[name].type), jobs.c[name].type)
-    insert = postgresql.insert(jobs).from_select(list(values), sa.select(*values.values()))
-    if on_key_conflict_nothing:
-        insert = insert.on_conflict_do_nothing(
-            index_elements=[_c.kind, _c.idempotency_key], index_where=_c.idempotency_key.is_not(None)
-        )
-    return insert.returning(_c.id, _c.created_at)
+        stmt = stmt.on_conflict_do_nothing()  # on the key or on the id
+    else:
+        stmt = stmt.on_conflict_do_nothing(index_elements=[_c.id])
+    # Every time comes from the database clock: a submitting host whose clock is off
+    # must not move a job's due time or hide a lost wakeup (woken_at). A delay
+    # (:due_in seconds) is counted from the database's now; an absolute :due_at is the
+    # caller's own instant and is kept. A job due at once is woken by submit itself.
+    due_at = sa.bindparam("due_at", type_=_c.run_after.type)
+    due_in = sa.bindparam("due_in", type_=sa.Float)
+    return stmt.values(
+        created_at=db_now(),
+        updated_at=db_now(),
+        run_after=sa.case((due_in.is_not(None), db_now_plus(due_in)), else_=due_at),
+        woken_at=sa.case((sa.and_(due_in.is_(None), due_at.is_(None)), db_now()), else_=sa.null()),
+    ).returning(*jobs.c)
 
 
 def get_jobs_by_keys(kind: str, keys: Sequence[str]) -> sa.Select:
     return sa.select(jobs).where(_c.kind == kind, _c.idempotency_key.in_(keys))
+
+
+def get_jobs_by_ids(ids: Sequence[str]) -> sa.Select:
+    return sa.select(jobs).where(_c.id.in_(ids))
+
+
+def pending_wakeups(ids: Sequence[str]) -> sa.Select:
+    """What publishing a wakeup needs (the job's own task and queue), for pending jobs."""
+    return sa.select(*WAKEUP_COLUMNS).where(_c.id.in_(ids), _c.status == Status.PENDING.value)
 
 
 def mark_not_woken(ids: Sequence[str]) -> sa.Update:
@@ -372,6 +356,10 @@ def lease_health() -> sa.Select:
 # --- the lease life (worker) ---------------------------------------------------------
 
 
+#: The detail of the run event of a job that a claim found in a cancelled run.
+RUN_CANCELLED = "run cancelled"
+
+
 @functools.cache
 def claim_job() -> sa.Update:
     """claim_job: pending -> running for one attempt, atomically.
@@ -383,7 +371,29 @@ def claim_job() -> sa.Update:
     Guarded by the job's own task too: a wakeup is untrusted input, and a message for
     kind B's task carrying kind A's job id must claim nothing (it would run B's
     handler on A's payload).
+
+    A job whose run is cancelled never starts: the same statement makes it
+    ``cancelled`` instead (the returned ``status`` says which). Such a job can exist:
+    a child committed with its parent's success, or a ``submit(run_id=R,
+    connection=...)`` committed after ``cancel_run(R)`` looked at the run's jobs. The
+    run's row is read FOR SHARE, so a claim racing a ``cancel_run`` that has marked
+    the run but not yet committed waits for it and sees the run cancelled; a
+    ``cancel_run`` that comes after the claim waits for the claim and then revokes it.
     """
+    run = (
+        sa.select(runs.c.cancelled_at.is_not(None).label("cancelled"))
+        .select_from(runs.join(jobs, runs.c.id == _c.run_id))
+        .where(_c.id == sa.bindparam("job_id"))
+        .with_for_update(read=True, of=runs)
+        .cte("run")
+        .prefix_with("MATERIALIZED")
+    )
+    # Read only while building the new row, so no job row is locked while it waits.
+    cancelled = sa.func.coalesce(sa.select(run.c.cancelled).scalar_subquery(), sa.false())
+
+    def unless_cancelled(value, otherwise):
+        return sa.case((cancelled, otherwise), else_=value)
+
     return (
         sa.update(jobs)
         .where(
@@ -393,15 +403,33 @@ def claim_job() -> sa.Update:
             sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
         )
         .values(
-            status=Status.RUNNING.value,
-            attempt=_c.attempt + 1,
+            status=unless_cancelled(sa.literal(Status.RUNNING.value), sa.literal(Status.CANCELLED.value)),
+            attempt=unless_cancelled(_c.attempt + 1, _c.attempt),
             lease_generation=_c.lease_generation + 1,
-            lease_owner=sa.bindparam("owner"),
-            lease_expires_at=db_now_plus(_c.lease_seconds),
-            started_at=sa.func.coalesce(_c.started_at, db_now()),
+            lease_owner=unless_cancelled(sa.bindparam("owner", type_=_c.lease_owner.type), sa.null()),
+            lease_expires_at=unless_cancelled(db_now_plus(_c.lease_seconds), sa.null()),
+            started_at=unless_cancelled(sa.func.coalesce(_c.started_at, db_now()), _c.started_at),
+            finished_at=unless_cancelled(_c.finished_at, db_now()),
             updated_at=db_now(),
         )
-        .returning(*CLAIMED_COLUMNS)
+        .returning(*CLAIMED_COLUMNS, _c.status)
+    )
+
+
+@functools.cache
+def adopt_claim() -> sa.Update:
+    """adopt_claim: a claim retried after its reply was lost found the job running
+    under this very owner: the lost claim had landed. Takes that attempt (its attempt
+    number and generation) and restarts its lease from now, as the claim would have.
+
+    The caller checks that no other attempt of this job lives in its process (the
+    owner is one process): then the running row can only be that claim's.
+    """
+    return (
+        sa.update(jobs)
+        .where(_c.id == sa.bindparam("job_id"), _c.status == Status.RUNNING.value, _c.lease_owner == sa.bindparam("owner"))
+        .values(lease_expires_at=db_now_plus(_c.lease_seconds), updated_at=db_now())
+        .returning(*CLAIMED_COLUMNS, _c.status)
     )
 
 
@@ -418,9 +446,15 @@ def claim_job_logged() -> sa.Select:
             sa.select(
                 claimed.c.run_id,
                 claimed.c.id,
-                sa.literal(Event.CLAIMED.value),
+                sa.case(
+                    (claimed.c.status == Status.CANCELLED.value, sa.literal(Event.CANCELLED.value)),
+                    else_=sa.literal(Event.CLAIMED.value),
+                ),
                 claimed.c.attempt,
-                sa.bindparam("owner", type_=sa.Text),
+                sa.case(
+                    (claimed.c.status == Status.CANCELLED.value, sa.literal(RUN_CANCELLED)),
+                    else_=sa.bindparam("owner", type_=sa.Text),
+                ),
                 db_now(),
             ).where(claimed.c.run_id.is_not(None)),
         )
@@ -429,19 +463,29 @@ def claim_job_logged() -> sa.Select:
     return sa.select(claimed).add_cte(logged)
 
 
-def renew_leases(leases: Iterable[tuple[str, int]]) -> sa.Update:
+def renew_leases(dialect: str, leases: Iterable[tuple[str, int]]) -> sa.Select | sa.Update:
     """renew_leases: one statement for every lease a worker process holds.
 
-    Returns (id, generation) of each lease renewed; a lease missing from it is lost.
+    Returns (id, lease_generation, renewed) of each lease still held; a lease missing
+    from it is lost. On PostgreSQL a row locked by another transaction is skipped, not
+    waited for, and comes back with renewed = false: held (as of the statement's
+    snapshot) but not renewed this round. The lock is typically this process's own
+    success transaction running a slow ``ctx.effect``; waiting for it would hold up the
+    renewal of every other lease of the process until their leases lapsed. (A lock
+    held by a cancel or a reap is seen at the next round, once it committed.)
     """
+    keys = list(leases)
+    held = sa.and_(sa.tuple_(_c.id, _c.lease_generation).in_(keys), _c.status == Status.RUNNING.value)
+    renew = {"lease_expires_at": db_now_plus(_c.lease_seconds), "updated_at": db_now()}
+    if dialect != "postgresql":  # SQLite: no row locks, every held lease is renewed
+        renewed_all = sa.literal(True).label("renewed")
+        return sa.update(jobs).where(held).values(**renew).returning(_c.id, _c.lease_generation, renewed_all)
+    locked = sa.select(_c.id).where(held).with_for_update(skip_locked=True).cte("renewable").prefix_with("MATERIALIZED")
+    renewed = sa.update(jobs).where(_c.id == locked.c.id).values(**renew).returning(_c.id).cte("renewed")
     return (
-        sa.update(jobs)
-        .where(
-            sa.tuple_(_c.id, _c.lease_generation).in_(list(leases)),
-            _c.status == Status.RUNNING.value,
-        )
-        .values(lease_expires_at=db_now_plus(_c.lease_seconds), updated_at=db_now())
-        .returning(_c.id, _c.lease_generation)
+        sa.select(_c.id, _c.lease_generation, renewed.c.id.is_not(None).label("renewed"))
+        .select_from(jobs.outerjoin(renewed, renewed.c.id == _c.id))
+        .where(held)
     )
 
 
@@ -510,6 +554,12 @@ def complete_jobs(count: int) -> sa.Update:
         )
         .returning(_c.id)
     )
+
+
+def landed_successes(leases: Iterable[tuple[str, int]]) -> sa.Select:
+    """Which of these (job, generation) attempts are recorded as succeeded (a write
+    retried after its reply was lost checks what had landed)."""
+    return sa.select(_c.id).where(sa.tuple_(_c.id, _c.lease_generation).in_(list(leases)), _c.status == Status.SUCCEEDED.value)
 
 
 @functools.cache
@@ -632,15 +682,26 @@ def _requeue_or(final: Status) -> dict[str, Any]:
     }
 
 
-def _batch(where: sa.ColumnElement, order_by, limit_param: str) -> sa.ScalarSelect:
-    """A bounded batch of ids, locked and skipping rows another beat already holds."""
+def _batch(name: str, where: sa.ColumnElement, order_by, limit_param: str) -> sa.CTE:
+    """A bounded batch of ids, locked, skipping rows another beat holds; the statement
+    joins it by primary key (``UPDATE ... FROM batch WHERE id = batch.id``).
+
+    A MATERIALIZED CTE is computed once per statement. As an ``id IN (SELECT ... LIMIT
+    ... FOR UPDATE SKIP LOCKED)`` subquery the planner could rescan it once per outer
+    row (statistics taken while few leases were expired make it pick a nested loop),
+    each rescan skipping the rows the statement had just updated and locking more: one
+    statement then took every matching row (20,000 expired leases: one 49 s statement,
+    quadratic). Joined by key, the statement touches at most ``:limit`` rows and costs
+    one index probe per row, whatever the backlog and the statistics.
+    """
     return (
         sa.select(_c.id)
         .where(where)
         .order_by(order_by)
         .limit(sa.bindparam(limit_param))
         .with_for_update(skip_locked=True)
-        .scalar_subquery()
+        .cte(name)
+        .prefix_with("MATERIALIZED")
     )
 
 
@@ -653,9 +714,10 @@ def reap_expired() -> sa.Update:
     attempts are spent. Bounded by :limit; safe with several beats (SKIP LOCKED)."""
     values = _requeue_or(Status.EXPIRED)
     values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal("lease expired")), else_=_c.error)
+    batch = _batch("expired", _lease_elapsed, _c.lease_expires_at, "limit")
     return (
         sa.update(jobs)
-        .where(_c.id.in_(_batch(_lease_elapsed, _c.lease_expires_at, "limit")), _lease_elapsed)
+        .where(_c.id == batch.c.id)  # locked by this statement: still running and expired
         .values(**values)
         .returning(_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue)
     )
@@ -692,29 +754,27 @@ def claim_due_wakeups() -> sa.Update:
         sa.or_(_c.woken_at.is_(None), _c.woken_at < db_now_plus(-_seconds("stale_seconds"))),
         _c.held.is_(None),  # flow control wakes held jobs when their cause ends (flow.py)
     )
+    batch = _batch("due", due, _c.run_after, "limit")
     return (
         sa.update(jobs)
-        .where(_c.id.in_(_batch(due, _c.run_after, "limit")), due)
+        .where(_c.id == batch.c.id)  # locked by this statement: still pending and due
         .values(woken_at=db_now())
         .returning(*WAKEUP_COLUMNS)
     )
 
 
 @functools.cache
-def prunable_jobs() -> sa.Select:
-    """A bounded batch of terminal jobs finished before :cutoff_seconds ago."""
-    return (
-        sa.select(_c.id)
-        .where(_c.status.in_(_TERMINAL), _c.finished_at < db_now_plus(-_seconds("cutoff_seconds")))
-        .order_by(_c.finished_at)
-        .limit(sa.bindparam("limit"))
-    )
+def prune_jobs(dialect: str) -> ReturningDelete:
+    """prune_jobs: a bounded batch of terminal jobs finished before :cutoff_seconds ago.
 
-
-def delete_jobs(ids: Sequence[str]) -> sa.Delete:
-    # Re-checks terminal status: a job cannot be un-terminated, but this keeps the
-    # delete correct even if the batch was read in another transaction.
-    return sa.delete(jobs).where(_c.id.in_(ids), _c.status.in_(_TERMINAL))
+    Returns the ids deleted; the caller deletes their events in the same transaction.
+    """
+    old = sa.and_(_c.status.in_(_TERMINAL), _c.finished_at < db_now_plus(-_seconds("cutoff_seconds")))
+    batch = _batch("prunable", old, _c.finished_at, "limit")
+    # PostgreSQL: DELETE ... USING batch (joined by key). SQLite has no USING; it has
+    # no planner rescans either (and no row locks), so IN the batch is the same there.
+    where = _c.id == batch.c.id if dialect == "postgresql" else _c.id.in_(sa.select(batch.c.id))
+    return sa.delete(jobs).where(where).returning(_c.id)
 
 
 def delete_job_events(ids: Sequence[str]) -> sa.Delete:

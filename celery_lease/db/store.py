@@ -7,16 +7,15 @@ events are built here, in :meth:`Store.log_events`, and nowhere else.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy.engine import Connection
 
 from celery_lease.db import queries as q
-from celery_lease.db.engine import Database
+from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.prepared import Prepared
 from celery_lease.job import Job
 from celery_lease.status import Event, Status
@@ -41,13 +40,11 @@ def _view(row: Mapping[Any, Any]) -> dict[str, Any]:
     return out
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
-
-
 class Store(Database):
-    def __init__(self, url: str, *, source: str = "database_url", prepare_statements: bool = True) -> None:
-        super().__init__(url, source=source)
+    def __init__(
+        self, url: str, *, source: str = "database_url", prepare_statements: bool = True, timeouts: Timeouts | None = None
+    ) -> None:
+        super().__init__(url, source=source, timeouts=timeouts)
         #: The per-job statements, prepared server-side (PostgreSQL only).
         self._prepared: dict[str, Prepared] | None = None
         if self.dialect == "postgresql" and prepare_statements:
@@ -58,90 +55,46 @@ class Store(Database):
 
     # --- producer --------------------------------------------------------------------
 
-    def insert_jobs(self, rows: list[dict[str, Any]], *, keyed: bool, connection=None) -> list[Job]:
+    def insert_jobs(
+        self, rows: list[dict[str, Any]], *, keyed: bool, connection=None, landed: list[Job] | None = None
+    ) -> list[Job]:
+        """Insert new jobs; returns those this call inserted. A row whose id already
+        exists was inserted by an earlier try of this same submit whose reply was lost
+        (a retry after a dropped connection): it is read back, not inserted again nor
+        reported as a conflict, and appended to ``landed``."""
         if self._prepared is not None and len(rows) == 1 and not keyed and connection is None:
             # A plain single submit: one prepared INSERT, committed durably.
-            return [Job.from_row(r) for r in self.execute_prepared(self._prepared["insert"], rows[0], fast=False)]
-        stmt = q.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
+            inserted = [Job.from_row(r) for r in self.execute_prepared(self._prepared["insert"], rows[0])]
+        else:
+            stmt = q.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
 
-        def work(conn: Connection) -> list[Job]:
-            if len(rows) == 1:
-                result = conn.execute(stmt, rows[0])
-            else:
-                result = conn.execute(stmt, rows)
-            return [Job.from_row(r) for r in result.mappings()]
+            def work(conn: Connection) -> list[Job]:
+                if len(rows) == 1:
+                    result = conn.execute(stmt, rows[0])
+                else:
+                    result = conn.execute(stmt, rows)
+                return [Job.from_row(r) for r in result.mappings()]
 
-        # The INSERT is one statement: outside a caller's transaction it commits alone.
-        return self.transaction(self.engine(single=True), work, connection=connection)
+            # The INSERT is one statement: outside a caller's transaction it commits alone.
+            inserted = self.transaction(self.engine(single=True), work, connection=connection)
+        if len(inserted) < len(rows):
+            new = {j.id for j in inserted}
+            missing = [str(r["id"]) for r in rows if str(r["id"]) not in new]
+            found = self.get_jobs_by_ids(missing, connection=connection)
+            if found:
+                log.warning("celery-lease: %d job(s) had landed before a lost reply; not inserted again", len(found))
+                if landed is not None:
+                    landed.extend(found)
+        return inserted
 
-    def insert_job_batch(
-        self,
-        shared: dict[str, Any],
-        ids: list[str],
-        payloads: list[Any],
-        keys: list[str] | None,
-        *,
-        connection=None,
-    ) -> list[Job]:
-        """New pending jobs that differ only in id, payload and idempotency key; returns
-        the jobs inserted (with keys, a conflicting key inserts nothing and is left out).
+    def pending_wakeups(self, ids: Sequence[str]) -> list[dict]:
+        return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(q.pending_wakeups(ids)).mappings()])
 
-        ``shared`` holds every other column's value (q.BATCH_SHARED_COLUMNS). On
-        PostgreSQL: one prepared INSERT for a plain single job, else one
-        insert_job_batch statement, with the Jobs built here from what was sent and the
-        statement's clock instead of read back row by row.
-        """
-        batch = self.dialect == "postgresql" and (len(ids) > 1 or keys is not None or connection is not None)
-        if not batch:
-            rows = [
-                {**shared, "id": job_id, "payload": payload, "idempotency_key": None if keys is None else keys[i]}
-                for i, (job_id, payload) in enumerate(zip(ids, payloads))
-            ]
-            return self.insert_jobs(rows, keyed=keys is not None, connection=connection)
-        texts = [_json(p) for p in payloads]
-        stmt = q.insert_job_batch(on_key_conflict_nothing=keys is not None)
-        params = {**{k: shared[k] for k in q.BATCH_SHARED_COLUMNS}, "ids": ids, "payloads": texts, "keys": keys}
+    def get_jobs_by_ids(self, ids: Sequence[str], *, connection=None) -> list[Job]:
+        def work(conn):
+            return [Job.from_row(r) for r in conn.execute(q.get_jobs_by_ids(ids)).mappings()]
 
-        def work(conn: Connection) -> tuple[Any, set[str] | None]:
-            result = conn.execute(stmt, params)
-            if keys is None:  # every row was inserted, at one created_at: read one
-                first = result.first()
-                return (None if first is None else first.created_at), None
-            rows = result.all()
-            return (rows[0].created_at if rows else None), {str(r.id) for r in rows}
-
-        # One statement: outside a caller's transaction it commits alone.
-        created_at, inserted = self.transaction(self.engine(single=True), work, connection=connection)
-        if created_at is None:
-            return []
-        fields = {
-            "kind": shared["kind"],
-            "status": Status(shared["status"]),
-            "attempt": shared["attempt"],
-            "max_attempts": shared["max_attempts"],
-            "result": None,
-            "progress": None,
-            "error": None,
-            "lease_owner": None,
-            "lease_expires_at": None,
-            "lease_generation": shared["lease_generation"],
-            "lease_losses": shared["lease_losses"],
-            "run_after": shared["run_after"],
-            "created_at": created_at,
-            "started_at": None,
-            "finished_at": None,
-            "run_id": shared["run_id"],
-            "parent_id": shared["parent_id"],
-            "tenant": shared["tenant"],
-            "task": shared["task"],
-            "queue": shared["queue"],
-        }
-        # The payload as stored: what the JSON text reads back as (tuples become lists).
-        return [
-            Job(id=job_id, payload=json.loads(text), idempotency_key=None if keys is None else keys[i], **fields)
-            for i, (job_id, text) in enumerate(zip(ids, texts))
-            if inserted is None or job_id in inserted
-        ]
+        return self.transaction(self.durable, work, connection=connection)
 
     def get_jobs_by_keys(self, kind: str, keys: Sequence[str], *, connection=None) -> list[Job]:
         def work(conn):
@@ -212,53 +165,102 @@ class Store(Database):
 
     # --- lease life ------------------------------------------------------------------
 
-    def claim(self, job_id: str, owner: str, task: str) -> dict[str, Any] | None:
+    def claim(
+        self, job_id: str, owner: str, task: str, *, may_adopt: Callable[[int], bool] | None = None
+    ) -> dict[str, Any] | None:
         """Claim a job for one attempt; None when the delivery is a duplicate, names a
         job of another task than the one it was delivered to, or flow control refuses
         it (celery_lease.flow tells which). The row's id is the job claimed: a
-        higher-priority job of the same kind may be claimed instead."""
+        higher-priority job of the same kind may be claimed instead. A row whose
+        ``status`` is ``cancelled`` is a job the claim found in a cancelled run (and
+        cancelled): it must not start.
 
+        A claim retried after a dropped connection may have landed before its reply was
+        lost; then the retry matches nothing (the job is running) and the job is
+        adopted if it runs under this ``owner`` and ``may_adopt(its generation)`` (no
+        other attempt of it lives in this process; see queries.adopt_claim), instead of
+        being left running with no body until its lease expires.
+        """
         params = {"job_id": job_id, "owner": owner, "wakeup_task": task}
+        retried: list[bool] = []
+
+        def note_retry() -> None:
+            retried.append(True)
+
+        row: Any
         if self._prepared is not None:
-            rows = self.execute_prepared(self._prepared["claim"], params)
-            return rows[0] if rows else None
-        if self.dialect == "postgresql":
+            rows = self.execute_prepared(self._prepared["claim"], params, on_retry=note_retry)
+            row = rows[0] if rows else None
+        elif self.dialect == "postgresql":
             row = self.transaction(
-                self.engine(fast=True, single=True), lambda conn: conn.execute(q.claim_job_logged(), params).mappings().first()
+                self.engine(single=True),
+                lambda conn: conn.execute(q.claim_job_logged(), params).mappings().first(),
+                on_retry=note_retry,
             )
-            return None if row is None else dict(row)
+        else:
+
+            def work(conn):
+                # The job claimed may be another than job_id: see queries.claim_job_flow.
+                claimed = conn.execute(q.claim_job_flow(), params).mappings().first()
+                if claimed is not None:
+                    run_cancelled = claimed["status"] == Status.CANCELLED.value
+                    event, detail = (Event.CANCELLED, q.RUN_CANCELLED) if run_cancelled else (Event.CLAIMED, owner)
+                    self.log_events(conn, [(claimed, event, detail)])
+                return claimed
+
+            row = self.transaction(self.durable, work, on_retry=note_retry)
+        if row is None and retried and may_adopt is not None:
+            adopt = q.adopt_claim()
+            row = self.transaction(self.engine(single=True), lambda conn: conn.execute(adopt, params).mappings().first())
+            if row is not None and not may_adopt(row["lease_generation"]):
+                row = None  # an attempt of this process holds it: a duplicate after all
+            if row is not None:
+                log.warning("celery-lease: job %s: its claim had landed before the reply was lost; adopted", job_id)
+        return None if row is None else dict(row)
+
+    def renew(self, leases: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bool]:
+        """Renew many (job, generation) leases in one statement, on the heartbeat's own
+        connection; return those still held, each with whether it was renewed (False:
+        its row was locked by a transaction, see queries.renew_leases)."""
 
         def work(conn):
-            # The job claimed may be another than job_id: see queries.claim_job_flow.
-            row = conn.execute(q.claim_job_flow(), params).mappings().first()
-            if row is None:
-                return None
-            self.log_events(conn, [(row, Event.CLAIMED, owner)])
-            return dict(row)
+            return {(str(r[0]), r[1]): bool(r[2]) for r in conn.execute(q.renew_leases(self.dialect, leases))}
 
-        return self.transaction(self.fast, work)
-
-    def renew(self, leases: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
-        """Renew many (job, generation) leases in one statement; return those still held."""
-
-        def work(conn):
-            return {(str(r[0]), r[1]) for r in conn.execute(q.renew_leases(leases))}
-
-        return self.transaction(self.engine(fast=True, single=True), work)
+        return self.transaction(self.engine(heartbeat=True), work)
 
     def complete_many(self, params: dict[str, Any], count: int) -> set[str]:
-        """complete_jobs for ``count`` attempts; returns the ids that completed."""
+        """complete_jobs for ``count`` attempts; returns the ids that completed. After a
+        retry (a dropped connection) those that had landed before the reply was lost
+        count as completed too."""
+        retried: list[bool] = []
         if self._prepared is not None:
             key = f"complete_{count}"
             stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(q.complete_jobs(count)))
-            return {str(r["id"]) for r in self.execute_prepared(stmt, params)}
-        return self.transaction(
-            self.engine(fast=True, single=True), lambda conn: {str(r[0]) for r in conn.execute(q.complete_jobs(count), params)}
-        )
+            done = {str(r["id"]) for r in self.execute_prepared(stmt, params, on_retry=lambda: retried.append(True))}
+        else:
+            done = self.transaction(
+                self.engine(single=True),
+                lambda conn: {str(r[0]) for r in conn.execute(q.complete_jobs(count), params)},
+                on_retry=lambda: retried.append(True),
+            )
+        if retried and len(done) < count:
+            keys = [(str(params[f"job_id_{i}"]), params[f"generation_{i}"]) for i in range(count)]
+            done |= self.landed_successes([k for k in keys if k[0] not in done])
+        return done
+
+    def landed_successes(self, leases: Sequence[tuple[str, int]]) -> set[str]:
+        """Of these (job, generation) attempts, the ids recorded as succeeded under that
+        generation: only that attempt can have written it (a success keeps the
+        generation; every other transition bumps it)."""
+        if not leases:
+            return set()
+        stmt = q.landed_successes(leases)
+        return self.transaction(self.durable, lambda conn: {str(r[0]) for r in conn.execute(stmt)})
 
     def guarded(self, stmt, params: dict[str, Any], *, connection: Connection | None = None) -> bool:
         """Run one guarded write; False when its guard matched no row. Alone (committed
-        by itself) unless a ``connection`` is given."""
+        by itself, asynchronously: progress and checkpoints) unless a ``connection`` is
+        given."""
         return self.transaction(
             self.engine(fast=True, single=True), lambda conn: conn.execute(stmt, params).rowcount == 1, connection=connection
         )
@@ -315,11 +317,11 @@ class Store(Database):
 
     def prune(self, older_than_seconds: float, limit: int) -> int:
         def work(conn):
-            ids = [str(r[0]) for r in conn.execute(q.prunable_jobs(), {"cutoff_seconds": older_than_seconds, "limit": limit})]
-            if not ids:
-                return 0
-            conn.execute(q.delete_job_events(ids))
-            return conn.execute(q.delete_jobs(ids)).rowcount
+            params = {"cutoff_seconds": older_than_seconds, "limit": limit}
+            ids = [str(r[0]) for r in conn.execute(q.prune_jobs(self.dialect), params)]
+            if ids:
+                conn.execute(q.delete_job_events(ids))
+            return len(ids)
 
         return self.transaction(self.durable, work)
 

@@ -4,20 +4,29 @@ Every write an attempt makes goes through :meth:`Attempt.write` (or, inside a la
 transaction, :meth:`Attempt.fenced`): a guarded statement matching the job's id,
 ``running`` and this attempt's ``lease_generation``. Zero rows means the lease is lost
 (cancelled, reaped, taken by a newer attempt); :meth:`mark_lost` records that once, and
-the handler sees it as ``ctx.cancelled``. Nothing else decides that a lease is lost.
+the handler sees it as ``ctx.cancelled``.
+
+The attempt also judges its lease by its own monotonic clock: once ``LAPSE_SHARE`` of
+``lease_seconds`` has passed since the last renewal the database confirmed (counted from
+when that renewal was *sent*, so never later than the expiry the database set), the
+lease is lost whatever the heartbeat is doing. A heartbeat stuck on a connection that
+stopped answering cannot keep a handler running while the reaper hands its job to
+another worker: the handler stops at its next check and writes nothing more.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery_lease.errors import LeaseLost
+from celery_lease.errors import DatabaseUnavailable, LeaseLost
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -27,7 +36,18 @@ if TYPE_CHECKING:
 #: Identifies this boot of the worker. Set at import in the worker's main process and
 #: inherited by its pool children, so restart recovery can tell "running under this
 #: node name from an earlier boot" (interrupted) from "running here now".
+log = logging.getLogger("celery_lease.worker")
+
 BOOT_ID = uuid.uuid4().hex[:12]
+
+#: Seconds between tries of a write while the database is unreachable (the last repeats).
+BLIP_WAITS = (0.1, 0.25, 0.5, 1.0)
+
+T = TypeVar("T")
+
+#: Share of its lease after which an attempt with no confirmed renewal counts as lost:
+#: the margin covers a process paused by the scheduler and the clocks' drift.
+LAPSE_SHARE = 0.8
 
 
 def owner_of(node: str | None) -> str:
@@ -55,12 +75,20 @@ class Attempt:
     outcome: Any = None
     #: Set once the lease is known lost (cancelled, reaped, heartbeat gave up).
     lost: threading.Event = field(default_factory=threading.Event)
-    #: monotonic time of the last claim or renewal that the database confirmed.
+    #: monotonic time at which the last claim or renewal that the database confirmed
+    #: was sent.
     renewed_at: float = field(default_factory=time.monotonic)
+    #: Its success is queued in the Completer, not written yet.
+    pending_write: bool = False
+    #: Monotonic time after which the attempt is stopped and retried (kind's timeout).
+    deadline: float | None = None
+    kind: str = ""
 
     @classmethod
-    def from_claim(cls, job_id: str, row: dict[str, Any]) -> Attempt:
+    def from_claim(cls, job_id: str, row: dict[str, Any], *, sent_at: float | None = None) -> Attempt:
+        """``sent_at``: monotonic time at which the claim was sent."""
         return cls(
+            renewed_at=time.monotonic() if sent_at is None else sent_at,
             job_id=job_id,
             generation=row["lease_generation"],
             attempt=row["attempt"],
@@ -72,6 +100,7 @@ class Attempt:
             payload=row["payload"],
             checkpoint=row["checkpoint"],
             canvas=row.get("canvas"),
+            kind=row.get("kind", ""),
         )
 
     @property
@@ -84,25 +113,59 @@ class Attempt:
         return {"job_id": self.job_id, "generation": self.generation}
 
     @property
+    def lapses_at(self) -> float:
+        """Monotonic time at which the lease counts as lost without a renewal."""
+        return self.renewed_at + self.lease_seconds * LAPSE_SHARE
+
+    @property
     def is_lost(self) -> bool:
-        return self.lost.is_set()
+        if self.lost.is_set():
+            return True
+        if time.monotonic() >= self.lapses_at:
+            log.warning("celery-lease: job %s: no lease renewal confirmed in time; lease lost", self.job_id)
+            self.lost.set()
+            return True
+        return False
 
     def mark_lost(self) -> None:
         self.lost.set()
 
+    def ride_out(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:
+        """Run ``write`` (one of this attempt's writes); while the database is
+        unreachable, try again until the lease lapses by this attempt's own clock, then
+        raise LeaseLost. A short database blip (a restart, a failover) then costs a
+        pause, not the attempt: the handler's checkpoint or outcome lands once the
+        database is back. ``on_retry`` is told of each new try (the last may have
+        landed before its reply was lost)."""
+        waits = iter(BLIP_WAITS)
+        while True:
+            if self.is_lost:
+                raise LeaseLost()
+            try:
+                return write()
+            except DatabaseUnavailable:
+                wait = next(waits, BLIP_WAITS[-1])
+                log.warning("celery-lease: job %s: database unavailable; trying again within the lease", self.job_id)
+                if on_retry is not None:
+                    on_retry()
+                time.sleep(max(0.0, min(wait, self.lapses_at - time.monotonic())))
+
     def write(self, store: Store, stmt, **params: Any) -> bool:
         """One fenced statement committed alone; False (writing nothing) when the lease
-        is lost, now or before."""
-        if self.is_lost:
+        is lost, now or before, or lapses while the database is unreachable."""
+        try:
+            if self.ride_out(lambda: store.guarded(stmt, {**self.fence, **params})):
+                return True
+        except LeaseLost:
             return False
-        if store.guarded(stmt, {**self.fence, **params}):
-            return True
         self.mark_lost()
         return False
 
     def fenced(self, store: Store, conn: Connection, stmt, **params: Any) -> None:
         """A fenced statement inside ``conn``'s transaction; raises LeaseLost (so the
-        transaction rolls back whole) when its guard matches no row."""
+        transaction rolls back whole) when the lease is lost, now or before."""
+        if self.is_lost:
+            raise LeaseLost()
         if not store.guarded(stmt, {**self.fence, **params}, connection=conn):
             self.mark_lost()
             raise LeaseLost()

@@ -16,11 +16,13 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db import queries as q
-from celery_lease.errors import DatabaseUnavailable
+from celery_lease.errors import DatabaseUnavailable, LeaseLost
 from celery_lease.producer import refused_value
+from celery_lease.worker.attempt import BLIP_WAITS
 
 if TYPE_CHECKING:
     from celery_lease.db.store import Store
@@ -38,8 +40,10 @@ class Completer:
     LINGER = 0.002
     MAX_BATCH = 64
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, on_written: Callable[[Attempt], None] | None = None) -> None:
         self._store = store
+        #: Called for each attempt once its success is written (or given up on).
+        self._on_written = on_written
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._pid = 0
@@ -79,6 +83,74 @@ class Completer:
                     self._queue.task_done()
 
     def _write(self, batch: list[tuple[Attempt, Any, Any]]) -> None:
+        try:
+            self._record(batch)
+        finally:
+            for attempt, _, _ in batch:
+                attempt.pending_write = False
+                if self._on_written is not None:
+                    self._on_written(attempt)
+
+    def _record(self, batch: list[tuple[Attempt, Any, Any]]) -> None:
+        waits = iter(BLIP_WAITS)
+        while True:
+            # While the database is unreachable, try again with the attempts whose
+            # leases have not lapsed; the others are left to the reaper, exactly as
+            # if their process had died a moment earlier inside the body.
+            live = [item for item in batch if not item[0].is_lost]
+            if not live:
+                return
+            try:
+                done = self._store.complete_many(self._params(live), len(live))
+                break
+            except DatabaseUnavailable:
+                log.warning("celery-lease: database unavailable; %d success(es) wait within their leases", len(live))
+                time.sleep(next(waits, BLIP_WAITS[-1]))
+            except Exception as exc:
+                if not refused_value(exc):
+                    log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(live))
+                    return
+                # A value the database refused (values are checked before they are
+                # queued, so this is a last line of defence): one row must not cost the
+                # others.
+                log.exception("celery-lease: a batch of %d successes was refused; writing them one by one", len(live))
+                if len(live) > 1:
+                    for item in live:
+                        self._record([item])
+                else:
+                    self._refuse(live[0][0])
+                return
+        for attempt, result, progress in live:
+            if attempt.job_id in done:
+                continue
+            # Missing from the batch's result: lost, or a row the batch statement did
+            # not re-qualify after a concurrent update (a renewal) changed it. The single
+            # fenced statement decides which, so no success is discarded by a race.
+            if self._fenced_alone(attempt, q.complete_job(), new_result=result, new_progress=progress):
+                continue
+            log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
+
+    def _fenced_alone(self, attempt: Attempt, stmt, **params: Any) -> bool:
+        """One fenced outcome in its own durable transaction; False when the lease is lost."""
+        try:
+            self._store.transaction(self._store.durable, lambda conn: attempt.fenced(self._store, conn, stmt, **params))
+            return True
+        except LeaseLost:
+            return False
+
+    def _refuse(self, attempt: Attempt) -> None:
+        """The database refused this success's values: the job ends failed (fenced),
+        never stuck running nor silently dropped."""
+        try:
+            if not self._fenced_alone(attempt, q.fail_job(), new_error=UNSTORABLE_RESULT):
+                log.warning("celery-lease: job %s: lease lost; refused success discarded", attempt.job_id)
+            else:
+                log.error("celery-lease: job %s: %s", attempt.job_id, UNSTORABLE_RESULT)
+        except Exception:
+            log.exception("celery-lease: job %s: cannot record its refused success; the reaper will requeue it", attempt.job_id)
+
+    @staticmethod
+    def _params(batch: list[tuple[Attempt, Any, Any]]) -> dict[str, Any]:
         params: dict[str, Any] = {}
         for i, (attempt, result, progress) in enumerate(batch):
             params.update(
@@ -89,37 +161,4 @@ class Completer:
                     f"new_progress_{i}": progress,
                 }
             )
-        try:
-            done = self._store.complete_many(params, len(batch))
-        except DatabaseUnavailable:
-            # Left running under their leases: the reaper requeues them.
-            log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
-            return
-        except Exception as exc:
-            if not refused_value(exc):
-                log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
-                return
-            # A value the database refused (values are checked before they are queued,
-            # so this is a last line of defence): one row must not cost the others.
-            log.exception("celery-lease: a batch of %d successes was refused; writing them one by one", len(batch))
-            if len(batch) > 1:
-                for item in batch:
-                    self._write([item])
-            else:
-                self._refuse(batch[0][0])
-            return
-        for attempt, _, _ in batch:
-            if attempt.job_id not in done:
-                attempt.mark_lost()
-                log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
-
-    def _refuse(self, attempt: Attempt) -> None:
-        """The database refused this success's values: the job ends failed (fenced),
-        never stuck running nor silently dropped."""
-        try:
-            if not attempt.write(self._store, q.fail_job(), new_error=UNSTORABLE_RESULT):
-                log.warning("celery-lease: job %s: lease lost; refused success discarded", attempt.job_id)
-            else:
-                log.error("celery-lease: job %s: %s", attempt.job_id, UNSTORABLE_RESULT)
-        except Exception:
-            log.exception("celery-lease: job %s: cannot record its refused success; the reaper will requeue it", attempt.job_id)
+        return params

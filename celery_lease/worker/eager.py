@@ -22,7 +22,8 @@ from celery.exceptions import Retry
 
 from celery_lease.errors import JobFailed
 from celery_lease.producer import Producer
-from celery_lease.worker.executor import Outcome, WorkerState
+from celery_lease.worker.executor import WorkerState
+from celery_lease.worker.outcome import Outcome
 
 if TYPE_CHECKING:
     from celery_lease.canvas import Canvas

@@ -7,23 +7,33 @@ The Celery signals in :mod:`celery_lease.worker.signals` call these at their mom
 
 from __future__ import annotations
 
-import enum
 import logging
-import random
+import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Retry
 
 from celery_lease.db import queries as q
-from celery_lease.errors import DatabaseUnavailable, Failure, JobCancelled, JobFailed, JobSnoozed, JobSuspended, LeaseLost
+from celery_lease.errors import (
+    DatabaseUnavailable,
+    Failure,
+    JobCancelled,
+    JobFailed,
+    JobSnoozed,
+    JobSuspended,
+    LeaseError,
+    LeaseLost,
+)
 from celery_lease.payload import UnstorableValue, cap_error
-from celery_lease.status import Event
+from celery_lease.status import Event, Status
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import Attempt, owner_of
 from celery_lease.worker.completion import Completer
 from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
+from celery_lease.worker.outcome import INTERNAL_ERROR, TIMED_OUT, Outcome, backoff
 
 if TYPE_CHECKING:
     from celery_lease.canvas import Canvas
@@ -34,27 +44,6 @@ if TYPE_CHECKING:
     from celery_lease.settings import Settings
 
 log = logging.getLogger("celery_lease.worker")
-
-#: The stored error of any exception that is not a Failure. Its text and traceback go
-#: to the log with the job id, never to the table: a dependency's message may carry a
-#: secret (a DSN, a token, a row of customer data).
-INTERNAL_ERROR = "internal error"
-
-
-def backoff(attempt: int, base: float, cap: float) -> float:
-    """Exponential backoff with jitter: base * 2^(attempt-1), capped, times 0.5..1.5."""
-    return min(cap, base * 2 ** max(0, attempt - 1)) * random.uniform(0.5, 1.5)
-
-
-class Outcome(enum.Enum):
-    """How a handler's body ended, before it is recorded."""
-
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"  # Failure(msg): no retry
-    SUSPENDED = "suspended"  # warm shutdown: hand the job off
-    SNOOZED = "snoozed"  # ctx.snooze(): back to pending, due later, attempt not spent
-    CANCELLED = "cancelled"  # lease lost or job cancelled: write nothing
-    ERROR = "error"  # any other exception: retry while attempts remain
 
 
 class WorkerState:
@@ -84,9 +73,23 @@ class WorkerState:
         self.producer = producer
         self.registry = registry
         self.settings = settings
-        self.heartbeat = Heartbeat(store, broker_url, notice_channel)
+        self.heartbeat = Heartbeat(store, broker_url, notice_channel, on_timeout=self._time_out)
         #: Batches plain successes on PostgreSQL, where each statement is a round trip.
-        self.completer = Completer(store) if store.dialect == "postgresql" else None
+        self.completer = Completer(store, on_written=self._release) if store.dialect == "postgresql" else None
+        #: What a claim whose reply was lost needs to know before it adopts a job found
+        #: running under this process (Store.claim): claims in progress here per job,
+        #: and the attempts that live here until their outcome is written.
+        self._claiming: dict[str, int] = {}
+        self._live: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+
+    def _release(self, attempt: Attempt) -> None:
+        with self._lock:
+            self._live.discard(attempt.key)
+
+    def _may_adopt(self, job_id: str, generation: int) -> bool:
+        with self._lock:
+            return self._claiming.get(job_id) == 1 and (job_id, generation) not in self._live
 
     # --- task_prerun / task_postrun ------------------------------------------------
 
@@ -95,17 +98,44 @@ class WorkerState:
         if shutdown.requested():
             # Warm shutdown: leave the job pending, and since this (early-acked)
             # delivery is spent, wake another worker for it now rather than after the
-            # sweeper's staleness threshold.
-            self.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
+            # sweeper's staleness threshold: on the job's own queue (the row's; this
+            # delivery's routing key need not name a queue), and only if it is pending.
+            try:
+                self.producer.publish_wakeups(self.store.pending_wakeups([job_id]))
+            except LeaseError:
+                log.warning("celery-lease: job %s: not re-woken at shutdown; the sweeper will", job_id)
             return None
-        if self.flow is not None:
-            row = self.flow.claim(job_id, spec, owner_of(hostname), queue)
-        else:
-            row = self.store.claim(job_id, owner_of(hostname), spec.task)
-        if row is None:
-            log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
+        with self._lock:
+            self._claiming[job_id] = self._claiming.get(job_id, 0) + 1
+        sent_at = time.monotonic()
+        owner = owner_of(hostname)
+
+        def may_adopt(generation: int) -> bool:
+            return self._may_adopt(job_id, generation)
+
+        try:
+            if self.flow is not None:
+                row = self.flow.claim(job_id, spec, owner, queue, may_adopt=may_adopt)
+            else:
+                row = self.store.claim(job_id, owner, spec.task, may_adopt=may_adopt)
+            if row is not None and row.get("status", Status.RUNNING.value) == Status.RUNNING.value:
+                with self._lock:
+                    self._live.add((str(row["id"]), row["lease_generation"]))
+        finally:
+            with self._lock:
+                self._claiming[job_id] -= 1
+                if not self._claiming[job_id]:
+                    del self._claiming[job_id]
+        if row is None or row.get("status") == Status.CANCELLED.value:
+            if row is None:
+                log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
+            else:
+                log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
             return None
-        attempt = Attempt.from_claim(str(row["id"]), row)  # a higher-priority job may be claimed instead
+        # A higher-priority job may be claimed in place of the delivered one.
+        attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
+        if spec.timeout is not None:
+            attempt.deadline = sent_at + spec.timeout
         self.heartbeat.add(attempt)
         return attempt
 
@@ -114,6 +144,8 @@ class WorkerState:
             self.heartbeat.remove(attempt)
             if self.flow is not None:
                 self.flow.release(attempt)  # its outcome is written: a held job may take its slot
+            if not attempt.pending_write:  # else the completer releases it once written
+                self._release(attempt)
 
     def flush(self) -> None:
         if self.completer is not None:
@@ -215,10 +247,13 @@ class WorkerState:
 
     def _succeed(self, ctx: JobContext, attempt: Attempt, result: Any) -> Any:
         staged = ctx.staged
+        if attempt.is_lost:  # by its own clock too: write nothing more
+            raise LeaseLost()
         followup = self.canvas.after_success(attempt, result, eager=self.eager) if self.canvas and attempt.canvas else None
         # (Not batched for a limited kind: its slot is freed once the success is written.)
         limited = self.flow is not None and self.flow.holds_slot(attempt)
         if self.completer is not None and not (staged.effects or staged.children or attempt.run_id or followup or limited):
+            attempt.pending_write = True
             self.completer.add(attempt, result, ctx.pending_progress)
             return result
         children_rows = [self.producer.job_row(child, payload, options) for child, payload, options in staged.children]
@@ -255,11 +290,48 @@ class WorkerState:
             return children
 
         alone = not (staged.effects or children_rows or attempt.run_id or followup)  # SQLite: nothing to batch
-        children = self.store.transaction(self.store.engine(fast=True, single=alone), work)
+        retried: list[bool] = []
+
+        def note_retry() -> None:
+            retried.append(True)
+
+        try:
+            # Durable: once this commits, wait() and the API may report the success.
+            children = attempt.ride_out(
+                lambda: self.store.transaction(self.store.engine(single=alone), work, on_retry=note_retry), note_retry
+            )
+        except LeaseLost:
+            # Retried after a dropped connection: the first try may have committed
+            # before its reply was lost (its children are then woken by the sweeper).
+            if retried and self.store.landed_successes([attempt.key]):
+                log.warning("celery-lease: job %s: success had landed before the reply was lost", attempt.job_id)
+                return result
+            raise
         self.producer.publish_wakeups(children)
         if followup is not None:
             followup.send()
         return result
+
+    def _time_out(self, attempt: Attempt) -> None:
+        """The heartbeat found ``attempt`` past its kind's timeout: record a retry (or,
+        with no attempt left, a failure) now; the heartbeat then marks it lost, so the
+        handler stops at its next check and nothing it writes afterwards lands."""
+        spec = self.registry.resolve(attempt.kind)
+        log.warning(
+            "celery-lease: job %s (%s) attempt %d timed out after %ss; stopping it",
+            attempt.job_id,
+            spec.kind,
+            attempt.attempt,
+            spec.timeout,
+        )
+        try:
+            if attempt.attempt < attempt.max_attempts:
+                delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
+                self._retry(attempt, delay, why="timed out")
+            else:
+                self._fail(attempt, TIMED_OUT)
+        except LeaseLost:
+            log.info("celery-lease: job %s: lease already lost at its timeout", attempt.job_id)
 
     def _fail(self, attempt: Attempt, error: str) -> None:
         followup = self.canvas.after_failure(attempt, error, eager=self.eager) if self.canvas and attempt.canvas else None
@@ -272,22 +344,25 @@ class WorkerState:
             )
             return created
 
-        created = self.store.transaction(self.store.fast, work)
+        created = attempt.ride_out(lambda: self.store.transaction(self.store.durable, work))
         if followup is not None:
             self.producer.publish_wakeups(created)
             followup.send()
 
-    def _retry(self, attempt: Attempt, delay: float) -> None:
+    def _retry(self, attempt: Attempt, delay: float, why: str | None = None) -> None:
         def work(conn):
             attempt.fenced(self.store, conn, q.retry_job(), delay=delay)
-            self.store.log_events(conn, [(attempt, Event.RETRIED, f"in {delay:.1f}s")])
+            detail = f"in {delay:.1f}s" if why is None else f"{why}; in {delay:.1f}s"
+            self.store.log_events(conn, [(attempt, Event.RETRIED, detail)])
 
-        self.store.transaction(self.store.fast, work)
+        attempt.ride_out(lambda: self.store.transaction(self.store.durable, work))
 
     def _hand_off(self, attempt: Attempt) -> None:
         """Warm shutdown: back to pending at once, attempt not spent, wakeup sent."""
 
         def work(conn):
+            if attempt.is_lost:
+                raise LeaseLost()
             row = conn.execute(q.hand_off_job(), attempt.fence).mappings().first()
             if row is None:
                 attempt.mark_lost()
@@ -295,7 +370,7 @@ class WorkerState:
             self.store.log_events(conn, [(attempt, Event.REQUEUED, "shutdown handoff")])
             return dict(row)
 
-        row = self.store.transaction(self.store.fast, work)
+        row = attempt.ride_out(lambda: self.store.transaction(self.store.durable, work))
         log.info("celery-lease: job %s: handed off on shutdown", attempt.job_id)
         self.producer.publish_wakeups([row])
 

@@ -2,9 +2,11 @@
 
 One daemon thread per process. A round runs every third of the shortest lease held,
 and at once when an attempt with a shorter lease arrives or a cancel notice comes in.
-A renewal that fails on a database error is retried every second; an attempt whose
-lease would expire before a renewal lands is marked lost, so its handler stops writing
-before another attempt can be claimed.
+A renewal that fails on a database error is retried every second. Renewals run on a
+connection of their own with short timeouts; whatever the heartbeat does, an attempt
+whose renewal is not confirmed in time counts as lost by its own clock
+(:attr:`Attempt.is_lost`), so its handler stops writing before another attempt can be
+claimed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from celery_lease import cancel_notice
@@ -25,20 +28,33 @@ log = logging.getLogger("celery_lease.worker")
 
 
 class Heartbeat:
-    RETRY_SECONDS = 1.0
-    #: Past this share of its lease without a confirmed renewal an attempt gives up:
-    #: beyond it the reaper may already have handed the job to another attempt.
-    GIVE_UP_SHARE = 0.8
+    #: Gap before the next try after a renewal failed on a database error.
+    RETRY_SECONDS = 0.5
+    MIN_GAP = 0.25
 
-    def __init__(self, store: Store, broker_url: str | None, notice_channel: str | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        broker_url: str | None,
+        notice_channel: str | None = None,
+        on_timeout: Callable[[Attempt], None] | None = None,
+    ) -> None:
         self._store = store
         self._broker_url = broker_url
         self._notice_channel = notice_channel
+        #: Called (from this thread) for an attempt past its kind's timeout.
+        self._on_timeout = on_timeout
         #: Keyed by (job, generation): a second attempt of one job in this process never
         #: hides the first from lost-lease detection.
         self._attempts: dict[tuple[str, int], Attempt] = {}
         self._lock = threading.Lock()
+        #: One renewal at a time on the heartbeat's single connection (the thread's
+        #: rounds and a handler's ctx.heartbeat()).
+        self._renewing = threading.Lock()
         self._wake = threading.Event()
+        #: Set with _wake when the wake asks for a renewal now (a cancel notice), not
+        #: just for re-timing the loop (an attempt arrived).
+        self._urgent = False
         self._thread: threading.Thread | None = None
         self._pid = 0
         #: Seconds the last renewal statement took (for metrics).
@@ -48,7 +64,6 @@ class Heartbeat:
 
     def add(self, attempt: Attempt) -> None:
         with self._lock:
-            shortest = min((a.lease_seconds for a in self._attempts.values()), default=None)
             self._attempts[attempt.key] = attempt
             if self._thread is None or self._pid != os.getpid():
                 self._pid = os.getpid()
@@ -58,8 +73,9 @@ class Heartbeat:
                 self.notices = cancel_notice.listen(
                     self._broker_url, self.wake, held=self.held_jobs, channel_name=self._notice_channel
                 )
-            elif shortest is None or attempt.lease_seconds < shortest:
-                # The sleeping round was timed for longer leases: re-time it now.
+            else:
+                # Re-time the sleeping loop (a shorter lease or a deadline may now come
+                # first); it renews nothing until something is due.
                 self._wake.set()
 
     def remove(self, attempt: Attempt) -> None:
@@ -74,44 +90,81 @@ class Heartbeat:
 
     def wake(self) -> None:
         """Renew now, e.g. when told by a message that a job may have been cancelled."""
+        self._urgent = True
         self._wake.set()
 
     def renew_now(self, attempt: Attempt) -> bool:
-        self._renew([attempt])
+        # A round stuck on a connection that stopped answering must not hold the
+        # handler past the moment its lease lapses by its own clock.
+        if self._renewing.acquire(timeout=max(0.0, attempt.lapses_at - time.monotonic())):
+            try:
+                self._renew_held([attempt])
+            finally:
+                self._renewing.release()
         return not attempt.is_lost
 
-    def _interval(self) -> float:
+    def _due(self) -> float | None:
+        """Monotonic time of the next thing to do: the earliest renewal due (a third of
+        a lease after its last confirmed renewal) or timeout deadline; None when idle."""
         with self._lock:
-            leases = [a.lease_seconds for a in self._attempts.values()]
-        return min(leases) / 3 if leases else 1.0
+            live = [a for a in self._attempts.values() if not a.is_lost]
+        times = [a.renewed_at + a.lease_seconds / 3 for a in live] + [a.deadline for a in live if a.deadline is not None]
+        return min(times) if times else None
 
     def _loop(self) -> None:
-        delay = self._interval()
+        not_before = 0.0
         while True:
-            self._wake.wait(delay)
+            due = self._due()
+            # A round is spaced from the last by at least MIN_GAP (a row skipped because
+            # it was locked keeps its old renewal time and would be due at once again).
+            timeout = None if due is None else max(0.0, max(due, not_before) - time.monotonic())
+            woken = self._wake.wait(timeout)
             self._wake.clear()
+            urgent, self._urgent = self._urgent, False
+            if woken and not urgent:
+                continue  # an attempt arrived: re-time; a renewal right after its claim is wasted
+            self._time_out_overdue()
             with self._lock:
                 attempts = [a for a in self._attempts.values() if not a.is_lost]
             ok = self._renew(attempts) if attempts else True
-            delay = self._interval() if ok else self.RETRY_SECONDS
+            not_before = time.monotonic() + (self.MIN_GAP if ok else self.RETRY_SECONDS)
+
+    def _time_out_overdue(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            overdue = [a for a in self._attempts.values() if a.deadline is not None and now >= a.deadline and not a.is_lost]
+        for a in overdue:
+            try:
+                if self._on_timeout is not None:
+                    self._on_timeout(a)
+            except Exception:
+                log.exception("celery-lease: job %s: cannot record its timeout", a.job_id)
+            finally:
+                a.mark_lost()  # stop the handler; its later writes are discarded
 
     def _renew(self, attempts: list[Attempt]) -> bool:
+        with self._renewing:
+            return self._renew_held(attempts)
+
+    def _renew_held(self, attempts: list[Attempt]) -> bool:
+        # The database set each new expiry after this instant: counting from it, the
+        # attempt's own deadline never falls after the one in the table.
         started = time.monotonic()
         try:
             held = self._store.renew([a.key for a in attempts])
         except Exception:
+            # Each attempt gives up by its own clock (Attempt.is_lost) once the renewal
+            # it needs is too late; until then, retry.
             log.warning("celery-lease: heartbeat failed; retrying within the lease", exc_info=True)
-            now = time.monotonic()
-            for a in attempts:
-                if now - a.renewed_at > a.lease_seconds * self.GIVE_UP_SHARE:
-                    log.warning("celery-lease: job %s: heartbeat gave up; lease lost", a.job_id)
-                    a.mark_lost()
             return False
         now = time.monotonic()
         self.last_latency = now - started
         for a in attempts:
             if a.key in held:
-                a.renewed_at = now
+                # Held but not renewed: its row was locked (this process's own success
+                # transaction, most likely): not lost, and not waited for.
+                if held[a.key]:
+                    a.renewed_at = started
                 continue
             a.mark_lost()
             with self._lock:

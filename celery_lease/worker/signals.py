@@ -1,6 +1,7 @@
 """Celery's moments mapped onto lease transitions. Handlers stay thin.
 
-- ``worker_init``: check the database is reachable; exit with one clear line if not.
+- ``worker_init``: size the connection pools for the worker's concurrency; check the
+  database is reachable; exit with one clear line if not.
 - ``worker_ready``: restart recovery, before the worker takes new work.
 - ``task_prerun``: claim the job (one atomic statement) and start its heartbeats.
 - (the task body): run the handler; record success / failure / retry.
@@ -17,6 +18,7 @@ belongs to this CeleryLease's app.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -38,6 +40,7 @@ def connect(
     owner: object,
     *,
     ping: Callable[[], None],
+    size_pools: Callable[[int], None],
     recover: Callable[[str], dict[str, int]],
     worker_state: Callable[[], WorkerState],
     cancel: Callable[[str], bool],
@@ -51,6 +54,9 @@ def connect(
     def check_database(sender=None, **_):
         if getattr(sender, "app", None) is not app:
             return
+        # Pools follow the worker's concurrency (threads pool: all in this process).
+        concurrency = getattr(sender, "concurrency", None)
+        size_pools(concurrency if isinstance(concurrency, int) else (os.cpu_count() or 2))
         try:
             ping()
         except LeaseError as exc:

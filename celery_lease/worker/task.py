@@ -23,7 +23,7 @@ from celery_lease.kinds import JobKind
 from celery_lease.results import LeaseBackend, LeaseResult
 from celery_lease.status import Status
 from celery_lease.worker import events
-from celery_lease.worker.executor import Outcome
+from celery_lease.worker.outcome import Outcome
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection

@@ -648,19 +648,16 @@ def test_prune_deletes_old_terminal_jobs_and_their_events_in_bounded_batches(db,
         )
 
     deleted_per_statement: list[int] = []
+    prune_one_batch = mod.leases.store.prune  # one DELETE ... RETURNING per call
 
-    def count(conn, cursor, statement, parameters, context, executemany):
-        if statement.startswith("DELETE FROM celery_lease_jobs"):
-            deleted_per_statement.append(cursor.rowcount)
+    def count(*args, **kwargs):
+        deleted_per_statement.append(prune_one_batch(*args, **kwargs))
+        return deleted_per_statement[-1]
 
-    engine = sa.engine.Engine  # whichever engine the store uses for prune
-    sa.event.listen(engine, "after_cursor_execute", count)
-    try:
-        assert mod.leases.prune(older_than=3600) == 2 * MAX_BATCHES  # bounded per call
-        assert mod.leases.prune(older_than=3600) == 5
-        assert mod.leases.prune(older_than=3600) == 0
-    finally:
-        sa.event.remove(engine, "after_cursor_execute", count)
+    mod.leases.store.prune = count
+    assert mod.leases.prune(older_than=3600) == 2 * MAX_BATCHES  # bounded per call
+    assert mod.leases.prune(older_than=3600) == 5
+    assert mod.leases.prune(older_than=3600) == 0
     assert max(deleted_per_statement) <= 2 and sum(deleted_per_statement) == n_old
     with sql(db).connect() as conn:
         left = {str(r[0]) for r in conn.execute(sa.select(jobs.c.id))}

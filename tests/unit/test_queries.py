@@ -67,7 +67,7 @@ def test_claim_waits_for_run_after(store, add_job):
 def test_renew_holds_only_a_running_lease_of_the_same_generation(store, add_job, status):
     job_id = add_job(status=status, lease_generation=3, expires_in=10)
     held = store.renew([(job_id, 3), (job_id, 2)])
-    assert held == ({(job_id, 3)} if status == "running" else set())
+    assert held == ({(job_id, 3): True} if status == "running" else {})
 
 
 @pytest.mark.parametrize(

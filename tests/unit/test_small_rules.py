@@ -14,7 +14,7 @@ from celery_lease.beat.periodic import Periodic
 from celery_lease.job import parse_job_id
 from celery_lease.ops import listing
 from celery_lease.settings import Settings
-from celery_lease.worker.executor import backoff
+from celery_lease.worker.outcome import backoff
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 

@@ -1,0 +1,106 @@
+"""Beat's maintenance ticks, run by a thread of each worker's main process.
+
+Ticks used to be ordinary tasks in the worker pool, so they waited behind prefetched
+job messages: with every pool slot busy with long jobs a tick waited until one freed
+(minutes), and with an ``expires`` taken from beat's clock it was then discarded. A
+reaper that does not run undoes every other guarantee, so ticks do not go through the
+pool at all:
+
+* each worker's main process runs one :class:`TickRunner` thread with its own broker
+  connection, consuming only the maintenance queue (one message at a time), whatever
+  the pool is doing (prefork, threads, solo);
+* the pool's consumer does not take that queue (``entries.register`` deselects it);
+* ticks carry no ``expires``: whether one is stale would be judged by comparing beat's
+  clock with the worker's. A backlog (workers were down while beat ran) is drained
+  instead: a tick of a kind this worker ran less than half an interval ago is acked
+  and skipped. Ticks are idempotent and bounded, so running one late is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery
+from kombu import Consumer
+
+log = logging.getLogger("celery_lease.maintenance")
+
+
+class TickRunner:
+    #: Seconds between checks of the stop flag while the queue is empty.
+    POLL = 1.0
+    #: Seconds to wait before reconnecting after a broker error.
+    RECONNECT = 1.0
+
+    def __init__(self, app: Celery, queue: str, tasks: dict[str, tuple[Callable[[], Any], float]]) -> None:
+        self._app = app
+        self._queue = queue
+        #: task name -> (what to run, its interval in seconds)
+        self._tasks = tasks
+        self._last: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: Ticks run and skipped so far (tests and logs).
+        self.ran = 0
+        self.skipped = 0
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="celery-lease-ticks", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._consume()
+            except Exception as exc:
+                # The broker restarted or is unreachable: reconnect; ticks wait in Redis.
+                log.warning("celery-lease: maintenance tick consumer: %s; reconnecting", type(exc).__name__)
+                self._stop.wait(self.RECONNECT)
+
+    def _consume(self) -> None:
+        queue = self._app.amqp.queues[self._queue]  # declared as beat's producer declares it
+        with self._app.connection_for_read() as conn:
+            conn.ensure_connection(max_retries=1)
+            consumer = Consumer(
+                conn, queues=[queue], callbacks=[self._on_message], accept=self._app.conf.accept_content, prefetch_count=1
+            )
+            with consumer:
+                while not self._stop.is_set():
+                    try:
+                        conn.drain_events(timeout=self.POLL)
+                    except TimeoutError:
+                        conn.heartbeat_check()
+
+    def _on_message(self, body: Any, message: Any) -> None:
+        headers = message.headers or {}
+        name = headers.get("task") or (body.get("task") if isinstance(body, dict) else None)
+        # Acked before running: a tick is idempotent, and one lost with this process is
+        # replaced by the next one beat sends.
+        message.ack()
+        entry = self._tasks.get(name or "")
+        if entry is None:
+            log.warning("celery-lease: dropped a message for %r from the maintenance queue", name)
+            return
+        run, interval = entry
+        now = time.monotonic()
+        last = self._last.get(name or "")
+        if last is not None and now - last < interval / 2:
+            self.skipped += 1
+            return
+        self._last[name or ""] = now
+        try:
+            run()
+            self.ran += 1
+            log.info("celery-lease: maintenance tick %s done", name)
+        except Exception:
+            log.exception("celery-lease: maintenance tick %s failed", name)

@@ -1,0 +1,30 @@
+"""How an attempt's body ended, and what follows from it: the outcome, the errors
+stored for an exception, and the backoff before a retry."""
+
+from __future__ import annotations
+
+import enum
+import random
+
+#: The stored error of any exception that is not a Failure. Its text and traceback go
+#: to the log with the job id, never to the table: a dependency's message may carry a
+#: secret (a DSN, a token, a row of customer data).
+INTERNAL_ERROR = "internal error"
+#: The stored error of a job whose last attempt ran past its kind's timeout.
+TIMED_OUT = "timed out"
+
+
+def backoff(attempt: int, base: float, cap: float) -> float:
+    """Exponential backoff with jitter: base * 2^(attempt-1), capped, times 0.5..1.5."""
+    return min(cap, base * 2 ** max(0, attempt - 1)) * random.uniform(0.5, 1.5)
+
+
+class Outcome(enum.Enum):
+    """How a handler's body ended, before it is recorded."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # Failure(msg): no retry
+    SUSPENDED = "suspended"  # warm shutdown: hand the job off
+    SNOOZED = "snoozed"  # ctx.snooze(): back to pending, due later, attempt not spent
+    CANCELLED = "cancelled"  # lease lost or job cancelled: write nothing
+    ERROR = "error"  # any other exception: retry while attempts remain

@@ -1,0 +1,116 @@
+"""A TCP proxy between a process and PostgreSQL that a test can freeze or cut.
+
+    proxy = TcpProxy("127.0.0.1", 5432).start()
+    url = proxy.url_for(db_url)           # the same database, through the proxy
+    proxy.pause()                         # connections stay open, nothing gets through:
+                                          # a server that silently stopped answering
+    proxy.resume()                        # what was held is delivered
+    proxy.cut_reply_to(b"some bytes")     # the next request that contains them reaches
+                                          # the server, its reply never reaches the
+                                          # client, and the connection drops: a lost reply
+    proxy.close()
+
+Threads only, no dependencies; one pair of pump threads per connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import sqlalchemy as sa
+
+
+class TcpProxy:
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(128)
+        self.port = self._listener.getsockname()[1]
+        self._open = threading.Event()  # set: forwarding; clear: paused
+        self._open.set()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._cut_marker: bytes | None = None
+        #: Requests whose replies were dropped (cut_reply_to).
+        self.cuts = 0
+        self._sockets: set[socket.socket] = set()
+
+    def url_for(self, url: str) -> str:
+        return sa.engine.make_url(url).set(host="127.0.0.1", port=self.port).render_as_string(hide_password=False)
+
+    def start(self) -> TcpProxy:
+        threading.Thread(target=self._accept, name="tcpproxy-accept", daemon=True).start()
+        return self
+
+    def pause(self) -> None:
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
+
+    def cut_reply_to(self, marker: bytes) -> None:
+        with self._lock:
+            self._cut_marker = marker
+
+    def close(self) -> None:
+        self._closed = True
+        self._open.set()
+        for s in [self._listener, *list(self._sockets)]:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    # --- internals ------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=10)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            self._sockets.update((client, upstream))
+            pair = {"cut": False}
+            threading.Thread(target=self._pump, args=(client, upstream, pair, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, pair, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, pair: dict, from_client: bool) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                self._open.wait()
+                if self._closed:
+                    break
+                if from_client:
+                    with self._lock:
+                        marker = self._cut_marker
+                        if marker is not None and marker in data:
+                            self._cut_marker = None
+                            pair["cut"] = True
+                elif pair["cut"]:
+                    # The server has answered the marked request: drop the answer and
+                    # the connection, as a network failure right after the commit would.
+                    self.cuts += 1
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+                self._sockets.discard(s)
