@@ -260,7 +260,8 @@ def _cancel_waiter(pg, broker, client_app, workers, marker_dir, lease, cancel) -
     # subscribed would be missed (the heartbeat, 100 s away with a 300 s lease, is then
     # all that is left).
     client = redis.Redis.from_url(broker)
-    wait_for(lambda: client.pubsub_numsub(cancel_notice.CHANNEL)[0][1] >= 1, timeout=20, what="the notice listener")
+    name = cancel_notice.channel(mod.app.conf.broker_url, mod.app.main)
+    wait_for(lambda: client.pubsub_numsub(name)[0][1] >= 1, timeout=20, what="the notice listener")
     cancel(mod, job.id)
     assert mod.leases.get(job.id).status is Status.CANCELLED
     wait_for(
