@@ -283,10 +283,12 @@ class Beat:
         module: str = "tests.apps.app",
         extra_env: dict | None = None,
         env_hook=None,
+        loglevel: str = "INFO",
     ) -> None:
         self.log_path = workdir / f"beat-{uuid.uuid4().hex[:6]}.log"
         schedule = workdir / f"beat-schedule-{uuid.uuid4().hex[:6]}"
-        self.args = [CELERY, "-A", module, "beat", "-l", "INFO", "-s", str(schedule)]
+        # Maintenance ticks log at DEBUG: tests that count beat's sends ask for DEBUG.
+        self.args = [CELERY, "-A", module, "beat", "-l", loglevel, "-s", str(schedule)]
         self.env = _env(db, broker, conf, extra_env)
         if env_hook is not None:  # e.g. tests.harness.faketime.skewed_env: a skewed clock
             self.env = env_hook(self.env)

@@ -73,7 +73,7 @@ def test_maintenance_ticks_run_while_every_pool_slot_is_busy(
     busy = [mod.stale.submit({"gate": str(gate), "marker_dir": str(tmp_path)}) for _ in range(2)]
     wait_for(lambda: all(status_of(db, j.id) == "running" for j in busy), timeout=30, what="both pool slots busy")
     queued = mod.echo.submit_many([{"value": i} for i in range(6)])  # prefetched behind the busy slots
-    beat = beats(pg, broker, conf=FAST_BEAT, module=APP)
+    beat = beats(pg, broker, conf=FAST_BEAT, module=APP, loglevel="DEBUG")
     try:
         lost = expired_lease(make_job, pg)
         wait_for(lambda: status_of(db, lost) != "running", timeout=30, what="beat's reaper to requeue the lost job")
@@ -109,7 +109,7 @@ def test_beat_with_a_skewed_clock_still_reaps_and_sweeps(pg, broker, client_app,
     expired, and maintenance stopped)."""
     mod = client_app(pg, broker, conf=FAST_BEAT, module=APP)
     w = workers(pg, broker, conf=FAST_BEAT, module=APP)
-    beat = beats(pg, broker, conf=FAST_BEAT, module=APP, env_hook=lambda env: faketime.skewed_env(skew, env))
+    beat = beats(pg, broker, conf=FAST_BEAT, module=APP, env_hook=lambda env: faketime.skewed_env(skew, env), loglevel="DEBUG")
     lost = expired_lease(make_job, pg)
     never_woken = make_job(pg, payload={"value": "never woken"})
     # Nothing in this process reaps or sweeps: only beat's ticks can finish these.

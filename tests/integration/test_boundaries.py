@@ -180,7 +180,12 @@ class _Renewals:
         self.count = 0
 
     def __call__(self, conn, cursor, statement, parameters, *args) -> None:
-        renewal = statement.lstrip().upper().startswith("UPDATE") and "lease_expires_at" in statement
+        # An UPDATE of lease_expires_at, alone or inside a CTE (PostgreSQL's renewal
+        # skips rows locked by this process's own transactions: WITH ... UPDATE).
+        renewal = (
+            "UPDATE celery_lease_jobs" in statement.upper().replace("UPDATE CELERY_LEASE_JOBS", "UPDATE celery_lease_jobs")
+            and "lease_expires_at" in statement
+        )
         if renewal and self.job_id in str(parameters):
             self.count += 1
 
