@@ -34,6 +34,17 @@ CELERY = str(Path(sys.executable).with_name("celery"))
 SUMMARY_LINES = pytest.StashKey[list]()
 
 
+def pytest_collection_modifyitems(config, items):
+    """``slow`` tests (long chaos variants) run only when asked for with ``-m slow``,
+    so the default run (the README's test command, CI) stays short."""
+    if "slow" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     lines = config.stash.get(SUMMARY_LINES, [])
     if lines:

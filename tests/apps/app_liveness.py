@@ -119,3 +119,17 @@ def hung(ctx: JobContext, payload: dict) -> dict:
 def hung_once(ctx: JobContext, payload: dict) -> dict:
     _poll(ctx, payload.get("seconds", 30))
     return {"attempt": ctx.attempt}
+
+
+@leases.job(
+    kind="chaos_long",
+    max_attempts=int(os.environ.get("CL_CHAOS_ATTEMPTS", "6")),
+    lease_seconds=int(os.environ.get("CL_TEST_LONG_LEASE", "30")),
+    retry_backoff=0.2,
+    retry_backoff_max=1.0,
+)
+def chaos_long(ctx: JobContext, payload: dict) -> dict:
+    """The chaos job with a long lease, run by the same workers as the short one."""
+    from tests.apps.app_faults import chaos as short
+
+    return short.spec.fn(ctx, payload)

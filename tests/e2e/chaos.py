@@ -43,6 +43,17 @@ class Scenario:
     lease: int = 3
     long_every: int = 25  # every n-th job runs ~8 s: several leases, most of a visibility timeout
     seed: int = 7
+    # --- production configurations (issue #9) ---
+    pool: str = "prefork"
+    #: every other job is of a kind with a lease of ``long_lease`` s, in the same workers
+    mixed_leases: bool = False
+    long_lease: int = 30
+    #: beat's wall clock is this far off (libfaketime), e.g. "-6s" or "+5m"
+    beat_skew: str | None = None
+    #: PostgreSQL (a PrivateCluster) crashes this many seconds into the faults, once
+    pg_crash_at: float | None = None
+    #: attempts per job: high enough that no job may run out of them under the faults
+    attempts: int = 20
 
     @classmethod
     def from_env(cls, **defaults) -> Scenario:
@@ -58,13 +69,18 @@ class Scenario:
         return s
 
     def payloads(self) -> list[dict]:
+        """The jobs' payloads; with ``mixed_leases``, every other one says
+        ``"lease": "long"`` (submit it as chaos_long)."""
         rng = random.Random(self.seed)
         out = []
         for n in range(self.jobs):
             if self.long_every and n % self.long_every == self.long_every - 1:
-                out.append({"steps": 16, "sleep": 0.5})
+                payload = {"steps": 16, "sleep": 0.5}
             else:
-                out.append({"steps": rng.randint(2, 3), "sleep": rng.choice((0.1, 0.15, 0.2))})
+                payload = {"steps": rng.randint(2, 3), "sleep": rng.choice((0.1, 0.15, 0.2))}
+            if self.mixed_leases and n % 2:
+                payload["lease"] = "long"
+            out.append(payload)
         return out
 
 
@@ -126,12 +142,16 @@ class Fleet:
         extra_env: dict | None = None,
         queues: str | None = None,
         with_beat: bool = False,
+        beat_env_hook: Callable[[dict], dict] | None = None,
     ) -> None:
         self.db, self.redis, self.logdir, self.scenario = db, redis_server, logdir, scenario
-        self.options = dict(module=module, conf=conf, extra_env=extra_env, queues=queues, concurrency=scenario.concurrency)
+        self.options = dict(
+            module=module, conf=conf, extra_env=extra_env, queues=queues, concurrency=scenario.concurrency, pool=scenario.pool
+        )
         self.workers: list[Worker] = []
         self.beat: Beat | None = None
         self.with_beat = with_beat
+        self.beat_env_hook = beat_env_hook
 
     def _worker(self, name: str) -> Worker:
         return Worker(name, self.db, self.redis.url, self.logdir, **self.options).start()
@@ -139,7 +159,15 @@ class Fleet:
     def start(self) -> Fleet:
         self.workers = [self._worker(f"w{i + 1}") for i in range(self.scenario.workers)]
         if self.with_beat:
-            self.beat = Beat(self.db, self.redis.url, self.logdir, self.options["conf"], self.options["module"]).start()
+            self.beat = Beat(
+                self.db,
+                self.redis.url,
+                self.logdir,
+                self.options["conf"],
+                self.options["module"],
+                extra_env=self.options["extra_env"],
+                env_hook=self.beat_env_hook,
+            ).start()
         return self
 
     def restart(self, index: int) -> None:
@@ -164,25 +192,48 @@ class FaultInjector:
     SIGKILL a whole worker and restart it, SIGKILL one pool child, restart Redis (its
     queues vanish: no persistence), terminate the workers' PostgreSQL backends."""
 
-    def __init__(self, fleet: Fleet, scenario: Scenario, *, db: str, app_name: str) -> None:
+    def __init__(self, fleet: Fleet, scenario: Scenario, *, db: str, app_name: str, cluster=None) -> None:
         self.fleet = fleet
         self.scenario = scenario
         self.rng = random.Random(scenario.seed + 1)
-        self.admin = sa.create_engine(sa.engine.make_url(db), isolation_level="AUTOCOMMIT")
+        self.admin = sa.create_engine(sa.engine.make_url(db), isolation_level="AUTOCOMMIT", pool_pre_ping=True)
         self.app_name = app_name
         self.counts = {kind: 0 for kind in FAULTS}
+        #: A tests.harness.pgcluster.PrivateCluster to crash once (scenario.pg_crash_at).
+        self.cluster = cluster
+        #: Jobs read back as succeeded just before the crash: all must still be after it.
+        self.succeeded_before_crash: set[str] = set()
 
     def run(self, seconds: float) -> dict[str, int]:
-        deadline = time.monotonic() + seconds
+        started = time.monotonic()
+        deadline = started + seconds
+        crash_at = None if self.scenario.pg_crash_at is None or self.cluster is None else started + self.scenario.pg_crash_at
         try:
             while time.monotonic() < deadline:
                 time.sleep(self.scenario.fault_every)
+                if crash_at is not None and time.monotonic() >= crash_at:
+                    crash_at = None
+                    self.crash_pg()
+                    self.counts["crash_pg"] = 1
+                    continue
                 kind = self.rng.choices(FAULTS, WEIGHTS)[0]
                 if getattr(self, kind)():
                     self.counts[kind] += 1
         finally:
             self.admin.dispose()
         return self.counts
+
+    def crash_pg(self) -> None:
+        """PostgreSQL crashes (no checkpoint, every backend gone) and comes back."""
+        from celery_lease.db.schema import jobs
+
+        with self.admin.connect() as conn:
+            succeeded = conn.execute(sa.select(jobs.c.id).where(jobs.c.status == "succeeded"))
+            self.succeeded_before_crash = {str(r[0]) for r in succeeded}
+        self.admin.dispose()
+        self.cluster.crash()
+        time.sleep(0.5)
+        self.cluster.start()
 
     def kill_worker(self) -> bool:
         self.fleet.restart(self.rng.randrange(len(self.fleet.workers)))
@@ -228,31 +279,58 @@ LEASE_CONF = {
 LEASE_QUEUES = "celery,celery_lease"
 
 
+def scenario_env(scenario: Scenario) -> dict[str, str]:
+    """The environment of the scenario's workers, beat and submitting process."""
+    return {
+        "CL_TEST_LEASE": str(scenario.lease),
+        "CL_TEST_LONG_LEASE": str(scenario.long_lease),
+        "CL_CHAOS_ATTEMPTS": str(scenario.attempts),
+    }
+
+
 def run_lease_scenario(
-    db: str, redis_server: RedisServer, workdir: Path, scenario: Scenario, *, submit: Callable[[list[dict]], list[str]]
+    db: str,
+    redis_server: RedisServer,
+    workdir: Path,
+    scenario: Scenario,
+    *,
+    submit: Callable[[list[dict]], list[str]],
+    cluster=None,
 ) -> Outcome:
-    """Run the scenario against tests.apps.app_faults workers; ``submit`` enqueues the
-    payloads (in the caller's process) and returns the job ids."""
+    """Run the scenario against tests.apps.app_liveness workers (the chaos kinds of
+    tests.apps.app_faults and chaos_long); ``submit`` enqueues the payloads (in the
+    caller's process) and returns the job ids. ``cluster``: the PrivateCluster behind
+    ``db``, for ``scenario.pg_crash_at``."""
     from celery_lease.db.schema import jobs
     from tests.apps.app import effects
 
-    env = {"CL_TEST_LEASE": str(scenario.lease)}
+    hook = None
+    if scenario.beat_skew is not None:
+        from tests.harness import faketime
+
+        skew = scenario.beat_skew
+
+        def hook(env: dict) -> dict:
+            return faketime.skewed_env(skew, env)
+
     fleet = Fleet(
         db,
         redis_server,
         workdir,
         scenario,
-        module="tests.apps.app_faults",
+        module="tests.apps.app_liveness",
         conf=LEASE_CONF,
-        extra_env=env,
+        extra_env=scenario_env(scenario),
         queues=LEASE_QUEUES,
         with_beat=True,
+        beat_env_hook=hook,
     )
-    engine = sa.create_engine(db)  # no application_name: the injector leaves it alone
+    engine = sa.create_engine(db, pool_pre_ping=True)  # no application_name: the injector leaves it alone
+    injector = FaultInjector(fleet, scenario, db=db, app_name="celery-lease", cluster=cluster)
     try:
         fleet.start()
         ids = submit(scenario.payloads())
-        faults = FaultInjector(fleet, scenario, db=db, app_name="celery-lease").run(scenario.seconds)
+        faults = injector.run(scenario.seconds)
 
         def settled() -> bool:
             with engine.connect() as conn:
@@ -273,6 +351,10 @@ def run_lease_scenario(
     unfinished = statuses.get("pending", 0) + statuses.get("running", 0)
     missing_effect = sum(1 for job_id in succeeded if per_job.get(job_id, 0) == 0)
     stray_effect = sum(1 for job_id in per_job if job_id not in succeeded)
+    extra = {"stray_effects": stray_effect, "lease_losses": int(losses)}
+    if scenario.pg_crash_at is not None:
+        extra["succeeded_before_crash"] = len(injector.succeeded_before_crash)
+        extra["lost_successes"] = len(injector.succeeded_before_crash - succeeded)
     return Outcome(
         jobs=len(ids),
         statuses=statuses,
@@ -280,5 +362,5 @@ def run_lease_scenario(
         duplicate_effects=sum(1 for n in per_job.values() if n > 1),
         faults=faults,
         stuck_running=statuses.get("running", 0),
-        extra={"stray_effects": stray_effect, "lease_losses": int(losses)},
+        extra=extra,
     )
