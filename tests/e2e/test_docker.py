@@ -467,6 +467,8 @@ def run_service(compose, tmp_path):
         command = [CELERY, *service["command"][1:]]
         port = None
         for i, arg in enumerate(command):  # the published port may be taken here
+            if i == 0:
+                continue  # this run's own celery: its path may well start with /tmp/
             if arg.startswith("--port="):
                 port = free_port()
                 command[i] = f"--port={port}"
