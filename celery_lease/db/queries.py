@@ -929,18 +929,23 @@ class rate_window_now(FunctionElement):
     inherit_cache = True
 
 
+def _window_parts(element, compiler, **kw) -> tuple[str, str]:
+    """The database clock in epoch seconds (as epoch_seconds spells it), and the length."""
+    (per,) = element.clauses
+    return compiler.process(epoch_seconds(db_now()), **kw), compiler.process(per, **kw)
+
+
 @compiles(rate_window_now)
 def _rate_window_default(element, compiler, **kw):
-    (per,) = element.clauses
-    return f"CAST(floor(extract(epoch from now()) / {compiler.process(per, **kw)}) AS BIGINT)"
+    epoch, per = _window_parts(element, compiler, **kw)
+    return f"CAST(floor({epoch} / {per}) AS BIGINT)"
 
 
 @compiles(rate_window_now, "sqlite")
 def _rate_window_sqlite(element, compiler, **kw):
-    (per,) = element.clauses
-    # Epoch seconds are positive: truncation is rounding down.
-    epoch = f"((julianday({_now_sqlite(element, compiler)}) - 2440587.5) * 86400.0)"
-    return f"CAST({epoch} / {compiler.process(per, **kw)} AS INTEGER)"
+    epoch, per = _window_parts(element, compiler, **kw)
+    # Epoch seconds are positive: truncation is rounding down (SQLite may lack floor()).
+    return f"CAST({epoch} / {per} AS INTEGER)"
 
 
 def _rate_open(row) -> sa.ColumnElement:
