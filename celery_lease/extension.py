@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_lease import cancel_notice, results
+from celery_lease import cancel_notice, grouping, results
 from celery_lease.beat import entries
 from celery_lease.beat.maintenance import Maintenance
 from celery_lease.beat.periodic import BeatJobs, Periodic
@@ -87,6 +87,7 @@ class CeleryLease:
             cancel=self.cancel,
         )
         results.install(app)  # AsyncResult(job_id) reads the row when the app has no result backend
+        grouping.install(app)  # a group's leased members are one submit
         self.beat_schedule = entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
         self.beat_jobs = BeatJobs(app, self.registry, lambda: self.producer, self.beat_schedule.add)
 

@@ -174,43 +174,60 @@ class Producer:
             self.job_row(spec, payload, {**options, "idempotency_key": None if keys is None else keys[i]})
             for i, payload in enumerate(serialized)
         ]
-        run_id = rows[0]["run_id"]
+        return self.submit_rows(rows, keyed=keys is not None, connection=connection, wake=wake)
+
+    def submit_rows(
+        self, rows: list[dict[str, Any]], *, keyed: bool, connection: sa.Connection | None = None, wake: bool = True
+    ) -> list[Job]:
+        """Store rows made by :meth:`job_row`, of one kind or several, with one INSERT
+        (and their runs and ``dispatched`` events in the same transaction), then wake
+        the due ones. ``keyed``: every row has an idempotency key, and a key already
+        held returns the job that holds it (looked up per kind). Returns the jobs in
+        the order of ``rows``."""
+        if not rows:
+            return []
+        run_ids = list(dict.fromkeys(r["run_id"] for r in rows if r["run_id"] is not None))
         store = self._store
 
         def write(conn: sa.Connection | None) -> tuple[list[Job], list[Job]]:
-            if run_id is not None and not store.ensure_run(run_id, connection=conn):
-                raise LeaseError(f"run {run_id} is cancelled; it accepts no new jobs")
+            for run_id in run_ids:
+                if not store.ensure_run(run_id, connection=conn):
+                    raise LeaseError(f"run {run_id} is cancelled; it accepts no new jobs")
             # landed: rows an earlier try of this very write committed before its reply
             # was lost (with their events: a write commits whole); returned, woken,
             # not inserted or logged again.
             landed: list[Job] = []
-            inserted = store.insert_jobs(rows, keyed=keys is not None, connection=conn, landed=landed)
+            inserted = store.insert_jobs(rows, keyed=keyed, connection=conn, landed=landed)
             store.log_events(conn, [(j, Event.DISPATCHED, None) for j in inserted])
             ours = {j.id: j for j in [*inserted, *landed]}
-            if keys is None:
+            if not keyed:
                 jobs = [ours[str(r["id"])] for r in rows]
             else:
                 # Conflicting keys inserted nothing: return the jobs that hold them.
-                by_key = {j.idempotency_key: j for j in ours.values()}
-                missing = [k for k in keys if k not in by_key]
-                if missing:
-                    for j in store.get_jobs_by_keys(spec.kind, missing, connection=conn):
-                        by_key[j.idempotency_key] = j
-                jobs = [by_key[k] for k in keys]
+                by_key = {(j.kind, j.idempotency_key): j for j in ours.values()}
+                missing: dict[str, list[str]] = {}
+                for r in rows:
+                    if (r["kind"], r["idempotency_key"]) not in by_key:
+                        missing.setdefault(r["kind"], []).append(r["idempotency_key"])
+                for kind, kind_keys in missing.items():
+                    for j in store.get_jobs_by_keys(kind, kind_keys, connection=conn):
+                        by_key[(kind, j.idempotency_key)] = j
+                jobs = [by_key[(r["kind"], r["idempotency_key"])] for r in rows]
             return list(ours.values()), jobs
 
         try:
-            if connection is not None or (run_id is None and keys is None):
+            if connection is not None or (not run_ids and not keyed):
                 # In the caller's transaction, or a lone INSERT that commits by itself.
                 inserted, jobs = write(connection)
             else:
-                # The run, the rows and their events (or the key lookups) commit together.
+                # The runs, the rows and their events (or the key lookups) commit together.
                 inserted, jobs = store.transaction(store.durable, write)
         except Exception as exc:
             if not refused_value(exc):
                 raise
             # The driver's text quotes the whole INSERT, payload included: keep it out.
-            log.warning("celery-lease: the job database refused a value of a %s job (%s)", spec.kind, type(exc).__name__)
+            kinds = ", ".join(sorted({r["kind"] for r in rows}))
+            log.warning("celery-lease: the job database refused a value of a %s job (%s)", kinds, type(exc).__name__)
             name = type(exc).__name__
             raise InvalidPayload(f"the job database refused a value of this job ({name}); nothing was stored") from None
         # wake=False: eager mode runs the job in this process; nothing goes to the broker.

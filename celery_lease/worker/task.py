@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Task
 from celery.exceptions import Ignore
 
+from celery_lease import grouping
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 from celery_lease.results import LeaseBackend, LeaseResult
@@ -286,10 +287,15 @@ class LeaseTask(Task):
     def apply_async(self, args=None, kwargs=None, **options: Any) -> LeaseResult:
         """Celery's call: submits the job (or runs it here in eager mode)."""
         payload = one_payload(self.name, args, kwargs)
+        batch = grouping.batch_for(options)  # a member of a group being applied
         options = check_options(self.name, options)
         if self.app.conf.task_always_eager:
             return self.apply((payload,), **options)
-        job = self.producer().submit_many(self.spec, [payload], **self._submit_options(options))[0]
+        submit = self._submit_options(options)
+        if batch is not None:  # written with the other members when the group is applied
+            batch.add(self.producer(), self.spec, payload, submit)
+            return self.AsyncResult(submit["job_id"])
+        job = self.producer().submit_many(self.spec, [payload], **submit)[0]
         return self._result(job)
 
     def apply(self, args=None, kwargs=None, **options: Any) -> LeaseResult:

@@ -121,8 +121,13 @@ def test_group_chord_and_callbacks(pg, broker, client_app, workers, tmp_path):
 
     mod = client_app(pg, broker, module=NATIVE)
     workers(pg, broker, module=NATIVE)
+    # One submit for the group's leased members; GroupResult.get() in the group's order.
     grouped = group(mod.inc.s({"n": i}) for i in range(3)).apply_async()
-    assert sorted(r["n"] for r in grouped.get(timeout=30)) == [1, 2, 3]
+    assert [r["n"] for r in grouped.get(timeout=30)] == [1, 2, 3]
+    # A mixed group: the plain member is Celery's, the leased ones ours.
+    mixed = group(mod.inc.s({"n": 10}), mod.plain_bump.s({"n": 5, "dir": str(tmp_path)}), mod.inc.s({"n": 20})).apply_async()
+    assert mixed.results[0].get(timeout=30) == {"n": 11} and mixed.results[2].get(timeout=30) == {"n": 21}
+    wait_for(lambda: (tmp_path / "plain-5").exists(), timeout=30, what="the plain member")
 
     body = chord([mod.inc.s({"n": i}) for i in range(4)], mod.total.s()).apply_async()
     assert body.get(timeout=30) == 1 + 2 + 3 + 4

@@ -1,0 +1,108 @@
+"""A Celery group's leased members as one submit: one INSERT, one transaction, one
+batch of wakeups.
+
+Celery applies a group (and a chord's header) member by member: ``group._apply_tasks``
+calls each member's ``apply_async(producer=P, group_id=...)`` inside one
+``app.producer_or_acquire()`` block that yields ``P``, and returns the members' frozen
+results. For an app with a CeleryLease that block is a :class:`Batch`: a leased member
+applied with the batch's producer and a group id is checked and turned into its row at
+once (a bad payload or option still raises at that member), its frozen result is
+returned, and the rows are written when the block ends, before ``group.apply_async``
+returns, by one :meth:`~celery_lease.producer.Producer.submit_rows`: all of them or
+none, the error reaching the caller. A block left by an exception writes none of its
+rows. Plain members are published by Celery as they come, as before.
+
+Only the app's own ``producer_or_acquire`` is wrapped (:func:`install`), never Celery's
+class: apps without a CeleryLease are untouched. A leased task applied outside such a
+block (no producer, or no group id) submits at once, as always.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery
+
+if TYPE_CHECKING:
+    from celery_lease.kinds import JobKind
+    from celery_lease.producer import Producer
+
+#: The batches open in this thread (or task), innermost last.
+_OPEN: contextvars.ContextVar[tuple[Batch, ...]] = contextvars.ContextVar("celery_lease_batches", default=())
+
+_MARK = "_celery_lease_batches"
+
+
+class Batch:
+    """One ``producer_or_acquire`` block of an app with a CeleryLease."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner  # Celery's FallbackContext
+        self.producer: Any = None
+        #: (producer, connection, row) of each leased member, in the order applied.
+        self._rows: list[tuple[Producer, Any, dict[str, Any]]] = []
+
+    def __enter__(self) -> Any:
+        self.producer = self._inner.__enter__()
+        _OPEN.set((*_OPEN.get(), self))
+        return self.producer
+
+    def __exit__(self, exc_type, exc, tb) -> Any:
+        _OPEN.set(tuple(b for b in _OPEN.get() if b is not self))
+        rows, self._rows = self._rows, []
+        # The broker producer goes back to its pool first: the flush publishes with its own.
+        suppressed = self._inner.__exit__(exc_type, exc, tb)
+        if exc_type is None and rows:
+            _flush(rows)
+        return suppressed
+
+    def add(self, producer: Producer, spec: JobKind, payload: Any, submit: dict[str, Any]) -> None:
+        """Keep a member's row (made and checked now) for the flush; ``submit``: the
+        producer options of LeaseTask._submit_options."""
+        options = dict(submit)
+        keys = options.pop("idempotency_keys")
+        connection = options.pop("connection", None)
+        row = producer.job_row(spec, producer.serialize(spec, payload), {**options, "idempotency_key": keys[0]})
+        if any(str(kept["id"]) == str(row["id"]) for _, _, kept in self._rows):
+            raise TypeError(f"{spec.task}: two members of one group have the task id {row['id']}")
+        if self._rows and self._rows[0][1] is not connection:
+            raise TypeError(f"{spec.task}: the leased members of one group must share one connection= (or none)")
+        self._rows.append((producer, connection, row))
+
+
+def _flush(rows: list[tuple[Producer, Any, dict[str, Any]]]) -> None:
+    # One submit per producer: apps with two CeleryLeases in one group are two writes.
+    by_producer: dict[int, tuple[Producer, Any, list[dict[str, Any]]]] = {}
+    for producer, connection, row in rows:
+        by_producer.setdefault(id(producer), (producer, connection, []))[2].append(row)
+    for producer, connection, group_rows in by_producer.values():
+        producer.submit_rows(group_rows, keyed=True, connection=connection)
+
+
+def batch_for(options: dict[str, Any]) -> Batch | None:
+    """The open batch a leased member applied with these options belongs to, or None
+    (applied outside a group: submitted at once)."""
+    producer = options.get("producer")
+    if producer is None or not options.get("group_id") or not options.get("task_id"):
+        return None
+    for batch in reversed(_OPEN.get()):
+        if batch.producer is producer:
+            return batch
+    return None
+
+
+def install(app: Celery) -> None:
+    """Wrap ``app.producer_or_acquire`` (this app's attribute only, see the module's
+    docstring) so that a group's leased members are written together."""
+    if getattr(app, _MARK, False):
+        return
+    acquire = app.producer_or_acquire
+
+    def producer_or_acquire(producer: Any = None) -> Batch:
+        return Batch(acquire(producer))
+
+    producer_or_acquire.__doc__ = acquire.__doc__
+    # Instance attribute: shadows Celery's method for this app alone.
+    app.producer_or_acquire = producer_or_acquire
+    setattr(app, _MARK, True)
