@@ -30,17 +30,20 @@ it succeeds is stored in its row (the ``canvas`` column), never in the wakeup:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Celery
 from celery.canvas import Signature, signature
 from kombu.utils import json as kombu_json
 
+from celery_lease.job import parse_job_id
 from celery_lease.kinds import JobKind, Registry
+from celery_lease.status import Event
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -48,7 +51,6 @@ if TYPE_CHECKING:
     from celery_lease.db.store import Store
     from celery_lease.job import Job
     from celery_lease.producer import Producer
-    from celery_lease.worker.attempt import Attempt
 
 log = logging.getLogger("celery_lease")
 
@@ -63,6 +65,34 @@ def to_json(value: Any) -> Any:
 
 def from_json(value: Any) -> Any:
     return kombu_json.loads(json.dumps(value))
+
+
+class Source(Protocol):
+    """The job whose outcome sets a canvas off: an Attempt, or an :class:`Origin`."""
+
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def run_id(self) -> str | None: ...
+    @property
+    def tenant(self) -> str | None: ...
+    @property
+    def canvas(self) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """A job that ended outside its attempt (cancelled, expired, recovered), from its row."""
+
+    job_id: str
+    run_id: str | None
+    tenant: str | None
+    canvas: Any
+
+    @classmethod
+    def of(cls, row: Any) -> Origin:
+        run_id = row["run_id"]
+        return cls(str(row["id"]), None if run_id is None else str(run_id), row["tenant"], row["canvas"])
 
 
 def _as_list(value: Any) -> list:
@@ -132,11 +162,15 @@ class Canvas:
         return to_json(stored) if stored else None
 
     def create_chord(self, group_id: str, members: list[str], body: Any) -> None:
+        try:  # the pruner reads the members as job ids: refuse any other before storing
+            members = [parse_job_id(m) for m in members]
+        except ValueError:
+            raise TypeError("a chord header job's task id is its job id and must be a UUID") from None
         self._store().create_chord(group_id, members, to_json(body))
 
     # --- worker side: what an outcome sets off ------------------------------------------
 
-    def after_success(self, attempt: Attempt, result: Any, *, eager: bool = False) -> Followup | None:
+    def after_success(self, attempt: Source, result: Any, *, eager: bool = False) -> Followup | None:
         canvas = from_json(attempt.canvas) if attempt.canvas else None
         if not canvas:
             return None
@@ -150,7 +184,7 @@ class Canvas:
             follow.chord_member = str(canvas["chord"])
         return follow
 
-    def after_failure(self, attempt: Attempt, error: str, *, eager: bool = False) -> Followup | None:
+    def after_failure(self, attempt: Source, error: str, *, eager: bool = False) -> Followup | None:
         canvas = from_json(attempt.canvas) if attempt.canvas else None
         if not canvas:
             return None
@@ -161,6 +195,11 @@ class Canvas:
             follow.chord_failed = str(canvas["chord"])
         return follow
 
+    def endings(self, error: str, *, run_cancelled: bool = False) -> Endings:
+        """For a transition that ends jobs outside their attempts, with ``error``;
+        ``run_cancelled``: the jobs' run was cancelled with them (see Endings)."""
+        return Endings(self, error, run_cancelled=run_cancelled)
+
 
 class Followup:
     """The jobs and messages one job's outcome sets off.
@@ -170,7 +209,7 @@ class Followup:
     ``send()`` runs after that commit: it applies the plain ones.
     """
 
-    def __init__(self, canvas: Canvas, attempt: Attempt, *, eager: bool) -> None:
+    def __init__(self, canvas: Canvas, attempt: Source, *, eager: bool) -> None:
         self._canvas = canvas
         self._attempt = attempt
         self._eager = eager
@@ -260,3 +299,50 @@ class Followup:
                     sig.apply_async(args, **options)
             except Exception:
                 log.exception("celery-lease: job %s: cannot apply %s after its outcome", self._attempt.job_id, sig.get("task"))
+
+
+class Endings:
+    """What jobs ended outside their attempts set off, as a failure would: a job
+    cancelled (``leases.cancel``, the API, revoke, a cancelled run) or ended by the
+    reaper (lease expired, attempts spent) or by restart recovery. Its errbacks fire
+    (the error is ours: "cancelled", "lease expired"...), and a chord it was a header
+    job of is removed with its body's errbacks fired once.
+
+    The store calls :meth:`write` inside the transaction of the transition, with the
+    rows that ended (leased errbacks are created there, durably, once); the caller
+    calls :meth:`send` after that commit (their wakeups, the plain errbacks).
+
+    A leased errback is created in its job's run, except when that run is cancelled
+    with the job (``leases.cancel_run``): a cancelled run takes no new job, so the
+    errback is created outside any run, keeping the job as its parent.
+    """
+
+    def __init__(self, canvas: Canvas, error: str, *, run_cancelled: bool = False) -> None:
+        self._canvas = canvas
+        self._error = error
+        self._run_cancelled = run_cancelled
+        self._followups: list[Followup] = []
+        self._created: list[Job] = []
+
+    def write(self, conn: Connection, rows: Sequence[Any]) -> None:
+        # A transaction retried after a dropped connection calls this again: start over.
+        self._followups, self._created = [], []
+        for row in rows:
+            if row["canvas"]:
+                origin = Origin.of(row)
+                if self._run_cancelled:
+                    origin = dataclasses.replace(origin, run_id=None)
+                follow = self._canvas.after_failure(origin, self._error)
+                if follow is not None:
+                    created = follow.write(conn)
+                    self._followups.append(follow)
+                    self._created += created
+                    detail = f"errback of {origin.job_id}"
+                    self._canvas._store().log_events(conn, [(c, Event.DISPATCHED, detail) for c in created])
+
+    def send(self) -> None:
+        if self._created:
+            self._canvas._producer().publish_wakeups(self._created)
+        for follow in self._followups:
+            follow.send()
+        self._followups, self._created = [], []

@@ -45,6 +45,9 @@ from celery_lease.worker.task import LeaseTask, run_leased
 
 log = logging.getLogger("celery_lease")
 
+#: The error an errback of a cancelled job gets.
+CANCELLED = "cancelled"
+
 
 class CeleryLease:
     """Durable leased jobs for one Celery app.
@@ -117,7 +120,9 @@ class CeleryLease:
     @property
     def maintenance(self) -> Maintenance:
         if self._maintenance is None:
-            self._maintenance = Maintenance(self.store, self.producer.publish_wakeups, self.settings, flow=self.flow)
+            self._maintenance = Maintenance(
+                self.store, self.producer.publish_wakeups, self.settings, flow=self.flow, canvas=self.canvas
+            )
         return self._maintenance
 
     @property
@@ -278,15 +283,20 @@ class CeleryLease:
         """Cancel a pending or running job at once; False when it is already terminal
         or unknown. A running handler learns at its next heartbeat (sooner when the
         broker can carry the notice) and its later writes are discarded."""
-        cancelled = self.store.cancel(job_id=parse_job_id(job_id))
+        job_id = parse_job_id(job_id)
+        endings = self.canvas.endings(CANCELLED)  # its errbacks and chord, in the cancel's transaction
+        cancelled = self.store.cancel(job_id=job_id, ended=endings.write)
         self._notify_cancelled(cancelled)
+        endings.send()
         self.flow.released(cancelled)  # a cancelled running job frees its slot at once
         return bool(cancelled)
 
     def cancel_run(self, run_id: str) -> int:
         """Cancel every non-terminal job of a run; the run accepts no new jobs."""
-        cancelled = self.store.cancel(run_id=parse_job_id(run_id))
+        endings = self.canvas.endings(CANCELLED, run_cancelled=True)
+        cancelled = self.store.cancel(run_id=parse_job_id(run_id), ended=endings.write)
         self._notify_cancelled(cancelled)
+        endings.send()
         self.flow.released(cancelled)
         return len(cancelled)
 

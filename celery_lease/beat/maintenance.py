@@ -16,6 +16,7 @@ from celery_lease.status import Status
 from celery_lease.worker.attempt import BOOT_ID
 
 if TYPE_CHECKING:
+    from celery_lease.canvas import Canvas, Endings
     from celery_lease.db.store import Store
     from celery_lease.flow import FlowControl
     from celery_lease.settings import Settings
@@ -38,9 +39,16 @@ def _batches(step: Callable[[], tuple[list, bool]]) -> list:
 
 class Maintenance:
     def __init__(
-        self, store: Store, publish_wakeups: Callable[[Sequence[dict]], int], settings: Settings, flow: FlowControl | None = None
+        self,
+        store: Store,
+        publish_wakeups: Callable[[Sequence[dict]], int],
+        settings: Settings,
+        flow: FlowControl | None = None,
+        canvas: Canvas | None = None,
     ) -> None:
         self._store = store
+        #: The errbacks and chords of jobs the reaper or recovery ends (canvas.Endings).
+        self._canvas = canvas
         #: Flow control: reaped and recovered jobs free their slots; the sweep also
         #: recovers held jobs whose wakeup was missed.
         self._flow = flow
@@ -60,7 +68,10 @@ class Maintenance:
         limit = self._settings.batch_size
 
         def step():
-            rows = self._store.reap(limit)
+            endings = self._endings("lease expired")
+            rows = self._store.reap(limit, None if endings is None else endings.write)
+            if endings is not None:
+                endings.send()
             return rows, len(rows) == limit
 
         counts = self._requeue_counts(_batches(step), Status.EXPIRED)
@@ -71,7 +82,14 @@ class Maintenance:
     def recover(self, node: str) -> dict[str, int]:
         """Jobs left running by an earlier boot of worker ``node``: requeued, or failed
         with "interrupted by restart" when no attempts remain."""
-        return self._requeue_counts(self._store.recover(node, BOOT_ID), Status.FAILED)
+        endings = self._endings("interrupted by restart")
+        rows = self._store.recover(node, BOOT_ID, None if endings is None else endings.write)
+        if endings is not None:
+            endings.send()
+        return self._requeue_counts(rows, Status.FAILED)
+
+    def _endings(self, error: str) -> Endings | None:
+        return None if self._canvas is None else self._canvas.endings(error)
 
     def sweep(self) -> int:
         """Publish wakeups for due pending jobs whose last wakeup is stale or missing."""
@@ -92,7 +110,9 @@ class Maintenance:
 
     def prune(self, older_than: float | None = None) -> int:
         """Delete terminal jobs (and their events) finished more than ``older_than``
-        seconds ago (default: ``retention_seconds``)."""
+        seconds ago (default: ``retention_seconds``), and chord counters as old whose
+        header has no pending or running job left (their body can never be created).
+        Returns the number of jobs deleted."""
         age = self._settings.retention_seconds if older_than is None else float(older_than)
         limit = self._settings.batch_size
 
@@ -100,4 +120,12 @@ class Maintenance:
             n = self._store.prune(age, limit)
             return [None] * n, n == limit
 
-        return len(_batches(step))
+        def chord_step():
+            n = self._store.prune_chords(age, limit)
+            return [None] * n, n == limit
+
+        pruned = len(_batches(step))
+        chords = len(_batches(chord_step))
+        if chords:
+            log.info("celery-lease: pruned %d chord counter(s) whose header can no longer complete", chords)
+        return pruned

@@ -657,7 +657,7 @@ def cancel_jobs(*, job_id: str | None = None, run_id: str | None = None) -> sa.U
             updated_at=db_now(),
             **_lease_cleared,
         )
-        .returning(_c.id, _c.run_id, _c.attempt)
+        .returning(_c.id, _c.run_id, _c.attempt, _c.tenant, _c.canvas)
     )
 
 
@@ -705,6 +705,9 @@ def _batch(name: str, where: sa.ColumnElement, order_by, limit_param: str) -> sa
     )
 
 
+#: What a requeue returns: a wakeup for a requeued job, an ended job's canvas (its errbacks).
+ENDED_COLUMNS = (_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue, _c.tenant, _c.canvas)
+
 _lease_elapsed = sa.and_(_c.status == Status.RUNNING.value, _c.lease_expires_at < db_now())
 
 
@@ -719,7 +722,7 @@ def reap_expired() -> sa.Update:
         sa.update(jobs)
         .where(_c.id == batch.c.id)  # locked by this statement: still running and expired
         .values(**values)
-        .returning(_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue)
+        .returning(*ENDED_COLUMNS)
     )
 
 
@@ -737,7 +740,7 @@ def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
     )
     values = _requeue_or(Status.FAILED)
     values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal("interrupted by restart")), else_=_c.error)
-    return sa.update(jobs).where(where).values(**values).returning(_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue)
+    return sa.update(jobs).where(where).values(**values).returning(*ENDED_COLUMNS)
 
 
 @functools.cache
@@ -830,6 +833,34 @@ def count_down_chord() -> sa.Update:
 def delete_chord() -> Any:
     """delete_chord: the body was created, or a header job failed (its errbacks fire once)."""
     return sa.delete(chords).where(chords.c.id == sa.bindparam("group_id")).returning(chords.c.body)
+
+
+@functools.cache
+def prune_chords(dialect: str) -> ReturningDelete:
+    """prune_chords: a bounded batch of chord counters created before :cutoff_seconds ago
+    none of whose header jobs is pending or running: their body can no longer be
+    created. (A header job that ends otherwise than by success removes its counter in
+    that transaction; these are left by a header whose jobs were never written, or gone.)
+    Returns the ids deleted."""
+    if dialect == "postgresql":
+        member = sa.func.jsonb_array_elements_text(chords.c.members).table_valued("value").alias("member")
+        member_id: sa.ColumnElement = sa.cast(member.c.value, ID)
+    else:  # SQLite stores a UUID as 32 hex digits
+        member = sa.func.json_each(chords.c.members).table_valued("value").alias("member")
+        member_id = sa.func.replace(member.c.value, "-", "")
+    live = sa.select(sa.literal(1)).select_from(member).join(jobs, _c.id == member_id).where(_c.status.in_(_ACTIVE))
+    old = sa.and_(chords.c.created_at < db_now_plus(-_seconds("cutoff_seconds")), ~live.exists())
+    batch = (
+        sa.select(chords.c.id)
+        .where(old)
+        .order_by(chords.c.created_at)
+        .limit(sa.bindparam("limit"))
+        .with_for_update(skip_locked=True)  # a member's success transaction holds its chord
+        .cte("orphaned")
+        .prefix_with("MATERIALIZED")
+    )
+    where = chords.c.id == batch.c.id if dialect == "postgresql" else chords.c.id.in_(sa.select(batch.c.id))
+    return sa.delete(chords).where(where).returning(chords.c.id)
 
 
 def job_results(ids: Sequence[str]) -> sa.Select:

@@ -23,6 +23,10 @@ from celery_lease.status import Event, Status
 log = logging.getLogger("celery_lease")
 
 
+#: Called inside a transition's transaction with the rows of the jobs it ended.
+Ended = Callable[[Connection, Sequence[Any]], None]
+
+
 def _event_source(job: Any) -> tuple[Any, Any, int]:
     if isinstance(job, Mapping):
         return job["run_id"], job["id"], job["attempt"]
@@ -281,31 +285,40 @@ class Store(Database):
 
     # --- revoking statements ---------------------------------------------------------
 
-    def cancel(self, *, job_id: str | None = None, run_id: str | None = None) -> list[str]:
+    def cancel(self, *, job_id: str | None = None, run_id: str | None = None, ended: Ended | None = None) -> list[str]:
+        """Cancel a job, or a run and its jobs; ``ended`` gets the cancelled rows in the
+        same transaction (their errbacks and chords: canvas.Endings)."""
+
         def work(conn):
             if run_id is not None:
                 conn.execute(q.upsert_run(self.dialect, run_id))
                 conn.execute(q.cancel_run(), {"run_id": run_id})
             rows = conn.execute(q.cancel_jobs(job_id=job_id, run_id=run_id)).mappings().all()
             self.log_events(conn, [(r, Event.CANCELLED, None) for r in rows])
+            if ended is not None and rows:
+                ended(conn, rows)
             return [str(r["id"]) for r in rows]
 
         return self.transaction(self.durable, work)
 
-    def _requeue(self, stmt, params: dict, event: Event, cause: str) -> list[dict]:
+    def _requeue(self, stmt, params: dict, event: Event, cause: str, final: Status, ended: Ended | None) -> list[dict]:
         def work(conn):
             rows = [dict(r) for r in conn.execute(stmt, params).mappings()]
             self.log_events(conn, [(r, event, f"{cause}: {r['status']}") for r in rows])
+            if ended is not None:
+                ended(conn, [r for r in rows if r["status"] == final.value])
             return rows
 
         return self.transaction(self.durable, work)
 
-    def reap(self, limit: int) -> list[dict]:
-        return self._requeue(q.reap_expired(), {"limit": limit}, Event.REAPED, "lease expired")
+    def reap(self, limit: int, ended: Ended | None = None) -> list[dict]:
+        """Expired leases: requeued, or expired when no attempt is left (``ended``
+        gets those, in the same transaction)."""
+        return self._requeue(q.reap_expired(), {"limit": limit}, Event.REAPED, "lease expired", Status.EXPIRED, ended)
 
-    def recover(self, node: str, boot: str) -> list[dict]:
+    def recover(self, node: str, boot: str, ended: Ended | None = None) -> list[dict]:
         stmt = q.recover_restarted(owner_prefix=f"{node}/", owner_boot=f"/{boot}")
-        return self._requeue(stmt, {}, Event.REQUEUED, "interrupted by restart")
+        return self._requeue(stmt, {}, Event.REQUEUED, "interrupted by restart", Status.FAILED, ended)
 
     def claim_due_wakeups(self, stale_seconds: float, limit: int) -> list[dict]:
         return self.transaction(
@@ -324,6 +337,10 @@ class Store(Database):
             return len(ids)
 
         return self.transaction(self.durable, work)
+
+    def prune_chords(self, older_than_seconds: float, limit: int) -> int:
+        params = {"cutoff_seconds": older_than_seconds, "limit": limit}
+        return self.transaction(self.durable, lambda conn: len(conn.execute(q.prune_chords(self.dialect), params).all()))
 
     # --- canvas ----------------------------------------------------------------------
 

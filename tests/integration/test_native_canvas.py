@@ -141,3 +141,139 @@ def test_a_leased_task_applied_outside_a_group_submits_at_once(pg, broker, clien
     plain = Celery("plain", broker=broker)
     assert "producer_or_acquire" not in vars(plain) and "producer_or_acquire" in vars(mod.app)
     plain.close()
+
+
+# --- link_error for jobs that end outside their attempts ---------------------------------------
+
+
+def _plain_errbacks(broker: str) -> list[list]:
+    """The args of each plain errback message waiting in the broker (taken off)."""
+    import base64
+
+    out = []
+    for message in _queued(broker):
+        if message["headers"]["task"] == "tests.plain_errback":
+            out.append(json.loads(base64.b64decode(message["body"]))[0])
+    return out
+
+
+def _expire(db: str, job_id: str) -> None:
+    """Make a job look like its last attempt's worker died: running, lease elapsed."""
+    engine = sa.create_engine(db)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(jobs)
+            .where(jobs.c.id == job_id)
+            .values(status="running", attempt=jobs.c.max_attempts, lease_owner="gone/1/boot", lease_expires_at=sa.func.now())
+        )
+    engine.dispose()
+
+
+def test_errbacks_fire_once_for_cancelled_and_expired_jobs(pg, broker, client_app, tmp_path):
+    mod = client_app(pg, broker, module=NATIVE)
+
+    def with_errbacks(n: int, **options):
+        return mod.inc.apply_async(({"n": n},), link_error=[mod.noted_error.s(), mod.plain_errback.s(str(tmp_path))], **options)
+
+    def errback_jobs(failed: str) -> list[dict]:
+        return _rows(pg, jobs.c.kind == "noted_error", jobs.c.parent_id == failed)
+
+    # Cancelled while pending (leases.cancel, as the API, revoke and the CLI do).
+    pending = with_errbacks(1, countdown=600)
+    _queued(broker)
+    assert mod.leases.cancel(pending.id)
+    (errback,) = errback_jobs(pending.id)  # created in the cancel's transaction
+    assert errback["payload"] == {"job_id": pending.id, "error": "cancelled"}
+    assert errback["idempotency_key"] == f"celery:{errback['id']}" and errback["status"] == "pending"
+    assert _plain_errbacks(broker) == [[pending.id, str(tmp_path)]]
+    assert not mod.leases.cancel(pending.id)  # already terminal: nothing fires again
+    assert len(errback_jobs(pending.id)) == 1 and _plain_errbacks(broker) == []
+
+    # Running, its last lease elapsed: the reaper expires it and its errbacks fire.
+    running = with_errbacks(2)
+    _expire(pg, running.id)
+    _queued(broker)
+    assert mod.leases.reap()["expired"] == 1
+    (errback,) = errback_jobs(running.id)
+    assert errback["payload"] == {"job_id": running.id, "error": "lease expired"}
+    assert _plain_errbacks(broker) == [[running.id, str(tmp_path)]]
+    mod.leases.cancel(running.id)
+    assert mod.leases.reap() == {"requeued": 0, "expired": 0}
+    assert len(errback_jobs(running.id)) == 1 and _plain_errbacks(broker) == []
+
+    # A job of a run with link_error, cancelled alone: its errback job is in the run.
+    run_id = str(uuid.uuid4())
+    in_run = [with_errbacks(n, run_id=run_id) for n in (3, 4, 5)]
+    _queued(broker)
+    assert mod.leases.cancel(in_run[0].id)
+    (errback,) = errback_jobs(in_run[0].id)
+    assert str(errback["run_id"]) == run_id
+    dispatched = [e["job_id"] for e in mod.leases.run_events(run_id) if e["detail"] == f"errback of {in_run[0].id}"]
+    assert dispatched == [str(errback["id"])]
+    # The run cancelled: each job's errbacks fire; a cancelled run takes no new job, so
+    # the leased ones are created outside it, pending (they will run).
+    assert mod.leases.cancel_run(run_id) == 3  # the two inc jobs and the first one's errback
+    for cancelled in in_run[1:]:
+        (errback,) = errback_jobs(cancelled.id)
+        assert errback["run_id"] is None and errback["status"] == "pending"
+    assert sorted(a[0] for a in _plain_errbacks(broker)) == sorted(r.id for r in in_run)
+
+
+def test_a_chord_header_job_cancelled_or_expired_removes_the_chord_and_fires_the_body_errbacks_once(
+    pg, broker, client_app, tmp_path
+):
+    from celery import chord
+
+    from celery_lease.db.schema import chords
+
+    mod = client_app(pg, broker, module=NATIVE)
+    body = mod.total.s().set(link_error=[mod.noted_error.s(), mod.plain_errback.s(str(tmp_path))])
+    result = chord([mod.inc.s({"n": i}) for i in range(3)], body).apply_async()
+    header = sorted(_rows(pg, jobs.c.kind == "inc"), key=lambda r: r["canvas"]["group_index"])
+    _queued(broker)
+
+    def chord_rows() -> int:
+        engine = sa.create_engine(pg)
+        try:
+            with engine.connect() as conn:
+                return conn.execute(sa.select(sa.func.count()).select_from(chords)).scalar_one()
+        finally:
+            engine.dispose()
+
+    assert chord_rows() == 1
+    first = str(header[0]["id"])
+    mod.leases.cancel(first)
+    assert chord_rows() == 0  # removed in the cancel's transaction: the body never runs
+    (errback,) = _rows(pg, jobs.c.kind == "noted_error")
+    assert errback["payload"] == {"job_id": first, "error": "a chord header job failed"}
+    assert [a[0] for a in _plain_errbacks(broker)] == [first]
+    # The other header jobs ending later fire nothing more.
+    _expire(pg, str(header[1]["id"]))
+    mod.leases.reap()
+    mod.leases.cancel(str(header[2]["id"]))
+    assert len(_rows(pg, jobs.c.kind == "noted_error")) == 1 and _plain_errbacks(broker) == []
+    assert _rows(pg, jobs.c.kind == "total") == [] and result.state == "PENDING"
+
+
+def test_the_pruner_removes_chord_counters_whose_header_can_no_longer_complete(pg, broker, client_app):
+    from celery_lease.db.schema import chords
+
+    mod = client_app(pg, broker, module=NATIVE)
+    store = mod.leases.store
+    live = mod.inc.submit({"n": 1})
+    done = mod.inc.submit({"n": 2})
+    mod.leases.cancel(done.id)
+    never = str(uuid.uuid4())  # a header job that was never written
+    cases = {"old_orphan": [done.id, never], "old_live": [live.id, done.id], "young_orphan": [never]}
+    ids = {name: str(uuid.uuid4()) for name in cases}
+    for name, members in cases.items():
+        store.create_chord(ids[name], members, {"task": "body"})
+    engine = sa.create_engine(pg)
+    with engine.begin() as conn:
+        old = sa.func.now() - sa.text("interval '2 hours'")
+        conn.execute(sa.update(chords).where(chords.c.id.in_([ids["old_orphan"], ids["old_live"]])).values(created_at=old))
+    mod.leases.prune(older_than=3600)
+    with engine.connect() as conn:
+        left = {str(r[0]) for r in conn.execute(sa.select(chords.c.id))}
+    engine.dispose()
+    assert left == {ids["old_live"], ids["young_orphan"]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -63,3 +64,23 @@ def test_a_chord_counts_down_to_zero_once(store):
     assert count_down() is None  # a member counted twice cannot fire the body again
     assert store.transaction(store.durable, lambda conn: store.delete_chord(conn, group)) == {"task": "body"}
     assert store.transaction(store.durable, lambda conn: store.delete_chord(conn, group)) is None
+
+
+def test_the_pruner_removes_old_chord_counters_with_no_live_header_job(store, add_job):
+    """SQLite spells the members' UUIDs otherwise than its id column: prune_chords copes."""
+    import sqlalchemy as sa
+
+    from celery_lease.db.schema import chords
+
+    live, done = add_job(status="running", expires_in=60), add_job(status="cancelled", finished_ago=10)
+    cases = {"old_orphan": [done, str(uuid.uuid4())], "old_live": [done, live], "young": [str(uuid.uuid4())]}
+    ids = {name: str(uuid.uuid4()) for name in cases}
+    for name, members in cases.items():
+        store.create_chord(ids[name], members, {"task": "body"})
+    old = datetime.now(timezone.utc) - timedelta(hours=2)
+    aged = sa.update(chords).where(chords.c.id.in_([ids["old_orphan"], ids["old_live"]])).values(created_at=old)
+    store.transaction(store.durable, lambda c: c.execute(aged))
+    assert store.prune_chords(3600, 10) == 1
+    left = store.transaction(store.durable, lambda c: {str(r[0]) for r in c.execute(sa.select(chords.c.id))})
+    assert left == {ids["old_live"], ids["young"]}
+    assert store.prune_chords(3600, 10) == 0
