@@ -15,16 +15,24 @@ it succeeds is stored in its row (the ``canvas`` column), never in the wakeup:
   worker calls the leased task's ``apply_async``, which submits the job.
 * **link** / **link_error**: the same, for each callback. An errback gets the failed
   job's id (Celery's ``errback(task_id)`` form); a leased errback gets the payload
-  ``{"job_id": ..., "error": ...}``. Errbacks fire when an attempt fails the job (a
-  ``Failure`` or spent retries), not for expired or cancelled jobs.
-* **group**: Celery applies each member on its own, so each member is submitted as it
-  comes (one row each); ``task.submit_many`` writes many jobs with one statement.
+  ``{"job_id": ..., "error": ...}``. Errbacks fire whenever the job ends otherwise than
+  by success: an attempt fails it (a ``Failure``, spent retries, a timeout), it is
+  cancelled (``leases.cancel``, the API, revoke, a cancelled run; error "cancelled"),
+  the reaper expires it ("lease expired") or restart recovery fails it. In each case a
+  leased errback is created in the transaction of that transition (:class:`Endings`
+  for those outside an attempt), a plain one applied after its commit.
+* **group** (and a chord's header): the leased members are one submit, one INSERT in
+  one transaction with their events, their wakeups published together once every
+  member was applied (:mod:`celery_lease.grouping`); if that write fails, none of them
+  is stored and the error reaches the caller. Plain members are Celery's, as before.
 * **chord**: needs celery-lease's result backend (installed when the app has none).
   ``apply_chord`` writes a counter row before the header is applied; each header job's
   success counts it down in its own success transaction, and the one that reaches zero
   creates the body with the header's results in header order: the body is created once.
-  A header job that fails removes the counter (so the body never runs) and fires the
-  body's errbacks once. Header tasks must all be leased.
+  A header job that ends otherwise (fails, expires, is cancelled) removes the counter
+  in that transaction (so the body never runs) and fires the body's errbacks once.
+  The pruner deletes counters older than the retention with no pending or running
+  header job left. Header tasks must all be leased.
 * ``priority=`` is kept in the row (``canvas["priority"]``).
 """
 

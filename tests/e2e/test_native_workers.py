@@ -214,6 +214,26 @@ def test_revoke_with_and_without_terminate_cancels_the_job_durably(pg, broker, c
     assert mod.leases.get(running.id).attempt == 1 and mod.leases.get(later.id).attempt == 0
 
 
+def test_errbacks_of_a_revoked_running_job_run_on_the_worker(pg, broker, client_app, workers, tmp_path):
+    mod = client_app(pg, broker, module=NATIVE)
+    workers(pg, broker, module=NATIVE)
+    errbacks = [mod.noted_error.s(), mod.plain_errback.s(str(tmp_path))]
+    running = mod.inc.apply_async(({"n": 1, "slow_at": 1, "dir": str(tmp_path)},), link_error=errbacks)
+    wait_for(lambda: (tmp_path / "inc-1-1").exists(), timeout=30, what="the running job to start")
+    # The worker's revoke command cancels the row; the cancel fires the errbacks.
+    mod.app.control.revoke(running.id)
+    wait_for(lambda: (tmp_path / f"errback-{running.id}").exists(), timeout=30, what="the plain errback")
+
+    def noted():
+        done = [j for j in mod.leases.store.list_jobs(kind="noted_error") if j.status is Status.SUCCEEDED]
+        return done or None
+
+    (errback,) = wait_for(noted, timeout=30, what="the leased errback to run")
+    assert errback.result == {"failed": running.id, "error": "cancelled"} and errback.parent_id == running.id
+    assert mod.leases.get(running.id).status is Status.CANCELLED
+    assert _effects(pg) == []
+
+
 # --- events (what Flower reads) ---------------------------------------------------------------
 
 
