@@ -247,10 +247,13 @@ class _RedisDirect:
         if not pending:
             return
         try:
-            with self._client.pipeline(transaction=False) as pipe:
-                for key, message, _ in pending:
-                    pipe.lpush(key, message)
-                pipe.execute()
+            if len(pending) == 1:  # a pipeline of one costs more than the command
+                self._client.lpush(pending[0][0], pending[0][1])
+            else:
+                with self._client.pipeline(transaction=False) as pipe:
+                    for key, message, _ in pending:
+                        pipe.lpush(key, message)
+                    pipe.execute()
         except Exception:
             self._clients.pop(self._channel, None)
             for _, _, kombu_publish in pending:

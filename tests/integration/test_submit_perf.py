@@ -197,6 +197,39 @@ def test_wakeup_published_inside_a_worker_task_names_its_parent(sqlite_url, brok
     assert comparable(fast) == comparable(reference)
 
 
+def test_wakeups_go_straight_to_redis_and_fall_back_to_kombu_when_that_fails(pg, broker, client_app, monkeypatch):
+    """A default wakeup bypasses Producer.publish (one pipeline per call); when that
+    pipeline fails, the same messages go through Producer.publish, retries and all."""
+    import kombu.messaging
+
+    mod = client_app(pg, broker)
+    via_kombu: list[str] = []
+    real_publish = kombu.messaging.Producer.publish
+
+    def publish(self, body, *args, **kwargs):
+        via_kombu.append(kwargs["headers"]["id"])
+        return real_publish(self, body, *args, **kwargs)
+
+    monkeypatch.setattr(kombu.messaging.Producer, "publish", publish)
+    direct = mod.echo.submit_many([{"i": i} for i in range(3)])
+    assert via_kombu == [] and sorted(m["headers"]["id"] for m in messages(broker)) == sorted(j.id for j in direct)
+
+    real_execute = redis.client.Pipeline.execute
+
+    def broken(self, *args, **kwargs):
+        raise redis.ConnectionError("the pipeline's connection dropped")
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", broken)
+    fallen_back = mod.echo.submit_many([{"i": i} for i in range(3)])
+    monkeypatch.setattr(redis.client.Pipeline, "execute", real_execute)
+    assert via_kombu == [j.id for j in fallen_back]
+    assert sorted(m["headers"]["id"] for m in messages(broker)) == sorted(j.id for j in fallen_back)
+    engine = sa.create_engine(pg, poolclass=sa.NullPool)
+    with engine.connect() as conn:  # published: nothing left to the sweeper
+        woken = conn.execute(sa.select(jobs.c.woken_at).where(jobs.c.id.in_([j.id for j in fallen_back]))).scalars().all()
+    assert len(woken) == 3 and None not in woken
+
+
 class PublishLog:
     """Receivers of both publish signals; the before one checks, on a connection of its
     own, that the job's row is already committed, and adds a header of its own."""
