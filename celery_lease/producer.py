@@ -13,7 +13,7 @@ import logging
 import math
 import uuid
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -79,7 +79,7 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     for name, column in (("tenant", jobs_table.c.tenant), ("queue", jobs_table.c.queue)):
         if out.get(name) is not None:
             storable_text(out[name], name, _width(column))
-    for name in ("run_id", "parent_id"):
+    for name in ("run_id", "parent_id", "job_id"):
         if out.get(name) is not None:
             try:
                 out[name] = parse_job_id(out[name])
@@ -116,13 +116,21 @@ class Producer:
     def job_row(self, spec: JobKind, payload: Any, options: dict[str, Any]) -> dict[str, Any]:
         """The column values of a new pending job (payload already serialized)."""
         options = check_options(options)
-        due_at, due_in = run_after_time(options.get("run_after"))
-        run_id = options.get("run_id")
-        parent_id = options.get("parent_id")
         job_id = options.get("job_id")
         return {
+            **self._shared_columns(spec, options),
             # A Celery task id chosen in advance (task_id=, a frozen canvas) is the job id.
-            "id": str(uuid.uuid4()) if job_id is None else parse_job_id(job_id),
+            "id": str(uuid.uuid4()) if job_id is None else job_id,
+            "payload": payload,
+            "idempotency_key": options.get("idempotency_key"),
+            "concurrency_key": None if spec.limits is None else spec.limits.key_for(spec.kind, payload),
+        }
+
+    def _shared_columns(self, spec: JobKind, options: dict[str, Any]) -> dict[str, Any]:
+        """What every job of one submit shares (checked options): q.BATCH_SHARED_COLUMNS,
+        and due_at / due_in from which the database sets run_after and woken_at."""
+        due_at, due_in = run_after_time(options.get("run_after"))
+        return {
             "kind": spec.kind,
             "task": spec.task,
             "queue": options.get("queue") or spec.queue,
@@ -132,17 +140,13 @@ class Producer:
             "lease_seconds": spec.lease_seconds,
             "lease_generation": 0,
             "lease_losses": 0,
-            "payload": payload,
-            # run_after and woken_at are set by the database's clock from these.
             "due_at": due_at,
             "due_in": due_in,
-            "run_id": None if run_id is None else parse_job_id(run_id),
-            "parent_id": None if parent_id is None else parse_job_id(parent_id),
-            "idempotency_key": options.get("idempotency_key"),
+            "run_id": options.get("run_id"),
+            "parent_id": options.get("parent_id"),
             "tenant": options.get("tenant"),
             "canvas": options.get("canvas"),
             "priority": parse_priority(options.get("priority") or 0),
-            "concurrency_key": None if spec.limits is None else spec.limits.key_for(spec.kind, payload),
             "held": None,
         }
 
@@ -156,7 +160,7 @@ class Producer:
         wake: bool = True,
         **options: Any,
     ) -> list[Job]:
-        options = check_options(options)
+        options = check_options(options)  # once: every job of the call shares them
         serialized = [self.serialize(spec, p) for p in payloads]  # validate all first
         if isinstance(idempotency_keys, (str, bytes)):
             raise InvalidPayload("idempotency_keys must be a list of keys, one per payload")
@@ -167,26 +171,67 @@ class Producer:
             raise InvalidPayload("idempotency_keys must be distinct within one submit_many")
         if not serialized:
             return []
-        if options.get("job_id") is not None and len(serialized) != 1:
+        job_id = options.get("job_id")
+        if job_id is not None and len(serialized) != 1:
             # A frozen Celery task id (canvas, task_id=) names exactly one job.
             raise InvalidPayload("a job id can be given for one payload only")
-        rows = [
-            self.job_row(spec, payload, {**options, "idempotency_key": None if keys is None else keys[i]})
-            for i, payload in enumerate(serialized)
-        ]
-        return self.submit_rows(rows, keyed=keys is not None, connection=connection, wake=wake)
+        shared = self._shared_columns(spec, options)
+        ids = [job_id] if job_id is not None else [str(uuid.uuid4()) for _ in serialized]
+        records: list[dict[str, Any]] = [{"id": i, "payload": p} for i, p in zip(ids, serialized)]
+        if keys is not None:
+            for record, key in zip(records, keys):
+                record["idempotency_key"] = key
+        if spec.limits is not None:
+            for record in records:
+                record["concurrency_key"] = spec.limits.key_for(spec.kind, record["payload"])
+        keyed = keys is not None
+        if self._store.dialect != "postgresql":
+            rows = [{**shared, "idempotency_key": None, "concurrency_key": None, **r} for r in records]
+            return self.submit_rows(rows, keyed=keyed, connection=connection, wake=wake)
+        store = self._store
+
+        def insert(conn: sa.Connection | None, landed: list[Job]) -> list[Job]:
+            # The rows and their events: one statement.
+            return store.insert_job_batch(shared, records, keyed=keyed, connection=conn, landed=landed)
+
+        wanted = [(r["id"], spec.kind, r.get("idempotency_key")) for r in records]
+        run_ids = [] if shared["run_id"] is None else [shared["run_id"]]
+        return self._write(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake)
 
     def submit_rows(
         self, rows: list[dict[str, Any]], *, keyed: bool, connection: sa.Connection | None = None, wake: bool = True
     ) -> list[Job]:
-        """Store rows made by :meth:`job_row`, of one kind or several, with one INSERT
-        (and their runs and ``dispatched`` events in the same transaction), then wake
-        the due ones. ``keyed``: every row has an idempotency key, and a key already
-        held returns the job that holds it (looked up per kind). Returns the jobs in
-        the order of ``rows``."""
+        """Store rows made by :meth:`job_row`, of one kind or several (a group's
+        members), with one INSERT and their runs and ``dispatched`` events in the same
+        transaction, then wake the due ones. ``keyed``: every row has an idempotency
+        key, and a key already held returns the job that holds it (looked up per kind).
+        Returns the jobs in the order of ``rows``."""
         if not rows:
             return []
+        store = self._store
+
+        def insert(conn: sa.Connection | None, landed: list[Job]) -> list[Job]:
+            inserted = store.insert_jobs(rows, keyed=keyed, connection=conn, landed=landed)
+            store.log_events(conn, [(j, Event.DISPATCHED, None) for j in inserted])
+            return inserted
+
+        wanted = [(str(r["id"]), r["kind"], r["idempotency_key"]) for r in rows]
         run_ids = list(dict.fromkeys(r["run_id"] for r in rows if r["run_id"] is not None))
+        return self._write(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake)
+
+    def _write(
+        self,
+        insert: Callable[[sa.Connection | None, list[Job]], list[Job]],
+        wanted: list[tuple[str, str, str | None]],
+        run_ids: list[str],
+        *,
+        keyed: bool,
+        connection: sa.Connection | None,
+        wake: bool,
+    ) -> list[Job]:
+        """The write of a submit: ``insert`` stores the new jobs (``wanted``: (id, kind,
+        idempotency key) of each, in the caller's order) with their runs; then the due
+        ones are woken. Returns the jobs of ``wanted``, in its order."""
         store = self._store
 
         def write(conn: sa.Connection | None) -> tuple[list[Job], list[Job]]:
@@ -197,27 +242,24 @@ class Producer:
             # was lost (with their events: a write commits whole); returned, woken,
             # not inserted or logged again.
             landed: list[Job] = []
-            inserted = store.insert_jobs(rows, keyed=keyed, connection=conn, landed=landed)
-            store.log_events(conn, [(j, Event.DISPATCHED, None) for j in inserted])
+            inserted = insert(conn, landed)
             ours = {j.id: j for j in [*inserted, *landed]}
             if not keyed:
-                jobs = [ours[str(r["id"])] for r in rows]
-            else:
-                # Conflicting keys inserted nothing: return the jobs that hold them.
-                by_key = {(j.kind, j.idempotency_key): j for j in ours.values()}
-                missing: dict[str, list[str]] = {}
-                for r in rows:
-                    if (r["kind"], r["idempotency_key"]) not in by_key:
-                        missing.setdefault(r["kind"], []).append(r["idempotency_key"])
-                for kind, kind_keys in missing.items():
-                    for j in store.get_jobs_by_keys(kind, kind_keys, connection=conn):
-                        by_key[(kind, j.idempotency_key)] = j
-                jobs = [by_key[(r["kind"], r["idempotency_key"])] for r in rows]
-            return list(ours.values()), jobs
+                return list(ours.values()), [ours[job_id] for job_id, _, _ in wanted]
+            # Conflicting keys inserted nothing: return the jobs that hold them.
+            by_key = {(j.kind, j.idempotency_key): j for j in ours.values()}
+            missing: dict[str, list[str]] = {}
+            for _, kind, key in wanted:
+                if (kind, key) not in by_key:
+                    missing.setdefault(kind, []).append(str(key))
+            for kind, kind_keys in missing.items():
+                for j in store.get_jobs_by_keys(kind, kind_keys, connection=conn):
+                    by_key[(kind, j.idempotency_key)] = j
+            return list(ours.values()), [by_key[(kind, key)] for _, kind, key in wanted]
 
         try:
             if connection is not None or (not run_ids and not keyed):
-                # In the caller's transaction, or a lone INSERT that commits by itself.
+                # In the caller's transaction, or a lone statement that commits by itself.
                 inserted, jobs = write(connection)
             else:
                 # The runs, the rows and their events (or the key lookups) commit together.
@@ -226,7 +268,7 @@ class Producer:
             if not refused_value(exc):
                 raise
             # The driver's text quotes the whole INSERT, payload included: keep it out.
-            kinds = ", ".join(sorted({r["kind"] for r in rows}))
+            kinds = ", ".join(sorted({kind for _, kind, _ in wanted}))
             log.warning("celery-lease: the job database refused a value of a %s job (%s)", kinds, type(exc).__name__)
             name = type(exc).__name__
             raise InvalidPayload(f"the job database refused a value of this job ({name}); nothing was stored") from None

@@ -158,6 +158,84 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
     ).returning(*jobs.c)
 
 
+#: What one submit_many binds once for all its jobs (insert_job_batch).
+BATCH_SHARED_COLUMNS = (
+    "kind",
+    "task",
+    "queue",
+    "status",
+    "attempt",
+    "max_attempts",
+    "lease_seconds",
+    "lease_generation",
+    "lease_losses",
+    "run_id",
+    "parent_id",
+    "tenant",
+    "canvas",
+    "priority",
+    "held",
+)
+#: What differs from job to job of one submit_many: the fields of each record of :jobs.
+BATCH_JOB_FIELDS = ("id", "payload", "idempotency_key", "concurrency_key")
+
+
+@functools.cache
+def insert_job_batch(*, on_key_conflict_nothing: bool) -> sa.Select:
+    """insert_job_batch: new pending jobs of one submit, and the ``dispatched`` event of
+    each that belongs to a run, in one statement (PostgreSQL).
+
+    ``:jobs`` is one JSON array of records (``BATCH_JOB_FIELDS``; a missing field is
+    NULL), read by json_to_recordset: one parameter whatever the batch size, payloads
+    parsed once by the database, never escaped twice. Every other column is one value
+    for the batch (``BATCH_SHARED_COLUMNS``). Times are insert_jobs': the database
+    clock, from ``:due_at`` / ``:due_in``.
+
+    Conflicts are insert_jobs': a row whose id exists inserts nothing (an earlier try
+    of this very submit landed before its reply was lost); with keys, a conflicting
+    (kind, key) inserts nothing either. Such rows are missing from what it returns
+    (id, created_at, run_after of each row inserted) and have no new event.
+    """
+    per_job = (
+        sa.func.json_to_recordset(sa.cast(sa.bindparam("jobs", type_=sa.Text), postgresql.JSON))
+        .table_valued(
+            sa.column("id", ID),
+            sa.column("payload", postgresql.JSONB),
+            sa.column("idempotency_key", _c.idempotency_key.type),
+            sa.column("concurrency_key", _c.concurrency_key.type),
+        )
+        .render_derived(name="batch", with_types=True)
+    )
+    due_at = sa.cast(sa.bindparam("due_at", type_=_c.run_after.type), _c.run_after.type)
+    due_in = sa.cast(sa.bindparam("due_in", type_=sa.Float), sa.Float)
+    values: dict[str, Any] = {name: per_job.c[name] for name in BATCH_JOB_FIELDS}
+    for name in BATCH_SHARED_COLUMNS:
+        values[name] = sa.cast(sa.bindparam(name, type_=_c[name].type), _c[name].type)
+    values.update(
+        created_at=db_now(),
+        updated_at=db_now(),
+        run_after=sa.case((due_in.is_not(None), db_now_plus(due_in)), else_=due_at),
+        woken_at=sa.case((sa.and_(due_in.is_(None), due_at.is_(None)), db_now()), else_=sa.null()),
+    )
+    insert = postgresql.insert(jobs).from_select(list(values), sa.select(*values.values()))
+    if on_key_conflict_nothing:
+        insert = insert.on_conflict_do_nothing()  # on the key or on the id
+    else:
+        insert = insert.on_conflict_do_nothing(index_elements=[_c.id])
+    inserted = insert.returning(_c.id, _c.run_id, _c.attempt, _c.created_at, _c.run_after).cte("inserted")
+    dispatched = (
+        sa.insert(events)
+        .from_select(
+            ["run_id", "job_id", "event", "attempt", "created_at"],
+            sa.select(inserted.c.run_id, inserted.c.id, sa.literal(Event.DISPATCHED.value), inserted.c.attempt, db_now()).where(
+                inserted.c.run_id.is_not(None)
+            ),
+        )
+        .cte("dispatched")
+    )
+    return sa.select(inserted.c.id, inserted.c.created_at, inserted.c.run_after).add_cte(dispatched)
+
+
 def get_jobs_by_keys(kind: str, keys: Sequence[str]) -> sa.Select:
     return sa.select(jobs).where(_c.kind == kind, _c.idempotency_key.in_(keys))
 

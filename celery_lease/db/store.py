@@ -7,6 +7,7 @@ events are built here, in :meth:`Store.log_events`, and nowhere else.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
@@ -54,7 +55,7 @@ class Store(Database):
         if self.dialect == "postgresql" and prepare_statements:
             self._prepared = {
                 "claim": Prepared(q.claim_job_logged()),
-                "insert": Prepared(q.insert_jobs(self.dialect, on_key_conflict_nothing=False), column_keys=q.INSERTED_COLUMNS),
+                "insert_batch": Prepared(q.insert_job_batch(on_key_conflict_nothing=False)),
             }
 
     # --- producer --------------------------------------------------------------------
@@ -66,30 +67,58 @@ class Store(Database):
         exists was inserted by an earlier try of this same submit whose reply was lost
         (a retry after a dropped connection): it is read back, not inserted again nor
         reported as a conflict, and appended to ``landed``."""
-        if self._prepared is not None and len(rows) == 1 and not keyed and connection is None:
-            # A plain single submit: one prepared INSERT, committed durably.
-            inserted = [Job.from_row(r) for r in self.execute_prepared(self._prepared["insert"], rows[0])]
-        else:
-            stmt = q.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
+        stmt = q.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
 
-            def work(conn: Connection) -> list[Job]:
-                if len(rows) == 1:
-                    result = conn.execute(stmt, rows[0])
-                else:
-                    result = conn.execute(stmt, rows)
-                return [Job.from_row(r) for r in result.mappings()]
+        def work(conn: Connection) -> list[Job]:
+            if len(rows) == 1:
+                result = conn.execute(stmt, rows[0])
+            else:
+                result = conn.execute(stmt, rows)
+            return [Job.from_row(r) for r in result.mappings()]
 
-            # The INSERT is one statement: outside a caller's transaction it commits alone.
-            inserted = self.transaction(self.engine(single=True), work, connection=connection)
-        if len(inserted) < len(rows):
-            new = {j.id for j in inserted}
-            missing = [str(r["id"]) for r in rows if str(r["id"]) not in new]
-            found = self.get_jobs_by_ids(missing, connection=connection)
-            if found:
-                log.warning("celery-lease: %d job(s) had landed before a lost reply; not inserted again", len(found))
-                if landed is not None:
-                    landed.extend(found)
+        # The INSERT is one statement: outside a caller's transaction it commits alone.
+        inserted = self.transaction(self.engine(single=True), work, connection=connection)
+        self._read_back_landed([str(r["id"]) for r in rows], {j.id for j in inserted}, landed, connection)
         return inserted
+
+    def insert_job_batch(
+        self, shared: dict[str, Any], records: list[dict], *, keyed: bool, connection=None, landed: list[Job] | None = None
+    ) -> list[Job]:
+        """q.insert_job_batch (PostgreSQL): jobs sharing every column but q.BATCH_JOB_FIELDS
+        (``records``, one dict each), with their ``dispatched`` events, in one statement,
+        alone a prepared one; returns those inserted, built from what was sent and the
+        database's created_at / run_after. Missing ids are insert_jobs' lost-reply rows."""
+        text = json.dumps(records, separators=(",", ":"))
+        params = {**shared, "jobs": text}
+        rows: list[Any]
+        if self._prepared is not None and not keyed and connection is None:
+            prepared = self._prepared["insert_batch"]
+            rows = [(r["id"], r["created_at"], r["run_after"]) for r in self.execute_prepared(prepared, params)]
+        else:
+            stmt = q.insert_job_batch(on_key_conflict_nothing=keyed)
+            rows = self.transaction(self.engine(single=True), lambda c: list(c.execute(stmt, params)), connection=connection)
+        sent = {str(r["id"]): r for r in json.loads(text)}  # payloads as stored: tuples become lists
+        base = Job.pending_fields(shared)
+        inserted = []
+        for job_id, created_at, run_after in rows:
+            record = sent[str(job_id)]
+            own = {"id": str(job_id), "payload": record["payload"], "idempotency_key": record.get("idempotency_key")}
+            inserted.append(Job.of_fields({**base, **own, "created_at": created_at, "run_after": run_after}))
+        self._read_back_landed(list(sent), {j.id for j in inserted}, landed, connection)
+        return inserted
+
+    def _read_back_landed(self, ids: list[str], inserted: set[str], landed: list[Job] | None, connection) -> None:
+        """Rows an insert did not return although their ids are fresh UUIDs: an earlier
+        try of the same insert committed them before its reply was lost. Read back into
+        ``landed`` (a conflicting idempotency key is not found by id: the caller reads it
+        by key)."""
+        if len(inserted) == len(ids):
+            return
+        found = self.get_jobs_by_ids([i for i in ids if i not in inserted], connection=connection)
+        if found:
+            log.warning("celery-lease: %d job(s) had landed before a lost reply; not inserted again", len(found))
+            if landed is not None:
+                landed.extend(found)
 
     def pending_wakeups(self, ids: Sequence[str]) -> list[dict]:
         return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(q.pending_wakeups(ids)).mappings()])

@@ -128,11 +128,21 @@ def test_rolled_back_submit_leaves_no_job_and_no_wakeup(pg, broker, client_app):
     engine.dispose()
 
 
-def test_submit_many_is_one_insert(pg, broker, client_app, statements):
+def test_submit_many_is_one_insert(pg, broker, client_app, statements, monkeypatch):
+    from celery_lease.db.prepared import Prepared
+
+    real_execute = Prepared.execute
+
+    def counted(self, dbapi_connection, info, params):
+        statements.append(self.prepare_sql.split(" AS ", 1)[1])
+        return real_execute(self, dbapi_connection, info, params)
+
+    monkeypatch.setattr(Prepared, "execute", counted)
     mod = client_app(pg, broker)
     created = mod.echo.submit_many([{"value": i} for i in range(250)])
     assert len(created) == 250 and len({j.id for j in created}) == 250
-    assert len(statements) == 1 and statements[0].lstrip().upper().startswith("INSERT")
+    # WITH inserted AS (INSERT ... RETURNING), dispatched AS (INSERT events ...) SELECT
+    assert len(statements) == 1 and statements[0].lstrip().upper().startswith("WITH")
     assert count_jobs(pg) == 250 and queued(broker) == 250
 
 
@@ -173,9 +183,9 @@ def test_statements_per_job_from_submit_to_success(pg, broker, client_app, state
         for s in during
         if not s.lstrip().upper().startswith("SELECT") or s.lstrip().upper().startswith("WITH")
     ]
-    assert submitted == ["INSERT"]
+    assert submitted == ["WITH"]  # the row (+ its run event, in one statement)
     # submit; claim (+ its run event, in one statement); completion
-    assert sorted(cost + executed) == ["INSERT", "UPDATE", "WITH"], (cost, executed)
+    assert sorted(cost + executed) == ["UPDATE", "WITH", "WITH"], (cost, executed)
     assert len(executed) == (3 if prepare else 0)
 
 

@@ -22,22 +22,36 @@ from celery import signals
 from celery._state import _task_stack
 
 from celery_lease import Status
+from celery_lease.db.prepared import Prepared
 from celery_lease.db.schema import jobs
 from celery_lease.wakeups import Publisher
 from tests.conftest import wait_for
 
 
 @pytest.fixture
-def statements():
-    """Every SQL statement this process sends through SQLAlchemy, on any engine."""
+def statements(monkeypatch):
+    """Every SQL statement this process sends, through SQLAlchemy on any engine or as
+    an EXECUTE of a prepared statement (recorded as the statement it runs)."""
     seen: list[str] = []
 
     def record(conn, cursor, statement, *args):
         seen.append(statement)
 
+    real_execute = Prepared.execute
+
+    def execute(self, dbapi_connection, info, params):
+        seen.append(self.prepare_sql.split(" AS ", 1)[1])
+        return real_execute(self, dbapi_connection, info, params)
+
+    monkeypatch.setattr(Prepared, "execute", execute)
     sa.event.listen(sa.engine.Engine, "before_cursor_execute", record)
     yield seen
     sa.event.remove(sa.engine.Engine, "before_cursor_execute", record)
+
+
+def writes(statements: list[str]) -> list[str]:
+    """The first word of each statement but SQLite's BEGIN IMMEDIATE."""
+    return [s.split()[0].upper() for s in statements if not s.startswith("BEGIN")]
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -73,12 +87,31 @@ def test_submit_many_is_one_statement_returning_the_rows_as_stored(db, broker, c
     statements.clear()
     created = mod.echo.submit_many(payloads, tenant="acme", queue="celery")
     # One INSERT (SQLite's engine also says BEGIN IMMEDIATE).
-    assert [s.split()[0].upper() for s in statements if not s.startswith("BEGIN")] in (["INSERT"], ["WITH"])
+    assert writes(statements) in (["INSERT"], ["WITH"])
     assert len({j.id for j in created}) == 300
     for job in created:
         assert job == mod.leases.get(job.id)
     assert created[7].payload == {"i": 7, "pair": [7, "b"], "text": "żółw ✓", "nested": {"z": 1, "a": [None, True]}}
     assert len(messages(broker)) == 300
+
+
+def test_a_single_submit_is_one_statement_with_its_event_on_postgresql(pg, broker, client_app, statements):
+    """The row and its dispatched event go in one round trip, committed before the wakeup."""
+    mod = client_app(pg, broker)
+    run_id = str(uuid.uuid4())
+    mod.echo.submit({"i": 0}, run_id=run_id)  # creates the run
+    statements.clear()
+    alone = mod.echo.submit({"i": 1})
+    assert writes(statements) == ["WITH"] and "celery_lease_events" in statements[0]
+    statements.clear()
+    in_run = mod.echo.submit({"i": 2}, run_id=run_id)
+    # The run is checked (and created if new) first, in the same transaction.
+    assert writes(statements) == ["INSERT", "SELECT", "WITH"]
+    assert [e["event"] for e in mod.leases.run_events(run_id)] == ["dispatched"] * 2
+    assert [e["job_id"] for e in mod.leases.run_events(run_id)][1] == in_run.id
+    for job in (alone, in_run):
+        assert job == mod.leases.get(job.id)
+    assert {m["headers"]["id"] for m in messages(broker)} >= {alone.id, in_run.id}
 
 
 def test_submit_many_in_a_run_and_delayed_returns_the_rows_as_stored(db, broker, client_app):
@@ -162,6 +195,39 @@ def test_wakeup_published_inside_a_worker_task_names_its_parent(sqlite_url, brok
         parent.pop_request()
     assert fast["headers"]["parent_id"] == "parent-id" and fast["headers"]["root_id"] == "root-id"
     assert comparable(fast) == comparable(reference)
+
+
+def test_wakeups_go_straight_to_redis_and_fall_back_to_kombu_when_that_fails(pg, broker, client_app, monkeypatch):
+    """A default wakeup bypasses Producer.publish (one pipeline per call); when that
+    pipeline fails, the same messages go through Producer.publish, retries and all."""
+    import kombu.messaging
+
+    mod = client_app(pg, broker)
+    via_kombu: list[str] = []
+    real_publish = kombu.messaging.Producer.publish
+
+    def publish(self, body, *args, **kwargs):
+        via_kombu.append(kwargs["headers"]["id"])
+        return real_publish(self, body, *args, **kwargs)
+
+    monkeypatch.setattr(kombu.messaging.Producer, "publish", publish)
+    direct = mod.echo.submit_many([{"i": i} for i in range(3)])
+    assert via_kombu == [] and sorted(m["headers"]["id"] for m in messages(broker)) == sorted(j.id for j in direct)
+
+    real_execute = redis.client.Pipeline.execute
+
+    def broken(self, *args, **kwargs):
+        raise redis.ConnectionError("the pipeline's connection dropped")
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", broken)
+    fallen_back = mod.echo.submit_many([{"i": i} for i in range(3)])
+    monkeypatch.setattr(redis.client.Pipeline, "execute", real_execute)
+    assert via_kombu == [j.id for j in fallen_back]
+    assert sorted(m["headers"]["id"] for m in messages(broker)) == sorted(j.id for j in fallen_back)
+    engine = sa.create_engine(pg, poolclass=sa.NullPool)
+    with engine.connect() as conn:  # published: nothing left to the sweeper
+        woken = conn.execute(sa.select(jobs.c.woken_at).where(jobs.c.id.in_([j.id for j in fallen_back]))).scalars().all()
+    assert len(woken) == 3 and None not in woken
 
 
 class PublishLog:
