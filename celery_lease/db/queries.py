@@ -707,6 +707,21 @@ def _batch(name: str, where: sa.ColumnElement, order_by, limit_param: str) -> sa
 
 _lease_elapsed = sa.and_(_c.status == Status.RUNNING.value, _c.lease_expires_at < db_now())
 
+#: What a requeue (reap, restart recovery) returns: the wakeup, the run event, and the
+#: flow-control group a limited kind's job frees (``limited``: its kind has a limits
+#: row), so the caller frees slots without reading the jobs again.
+REQUEUED_COLUMNS = (
+    _c.id,
+    _c.status,
+    _c.run_id,
+    _c.attempt,
+    _c.task,
+    _c.queue,
+    _c.kind,
+    _c.concurrency_key,
+    _c.kind.in_(sa.select(limits.c.kind)).label("limited"),
+)
+
 
 @functools.cache
 def reap_expired() -> sa.Update:
@@ -719,7 +734,7 @@ def reap_expired() -> sa.Update:
         sa.update(jobs)
         .where(_c.id == batch.c.id)  # locked by this statement: still running and expired
         .values(**values)
-        .returning(_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue)
+        .returning(*REQUEUED_COLUMNS)
     )
 
 
@@ -737,7 +752,7 @@ def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
     )
     values = _requeue_or(Status.FAILED)
     values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal("interrupted by restart")), else_=_c.error)
-    return sa.update(jobs).where(where).values(**values).returning(_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue)
+    return sa.update(jobs).where(where).values(**values).returning(*REQUEUED_COLUMNS)
 
 
 @functools.cache
