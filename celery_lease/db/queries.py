@@ -682,7 +682,7 @@ def _requeue_or(final: Status) -> dict[str, Any]:
     }
 
 
-def _batch(name: str, where: sa.ColumnElement, order_by, limit_param: str) -> sa.CTE:
+def _batch(name: str, where: sa.ColumnElement, order_by, limit: str | sa.ColumnElement) -> sa.CTE:
     """A bounded batch of ids, locked, skipping rows another beat holds; the statement
     joins it by primary key (``UPDATE ... FROM batch WHERE id = batch.id``).
 
@@ -697,8 +697,8 @@ def _batch(name: str, where: sa.ColumnElement, order_by, limit_param: str) -> sa
     return (
         sa.select(_c.id)
         .where(where)
-        .order_by(order_by)
-        .limit(sa.bindparam(limit_param))
+        .order_by(*order_by if isinstance(order_by, tuple) else (order_by,))
+        .limit(sa.bindparam(limit) if isinstance(limit, str) else limit)
         .with_for_update(skip_locked=True)
         .cte(name)
         .prefix_with("MATERIALIZED")
@@ -755,27 +755,47 @@ def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
     return sa.update(jobs).where(where).values(**values).returning(*REQUEUED_COLUMNS)
 
 
+def _count(batch: sa.CTE) -> sa.ScalarSelect:
+    return sa.select(sa.func.count()).select_from(batch).scalar_subquery()
+
+
 @functools.cache
-def claim_due_wakeups() -> sa.Update:
-    """claim_due_wakeups: due pending jobs with no wakeup since :stale_seconds.
+def claim_due_wakeups(dialect: str) -> sa.Update:
+    """claim_due_wakeups: due pending jobs with no wakeup since :stale_seconds, at most :limit.
 
     Stamps woken_at before the caller publishes, so two beats never both send the
     same batch, and a crash after this statement only delays the wakeup by one
     threshold.
+
+    Due means pending, not held (flow control wakes held jobs when their cause ends:
+    flow.py), run_after null or past, and woken_at null or older than :stale_seconds.
+    That is three disjoint ranges of celery_lease_jobs_wakeup (woken_at, run_after),
+    read in index order, each bounded by what is left of :limit: never woken and due
+    at once; never woken and run_after past; woken before the threshold (run_after is
+    then null or past but for rare rows, filtered). So a tick reads the rows it sends
+    plus a few index pages, however many pending jobs were woken recently (each of them
+    waits for its claim, not for the sweeper) or are delayed into the future.
+
+    The status and held tests are literal SQL, the partial index's own predicate, so a
+    generic plan uses the index too. The UPDATE takes the ids as one array (PostgreSQL),
+    probed by primary key: no estimate of the batches can turn it into a join that reads
+    the table.
     """
-    due = sa.and_(
-        _c.status == Status.PENDING.value,
-        sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
-        sa.or_(_c.woken_at.is_(None), _c.woken_at < db_now_plus(-_seconds("stale_seconds"))),
-        _c.held.is_(None),  # flow control wakes held jobs when their cause ends (flow.py)
-    )
-    batch = _batch("due", due, _c.run_after, "limit")
-    return (
-        sa.update(jobs)
-        .where(_c.id == batch.c.id)  # locked by this statement: still pending and due
-        .values(woken_at=db_now())
-        .returning(*WAKEUP_COLUMNS)
-    )
+    pending = sa.and_(_c.status == _PENDING, _c.held.is_(None))
+    order = (_c.woken_at, _c.run_after)  # the index's order: a probe stops at :limit rows
+    limit = sa.bindparam("limit", type_=sa.Integer)
+    never = _batch("never_woken", sa.and_(pending, _c.woken_at.is_(None), _c.run_after.is_(None)), order, limit)
+    came_due = _batch("came_due", sa.and_(pending, _c.woken_at.is_(None), _c.run_after <= db_now()), order, limit - _count(never))
+    stale = sa.and_(pending, _c.woken_at < db_now_plus(-_seconds("stale_seconds")), _due(_c))
+    rewake = _batch("stale", stale, order, limit - _count(never) - _count(came_due))
+    due = sa.union_all(*(sa.select(b.c.id) for b in (never, came_due, rewake))).subquery("due")
+    if dialect == "postgresql":
+        # Each row is locked by this statement: still pending and due.
+        ids = sa.cast(sa.select(sa.func.array_agg(due.c.id)).scalar_subquery(), postgresql.ARRAY(ID))
+        picked = _c.id == sa.any_(ids)
+    else:  # SQLite: one writer at a time, no planner joins to fear
+        picked = _c.id.in_(sa.select(due.c.id))
+    return sa.update(jobs).where(picked).values(woken_at=db_now()).returning(*WAKEUP_COLUMNS)
 
 
 @functools.cache
