@@ -301,7 +301,16 @@ class Store(Database):
         return self.transaction(self.durable, work)
 
     def reap(self, limit: int) -> list[dict]:
-        return self._requeue(q.reap_expired(), {"limit": limit}, Event.REAPED, "lease expired")
+        params = {"limit": limit}
+        if self.dialect != "postgresql":
+            return self._requeue(q.reap_expired(self.dialect), params, Event.REAPED, q.LEASE_EXPIRED)
+        # One statement that also appends the run events: one round trip per batch
+        # (prepared: a backlog is reaped in many; see queries.reap_expired_logged).
+        stmt = q.reap_expired_logged()
+        if self._prepared is not None:
+            prepared = self._prepared.get("reap") or self._prepared.setdefault("reap", Prepared(stmt))
+            return self.execute_prepared(prepared, params)
+        return self.transaction(self.engine(single=True), lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
 
     def recover(self, node: str, boot: str) -> list[dict]:
         stmt = q.recover_restarted(owner_prefix=f"{node}/", owner_boot=f"/{boot}")
