@@ -2,7 +2,9 @@
 
 It runs them on a :class:`~celery_lease.db.engine.Database` (engines, transactions,
 prepared statements) and turns rows into :class:`~celery_lease.job.Job` values. Run
-events are built here, in :meth:`Store.log_events`, and nowhere else.
+events are built here, in :meth:`Store.log_events`, and nowhere else, but by the
+PostgreSQL statements that write their own (queries.claim_job_logged,
+queries.reap_expired_logged: the same rows, in the same statement).
 """
 
 from __future__ import annotations
