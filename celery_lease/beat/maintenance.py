@@ -58,8 +58,9 @@ class Maintenance:
     def _requeue_counts(self, rows: list[dict], final: Status) -> dict[str, int]:
         requeued = [r for r in rows if r["status"] == Status.PENDING.value]
         self._publish(requeued)
-        if self._flow is not None and rows:
-            self._flow.released([str(r["id"]) for r in rows])
+        if self._flow is not None:
+            # Their slots free at once (the statement told which kinds are limited).
+            self._flow.released_groups([(r["kind"], r["concurrency_key"]) for r in rows if r["limited"]])
         return {"requeued": len(requeued), final.value: len(rows) - len(requeued)}
 
     def reap(self) -> dict[str, int]:

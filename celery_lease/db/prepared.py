@@ -21,6 +21,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
+from sqlalchemy.engine import Connection
 
 # Compiles with $1, $2 ... placeholders (what PREPARE takes) and their order.
 _DOLLAR = PGDialect_psycopg2(paramstyle="numeric_dollar")
@@ -70,6 +71,17 @@ class Prepared:
             if cur.description is None:
                 return [], []
             return [d[0] for d in cur.description], cur.fetchall()
+
+    def run(self, conn: Connection, params: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run on a SQLAlchemy connection (its transaction and error handling: a
+        database that refuses or cannot be reached raises as any statement does)."""
+        prepared = conn.connection.info.setdefault(_KEY, set())
+        if self.name not in prepared:
+            conn.exec_driver_sql(self.prepare_sql)
+            prepared.add(self.name)
+        result = conn.exec_driver_sql(self.execute_sql, tuple(self.values(params)))
+        keys = list(result.keys())
+        return [dict(zip(keys, row)) for row in result.fetchall()]
 
 
 class PreparedScript(Prepared):

@@ -94,6 +94,12 @@ _running_under_lease = sa.and_(
 )
 _lease_cleared = {"lease_owner": None, "lease_expires_at": None}
 
+# Constants a partial index predicate needs are literal SQL, not bound values: a
+# prepared statement's generic plan can only use a partial index (running, wakeup,
+# priority, held) when its WHERE visibly implies the index's predicate.
+_PENDING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.PENDING.value}'")
+_RUNNING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.RUNNING.value}'")
+
 #: What a worker needs from a claimed job.
 CLAIMED_COLUMNS = (
     _c.id,
@@ -760,7 +766,7 @@ def _requeue_or(final: Status) -> dict[str, Any]:
     }
 
 
-def _batch(name: str, where: sa.ColumnElement, order_by, limit_param: str) -> sa.CTE:
+def _batch(name: str, where: sa.ColumnElement, order_by, limit: str | sa.ColumnElement) -> sa.CTE:
     """A bounded batch of ids, locked, skipping rows another beat holds; the statement
     joins it by primary key (``UPDATE ... FROM batch WHERE id = batch.id``).
 
@@ -775,33 +781,84 @@ def _batch(name: str, where: sa.ColumnElement, order_by, limit_param: str) -> sa
     return (
         sa.select(_c.id)
         .where(where)
-        .order_by(order_by)
-        .limit(sa.bindparam(limit_param))
+        .order_by(*order_by if isinstance(order_by, tuple) else (order_by,))
+        .limit(sa.bindparam(limit, type_=sa.Integer) if isinstance(limit, str) else limit)
         .with_for_update(skip_locked=True)
         .cte(name)
         .prefix_with("MATERIALIZED")
     )
 
 
-#: What a requeue returns: a wakeup for a requeued job, an ended job's canvas (its errbacks).
-ENDED_COLUMNS = (_c.id, _c.status, _c.run_id, _c.attempt, _c.task, _c.queue, _c.tenant, _c.canvas)
+_lease_elapsed = sa.and_(_c.status == _RUNNING, _c.lease_expires_at < db_now())
 
-_lease_elapsed = sa.and_(_c.status == Status.RUNNING.value, _c.lease_expires_at < db_now())
+
+def _picked(batch: sa.CTE, dialect: str) -> sa.ColumnElement[bool]:
+    """The rows of a locked batch, for the statement that changes them. PostgreSQL: the
+    ids as one array probed by primary key, so no estimate of the batch (a generic
+    plan guesses :limit) can turn the statement into a join that reads the table.
+    SQLite: one writer at a time, no planner joins to fear."""
+    if dialect == "postgresql":
+        return _c.id == sa.any_(sa.cast(sa.select(sa.func.array_agg(batch.c.id)).scalar_subquery(), postgresql.ARRAY(ID)))
+    return _c.id.in_(sa.select(batch.c.id))
+
+
+#: What a requeue (reap, restart recovery) returns: the wakeup, the run event, an ended
+#: job's canvas (its errbacks), and the flow-control group a limited kind's job frees
+#: (``limited``: its kind has a limits row), so the caller frees slots without reading
+#: the jobs again.
+REQUEUED_COLUMNS = (
+    _c.id,
+    _c.status,
+    _c.run_id,
+    _c.attempt,
+    _c.task,
+    _c.queue,
+    _c.tenant,
+    _c.canvas,
+    _c.kind,
+    _c.concurrency_key,
+    _c.kind.in_(sa.select(limits.c.kind)).label("limited"),
+)
+
+
+#: The run event detail of a reaped job is this, ": ", and its new status.
+LEASE_EXPIRED = "lease expired"
 
 
 @functools.cache
-def reap_expired() -> sa.Update:
+def reap_expired(dialect: str) -> sa.Update:
     """reap_expired: running jobs whose lease elapsed -> pending, or expired when their
     attempts are spent. Bounded by :limit; safe with several beats (SKIP LOCKED)."""
     values = _requeue_or(Status.EXPIRED)
-    values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal("lease expired")), else_=_c.error)
+    values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal(LEASE_EXPIRED)), else_=_c.error)
     batch = _batch("expired", _lease_elapsed, _c.lease_expires_at, "limit")
-    return (
-        sa.update(jobs)
-        .where(_c.id == batch.c.id)  # locked by this statement: still running and expired
-        .values(**values)
-        .returning(*ENDED_COLUMNS)
+    # Locked by this statement: still running and expired.
+    return sa.update(jobs).where(_picked(batch, dialect)).values(**values).returning(*REQUEUED_COLUMNS)
+
+
+@functools.cache
+def reap_expired_logged() -> sa.Select:
+    """reap_expired, plus the run's 'reaped' event of each reaped job that belongs to a
+    run, as ONE statement (PostgreSQL data-modifying CTE): the store runs it prepared,
+    in one round trip and its own transaction, and no event row is built in Python.
+    The events are those Store.log_events would append (detail "lease expired: <status>")."""
+    reaped = reap_expired("postgresql").cte("reaped")
+    logged = (
+        sa.insert(events)
+        .from_select(
+            ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
+            sa.select(
+                reaped.c.run_id,
+                reaped.c.id,
+                sa.literal(Event.REAPED.value),
+                reaped.c.attempt,
+                sa.literal(f"{LEASE_EXPIRED}: ") + reaped.c.status,
+                db_now(),
+            ).where(reaped.c.run_id.is_not(None)),
+        )
+        .cte("logged")
     )
+    return sa.select(reaped).add_cte(logged)
 
 
 def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
@@ -818,30 +875,43 @@ def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
     )
     values = _requeue_or(Status.FAILED)
     values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal("interrupted by restart")), else_=_c.error)
-    return sa.update(jobs).where(where).values(**values).returning(*ENDED_COLUMNS)
+    return sa.update(jobs).where(where).values(**values).returning(*REQUEUED_COLUMNS)
+
+
+def _count(batch: sa.CTE) -> sa.ScalarSelect:
+    return sa.select(sa.func.count()).select_from(batch).scalar_subquery()
 
 
 @functools.cache
-def claim_due_wakeups() -> sa.Update:
-    """claim_due_wakeups: due pending jobs with no wakeup since :stale_seconds.
+def claim_due_wakeups(dialect: str) -> sa.Update:
+    """claim_due_wakeups: due pending jobs with no wakeup since :stale_seconds, at most :limit.
 
     Stamps woken_at before the caller publishes, so two beats never both send the
     same batch, and a crash after this statement only delays the wakeup by one
     threshold.
+
+    Due means pending, not held (flow control wakes held jobs when their cause ends:
+    flow.py), run_after null or past, and woken_at null or older than :stale_seconds.
+    That is three disjoint ranges of celery_lease_jobs_wakeup (woken_at, run_after),
+    read in index order, each bounded by what is left of :limit: never woken and due
+    at once; never woken and run_after past; woken before the threshold (run_after is
+    then null or past but for rare rows, filtered). So a tick reads the rows it sends
+    plus a few index pages, however many pending jobs were woken recently (each of them
+    waits for its claim, not for the sweeper) or are delayed into the future.
+
+    The status and held tests are literal SQL, the partial index's own predicate, so a
+    generic plan uses the index too; the UPDATE probes the ids by primary key (_picked).
     """
-    due = sa.and_(
-        _c.status == Status.PENDING.value,
-        sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
-        sa.or_(_c.woken_at.is_(None), _c.woken_at < db_now_plus(-_seconds("stale_seconds"))),
-        _c.held.is_(None),  # flow control wakes held jobs when their cause ends (flow.py)
-    )
-    batch = _batch("due", due, _c.run_after, "limit")
-    return (
-        sa.update(jobs)
-        .where(_c.id == batch.c.id)  # locked by this statement: still pending and due
-        .values(woken_at=db_now())
-        .returning(*WAKEUP_COLUMNS)
-    )
+    pending = sa.and_(_c.status == _PENDING, _c.held.is_(None))
+    order = (_c.woken_at, _c.run_after)  # the index's order: a probe stops at :limit rows
+    limit = sa.bindparam("limit", type_=sa.Integer)
+    never = _batch("never_woken", sa.and_(pending, _c.woken_at.is_(None), _c.run_after.is_(None)), order, limit)
+    came_due = _batch("came_due", sa.and_(pending, _c.woken_at.is_(None), _c.run_after <= db_now()), order, limit - _count(never))
+    stale = sa.and_(pending, _c.woken_at < db_now_plus(-_seconds("stale_seconds")), _due(_c))
+    rewake = _batch("stale", stale, order, limit - _count(never) - _count(came_due))
+    due = sa.union_all(*(sa.select(b.c.id) for b in (never, came_due, rewake))).cte("due")
+    # Locked by this statement: still pending and due.
+    return sa.update(jobs).where(_picked(due, dialect)).values(woken_at=db_now()).returning(*WAKEUP_COLUMNS)
 
 
 @functools.cache
@@ -952,13 +1022,6 @@ def make_due() -> sa.Update:
 
 
 # --- flow control (celery_lease.flow) ---------------------------------------------------
-#
-# Constants a partial index predicate needs are literal SQL, not bound values: a
-# prepared statement's generic plan can only use celery_lease_jobs_priority (or _held)
-# when its WHERE visibly implies the index's predicate.
-
-_PENDING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.PENDING.value}'")
-_RUNNING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.RUNNING.value}'")
 
 
 def _due(t) -> sa.ColumnElement:

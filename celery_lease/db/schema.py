@@ -94,7 +94,10 @@ sa.Index(
 )
 
 # Claim is by primary key; these serve the maintenance scans and the API.
-sa.Index("celery_lease_jobs_pending", jobs.c.run_after, **_partial("status = 'pending'"))
+# The sweep (queries.claim_due_wakeups) reads three ranges of it: never woken and due at
+# once, never woken and run_after past, woken before the staleness threshold. Its keys
+# are not written while a job is pending but by a wakeup; a claim takes the job out.
+sa.Index("celery_lease_jobs_wakeup", jobs.c.woken_at, jobs.c.run_after, **_partial("status = 'pending' AND held IS NULL"))
 sa.Index("celery_lease_jobs_running", jobs.c.lease_expires_at, **_partial("status = 'running'"))
 # (Restart recovery finds a node's jobs through the running index: running rows are few.)
 sa.Index(

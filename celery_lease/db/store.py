@@ -2,7 +2,9 @@
 
 It runs them on a :class:`~celery_lease.db.engine.Database` (engines, transactions,
 prepared statements) and turns rows into :class:`~celery_lease.job.Job` values. Run
-events are built here, in :meth:`Store.log_events`, and nowhere else.
+events are built here, in :meth:`Store.log_events`, and nowhere else, but by the
+PostgreSQL statements that write their own (queries.claim_job_logged,
+queries.reap_expired_logged: the same rows, in the same statement).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -18,6 +19,7 @@ from sqlalchemy.engine import Connection
 from celery_lease.db import queries as q
 from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.prepared import Prepared
+from celery_lease.db.reads import Reads
 from celery_lease.job import Job
 from celery_lease.status import Event, Status
 
@@ -34,18 +36,7 @@ def _event_source(job: Any) -> tuple[Any, Any, int]:
     return job.run_id, getattr(job, "job_id", None) or job.id, job.attempt
 
 
-def _view(row: Mapping[Any, Any]) -> dict[str, Any]:
-    """An API view row: ids as strings, times as aware UTC (SQLite returns them naive)."""
-    out = dict(row)
-    for key, value in out.items():
-        if isinstance(value, datetime) and value.tzinfo is None:
-            out[key] = value.replace(tzinfo=timezone.utc)
-        elif key.endswith("id") and value is not None:
-            out[key] = str(value)
-    return out
-
-
-class Store(Database):
+class Store(Reads, Database):
     def __init__(
         self, url: str, *, source: str = "database_url", prepare_statements: bool = True, timeouts: Timeouts | None = None
     ) -> None:
@@ -146,55 +137,6 @@ class Store(Database):
             return conn.execute(q.get_run(run_id)).mappings().one()["cancelled_at"] is None
 
         return self.transaction(self.durable, work, connection=connection)
-
-    # --- reads -----------------------------------------------------------------------
-
-    def get(self, job_id: str) -> Job | None:
-        def work(conn):
-            row = conn.execute(q.get_job(job_id)).mappings().first()
-            return None if row is None else Job.from_row(row)
-
-        return self.transaction(self.durable, work)
-
-    def list_jobs(self, **filters) -> list[Job]:
-        return self.transaction(self.durable, lambda c: [Job.from_row(r) for r in c.execute(q.list_jobs(**filters)).mappings()])
-
-    def get_view(self, job_id: str, *, tenant: str | None = None) -> dict[str, Any] | None:
-        """The API columns of one job (of ``tenant``, when given), or None."""
-
-        def work(conn):
-            row = conn.execute(q.get_job_view(job_id, tenant=tenant)).mappings().first()
-            return None if row is None else _view(row)
-
-        return self.transaction(self.durable, work)
-
-    def list_views(self, **filters) -> list[dict[str, Any]]:
-        """list_jobs, reading only the API columns."""
-        return self.transaction(self.durable, lambda c: [_view(r) for r in c.execute(q.list_job_views(**filters)).mappings()])
-
-    def run_visible(self, run_id: str, *, tenant: str | None = None) -> bool:
-        return self.transaction(self.durable, lambda c: c.execute(q.run_visible(run_id, tenant=tenant)).first() is not None)
-
-    def tenant_run_events(self, run_id: str, tenant: str, *, after_seq: int = 0, limit: int = 1000) -> list[dict]:
-        """A tenant's events of a run, each with its ``seq`` among them (see queries)."""
-        stmt = q.list_tenant_run_events(run_id, tenant, after_seq=after_seq, limit=limit)
-        return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt).mappings()])
-
-    def run_events(self, run_id: str, *, after_id: int = 0, limit: int = 1000, tenant: str | None = None) -> list[dict]:
-        stmt = q.list_run_events(run_id, after_id=after_id, limit=limit, tenant=tenant)
-        return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt).mappings()])
-
-    def metrics(self, stale_seconds: float) -> dict[str, Any]:
-        """The aggregates behind /metrics, read in one transaction."""
-
-        def work(conn):
-            return {
-                "jobs": [tuple(r) for r in conn.execute(q.job_totals())],
-                "events": [tuple(r) for r in conn.execute(q.event_totals())],
-                "leases": tuple(conn.execute(q.lease_health(), {"stale_seconds": stale_seconds}).one()),
-            }
-
-        return self.transaction(self.durable, work)
 
     # --- lease life ------------------------------------------------------------------
 
@@ -343,19 +285,51 @@ class Store(Database):
     def reap(self, limit: int, ended: Ended | None = None) -> list[dict]:
         """Expired leases: requeued, or expired when no attempt is left (``ended``
         gets those, in the same transaction)."""
-        return self._requeue(q.reap_expired(), {"limit": limit}, Event.REAPED, "lease expired", Status.EXPIRED, ended)
+        params = {"limit": limit}
+        if self.dialect != "postgresql":
+            return self._requeue(q.reap_expired(self.dialect), params, Event.REAPED, q.LEASE_EXPIRED, Status.EXPIRED, ended)
+        # One statement that also appends the run events: one round trip per batch
+        # (prepared: a backlog is reaped in many; see queries.reap_expired_logged).
+        return self._maintain("reap", q.reap_expired_logged(), params, ended=ended, final=Status.EXPIRED)
 
     def recover(self, node: str, boot: str, ended: Ended | None = None) -> list[dict]:
         stmt = q.recover_restarted(owner_prefix=f"{node}/", owner_boot=f"/{boot}")
         return self._requeue(stmt, {}, Event.REQUEUED, "interrupted by restart", Status.FAILED, ended)
 
     def claim_due_wakeups(self, stale_seconds: float, limit: int) -> list[dict]:
-        return self.transaction(
-            self.durable,
-            lambda c: [
-                dict(r) for r in c.execute(q.claim_due_wakeups(), {"stale_seconds": stale_seconds, "limit": limit}).mappings()
-            ],
-        )
+        params = {"stale_seconds": stale_seconds, "limit": limit}
+        # Every sweep tick runs it, mostly finding nothing: prepared, it is parsed and
+        # analyzed once per connection (0.54 -> 0.35 ms idle at 1,000,000 pending jobs).
+        stmt = q.claim_due_wakeups(self.dialect)
+        if self.dialect != "postgresql":
+            return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
+        return self._maintain("sweep", stmt, params)
+
+    def _maintain(
+        self, name: str, stmt, params: dict[str, Any], *, ended: Ended | None = None, final: Status | None = None
+    ) -> list[dict]:
+        """A maintenance statement on PostgreSQL, prepared unless prepare_statements is
+        off: alone in its transaction (autocommit), or, with ``ended``, in one that also
+        runs ``ended`` with the rows that reached ``final`` (their errbacks)."""
+        if self._prepared is None:
+
+            def run(c: Connection) -> list[dict]:
+                return [dict(r) for r in c.execute(stmt, params).mappings()]
+        else:
+            prepared = self._prepared.get(name) or self._prepared.setdefault(name, Prepared(stmt))
+
+            def run(c: Connection) -> list[dict]:
+                return prepared.run(c, params)
+
+        if ended is None:
+            return self.transaction(self.engine(single=True), run)
+
+        def work(c: Connection) -> list[dict]:
+            rows = run(c)
+            ended(c, [r for r in rows if final is not None and r["status"] == final.value])
+            return rows
+
+        return self.transaction(self.durable, work)
 
     def prune(self, older_than_seconds: float, limit: int) -> int:
         def work(conn):

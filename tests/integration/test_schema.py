@@ -52,7 +52,8 @@ def test_partial_indexes_on_postgresql(pg):
             conn.exec_driver_sql("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'celery_lease_jobs'").all()
         )
     engine.dispose()
-    assert "WHERE" in defs["celery_lease_jobs_pending"] and "'pending'" in defs["celery_lease_jobs_pending"]
+    assert "WHERE" in defs["celery_lease_jobs_wakeup"] and "'pending'" in defs["celery_lease_jobs_wakeup"]
+    assert "held IS NULL" in defs["celery_lease_jobs_wakeup"]
     assert "'running'" in defs["celery_lease_jobs_running"]
     assert "'succeeded'" in defs["celery_lease_jobs_finished"]
 

@@ -139,14 +139,30 @@ def test_recover_requeues_only_this_nodes_earlier_boots(store, add_job, row):
 
 def test_sweep_stamps_only_due_pending_jobs_with_stale_wakeups(store, add_job, row):
     stale = add_job(woken_ago=120)
+    stale_came_due = add_job(woken_ago=120, run_after_in=-60)
     never = add_job()
+    came_due = add_job(run_after_in=-60)  # delayed, never woken, now due
     fresh = add_job(woken_ago=1)
     delayed = add_job(run_after_in=60)
+    stale_delayed = add_job(woken_ago=120, run_after_in=60)
+    held = add_job(woken_ago=120, held="limit")  # flow control wakes it, not the sweep
     running = add_job(status="running", woken_ago=120)
+    untouched = [fresh, delayed, stale_delayed, held, running]
+    before = [row(j)["woken_at"] for j in untouched]
     swept = {r["id"] for r in store.claim_due_wakeups(stale_seconds=30, limit=100)}
-    assert swept == {stale, never}
+    assert swept == {stale, stale_came_due, never, came_due}
     assert store.claim_due_wakeups(stale_seconds=30, limit=100) == []  # stamped: not sent twice
-    assert row(fresh)["woken_at"] is not None and delayed and running
+    assert [row(j)["woken_at"] for j in untouched] == before
+
+
+def test_sweep_limit_bounds_the_whole_statement(store, add_job):
+    """The three kinds of due jobs (never woken, never woken and came due, woken long
+    ago) share one :limit: each range takes what the ranges before it left."""
+    due = {add_job(**kind) for kind in ({}, {"run_after_in": -60}, {"woken_ago": 120}) for _ in range(2)}
+    batches = [{r["id"] for r in store.claim_due_wakeups(stale_seconds=30, limit=n)} for n in (1, 2, 3)]
+    assert [len(b) for b in batches] == [1, 2, 3]
+    assert set().union(*batches) == due
+    assert store.claim_due_wakeups(stale_seconds=30, limit=3) == []
 
 
 @pytest.mark.parametrize("status", ALL)
