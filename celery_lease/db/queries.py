@@ -433,11 +433,8 @@ def adopt_claim() -> sa.Update:
     )
 
 
-@functools.cache
-def claim_job_logged() -> sa.Select:
-    """claim_job, plus the run's 'claimed' event when the job belongs to a run, as ONE
-    statement (PostgreSQL data-modifying CTE): the claim stays a single round trip
-    and the event can never exist without the claim, nor the claim without it."""
+def _claimed_and_logged() -> tuple[sa.CTE, sa.CTE]:
+    """claim_job_flow as the CTE ``claimed``, and the CTE ``logged`` writing its run event."""
     claimed = claim_job_flow().cte("claimed")
     logged = (
         sa.insert(events)
@@ -460,7 +457,38 @@ def claim_job_logged() -> sa.Select:
         )
         .cte("logged")
     )
+    return claimed, logged
+
+
+@functools.cache
+def claim_job_logged() -> sa.Select:
+    """claim_job, plus the run's 'claimed' event when the job belongs to a run, as ONE
+    statement (PostgreSQL data-modifying CTE): the claim stays a single round trip
+    and the event can never exist without the claim, nor the claim without it."""
+    claimed, logged = _claimed_and_logged()
     return sa.select(claimed).add_cte(logged)
+
+
+@functools.cache
+def claim_job_completing(count: int) -> sa.Select:
+    """claim_job_logged and complete_jobs(count) as ONE statement (PostgreSQL): a worker
+    process's batched successes ride on its next claim, so a steady stream of jobs costs
+    one round trip and one durable commit per job instead of two.
+
+    The two parts touch different rows (a claim matches a pending job, a completion a
+    running one) and each keeps its own guards; they commit together, synchronously.
+    Always one row: the claimed job's columns (all NULL when nothing was claimed) and
+    ``completed``, the ids completed (NULL when none), as complete_jobs returns them.
+    """
+    claimed, logged = _claimed_and_logged()
+    done = complete_jobs(count).cte("completed")
+    completed = sa.select(sa.func.array_agg(sa.cast(done.c.id, sa.Text)).label("completed")).subquery("done_ids")
+    return (
+        sa.select(claimed, completed.c.completed)
+        .select_from(completed.outerjoin(claimed, sa.true()))
+        .add_cte(logged)
+        .add_cte(done)
+    )
 
 
 def renew_leases(dialect: str, leases: Iterable[tuple[str, int]]) -> sa.Select | sa.Update:
