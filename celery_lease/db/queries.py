@@ -572,13 +572,16 @@ def complete_jobs(count: int) -> sa.Update:
             _c.status == Status.RUNNING.value,
         )
         .values(
-            status=Status.SUCCEEDED.value,
+            # Constants as SQL, not values bound at compile time: prepared, only the
+            # rows' values travel with each EXECUTE (prepared._inline_constants).
+            status=sa.literal(Status.SUCCEEDED.value),
             result=done.c.result,
             progress=sa.func.coalesce(done.c.progress, _c.progress),
-            checkpoint=None,
+            checkpoint=sa.null(),
             finished_at=db_now(),
             updated_at=db_now(),
-            **_lease_cleared,
+            lease_owner=sa.null(),
+            lease_expires_at=sa.null(),
         )
         .returning(_c.id)
     )

@@ -53,7 +53,11 @@ class Riding(RidingSuccesses):
 
 
 class Completer:
+    #: Seconds a success waits for a ride when no claim is expected sooner.
     LINGER = 0.002
+    #: When this process claims a job every few milliseconds, a success waits for the
+    #: next claim (1.5 times the recent gap between claims) up to this long.
+    MAX_LINGER = 0.010
     MAX_BATCH = 64
 
     def __init__(self, store: Store, on_written: Callable[[Attempt], None] | None = None) -> None:
@@ -69,6 +73,9 @@ class Completer:
         self._flushing = False
         #: The thread waits with no timeout (nothing pending): an arrival must wake it.
         self._idle = False
+        #: Monotonic time of the last claim, and the recent gap between claims (a moving average).
+        self._claimed_at: float | None = None
+        self._gap: float | None = None
         self._thread: threading.Thread | None = None
         self._pid = 0
 
@@ -90,6 +97,11 @@ class Completer:
         """The waiting successes, for a claim to carry; None when there are none. The
         caller must hand them to :meth:`settle` once its statement ran, whatever happened."""
         with self._cond:
+            now = time.monotonic()
+            if self._claimed_at is not None:
+                gap = now - self._claimed_at
+                self._gap = gap if self._gap is None else 0.7 * self._gap + 0.3 * gap
+            self._claimed_at = now
             if not self._pending:
                 return None
             items, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
@@ -137,7 +149,7 @@ class Completer:
                     if self._idle:
                         self._cond.wait()
                         continue
-                    wait = self._since + self.LINGER - time.monotonic()
+                    wait = self._since + self._linger() - time.monotonic()
                     if wait <= 0 or self._flushing or len(self._pending) >= self.MAX_BATCH:
                         break
                     self._cond.wait(wait)
@@ -151,6 +163,11 @@ class Completer:
                 log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
             finally:
                 self._written(batch)
+
+    def _linger(self) -> float:
+        """How long the oldest waiting success may wait for a claim to carry it."""
+        expected = None if self._gap is None else 1.5 * self._gap
+        return expected if expected is not None and self.LINGER < expected <= self.MAX_LINGER else self.LINGER
 
     def _written(self, batch: list[Item]) -> None:
         try:

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("celery_lease.worker")
 
+_RUNNING, _CANCELLED = Status.RUNNING.value, Status.CANCELLED.value  # (an enum's .value is a slow lookup)
+
 
 class WorkerState:
     """Per-process worker side of celery-lease."""
@@ -120,7 +122,7 @@ class WorkerState:
                 row = self.flow.claim(job_id, spec, owner, queue, may_adopt=may_adopt, successes=riding)
             else:
                 row = self.store.claim(job_id, owner, spec.task, may_adopt=may_adopt, successes=riding)
-            if row is not None and row.get("status", Status.RUNNING.value) == Status.RUNNING.value:
+            if row is not None and row.get("status", _RUNNING) == _RUNNING:
                 with self._lock:
                     self._live.add((str(row["id"]), row["lease_generation"]))
         finally:
@@ -130,7 +132,7 @@ class WorkerState:
                     del self._claiming[job_id]
             if riding is not None:
                 self.completer.settle(riding)  # type: ignore[union-attr]  # riding comes from it
-        if row is None or row.get("status") == Status.CANCELLED.value:
+        if row is None or row.get("status") == _CANCELLED:
             if row is None:
                 log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
             else:
