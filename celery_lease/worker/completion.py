@@ -106,7 +106,15 @@ class Completer:
                 return None
             items, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
             self._inflight += len(items)
-        return Riding(items)
+        # As the thread does (_record): a success whose lease lapsed by its own clock
+        # is not written; the reaper requeues its job.
+        live: list[Item] = []
+        lost: list[Item] = []
+        for item in items:
+            (lost if item[0].is_lost else live).append(item)
+        if lost:
+            self._written(lost)
+        return Riding(live) if live else None
 
     def settle(self, riding: Riding) -> None:
         """After the claim that carried ``riding``: confirm those it did not complete;

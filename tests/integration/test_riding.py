@@ -4,6 +4,8 @@ successes, each still fenced by its own lease generation."""
 
 from __future__ import annotations
 
+import time
+
 import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
@@ -115,5 +117,25 @@ def test_a_refused_success_does_not_cost_the_claim(pg, make_job):
         rows = _rows(pg)
         assert (rows[good].status, rows[good].result) == ("succeeded", {"note": "fine"})
         assert (rows[bad].status, rows[bad].error) == ("failed", UNSTORABLE_RESULT)
+    finally:
+        store.dispose()
+
+
+def test_a_success_whose_lease_lapsed_by_its_own_clock_does_not_ride(pg, make_job):
+    """As when the completer's thread writes a batch: past LAPSE_SHARE of its lease with
+    no renewal confirmed, the attempt writes nothing more (the reaper requeues the job)."""
+    store = Store(pg)
+    try:
+        lapsed = _running(pg, make_job)
+        attempt = _attempt(lapsed)
+        attempt.renewed_at = time.monotonic() - attempt.lease_seconds
+        written: list[Attempt] = []
+        completer = Completer(store, on_written=written.append)
+        completer.LINGER = 60.0
+        completer.add(attempt, {"ok": 1}, None)
+        assert completer.take() is None
+        assert written == [attempt]  # released, not left waiting
+        completer.flush()
+        assert _rows(pg)[lapsed].status == "running"
     finally:
         store.dispose()
