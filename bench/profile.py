@@ -71,7 +71,7 @@ def db_split(stack: list[str]) -> str:
     # Prepared statements call the driver's cursor.execute (C code, invisible to py-spy)
     # straight from Prepared.execute: a sample whose innermost frame is that function is
     # waiting in the driver.
-    if stack and "Prepared.execute (celery_lease/prepared.py" in stack[-1]:
+    if stack and "(celery_lease/db/prepared.py" in stack[-1] and "Prepared." in stack[-1]:
         return "driver round trip"
     if "sqlalchemy" in joined:
         return "SQLAlchemy (compile, pool, result)"

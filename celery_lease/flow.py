@@ -38,7 +38,7 @@ from celery_lease.wakeups import RETRY_POLICY
 if TYPE_CHECKING:
     from celery import Celery
 
-    from celery_lease.db.store import Store
+    from celery_lease.db.store import RidingSuccesses, Store
     from celery_lease.kinds import JobKind, Registry
     from celery_lease.settings import Settings
     from celery_lease.worker.attempt import Attempt
@@ -75,15 +75,24 @@ class FlowControl:
     # --- worker: claim and release ---------------------------------------------------
 
     def claim(
-        self, job_id: str, spec: JobKind, owner: str, queue: str | None, *, may_adopt: Callable[[int], bool] | None = None
+        self,
+        job_id: str,
+        spec: JobKind,
+        owner: str,
+        queue: str | None,
+        *,
+        may_adopt: Callable[[int], bool] | None = None,
+        successes: RidingSuccesses | None = None,
     ) -> dict[str, Any] | None:
         """Claim the job a delivery names (or a better one); None when nothing is
         claimed. Held jobs are marked; whatever must be woken is published.
-        ``may_adopt``: see Store.claim (a claim whose reply was lost)."""
+        ``may_adopt``, ``successes``: see Store.claim (a limited kind's claim carries
+        no successes: ``successes.done`` stays None)."""
         limits = spec.limits
         for _ in range(2):  # a second time only when nothing held a claimable job
             if limits is None:
-                row = self._store.claim(job_id, owner, spec.task, may_adopt=may_adopt)
+                row = self._store.claim(job_id, owner, spec.task, may_adopt=may_adopt, successes=successes)
+                successes = None  # written (or not) by the first claim
                 result = ClaimResult(row=row) if row is not None else self._db.hold(job_id, spec.task)
             else:
                 result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits)

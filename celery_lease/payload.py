@@ -160,6 +160,8 @@ class Codec:
 
     def dump_result(self, result: Any, max_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> Any:
         """The result as JSON; raises UnstorableValue (the job fails, without retry)."""
+        if result is None:
+            return None  # the common case of a handler that returns nothing
         if _is_pydantic(type(result)):
             result = result.model_dump(mode="json")
         elif dataclasses.is_dataclass(result) and not isinstance(result, type):

@@ -22,6 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
 from sqlalchemy.engine import Connection
+from sqlalchemy.sql.elements import BinaryExpression
 
 # Compiles with $1, $2 ... placeholders (what PREPARE takes) and their order.
 _DOLLAR = PGDialect_psycopg2(paramstyle="numeric_dollar")
@@ -29,12 +30,42 @@ _names = (f"celery_lease_{n}" for n in itertools.count())
 _KEY = "celery_lease.prepared"
 
 
+def _inline_constants(stmt: sa.ClauseElement, column_keys: Sequence[str] | None) -> sa.ClauseElement:
+    """``stmt`` with its constant bound values (statuses set, increments, LIMIT 1) written
+    as SQL literals: every EXECUTE then sends, quotes and coerces only the caller's
+    values. Values a caller passes stay parameters."""
+    compiled: Any = stmt.compile(dialect=_DOLLAR, column_keys=column_keys)
+    # A constant compared with a column stays bound: written as SQL, `status = 'pending'`
+    # would imply a partial index's predicate, and the planner may then find one row by
+    # id through celery_lease_jobs_pending (every pending row) instead of the primary key.
+    compared = {
+        id(side)
+        for element in sa.sql.visitors.iterate(stmt)
+        if isinstance(element, BinaryExpression)
+        for side in (element.left, element.right)
+        if isinstance(side, sa.BindParameter)
+    }
+    literals: dict[int, Any] = {}
+    for key, bind in compiled.binds.items():
+        value = compiled.params.get(key)
+        if bind.required or id(bind) in compared or isinstance(value, bool) or not isinstance(value, (int, str)):
+            continue
+        process = bind.type.dialect_impl(_DOLLAR).literal_processor(_DOLLAR)
+        if process is not None:
+            literals[id(bind)] = sa.literal_column(process(value), type_=bind.type)
+
+    def replace(element: Any) -> Any:
+        return literals.get(id(element)) if isinstance(element, sa.BindParameter) else None
+
+    return sa.sql.visitors.replacement_traverse(stmt, {}, replace) if literals else stmt  # type: ignore[call-overload]
+
+
 class Prepared:
     """One statement, prepared lazily on each connection that runs it."""
 
     def __init__(self, stmt: sa.ClauseElement, column_keys: Sequence[str] | None = None) -> None:
         # column_keys: for an INSERT, the columns it binds (a missing value binds NULL).
-        compiled: Any = stmt.compile(dialect=_DOLLAR, column_keys=column_keys)
+        compiled: Any = _inline_constants(stmt, column_keys).compile(dialect=_DOLLAR, column_keys=column_keys)
         self.name = next(_names)
         self._order = list(compiled.positiontup)
         # The construct's own constants; a value the caller must give has none.

@@ -12,14 +12,17 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.engine import Connection
 
 from celery_lease.db import queries as q
+from celery_lease.db.chords import Chords
 from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.prepared import Prepared
 from celery_lease.db.reads import Reads
+from celery_lease.errors import DatabaseUnavailable
 from celery_lease.job import Job
 from celery_lease.status import Event, Status
 
@@ -36,7 +39,17 @@ def _event_source(job: Any) -> tuple[Any, Any, int]:
     return job.run_id, getattr(job, "job_id", None) or job.id, job.attempt
 
 
-class Store(Reads, Database):
+@dataclass(eq=False)
+class RidingSuccesses:
+    """complete_jobs parameters for ``count`` attempts, sent with a claim. ``done``: the ids
+    completed (those that landed before a lost reply too), or None if sent without them."""
+
+    params: dict[str, Any]
+    count: int
+    done: set[str] | None = None
+
+
+class Store(Reads, Chords, Database):
     def __init__(
         self, url: str, *, source: str = "database_url", prepare_statements: bool = True, timeouts: Timeouts | None = None
     ) -> None:
@@ -141,7 +154,13 @@ class Store(Reads, Database):
     # --- lease life ------------------------------------------------------------------
 
     def claim(
-        self, job_id: str, owner: str, task: str, *, may_adopt: Callable[[int], bool] | None = None
+        self,
+        job_id: str,
+        owner: str,
+        task: str,
+        *,
+        may_adopt: Callable[[int], bool] | None = None,
+        successes: RidingSuccesses | None = None,
     ) -> dict[str, Any] | None:
         """Claim a job for one attempt; None when the delivery is a duplicate, names a
         job of another task than the one it was delivered to, or flow control refuses
@@ -155,6 +174,9 @@ class Store(Reads, Database):
         adopted if it runs under this ``owner`` and ``may_adopt(its generation)`` (no
         other attempt of it lives in this process; see queries.adopt_claim), instead of
         being left running with no body until its lease expires.
+
+        With ``successes`` (PostgreSQL, prepared statements), they are written by the
+        same statement; see :class:`RidingSuccesses` for what the caller learns.
         """
         params = {"job_id": job_id, "owner": owner, "wakeup_task": task}
         retried: list[bool] = []
@@ -164,7 +186,9 @@ class Store(Reads, Database):
 
         row: Any
         if self._prepared is not None:
-            rows = self.execute_prepared(self._prepared["claim"], params, on_retry=note_retry)
+            rows = None if successes is None else self._claim_completing(params, successes, retried)
+            if rows is None:
+                rows = self.execute_prepared(self._prepared["claim"], params, on_retry=note_retry)
             row = rows[0] if rows else None
         elif self.dialect == "postgresql":
             row = self.transaction(
@@ -192,6 +216,30 @@ class Store(Reads, Database):
             if row is not None:
                 log.warning("celery-lease: job %s: its claim had landed before the reply was lost; adopted", job_id)
         return None if row is None else dict(row)
+
+    def _claim_completing(self, params: dict[str, Any], successes: RidingSuccesses, retried: list[bool]) -> list[dict] | None:
+        """The claim with ``successes`` riding on it; None when the statement failed on
+        something else than a lost database (a value it refused): the claim is then sent
+        alone, and ``successes.done`` stays None."""
+        assert self._prepared is not None
+        key = f"claim_complete_{successes.count}"
+        stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(q.claim_job_completing(successes.count)))
+        try:
+            (row,) = self.execute_prepared(stmt, {**params, **successes.params}, on_retry=lambda: retried.append(True))
+        except DatabaseUnavailable:
+            raise
+        except Exception:
+            log.warning("celery-lease: a claim carrying %d success(es) failed; claiming alone", successes.count, exc_info=True)
+            return None
+        done = set(row.pop("completed") or ())
+        if retried and len(done) < successes.count:
+            keys = [(str(successes.params[f"job_id_{i}"]), successes.params[f"generation_{i}"]) for i in range(successes.count)]
+            try:
+                done |= self.landed_successes([k for k in keys if k[0] not in done])
+            except DatabaseUnavailable:
+                pass  # the caller re-checks each missing one (fenced), which settles it
+        successes.done = done
+        return [] if row["id"] is None else [row]
 
     def renew(self, leases: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bool]:
         """Renew many (job, generation) leases in one statement, on the heartbeat's own
@@ -340,31 +388,6 @@ class Store(Reads, Database):
             return len(ids)
 
         return self.transaction(self.durable, work)
-
-    def prune_chords(self, older_than_seconds: float, limit: int) -> int:
-        params = {"cutoff_seconds": older_than_seconds, "limit": limit}
-        return self.transaction(self.durable, lambda conn: len(conn.execute(q.prune_chords(self.dialect), params).all()))
-
-    # --- canvas ----------------------------------------------------------------------
-
-    def create_chord(self, group_id: str, members: list[str], body: Any) -> None:
-        stmt = q.insert_chord(self.dialect)
-        params = {"group_id": group_id, "remaining": len(members), "members": members, "body": body}
-        self.transaction(self.durable, lambda c: c.execute(stmt, params))
-
-    def count_down_chord(self, conn: Connection, group_id: str) -> dict[str, Any] | None:
-        """In a member's success transaction: the chord row after this member, or None
-        when the chord is gone (failed) or already complete."""
-        row = conn.execute(q.count_down_chord(), {"group_id": group_id}).mappings().first()
-        return None if row is None else dict(row)
-
-    def delete_chord(self, conn: Connection, group_id: str) -> Any:
-        """Remove a chord; its body's signature, or None when it was already removed."""
-        row = conn.execute(q.delete_chord(), {"group_id": group_id}).first()
-        return None if row is None else row[0]
-
-    def job_results(self, conn: Connection, ids: Sequence[str]) -> dict[str, Any]:
-        return {str(r[0]): r[1] for r in conn.execute(q.job_results(ids))}
 
     def make_due(self, job_id: str) -> None:
         self.guarded(q.make_due(), {"job_id": job_id})

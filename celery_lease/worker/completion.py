@@ -3,23 +3,31 @@
 A success with nothing else to commit (no effects, children or run events) does not
 need the handler to wait: the attempt's outcome is final once the body has returned,
 and its write stays fenced by the lease generation. So the body returns at once and
-this thread writes every success queued within LINGER seconds in one ``complete_jobs``
-statement. If the process dies before the write, the job is still running under its
-lease and the reaper requeues it, exactly as if it had died a moment earlier inside
-the body. Warm exits flush (``worker_process_shutdown``).
+the success waits here, at most LINGER seconds, for one of two rides:
+
+* the process's next claim (:meth:`Completer.take`): the claim statement writes every
+  waiting success too (queries.claim_job_completing), one round trip and one durable
+  commit for both; a steady stream of jobs pays no completion statement of its own;
+* else this thread, which writes every success gathered in one ``complete_jobs``.
+
+Either way the write is synchronous (durable) and fenced, and a success missing from
+its statement's result is re-checked alone (:meth:`Completer._confirm`). If the
+process dies before the write, the job is still running under its lease and the
+reaper requeues it, exactly as if it had died a moment earlier inside the body. Warm
+exits flush (``worker_process_shutdown``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db import queries as q
+from celery_lease.db.store import RidingSuccesses
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
 from celery_lease.producer import refused_value
 from celery_lease.worker.attempt import BLIP_WAITS
@@ -32,66 +40,155 @@ log = logging.getLogger("celery_lease.worker")
 
 #: The stored error of a success whose values the database refused.
 UNSTORABLE_RESULT = "result could not be stored"
-#: Queued by Completer.flush: write what is gathered now.
-_FLUSH = object()
+
+Item = tuple["Attempt", Any, Any]
+
+
+class Riding(RidingSuccesses):
+    """Successes taken for a claim to carry (see Store.claim)."""
+
+    def __init__(self, items: list[Item]) -> None:
+        super().__init__(Completer._params(items), len(items))
+        self.items = items
 
 
 class Completer:
+    #: Seconds a success waits for a ride when no claim is expected sooner.
     LINGER = 0.002
+    #: When this process claims a job every few milliseconds, a success waits for the
+    #: next claim (1.5 times the recent gap between claims) up to this long.
+    MAX_LINGER = 0.010
     MAX_BATCH = 64
 
     def __init__(self, store: Store, on_written: Callable[[Attempt], None] | None = None) -> None:
         self._store = store
         #: Called for each attempt once its success is written (or given up on).
         self._on_written = on_written
-        self._queue: queue.Queue[Any] = queue.Queue()
+        self._cond = threading.Condition()
+        #: Successes waiting for a ride, oldest first; the oldest arrived at _since.
+        self._pending: list[Item] = []
+        self._since = 0.0
+        #: Successes taken (by this thread or a claim) and not yet written.
+        self._inflight = 0
+        self._flushing = False
+        #: The thread waits with no timeout (nothing pending): an arrival must wake it.
+        self._idle = False
+        #: Monotonic time of the last claim, and the recent gap between claims (a moving average).
+        self._claimed_at: float | None = None
+        self._gap: float | None = None
         self._thread: threading.Thread | None = None
         self._pid = 0
-        self._lock = threading.Lock()
 
     def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
-        with self._lock:
+        with self._cond:
             if self._thread is None or self._pid != os.getpid():
                 self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._loop, name="celery-lease-completer", daemon=True)
                 self._thread.start()
-        self._queue.put((attempt, result, progress))
+            if not self._pending:
+                self._since = time.monotonic()
+            self._pending.append((attempt, result, progress))
+            # A thread already timing a batch finds this one when it wakes: no wake-up
+            # per job.
+            if self._idle or len(self._pending) >= self.MAX_BATCH:
+                self._cond.notify_all()  # the thread (a flush may be waiting too)
+
+    def take(self) -> Riding | None:
+        """The waiting successes, for a claim to carry; None when there are none. The
+        caller must hand them to :meth:`settle` once its statement ran, whatever happened."""
+        with self._cond:
+            now = time.monotonic()
+            if self._claimed_at is not None:
+                gap = now - self._claimed_at
+                self._gap = gap if self._gap is None else 0.7 * self._gap + 0.3 * gap
+            self._claimed_at = now
+            if not self._pending:
+                return None
+            items, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
+            self._inflight += len(items)
+        # As the thread does (_record): a success whose lease lapsed by its own clock
+        # is not written; the reaper requeues its job.
+        live: list[Item] = []
+        lost: list[Item] = []
+        for item in items:
+            (lost if item[0].is_lost else live).append(item)
+        if lost:
+            self._written(lost)
+        return Riding(live) if live else None
+
+    def settle(self, riding: Riding) -> None:
+        """After the claim that carried ``riding``: confirm those it did not complete;
+        if it was sent without them (``done`` is None), they wait for the next ride."""
+        if riding.done is None:
+            with self._cond:
+                if not self._pending:
+                    self._since = time.monotonic() - self.LINGER  # they have waited: write them now
+                self._pending[:0] = riding.items
+                self._inflight -= len(riding.items)
+                self._cond.notify_all()  # the thread (a flush may be waiting too)
+            return
+        try:
+            self._confirm([item for item in riding.items if not item[0].is_lost], riding.done)
+        except Exception:
+            log.exception("celery-lease: cannot confirm %d success(es); the reaper will requeue any lost", len(riding.items))
+        finally:
+            self._written(riding.items)
 
     def flush(self, timeout: float = 10.0) -> None:
-        """Write every queued success now and wait for it (or give up after timeout)."""
-        if self._thread is not None and self._pid == os.getpid():
-            self._queue.put(_FLUSH)  # ends the batch being gathered without lingering
-            deadline = time.monotonic() + timeout
-            while self._queue.unfinished_tasks and time.monotonic() < deadline:
-                time.sleep(0.005)
+        """Write every waiting success now and wait for it (or give up after timeout)."""
+        if self._thread is None or self._pid != os.getpid():
+            return
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._flushing = True
+            self._cond.notify_all()
+            while self._pending or self._inflight:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            self._flushing = False
 
     def _loop(self) -> None:
         while True:
-            items = [self._queue.get()]
-            deadline = time.monotonic() + self.LINGER
-            while len(items) < self.MAX_BATCH and items[-1] is not _FLUSH:
-                try:
-                    items.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    break
-            batch = [item for item in items if item is not _FLUSH]
+            with self._cond:
+                while True:
+                    self._idle = not self._pending
+                    if self._idle:
+                        self._cond.wait()
+                        continue
+                    wait = self._since + self._linger() - time.monotonic()
+                    if wait <= 0 or self._flushing or len(self._pending) >= self.MAX_BATCH:
+                        break
+                    self._cond.wait(wait)
+                self._idle = False
+                batch, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
+                self._since = time.monotonic()
+                self._inflight += len(batch)
             try:
-                if batch:
-                    self._write(batch)
+                self._record(batch)
+            except Exception:
+                log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
             finally:
-                for _ in items:
-                    self._queue.task_done()
+                self._written(batch)
 
-    def _write(self, batch: list[tuple[Attempt, Any, Any]]) -> None:
+    def _linger(self) -> float:
+        """How long the oldest waiting success may wait for a claim to carry it."""
+        expected = None if self._gap is None else 1.5 * self._gap
+        return expected if expected is not None and self.LINGER < expected <= self.MAX_LINGER else self.LINGER
+
+    def _written(self, batch: list[Item]) -> None:
         try:
-            self._record(batch)
-        finally:
             for attempt, _, _ in batch:
                 attempt.pending_write = False
                 if self._on_written is not None:
                     self._on_written(attempt)
+        finally:
+            with self._cond:
+                self._inflight -= len(batch)
+                self._cond.notify_all()
 
-    def _record(self, batch: list[tuple[Attempt, Any, Any]]) -> None:
+    def _record(self, batch: list[Item]) -> None:
         waits = iter(BLIP_WAITS)
         while True:
             # While the database is unreachable, try again with the attempts whose
@@ -120,6 +217,9 @@ class Completer:
                 else:
                     self._refuse(live[0][0])
                 return
+        self._confirm(live, done)
+
+    def _confirm(self, live: list[Item], done: set[str]) -> None:
         for attempt, result, progress in live:
             if attempt.job_id in done:
                 continue
@@ -150,7 +250,7 @@ class Completer:
             log.exception("celery-lease: job %s: cannot record its refused success; the reaper will requeue it", attempt.job_id)
 
     @staticmethod
-    def _params(batch: list[tuple[Attempt, Any, Any]]) -> dict[str, Any]:
+    def _params(batch: list[Item]) -> dict[str, Any]:
         params: dict[str, Any] = {}
         for i, (attempt, result, progress) in enumerate(batch):
             params.update(

@@ -15,6 +15,7 @@ Sent only when the worker sends task events (``-E`` / ``worker_send_task_events`
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, signals
@@ -30,7 +31,13 @@ MAX_REPR = 1024
 
 
 def enabled(task: Task) -> bool:
-    return bool(task.app.conf.worker_send_task_events)
+    # Read once per process (a pool process reads it after the fork, when the worker's
+    # -E is recorded): a lookup in Celery's configuration costs more than a no-op job.
+    app: Any = task.app
+    cached = getattr(app, "_celery_lease_events_enabled", None)
+    if cached is None or cached[0] != os.getpid():
+        cached = app._celery_lease_events_enabled = (os.getpid(), bool(app.conf.worker_send_task_events))
+    return cached[1]
 
 
 def attempt_started(task: Task, attempt: Attempt) -> None:
@@ -58,5 +65,6 @@ def connect(app: Celery) -> None:
     def note_task_events(sender=None, instance: Any = None, **_):
         if instance is not None and instance.app is app and instance.task_events:
             app.conf.worker_send_task_events = True
+            app._celery_lease_events_enabled = None  # read again
 
     app._celery_lease_event_handlers = (note_task_events,)

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("celery_lease.worker")
 
+_RUNNING, _CANCELLED = Status.RUNNING.value, Status.CANCELLED.value  # (an enum's .value is a slow lookup)
+
 
 class WorkerState:
     """Per-process worker side of celery-lease."""
@@ -113,12 +115,14 @@ class WorkerState:
         def may_adopt(generation: int) -> bool:
             return self._may_adopt(job_id, generation)
 
+        # This process's waiting successes ride on the claim (Completer.take).
+        riding = self.completer.take() if self.completer is not None else None
         try:
             if self.flow is not None:
-                row = self.flow.claim(job_id, spec, owner, queue, may_adopt=may_adopt)
+                row = self.flow.claim(job_id, spec, owner, queue, may_adopt=may_adopt, successes=riding)
             else:
-                row = self.store.claim(job_id, owner, spec.task, may_adopt=may_adopt)
-            if row is not None and row.get("status", Status.RUNNING.value) == Status.RUNNING.value:
+                row = self.store.claim(job_id, owner, spec.task, may_adopt=may_adopt, successes=riding)
+            if row is not None and row.get("status", _RUNNING) == _RUNNING:
                 with self._lock:
                     self._live.add((str(row["id"]), row["lease_generation"]))
         finally:
@@ -126,7 +130,9 @@ class WorkerState:
                 self._claiming[job_id] -= 1
                 if not self._claiming[job_id]:
                     del self._claiming[job_id]
-        if row is None or row.get("status") == Status.CANCELLED.value:
+            if riding is not None:
+                self.completer.settle(riding)  # type: ignore[union-attr]  # riding comes from it
+        if row is None or row.get("status") == _CANCELLED:
             if row is None:
                 log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
             else:

@@ -31,6 +31,10 @@ class Heartbeat:
     #: Gap before the next try after a renewal failed on a database error.
     RETRY_SECONDS = 0.5
     MIN_GAP = 0.25
+    #: Share of its lease by which an attempt's renewal may come after it is due rather
+    #: than wake the loop early (renewals are due at a third of a lease; the attempt
+    #: counts its lease lost at LAPSE_SHARE of it, far later).
+    LATE_SHARE = 0.05
 
     def __init__(
         self,
@@ -57,6 +61,13 @@ class Heartbeat:
         self._urgent = False
         self._thread: threading.Thread | None = None
         self._pid = 0
+        #: Monotonic time the sleeping loop wakes at on its own (inf: until woken).
+        #: An attempt due before it wakes the loop; one due later is found by that
+        #: wake-up anyway, so a steady stream of jobs costs no thread switch per job.
+        self._wakes_at = 0.0
+        #: While no attempt is held, the loop still wakes this often (the shortest lease
+        #: seen, over 3), so the next attempt's add rarely has to wake it.
+        self._idle_gap: float | None = None
         #: Seconds the last renewal statement took (for metrics).
         self.last_latency = 0.0
         #: This process's cancel-notice listener (None until started, or without Redis).
@@ -65,6 +76,7 @@ class Heartbeat:
     def add(self, attempt: Attempt) -> None:
         with self._lock:
             self._attempts[attempt.key] = attempt
+            self._idle_gap = min(self._idle_gap or float("inf"), attempt.lease_seconds / 3)
             if self._thread is None or self._pid != os.getpid():
                 self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._loop, name="celery-lease-heartbeat", daemon=True)
@@ -73,8 +85,8 @@ class Heartbeat:
                 self.notices = cancel_notice.listen(
                     self._broker_url, self.wake, held=self.held_jobs, channel_name=self._notice_channel
                 )
-            else:
-                # Re-time the sleeping loop (a shorter lease or a deadline may now come
+            elif self._due_of(attempt) < self._wakes_at - attempt.lease_seconds * self.LATE_SHARE:
+                # Re-time the sleeping loop (a shorter lease or a deadline now comes
                 # first); it renews nothing until something is due.
                 self._wake.set()
 
@@ -103,13 +115,25 @@ class Heartbeat:
                 self._renewing.release()
         return not attempt.is_lost
 
+    @staticmethod
+    def _due_of(attempt: Attempt) -> float:
+        """When ``attempt`` next needs the loop: its renewal (a third of a lease after its
+        last confirmed renewal) or its timeout deadline, whichever comes first."""
+        due = attempt.renewed_at + attempt.lease_seconds / 3
+        return due if attempt.deadline is None else min(due, attempt.deadline)
+
     def _due(self) -> float | None:
-        """Monotonic time of the next thing to do: the earliest renewal due (a third of
-        a lease after its last confirmed renewal) or timeout deadline; None when idle."""
+        """Monotonic time of the loop's next wake-up: the next thing to do, or while no
+        attempt is held, an idle gap from now; None before any attempt. Records it as
+        the planned wake-up (under the lock, so an attempt added after this sees it)."""
         with self._lock:
-            live = [a for a in self._attempts.values() if not a.is_lost]
-        times = [a.renewed_at + a.lease_seconds / 3 for a in live] + [a.deadline for a in live if a.deadline is not None]
-        return min(times) if times else None
+            times = [self._due_of(a) for a in self._attempts.values() if not a.is_lost]
+            if times:
+                due: float | None = min(times)
+            else:
+                due = None if self._idle_gap is None else time.monotonic() + self._idle_gap
+            self._wakes_at = float("inf") if due is None else due
+        return due
 
     def _loop(self) -> None:
         not_before = 0.0

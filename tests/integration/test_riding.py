@@ -1,0 +1,141 @@
+"""Batched successes riding on the process's next claim (queries.claim_job_completing),
+against real PostgreSQL: one statement claims the next job and writes the waiting
+successes, each still fenced by its own lease generation."""
+
+from __future__ import annotations
+
+import time
+
+import sqlalchemy as sa
+
+from celery_lease.db.schema import jobs
+from celery_lease.db.store import Store
+from celery_lease.worker.attempt import Attempt
+from celery_lease.worker.completion import UNSTORABLE_RESULT, Completer
+
+TASK = "tests.apps.app.echo"
+
+
+def _attempt(job_id: str, generation: int = 1) -> Attempt:
+    return Attempt(
+        job_id=job_id,
+        generation=generation,
+        attempt=1,
+        max_attempts=3,
+        lease_seconds=30,
+        run_id=None,
+        parent_id=None,
+        tenant=None,
+        payload={},
+        checkpoint=None,
+    )
+
+
+def _running(pg, make_job, generation: int = 1) -> str:
+    return make_job(
+        pg,
+        status="running",
+        attempt=1,
+        lease_generation=generation,
+        lease_owner="w@host/1/boot",
+        lease_expires_at=sa.text("now() + interval '1 hour'"),
+    )
+
+
+def _rows(pg) -> dict[str, sa.Row]:
+    engine = sa.create_engine(pg)
+    try:
+        with engine.connect() as conn:
+            query = sa.select(jobs.c.id, jobs.c.status, jobs.c.result, jobs.c.error, jobs.c.lease_generation)
+            return {str(r.id): r for r in conn.execute(query)}
+    finally:
+        engine.dispose()
+
+
+def test_a_claim_writes_the_waiting_successes_each_fenced(pg, make_job):
+    store = Store(pg)
+    try:
+        done, stale = _running(pg, make_job), _running(pg, make_job, generation=2)
+        pending = make_job(pg)
+        completer = Completer(store)
+        completer.LINGER = 60.0  # the thread never writes them: only the claim can
+        completer.add(_attempt(done), {"ok": 1}, {"step": 9})
+        completer.add(_attempt(stale, generation=1), {"ok": 2}, None)  # a reap took generation 2
+        riding = completer.take()
+        assert riding is not None and riding.count == 2
+        row = store.claim(pending, "w@host/1/boot", TASK, successes=riding)
+        completer.settle(riding)
+
+        assert row is not None and str(row["id"]) == pending and row["lease_generation"] == 1
+        assert riding.done == {done}
+        rows = _rows(pg)
+        assert (rows[pending].status, rows[done].status, rows[stale].status) == ("running", "succeeded", "running")
+        assert rows[done].result == {"ok": 1} and rows[stale].result is None and rows[stale].lease_generation == 2
+        assert completer.take() is None  # nothing left waiting, nothing given back
+    finally:
+        store.dispose()
+
+
+def test_the_successes_ride_even_when_nothing_is_claimed(pg, make_job):
+    store = Store(pg)
+    try:
+        done = _running(pg, make_job)
+        duplicate = _running(pg, make_job)  # its delivery is a duplicate: running already
+        completer = Completer(store)
+        completer.LINGER = 60.0
+        completer.add(_attempt(done), {"ok": 1}, None)
+        riding = completer.take()
+        assert riding is not None
+        assert store.claim(duplicate, "w@host/1/boot", TASK, successes=riding) is None
+        completer.settle(riding)
+        assert riding.done == {done}
+        assert _rows(pg)[done].status == "succeeded"
+    finally:
+        store.dispose()
+
+
+def test_a_refused_success_does_not_cost_the_claim(pg, make_job):
+    """A value PostgreSQL refuses fails the shared statement: the claim is sent alone,
+    and the successes go back to the completer, which writes them row by row."""
+    store = Store(pg)
+    try:
+        good, bad = _running(pg, make_job), _running(pg, make_job)
+        pending = make_job(pg)
+        completer = Completer(store)
+        completer.LINGER = 60.0
+        completer.add(_attempt(good), {"note": "fine"}, None)
+        completer.add(_attempt(bad), {"note": "a\x00b"}, None)  # jsonb refuses NUL
+        riding = completer.take()
+        assert riding is not None
+        row = store.claim(pending, "w@host/1/boot", TASK, successes=riding)
+        assert row is not None and str(row["id"]) == pending
+        assert riding.done is None
+        assert [r.status for r in map(_rows(pg).get, (good, bad))] == ["running", "running"]
+
+        completer.settle(riding)  # given back: waiting again
+        completer.flush()
+        rows = _rows(pg)
+        assert (rows[good].status, rows[good].result) == ("succeeded", {"note": "fine"})
+        assert (rows[bad].status, rows[bad].error) == ("failed", UNSTORABLE_RESULT)
+    finally:
+        store.dispose()
+
+
+def test_a_success_whose_lease_lapsed_by_its_own_clock_does_not_ride(pg, make_job):
+    """As when the completer's thread writes a batch: past LAPSE_SHARE of its lease with
+    no renewal confirmed, the attempt writes nothing more (the reaper requeues the job)."""
+    store = Store(pg)
+    try:
+        lapsed = _running(pg, make_job)
+        attempt = _attempt(lapsed)
+        attempt.renewed_at = time.monotonic() - attempt.lease_seconds
+        written: list[Attempt] = []
+        completer = Completer(store, on_written=written.append)
+        completer.LINGER = 60.0
+        completer.add(attempt, {"ok": 1}, None)
+        assert completer.take() is None
+        assert written == [attempt]  # released, not left waiting
+        completer.flush()
+        assert _rows(pg)[lapsed].status == "running"
+    finally:
+        store.dispose()
