@@ -288,7 +288,16 @@ class Database:
             # statement stays prepared on it: raw.info lives with the connection).
             raw = getattr(self._hot, slot, None) if self._pin else None
             if raw is None:
-                raw = engine.raw_connection()
+                try:
+                    raw = engine.raw_connection()
+                except (sa_exc.DBAPIError, engine.dialect.loaded_dbapi.Error) as exc:
+                    # As transaction() on a failed connect: one clear error, no driver
+                    # text. (The pool raises the driver's own error, unwrapped.)
+                    orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
+                    log.warning("celery-lease: database error: %s", orig)
+                    raise DatabaseUnavailable(
+                        f"cannot reach the job database {self.display_url} ({self.source}): {type(orig).__name__}"
+                    ) from None
                 if self._pin:
                     setattr(self._hot, slot, raw)
             try:

@@ -15,6 +15,7 @@ from celery import Celery
 
 from celery_lease import CeleryLease, ConfigurationError, InvalidPayload, Status, UnknownKind
 from celery_lease.db.schema import jobs
+from celery_lease.errors import DatabaseUnavailable
 from tests.conftest import CELERY, ROOT, _env, wait_for
 
 
@@ -212,6 +213,25 @@ def test_database_url_precedence(monkeypatch, tmp_path):
 def test_bad_database_url_fails_at_construction(url, message):
     with pytest.raises(ConfigurationError, match=message):
         CeleryLease(Celery("bad", broker="memory://"), url)
+
+
+def test_submit_to_an_unreachable_database_raises_one_clear_error_without_driver_text():
+    # A single submit on PostgreSQL runs as a prepared statement on a raw driver
+    # connection; its failed connect must read like every other: DatabaseUnavailable,
+    # the URL without its password, no psycopg2 message.
+    app = Celery("unreachable", broker="memory://")
+    leases = CeleryLease(app, "postgresql+psycopg2://root:topsecret@127.0.0.1:1/nowhere")
+
+    @leases.job(kind="unreachable_noop")
+    def noop(ctx, payload):
+        return None
+
+    for submit in (lambda: noop.submit({}), lambda: noop.submit_many([{}, {}])):
+        with pytest.raises(DatabaseUnavailable) as caught:
+            submit()
+        text = str(caught.value)
+        assert "cannot reach the job database" in text
+        assert "topsecret" not in text and "Connection refused" not in text and "port 1 failed" not in text
 
 
 def test_unreachable_database_stops_the_worker_with_one_clear_line(broker):
