@@ -155,9 +155,13 @@ def figures(rows: list[dict], scale: dict | None) -> list[dict]:
 
 
 def informational(rows: list[dict]) -> list[dict]:
-    """Ratios with a body beside no-op, and the flow-control cost: no goal."""
+    """Ratios with a body beside no-op, memory with shared pages counted once, and the
+    flow-control cost: no goal."""
     by = {(r["system"], r["body"]): r for r in rows}
     out = []
+    v = _get(by.get(("lease-pg", "noop")) or {}, ("pss_delta_mb",))
+    if v is not None:
+        out.append(_figure("worker peak PSS over plain Celery (shared pages counted once)", v, f"{v:+.1f} MB", "–", None))
     for body in ("sleep1", "sleep10"):
         row = by.get(("lease-pg", body))
         if row is None:

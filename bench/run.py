@@ -169,6 +169,7 @@ class Cell:
         finally:
             worker.stop()
         r["peak_rss_mb"] = worker.peak_rss / 2**20
+        r["peak_pss_mb"] = worker.peak_pss / 2**20
         r["rescued"] = self.rescued
         polls = s.polls - polls0
         x3 = self._xacts()
@@ -203,6 +204,8 @@ def add_ratios(cells: list[dict]) -> None:
             continue
         c["ratio"] = {m: c[m] / ref[m] for m in METRICS if c.get(m) and ref.get(m)}
         c["rss_delta_mb"] = c["peak_rss_mb"] - ref["peak_rss_mb"]
+        if c.get("peak_pss_mb") and ref.get("peak_pss_mb"):
+            c["pss_delta_mb"] = c["peak_pss_mb"] - ref["peak_pss_mb"]
         if "cpu_us" in c and "cpu_us" in ref:
             c["cpu_delta_us"] = c["cpu_us"]["total"] - ref["cpu_us"]["total"]
 
