@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery, signals
 from kombu import serialization
 from kombu.common import Broadcast
-from kombu.entity import maybe_delivery_mode
-from kombu.utils import json as kombu_json
-from kombu.utils.uuid import uuid as kombu_uuid
+
+from celery_lease.wakeups_redis import RedisDirect
 
 #: Short retries: a broker that is down must not hold up submit; the sweeper delivers.
 RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
@@ -84,10 +82,13 @@ class Publisher:
         """
         if not wakeups:
             return
+        if os.getpid() != self._pid:  # the template's origin header names the process
+            self._routes.clear()
+            self._pid = os.getpid()
         app = self._app
         with app.producer_or_acquire() as producer:
             retry = bool(app.conf.task_publish_retry)
-            direct = _RedisDirect.of(producer)
+            direct = RedisDirect.of(producer)
             batch = getattr(producer, "batch", None)
             if len(wakeups) == 1 or batch is None or direct is not None:
                 self._send(producer, wakeups, retry=retry, direct=direct)
@@ -96,7 +97,7 @@ class Publisher:
             with batch():
                 self._send(producer, wakeups, retry=False, direct=None)
 
-    def _send(self, producer, wakeups: Sequence[Wakeup], *, retry: bool, direct: _RedisDirect | None) -> None:
+    def _send(self, producer, wakeups: Sequence[Wakeup], *, retry: bool, direct: RedisDirect | None) -> None:
         app = self._app
         conf = app.conf
         parent = app.current_worker_task
@@ -173,91 +174,10 @@ class Publisher:
             after(sender=task, body=body, headers=headers, exchange=route.exchange, routing_key=route.routing_key)
 
     def _route(self, task: str, queue: str | None) -> _Route | None:
-        if os.getpid() != self._pid:  # the template's origin header names the process
-            self._routes.clear()
-            self._pid = os.getpid()
         key = (task, queue)
         if key not in self._routes:
             self._routes[key] = _build_route(self._app, task, queue)
         return self._routes[key]
-
-
-class _RedisDirect:
-    """Wakeups written straight to kombu's Redis transport, as its own publish would.
-
-    For a message to the nameless exchange (a queue's direct route, every default
-    wakeup), ``Producer.publish`` -> ``Channel.basic_publish`` -> ``Channel._put``
-    builds a dict, base64-encodes the body, adds a delivery tag and LPUSHes its JSON to
-    the queue's (priority) list, making a Redis client per message. Here the same
-    message is built from the route's template with the channel's own encoding and
-    priority rules, and the wakeups of one call go out in one pipelined round trip on a
-    client kept per channel. Anything else (a named exchange, a queue with an expiry, a
-    key prefix, another transport) takes ``Producer.publish``; if the pipeline fails, its
-    messages are published again that way, with the retry policy (a duplicate wakeup is
-    harmless).
-    """
-
-    _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def __init__(self, producer: Any, client: Any) -> None:
-        self._channel = producer.channel
-        self._client = client
-        self._delivery_mode = producer.exchange.delivery_mode  # Producer._delivery_details' default
-        self._pending: list[tuple[str, str, Callable[..., Any]]] = []  # (key, message, its kombu publish)
-
-    @classmethod
-    def of(cls, producer: Any) -> _RedisDirect | None:
-        channel = producer.channel
-        if type(channel).__module__ != "kombu.transport.redis" or getattr(channel, "global_keyprefix", None):
-            return None
-        client = cls._clients.get(channel)
-        if client is None:
-            client = cls._clients[channel] = channel.Client(connection_pool=channel.pool)
-        return cls(producer, client)
-
-    def add(self, route: _Route, headers: dict, properties: dict, kombu_publish: Callable[..., Any]) -> bool:
-        """Queue one wakeup's message; False when it must take Producer.publish."""
-        channel = self._channel
-        queue = route.routing_key
-        if route.exchange != "" or not isinstance(queue, str) or queue in (getattr(channel, "_expires", None) or {}):
-            return False
-        props = dict(properties)
-        priority = props.pop("priority", 0)  # Producer.publish takes it by name
-        if "expiration" in props:
-            return False
-        props["delivery_mode"] = maybe_delivery_mode(route.publish["delivery_mode"] or self._delivery_mode)
-        props["delivery_info"] = {"exchange": "", "routing_key": queue}
-        props["priority"] = priority or channel.default_priority
-        data = route.data.encode(route.content_encoding or "utf-8")
-        body, props["body_encoding"] = channel.encode_body(data, channel.body_encoding)
-        props["delivery_tag"] = kombu_uuid()
-        message = {
-            "body": body,
-            "content-encoding": route.content_encoding,
-            "content-type": route.content_type,
-            "headers": headers,
-            "properties": props,
-        }
-        key = channel._q_for_pri(queue, channel._get_message_priority(message, reverse=False))
-        self._pending.append((key, kombu_json.dumps(message), kombu_publish))
-        return True
-
-    def flush(self) -> None:
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        try:
-            if len(pending) == 1:  # a pipeline of one costs more than the command
-                self._client.lpush(pending[0][0], pending[0][1])
-            else:
-                with self._client.pipeline(transaction=False) as pipe:
-                    for key, message, _ in pending:
-                        pipe.lpush(key, message)
-                    pipe.execute()
-        except Exception:
-            self._clients.pop(self._channel, None)
-            for _, _, kombu_publish in pending:
-                kombu_publish(declare=[])
 
 
 def _build_route(app: Celery, task: str, queue: str | None) -> _Route | None:
