@@ -14,10 +14,12 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
+from celery_lease.worker.attempt import Attempt
 from tests.harness.services import (  # noqa: F401  (re-exported to the tests)
     PG_ADMIN,
     RedisServer,
@@ -381,3 +383,19 @@ def marker_dir(tmp_path):
     d = tmp_path / "markers"
     d.mkdir()
     return d
+
+
+def attempt_for(job_id: str, generation: int = 1, **fields: Any) -> Attempt:
+    """A worker's Attempt of a claimed job as the tests need one; ``fields`` override
+    the first-attempt defaults below."""
+    values: dict[str, Any] = {
+        "attempt": 1,
+        "max_attempts": 3,
+        "lease_seconds": 30,
+        "run_id": None,
+        "parent_id": None,
+        "tenant": None,
+        "payload": {},
+        "checkpoint": None,
+    }
+    return Attempt(job_id=job_id, generation=generation, **{**values, **fields})

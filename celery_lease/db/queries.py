@@ -229,16 +229,7 @@ def insert_job_batch(*, on_key_conflict_nothing: bool) -> sa.Select:
     else:
         insert = insert.on_conflict_do_nothing(index_elements=[_c.id])
     inserted = insert.returning(_c.id, _c.run_id, _c.attempt, _c.created_at, _c.run_after).cte("inserted")
-    dispatched = (
-        sa.insert(events)
-        .from_select(
-            ["run_id", "job_id", "event", "attempt", "created_at"],
-            sa.select(inserted.c.run_id, inserted.c.id, sa.literal(Event.DISPATCHED.value), inserted.c.attempt, db_now()).where(
-                inserted.c.run_id.is_not(None)
-            ),
-        )
-        .cte("dispatched")
-    )
+    dispatched = _events_of(inserted, sa.literal(Event.DISPATCHED.value), sa.null(), "dispatched")
     return sa.select(inserted.c.id, inserted.c.created_at, inserted.c.run_after).add_cte(dispatched)
 
 
@@ -520,28 +511,10 @@ def adopt_claim() -> sa.Update:
 def _claimed_and_logged() -> tuple[sa.CTE, sa.CTE]:
     """claim_job_flow as the CTE ``claimed``, and the CTE ``logged`` writing its run event."""
     claimed = claim_job_flow().cte("claimed")
-    logged = (
-        sa.insert(events)
-        .from_select(
-            ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
-            sa.select(
-                claimed.c.run_id,
-                claimed.c.id,
-                sa.case(
-                    (claimed.c.status == Status.CANCELLED.value, sa.literal(Event.CANCELLED.value)),
-                    else_=sa.literal(Event.CLAIMED.value),
-                ),
-                claimed.c.attempt,
-                sa.case(
-                    (claimed.c.status == Status.CANCELLED.value, sa.literal(RUN_CANCELLED)),
-                    else_=sa.bindparam("owner", type_=sa.Text),
-                ),
-                db_now(),
-            ).where(claimed.c.run_id.is_not(None)),
-        )
-        .cte("logged")
-    )
-    return claimed, logged
+    cancelled = claimed.c.status == Status.CANCELLED.value
+    event = sa.case((cancelled, sa.literal(Event.CANCELLED.value)), else_=sa.literal(Event.CLAIMED.value))
+    detail = sa.case((cancelled, sa.literal(RUN_CANCELLED)), else_=sa.bindparam("owner", type_=sa.Text))
+    return claimed, _events_of(claimed, event, detail, "logged")
 
 
 @functools.cache
@@ -874,21 +847,7 @@ def reap_expired_logged() -> sa.Select:
     in one round trip and its own transaction, and no event row is built in Python.
     The events are those Store.log_events would append (detail "lease expired: <status>")."""
     reaped = reap_expired("postgresql").cte("reaped")
-    logged = (
-        sa.insert(events)
-        .from_select(
-            ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
-            sa.select(
-                reaped.c.run_id,
-                reaped.c.id,
-                sa.literal(Event.REAPED.value),
-                reaped.c.attempt,
-                sa.literal(f"{LEASE_EXPIRED}: ") + reaped.c.status,
-                db_now(),
-            ).where(reaped.c.run_id.is_not(None)),
-        )
-        .cte("logged")
-    )
+    logged = _events_of(reaped, sa.literal(Event.REAPED.value), sa.literal(f"{LEASE_EXPIRED}: ") + reaped.c.status, "logged")
     return sa.select(reaped).add_cte(logged)
 
 
@@ -964,6 +923,15 @@ def delete_job_events(ids: Sequence[str]) -> sa.Delete:
 
 
 # --- the run event log ---------------------------------------------------------------
+
+
+def _events_of(source: sa.CTE, event: sa.ColumnElement, detail: sa.ColumnElement, name: str) -> sa.CTE:
+    """The CTE ``name`` that appends, in the statement whose CTE ``source`` changed jobs,
+    one run event per changed job that belongs to a run (its run_id, id and attempt):
+    how a PostgreSQL statement writes its own events, the rows Store.log_events builds."""
+    rows = sa.select(source.c.run_id, source.c.id, event, source.c.attempt, detail, db_now()).where(source.c.run_id.is_not(None))
+    columns = ["run_id", "job_id", "event", "attempt", "detail", "created_at"]
+    return sa.insert(events).from_select(columns, rows).cte(name)
 
 
 @functools.cache
@@ -1205,21 +1173,7 @@ def claim_job_limited_logged(concurrency: bool, rate: bool) -> sa.Select:
     count, as ONE statement (PostgreSQL), like claim_job_logged. window_claims is the
     count after this claim (NULL without a rate)."""
     claimed = claim_job_limited(concurrency, rate).cte("claimed")
-    logged = (
-        sa.insert(events)
-        .from_select(
-            ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
-            sa.select(
-                claimed.c.run_id,
-                claimed.c.id,
-                sa.literal(Event.CLAIMED.value),
-                claimed.c.attempt,
-                sa.bindparam("owner", type_=sa.Text),
-                db_now(),
-            ).where(claimed.c.run_id.is_not(None)),
-        )
-        .cte("logged")
-    )
+    logged = _events_of(claimed, sa.literal(Event.CLAIMED.value), sa.bindparam("owner", type_=sa.Text), "logged")
     stmt = sa.select(claimed).add_cte(logged)
     if not rate:
         return stmt.add_columns(sa.null().label("window_claims"))

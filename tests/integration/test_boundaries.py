@@ -18,10 +18,9 @@ from celery_lease import InvalidPayload, Status, cancel_notice
 from celery_lease.db.schema import jobs
 from celery_lease.db.store import Store
 from celery_lease.payload import Codec
-from celery_lease.worker.attempt import Attempt
 from celery_lease.worker.completion import UNSTORABLE_RESULT, Completer
 from celery_lease.worker.heartbeat import Heartbeat
-from tests.conftest import CELERY, ROOT, _env, wait_for
+from tests.conftest import CELERY, ROOT, _env, attempt_for, wait_for
 
 SECRET = "s3cr3t-payload-7731"
 
@@ -132,21 +131,7 @@ def test_a_refused_batch_of_successes_is_retried_row_by_row(pg, make_job):
             make_job(pg, status="running", attempt=1, lease_generation=1, lease_expires_at=sa.text("now() + interval '1 hour'"))
             for _ in range(4)
         ]
-        attempts = [
-            Attempt(
-                job_id=i,
-                generation=1,
-                attempt=1,
-                max_attempts=3,
-                lease_seconds=30,
-                run_id=None,
-                parent_id=None,
-                tenant=None,
-                payload={},
-                checkpoint=None,
-            )
-            for i in ids
-        ]
+        attempts = [attempt_for(i) for i in ids]
         completer = Completer(store)
         completer.LINGER = 5.0  # one batch: flush() ends it
         for n, attempt in enumerate(attempts):
@@ -207,18 +192,7 @@ def test_forged_cancel_notices_cost_no_renewal_statement(pg, broker, make_job):
     channel = cancel_notice.channel(broker, "tests")
     heartbeat = Heartbeat(store, broker, channel)
     # A 300 s lease: the heartbeat's own next round is 100 s away.
-    attempt = Attempt(
-        job_id=held,
-        generation=1,
-        attempt=1,
-        max_attempts=3,
-        lease_seconds=300,
-        run_id=None,
-        parent_id=None,
-        tenant=None,
-        payload={},
-        checkpoint=None,
-    )
+    attempt = attempt_for(held, lease_seconds=300)
     try:
         heartbeat.add(attempt)
         client = redis.Redis.from_url(broker)

@@ -29,9 +29,8 @@ from celery_lease import (
 )
 from celery_lease.beat.maintenance import MAX_BATCHES
 from celery_lease.db.schema import events, jobs, runs
-from celery_lease.worker.attempt import Attempt
 from celery_lease.worker.context import PROGRESS_MIN_INTERVAL
-from tests.conftest import ROOT, _env, wait_for
+from tests.conftest import ROOT, _env, attempt_for, wait_for
 
 MODULE = "tests.apps.app_durable"
 
@@ -111,20 +110,7 @@ def test_checkpoint_save_is_capped_fenced_and_configurable(db, broker, durable_a
     job_id = make_job(db, kind="steps", task="tests.apps.app.steps", status="running", lease_generation=5, checkpoint={"v": 1})
 
     def context(generation: int) -> JobContext:
-        return mod.leases.worker.context(
-            Attempt(
-                job_id=job_id,
-                generation=generation,
-                attempt=1,
-                max_attempts=3,
-                lease_seconds=30,
-                run_id=None,
-                parent_id=None,
-                tenant=None,
-                payload={},
-                checkpoint={"v": 1},
-            )
-        )
+        return mod.leases.worker.context(attempt_for(job_id, generation=generation, checkpoint={"v": 1}))
 
     live = context(5)
     assert live.checkpoint == {"v": 1}
@@ -153,20 +139,7 @@ def test_checkpoint_save_is_capped_fenced_and_configurable(db, broker, durable_a
 
     # The load side is capped too.
     with pytest.raises(CheckpointTooLarge):
-        mod.leases.worker.context(
-            Attempt(
-                job_id=job_id,
-                generation=7,
-                attempt=2,
-                max_attempts=3,
-                lease_seconds=30,
-                run_id=None,
-                parent_id=None,
-                tenant=None,
-                payload={},
-                checkpoint={"blob": "x" * 300},
-            )
-        )
+        mod.leases.worker.context(attempt_for(job_id, generation=7, attempt=2, checkpoint={"blob": "x" * 300}))
 
 
 def test_retry_keeps_the_checkpoint_and_the_next_attempt_resumes_from_it(db, broker, durable_app, workers, sql):

@@ -12,23 +12,9 @@ from celery_lease.db.schema import jobs
 from celery_lease.db.store import Store
 from celery_lease.worker.attempt import Attempt
 from celery_lease.worker.completion import UNSTORABLE_RESULT, Completer
+from tests.conftest import attempt_for
 
 TASK = "tests.apps.app.echo"
-
-
-def _attempt(job_id: str, generation: int = 1) -> Attempt:
-    return Attempt(
-        job_id=job_id,
-        generation=generation,
-        attempt=1,
-        max_attempts=3,
-        lease_seconds=30,
-        run_id=None,
-        parent_id=None,
-        tenant=None,
-        payload={},
-        checkpoint=None,
-    )
 
 
 def _running(pg, make_job, generation: int = 1) -> str:
@@ -59,8 +45,8 @@ def test_a_claim_writes_the_waiting_successes_each_fenced(pg, make_job):
         pending = make_job(pg)
         completer = Completer(store)
         completer.LINGER = 60.0  # the thread never writes them: only the claim can
-        completer.add(_attempt(done), {"ok": 1}, {"step": 9})
-        completer.add(_attempt(stale, generation=1), {"ok": 2}, None)  # a reap took generation 2
+        completer.add(attempt_for(done), {"ok": 1}, {"step": 9})
+        completer.add(attempt_for(stale, generation=1), {"ok": 2}, None)  # a reap took generation 2
         riding = completer.take()
         assert riding is not None and riding.count == 2
         row = store.claim(pending, "w@host/1/boot", TASK, successes=riding)
@@ -83,7 +69,7 @@ def test_the_successes_ride_even_when_nothing_is_claimed(pg, make_job):
         duplicate = _running(pg, make_job)  # its delivery is a duplicate: running already
         completer = Completer(store)
         completer.LINGER = 60.0
-        completer.add(_attempt(done), {"ok": 1}, None)
+        completer.add(attempt_for(done), {"ok": 1}, None)
         riding = completer.take()
         assert riding is not None
         assert store.claim(duplicate, "w@host/1/boot", TASK, successes=riding) is None
@@ -103,8 +89,8 @@ def test_a_refused_success_does_not_cost_the_claim(pg, make_job):
         pending = make_job(pg)
         completer = Completer(store)
         completer.LINGER = 60.0
-        completer.add(_attempt(good), {"note": "fine"}, None)
-        completer.add(_attempt(bad), {"note": "a\x00b"}, None)  # jsonb refuses NUL
+        completer.add(attempt_for(good), {"note": "fine"}, None)
+        completer.add(attempt_for(bad), {"note": "a\x00b"}, None)  # jsonb refuses NUL
         riding = completer.take()
         assert riding is not None
         row = store.claim(pending, "w@host/1/boot", TASK, successes=riding)
@@ -127,7 +113,7 @@ def test_a_success_whose_lease_lapsed_by_its_own_clock_does_not_ride(pg, make_jo
     store = Store(pg)
     try:
         lapsed = _running(pg, make_job)
-        attempt = _attempt(lapsed)
+        attempt = attempt_for(lapsed)
         attempt.renewed_at = time.monotonic() - attempt.lease_seconds
         written: list[Attempt] = []
         completer = Completer(store, on_written=written.append)

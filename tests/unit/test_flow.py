@@ -17,7 +17,7 @@ from celery_lease.errors import InvalidPayload, JobSnoozed
 from celery_lease.limits import Limits, Rate, parse_priority
 from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
-from tests.unit.test_queries import attempt_for
+from tests.conftest import attempt_for
 
 OWNER = "node/1/boot"
 TASK = "tests.echo"  # the task of the unit tier's add_job

@@ -8,22 +8,12 @@ import pytest
 
 from celery_lease.errors import LeaseLost
 from celery_lease.worker.attempt import LAPSE_SHARE, Attempt
+from tests.conftest import attempt_for
 
 
 def _attempt(lease_seconds: int, renewed_ago: float) -> Attempt:
-    return Attempt(
-        job_id="00000000-0000-0000-0000-000000000001",
-        generation=1,
-        attempt=1,
-        max_attempts=3,
-        lease_seconds=lease_seconds,
-        run_id=None,
-        parent_id=None,
-        tenant=None,
-        payload={},
-        checkpoint=None,
-        renewed_at=time.monotonic() - renewed_ago,
-    )
+    job_id = "00000000-0000-0000-0000-000000000001"
+    return attempt_for(job_id, lease_seconds=lease_seconds, renewed_at=time.monotonic() - renewed_ago)
 
 
 class _NoStore:

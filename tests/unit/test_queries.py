@@ -11,25 +11,10 @@ import pytest
 
 from celery_lease.db import queries as q
 from celery_lease.status import TERMINAL, Status
-from celery_lease.worker.attempt import Attempt
+from tests.conftest import attempt_for
 
 ALL = [s.value for s in Status]
 TERMINALS = [s.value for s in TERMINAL]
-
-
-def attempt_for(job_id: str, generation: int) -> Attempt:
-    return Attempt(
-        job_id=job_id,
-        generation=generation,
-        attempt=1,
-        max_attempts=3,
-        lease_seconds=30,
-        run_id=None,
-        parent_id=None,
-        tenant=None,
-        payload={},
-        checkpoint=None,
-    )
 
 
 @pytest.mark.parametrize("status", ALL)
