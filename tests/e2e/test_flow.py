@@ -227,8 +227,9 @@ def test_killed_workers_slots_come_back_when_reaped_and_the_limit_holds(db, pg, 
     conf = {"lease_reap_interval": 1, "lease_sweep_interval": 1, "lease_sweep_stale_seconds": 5}
     env = {"CL_TEST_LEASE": "3"}
     mod = client_app(pg, broker, conf=conf, extra_env=env, module=MODULE)
+    # w1 runs alone until it is killed, so the jobs it is killed under are certain to exist;
+    # w2 joins afterwards and the fleet has four pool slots for a limit of two.
     victim = workers(pg, broker, name="w1", module=MODULE, concurrency=2, conf=conf, extra_env=env)
-    workers(pg, broker, name="w2", module=MODULE, concurrency=2, conf=conf, extra_env=env)
     beats(pg, broker, conf=conf, module=MODULE)
     beats(pg, broker, conf=conf, module=MODULE)  # two beats reap and sweep side by side
     ids = [j.id for j in mod.chaos_limited.submit_many([{"steps": 6, "sleep": 0.25}] * 10)]
@@ -242,19 +243,34 @@ def test_killed_workers_slots_come_back_when_reaped_and_the_limit_holds(db, pg, 
                 ).scalars()
             ]
 
-    # A job seen running on w1 may finish before the SIGKILL lands: what is still running
-    # under w1 once its processes are dead is what the kill orphaned. Kill (the restarted
-    # w1) again until it orphans at least one job.
+    def body_just_started_on_victim() -> bool:
+        # A body that started under 0.5 s ago has a second of its 1.5 s left: the SIGKILL
+        # lands while it runs, not after its success.
+        with db.connect() as conn:
+            fresh = conn.execute(
+                sa.select(sa.func.count())
+                .select_from(spans.join(jobs, sa.cast(jobs.c.id, sa.String) == spans.c.job_id))
+                .where(
+                    spans.c.kind == "chaos_limited",
+                    spans.c.ended_at.is_(None),
+                    spans.c.started_at > sa.func.clock_timestamp() - sa.text("interval '0.5 seconds'"),
+                    jobs.c.status == "running",
+                    jobs.c.lease_owner.startswith("w1@"),
+                )
+            ).scalar_one()
+        return fresh > 0
+
     orphaned: list[str] = []
     for _ in range(3):
-        wait_for(running_on_victim, timeout=30, what="a limited job running on w1")
+        wait_for(body_just_started_on_victim, timeout=30, what="a limited job starting on w1")
         victim.kill(signal.SIGKILL)
         with db.connect() as conn:
             killed_at = conn.execute(sa.select(sa.func.clock_timestamp())).scalar_one()
-        orphaned = running_on_victim()
-        victim.start()  # four pool slots again: only the limit keeps it at two
+        orphaned = running_on_victim()  # w1's processes are dead: what still runs under it is orphaned
+        victim.start()
         if orphaned:
             break
+    workers(pg, broker, name="w2", module=MODULE, concurrency=2, conf=conf, extra_env=env)
     assert orphaned, "three kills of w1 orphaned no running job"
     cancelled = ids[-1]  # still held or queued: a cancel must work with limits on
     assert mod.leases.cancel(cancelled)
