@@ -111,7 +111,7 @@ case "$cmd" in
     export CL_TEST_PG_ADMIN=${CL_TEST_PG_ADMIN:-postgresql+psycopg2://$(id -un)@127.0.0.1:5432/postgres}
     if [ $# -eq 0 ]; then
       log "integration and end-to-end tiers (PostgreSQL, Redis, worker processes)"
-      exec "$VENV/bin/python" -m pytest tests --ignore=tests/unit
+      exec "$VENV/bin/python" -m pytest tests --ignore=tests/unit --durations=15  # the slowest, to keep the run under 15 min
     fi
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
