@@ -219,6 +219,51 @@ def test_errbacks_fire_once_for_cancelled_and_expired_jobs(pg, broker, client_ap
     assert sorted(a[0] for a in _plain_errbacks(broker)) == sorted(r.id for r in in_run)
 
 
+def _interrupted(db: str, job_id: str, node: str, *, last_attempt: bool) -> None:
+    """Make a job look like an earlier boot of worker ``node`` was running it when it died."""
+    engine = sa.create_engine(db)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(jobs)
+            .where(jobs.c.id == job_id)
+            .values(
+                status="running",
+                attempt=jobs.c.max_attempts if last_attempt else 1,
+                lease_owner=f"{node}/4242/an-earlier-boot",
+                lease_expires_at=sa.func.now() + sa.text("interval '1 hour'"),
+            )
+        )
+    engine.dispose()
+
+
+def test_restart_recovery_fires_the_errbacks_of_a_job_it_fails_and_only_of_that_one(pg, broker, client_app, tmp_path):
+    mod = client_app(pg, broker, module=NATIVE)
+    node = "celery@restarted-host"
+    spent, retried, elsewhere = (
+        mod.inc.apply_async(({"n": n},), link_error=[mod.noted_error.s(), mod.plain_errback.s(str(tmp_path))]) for n in (1, 2, 3)
+    )
+    _interrupted(pg, spent.id, node, last_attempt=True)
+    _interrupted(pg, retried.id, node, last_attempt=False)
+    _interrupted(pg, elsewhere.id, "celery@another-host", last_attempt=True)
+    _queued(broker)
+
+    # The worker_ready handler runs this when `node` comes back with a new boot id.
+    assert mod.leases.recover(node) == {"requeued": 1, "failed": 1}
+    rows = {str(r["id"]): r for r in _rows(pg, jobs.c.id.in_([spent.id, retried.id, elsewhere.id]))}
+    assert rows[spent.id]["status"] == "failed"
+    assert rows[spent.id]["error"] == "interrupted by restart"
+    assert rows[retried.id]["status"] == "pending"  # attempts left: requeued, no errback
+    assert rows[elsewhere.id]["status"] == "running"  # another node's lease: the reaper's
+    (errback,) = _rows(pg, jobs.c.kind == "noted_error")
+    assert str(errback["parent_id"]) == spent.id  # created in the recovery's transaction
+    assert errback["payload"] == {"job_id": spent.id, "error": "interrupted by restart"}
+    assert _plain_errbacks(broker) == [[spent.id, str(tmp_path)]]
+
+    # Recovering again (another restart) finds nothing and fires nothing twice.
+    assert mod.leases.recover(node) == {"requeued": 0, "failed": 0}
+    assert len(_rows(pg, jobs.c.kind == "noted_error")) == 1 and _plain_errbacks(broker) == []
+
+
 def test_a_chord_header_job_cancelled_or_expired_removes_the_chord_and_fires_the_body_errbacks_once(
     pg, broker, client_app, tmp_path
 ):
