@@ -157,16 +157,27 @@ def _plain_errbacks(broker: str) -> list[list]:
     return out
 
 
-def _expire(db: str, job_id: str) -> None:
-    """Make a job look like its last attempt's worker died: running, lease elapsed."""
+def _left_running(db: str, job_id: str, owner: str, *, last_attempt: bool = True, expires: str = "0 seconds") -> None:
+    """Make a job look like worker ``owner`` was running it when it died: running, on its
+    last attempt (or its first), its lease ending ``expires`` from now."""
     engine = sa.create_engine(db)
     with engine.begin() as conn:
         conn.execute(
             sa.update(jobs)
             .where(jobs.c.id == job_id)
-            .values(status="running", attempt=jobs.c.max_attempts, lease_owner="gone/1/boot", lease_expires_at=sa.func.now())
+            .values(
+                status="running",
+                attempt=jobs.c.max_attempts if last_attempt else 1,
+                lease_owner=owner,
+                lease_expires_at=sa.func.now() + sa.text(f"interval '{expires}'"),
+            )
         )
     engine.dispose()
+
+
+def _expire(db: str, job_id: str) -> None:
+    """Make a job look like its last attempt's worker died: running, lease elapsed."""
+    _left_running(db, job_id, "gone/1/boot")
 
 
 def test_errbacks_fire_once_for_cancelled_and_expired_jobs(pg, broker, client_app, tmp_path):
@@ -219,32 +230,16 @@ def test_errbacks_fire_once_for_cancelled_and_expired_jobs(pg, broker, client_ap
     assert sorted(a[0] for a in _plain_errbacks(broker)) == sorted(r.id for r in in_run)
 
 
-def _interrupted(db: str, job_id: str, node: str, *, last_attempt: bool) -> None:
-    """Make a job look like an earlier boot of worker ``node`` was running it when it died."""
-    engine = sa.create_engine(db)
-    with engine.begin() as conn:
-        conn.execute(
-            sa.update(jobs)
-            .where(jobs.c.id == job_id)
-            .values(
-                status="running",
-                attempt=jobs.c.max_attempts if last_attempt else 1,
-                lease_owner=f"{node}/4242/an-earlier-boot",
-                lease_expires_at=sa.func.now() + sa.text("interval '1 hour'"),
-            )
-        )
-    engine.dispose()
-
-
 def test_restart_recovery_fires_the_errbacks_of_a_job_it_fails_and_only_of_that_one(pg, broker, client_app, tmp_path):
     mod = client_app(pg, broker, module=NATIVE)
     node = "celery@restarted-host"
     spent, retried, elsewhere = (
         mod.inc.apply_async(({"n": n},), link_error=[mod.noted_error.s(), mod.plain_errback.s(str(tmp_path))]) for n in (1, 2, 3)
     )
-    _interrupted(pg, spent.id, node, last_attempt=True)
-    _interrupted(pg, retried.id, node, last_attempt=False)
-    _interrupted(pg, elsewhere.id, "celery@another-host", last_attempt=True)
+    # Left running by an earlier boot of `node` (or of another node), leases still valid.
+    _left_running(pg, spent.id, f"{node}/4242/an-earlier-boot", expires="1 hour")
+    _left_running(pg, retried.id, f"{node}/4242/an-earlier-boot", last_attempt=False, expires="1 hour")
+    _left_running(pg, elsewhere.id, "celery@another-host/4242/an-earlier-boot", expires="1 hour")
     _queued(broker)
 
     # The worker_ready handler runs this when `node` comes back with a new boot id.
