@@ -16,6 +16,10 @@
 2. End to end: one ``celery worker -c 2`` drains N no-op jobs of each kind (unlimited,
    concurrency=64, rate 100000/s), interleaved, repeated; jobs/s from the rows' own
    first claim and last completion.
+3. Handover: two workers drain ``--handover`` (120) no-op jobs of a ``concurrency=1``
+   kind, submitted at once: every job but the first waits for the previous one's
+   release to wake it. Seconds from submit to the last completion.
+   ``python -m bench flow --only handover`` runs this part alone.
 
 Output: ``bench/results/flow.{json,md}``.
 """
@@ -123,6 +127,23 @@ def drain(leases, tasks, kind: str, n: int, timeout: float = 120) -> float:
     return n / (last - first).total_seconds()
 
 
+def handover(leases, tasks, n: int, timeout: float = 300) -> float:
+    """Seconds for n jobs of a concurrency=1 kind, submitted at once, to all succeed."""
+    count = sa.text("SELECT count(*) FROM celery_lease_jobs WHERE kind = 'noop_one' AND status = 'succeeded'")
+    started = time.monotonic()
+    tasks["noop_one"].submit_many([{}] * n)
+
+    def done() -> bool:
+        with leases.store.durable.connect() as conn:
+            return conn.execute(count).scalar() >= n
+
+    harness.wait_for(done, timeout=timeout, interval=0.05, what=f"{n} noop_one jobs")
+    elapsed = time.monotonic() - started
+    with leases.store.durable.begin() as conn:
+        conn.execute(sa.text("DELETE FROM celery_lease_jobs WHERE kind = 'noop_one'"))
+    return elapsed
+
+
 def main(args, log) -> int:
     from bench.apps.lease import make_app
 
@@ -137,10 +158,11 @@ def main(args, log) -> int:
             url = dbs.create("flow")
             app, leases, tasks = make_app(url, redis.url)
             leases.create_schema()
-            results["statements"] = statements(leases, tasks, args.samples)
-            log(f"statements: {results['statements']}")
-            with leases.store.durable.begin() as conn:
-                conn.execute(sa.text("DELETE FROM celery_lease_jobs"))
+            if args.only != "handover":
+                results["statements"] = statements(leases, tasks, args.samples)
+                log(f"statements: {results['statements']}")
+                with leases.store.durable.begin() as conn:
+                    conn.execute(sa.text("DELETE FROM celery_lease_jobs"))
             env = {
                 **os.environ,
                 "BENCH_BROKER": redis.url,
@@ -152,19 +174,36 @@ def main(args, log) -> int:
                 [harness.celery(), "-A", "bench.apps.lease", *CELERY_WORKER, "-n", "flow@bench"], env, out
             )
             worker.start()
-            rates: dict[str, list[float]] = {k: [] for k in KINDS}
-            for rep in range(args.reps):
-                for kind in KINDS:
-                    rates[kind].append(drain(leases, tasks, kind, args.n))
-                log(f"rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:.0f}/s" for k, v in rates.items()))
-            results["drain_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
-            results["drain_all"] = rates
+            if args.only != "handover":
+                rates: dict[str, list[float]] = {k: [] for k in KINDS}
+                for rep in range(args.reps):
+                    for kind in KINDS:
+                        rates[kind].append(drain(leases, tasks, kind, args.n))
+                    log(f"rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:.0f}/s" for k, v in rates.items()))
+                results["drain_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
+                results["drain_all"] = rates
+            (out / "second").mkdir()
+            second = harness.WorkerProcess(
+                [harness.celery(), "-A", "bench.apps.lease", *CELERY_WORKER, "-n", "flow2@bench"],
+                {**env, "BENCH_OUT": str(out / "second")},
+                out / "second",
+            )
+            second.start()
+            try:
+                results["handover_s"] = handover(leases, tasks, args.handover)
+            finally:
+                second.kill()
+            log(f"handover: {args.handover} jobs of a concurrency=1 kind on 2 workers in {results['handover_s']:.1f} s")
             leases.store.dispose()
         finally:
             if worker is not None:
                 worker.kill()
             redis.stop()
             dbs.close()
+    handover_line = f"handover: {args.handover} no-op jobs of a concurrency=1 kind, 2 workers -c 2: {results['handover_s']:.1f} s"
+    if args.only == "handover":
+        print(handover_line)
+        return 0
     st, dr = results["statements"], results["drain_per_s"]
     base = st["before"]["median_us"]
     lines = [
@@ -186,6 +225,8 @@ def main(args, log) -> int:
         f"| drain, 1 worker -c 2, {args.n} no-op jobs, median of {args.reps} | jobs/s | vs. unlimited |",
         "|---|---|---|",
         *(f"| {k} | {dr[k]:.0f} | {dr[k] / dr['noop'] - 1:+.0%} |" for k in KINDS),
+        "",
+        handover_line,
     ]
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "flow.json").write_text(json.dumps(results, indent=2))

@@ -21,9 +21,11 @@ from celery_lease.db.queries import (
     _PENDING,
     _RUNNING,
     WAKEUP_COLUMNS,
+    _batch,
     _c,
     _delivered,
     _due,
+    _picked,
     _seconds,
     db_now,
     db_now_plus,
@@ -33,16 +35,16 @@ from celery_lease.db.schema import jobs, limits, pauses
 from celery_lease.status import Held, Status
 
 
-def _running_like(t) -> sa.ScalarSelect:
-    """How many jobs of t's kind and concurrency key are running."""
+def _running_like(kind, key) -> sa.ScalarSelect:
+    """How many jobs of ``kind`` and concurrency key ``key`` are running."""
     slots = jobs.alias("slots")
     return (
         sa.select(sa.func.count())
         .select_from(slots)
         .where(
             slots.c.status == _RUNNING,
-            slots.c.kind == t.kind,
-            slots.c.concurrency_key.is_not_distinct_from(t.concurrency_key),
+            slots.c.kind == kind,
+            slots.c.concurrency_key.is_not_distinct_from(key),
         )
         .scalar_subquery()
     )
@@ -126,10 +128,11 @@ def hold_job() -> sa.Update:
     """
     paused = sa.exists(sa.select(pauses.c.kind).where(pauses.c.kind == _c.kind).with_for_update(read=True))
     limited = sa.bindparam("limited", type_=sa.Boolean)
+    full = _running_like(_c.kind, _c.concurrency_key) >= sa.bindparam("concurrency", type_=sa.Integer)
     reason = sa.case(
         (paused, Held.PAUSE.value),
         (sa.and_(limited, sa.not_(sa.func.coalesce(_rate_open_for(_c.kind), sa.true()))), Held.RATE.value),
-        (sa.and_(limited, _running_like(_c) >= sa.bindparam("concurrency", type_=sa.Integer)), Held.LIMIT.value),
+        (sa.and_(limited, full), Held.LIMIT.value),
         else_=None,
     )
     return (
@@ -198,82 +201,59 @@ def schedule_window_wakeup() -> sa.Update:
     )
 
 
+def _wake(where: list[sa.ColumnElement], limit: sa.ColumnElement, dialect: str) -> sa.Update:
+    """Up to ``limit`` held jobs matching ``where``, best priority first, then oldest:
+    no longer held, woken now. Returns what their wakeups need.
+
+    The jobs are picked by queries._batch (a MATERIALIZED CTE, locked, skipping rows
+    another wake holds) and changed by primary key (queries._picked). As an ``id IN
+    (SELECT ... LIMIT ... FOR UPDATE SKIP LOCKED)`` subquery the planner may rescan the
+    pick once per outer row, each rescan skipping the rows just woken and taking more:
+    one freed slot of a ``concurrency=1`` kind woke all 200 of its held jobs."""
+    picked = _batch("woken", sa.and_(_c.status == _PENDING, *where), (_c.priority.desc(), _c.created_at), limit)
+    return (
+        sa.update(jobs)
+        .where(_picked(picked, dialect), _c.status == Status.PENDING.value)
+        .values(held=sa.null(), woken_at=db_now())
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
+def _held_for(reason: Held, *, by_key: bool) -> list[sa.ColumnElement]:
+    """Due jobs of :of_kind held for ``reason`` (with ``by_key``, of concurrency key :key).
+    The reason is literal SQL: a generic plan then uses the held index too."""
+    where = [_c.held == sa.literal_column(f"'{reason.value}'"), _c.kind == sa.bindparam("of_kind"), _due(_c)]
+    if by_key:
+        where.append(_c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)))
+    return where
+
+
 @functools.cache
-def wake_for_slot() -> sa.Update:
+def wake_for_slot(dialect: str) -> sa.Update:
     """wake_for_slot: after a limited job left running, the jobs of its kind and key
     :key held by the limit, as many as slots are free now (the kind's declared
     concurrency minus its running jobs of that key), best priority first. Run after
     lock_limits_row in the same transaction."""
-    row, slots = limits.alias("lim"), jobs.alias("slots")
-    running = (
-        sa.select(sa.func.count())
-        .select_from(slots)
-        .where(
-            slots.c.status == _RUNNING,
-            slots.c.kind == sa.bindparam("of_kind"),
-            slots.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
-        )
-        .scalar_subquery()
-    )
+    row = limits.alias("lim")
+    running = _running_like(sa.bindparam("of_kind"), sa.bindparam("key", type_=sa.String))
     free = (
         sa.select(sa.case((row.c.concurrency > running, row.c.concurrency - running), else_=0))
         .where(row.c.kind == sa.bindparam("of_kind"))
         .scalar_subquery()
     )
-    held = jobs.alias("held")
-    pick = (
-        sa.select(held.c.id)
-        .where(
-            held.c.status == _PENDING,
-            held.c.held == sa.literal_column(f"'{Held.LIMIT.value}'"),
-            held.c.kind == sa.bindparam("of_kind"),
-            held.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
-            _due(held.c),
-        )
-        .order_by(held.c.priority.desc(), held.c.created_at)
-        .limit(free)
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    return (
-        sa.update(jobs)
-        .where(_c.id.in_(pick), _c.status == Status.PENDING.value)
-        .values(held=sa.null(), woken_at=db_now())
-        .returning(*WAKEUP_COLUMNS)
-    )
+    return _wake(_held_for(Held.LIMIT, by_key=True), sa.func.coalesce(free, 0), dialect)
 
 
 @functools.cache
 def running_count() -> sa.Select:
-    return sa.select(sa.func.count()).where(
-        _c.status == _RUNNING,
-        _c.kind == sa.bindparam("of_kind"),
-        _c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
-    )
+    return sa.select(_running_like(sa.bindparam("of_kind"), sa.bindparam("key", type_=sa.String)))
 
 
 @functools.cache
-def wake_held(by_key: bool) -> sa.Update:
-    """wake_held: up to :limit jobs of :of_kind held for :reason (with ``by_key``, of
-    concurrency key :key only), best priority first, then oldest: no longer held,
-    woken now. Returns what their wakeups need."""
-    where = [_c.status == _PENDING, _c.held == sa.bindparam("reason"), _c.kind == sa.bindparam("of_kind"), _due(_c)]
-    if by_key:
-        where.append(_c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)))
-    pick = (
-        sa.select(_c.id)
-        .where(*where)
-        .order_by(_c.priority.desc(), _c.created_at)
-        .limit(sa.bindparam("limit"))
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    return (
-        sa.update(jobs)
-        .where(_c.id.in_(pick), _c.status == Status.PENDING.value, _c.held == sa.bindparam("reason"))
-        .values(held=sa.null(), woken_at=db_now())
-        .returning(*WAKEUP_COLUMNS)
-    )
+def wake_held(reason: Held, by_key: bool, dialect: str) -> sa.Update:
+    """wake_held: up to :limit jobs of :of_kind held for ``reason`` (with ``by_key``, of
+    concurrency key :key only), best priority first, then oldest."""
+    return _wake(_held_for(reason, by_key=by_key), sa.bindparam("limit", type_=sa.Integer), dialect)
 
 
 def limited_kinds(kinds: Sequence[str]) -> sa.Select:

@@ -151,19 +151,19 @@ class FlowStore:
     def _wake(self, conn: Connection, reason: str, kind: str, key: Any, limit: float, by_key: bool = False) -> list[dict]:
         if limit <= 0:
             return []
-        params = {"reason": Held(reason).value, "of_kind": kind, "key": key, "limit": int(min(limit, 2**31 - 1))}
-        return [dict(r) for r in conn.execute(fs.wake_held(by_key), params).mappings()]
+        params = {"of_kind": kind, "key": key, "limit": int(min(limit, 2**31 - 1))}
+        return [dict(r) for r in conn.execute(fs.wake_held(Held(reason), by_key, self._store.dialect), params).mappings()]
 
     def wake_for_slot(self, kind: str, key: str | None) -> list[dict]:
         """A limited job of (kind, key) left running: under the kind's lock, wake the
         jobs held by its limit into the free slots (wake_for_slot). Returns wakeups."""
         params = {"of_kind": kind, "key": key}
         if self._prepare:
-            return self._store.execute_prepared(self._script(fs.lock_limits_row(), fs.wake_for_slot()), params)
+            return self._store.execute_prepared(self._script(fs.lock_limits_row(), fs.wake_for_slot(self._store.dialect)), params)
 
         def work(conn: Connection) -> list[dict]:
             conn.execute(fs.lock_limits_row(), params)
-            return [dict(r) for r in conn.execute(fs.wake_for_slot(), params).mappings()]
+            return [dict(r) for r in conn.execute(fs.wake_for_slot(self._store.dialect), params).mappings()]
 
         return self._tx(work)
 

@@ -201,7 +201,7 @@ def claim_job_limited(concurrency: bool, rate: bool) -> sa.Update:
     kind and key run; with ``rate``, only while the kind's rate window takes a claim."""
     stmt = claim_job_flow()
     if concurrency:
-        stmt = stmt.where(_running_like(_c) < sa.bindparam("concurrency", type_=sa.Integer))
+        stmt = stmt.where(_running_like(_c.kind, _c.concurrency_key) < sa.bindparam("concurrency", type_=sa.Integer))
     if rate:
         stmt = stmt.where(_rate_open_for(sa.bindparam("of_kind", type_=sa.String)))
     return stmt
