@@ -5,11 +5,11 @@
 
    * ``claim_job`` as it was before flow control (the prepared claim + run-event CTE
      built on the unchanged ``claim_job``): the baseline;
-   * the claim of an unlimited kind now (``claim_job_flow``: + pause guard + priority
+   * the claim of an unlimited kind now (``claim.claim``: + pause guard + priority
      probe), through ``FlowControl.claim`` as a worker calls it;
    * the claim of a ``concurrency=64`` kind and of a ``rate_limit="100000/s"`` kind (one
      transaction under the kind's limits row lock; limits never reached);
-   * the release of a limited job's slot (``FlowControl.release``: one transaction that
+   * the release of a limited job's slot (``FlowControl.release(rows)``: one transaction that
      locks the row, counts running jobs and wakes nobody).
 
    Each claimed job is completed (untimed) before the next sample.
@@ -44,35 +44,16 @@ KINDS = ("noop", "noop_limited", "noop_rated")
 
 
 def _claim_before_flow_control():
-    """The worker's claim statement as it was before flow control: claim_job (which
-    flow control leaves untouched) and the run's 'claimed' event, as one CTE."""
-    from celery_lease.db import queries as q
-    from celery_lease.db.schema import events
-    from celery_lease.status import Event
+    """The worker's claim statement as it was before flow control: the claim of the
+    delivered job (no pause guard, no priority swap) and its run event, as one CTE."""
+    from celery_lease.db.statements import claim
 
-    claimed = q.claim_job().cte("claimed")
-    logged = (
-        sa.insert(events)
-        .from_select(
-            ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
-            sa.select(
-                claimed.c.run_id,
-                claimed.c.id,
-                sa.literal(Event.CLAIMED.value),
-                claimed.c.attempt,
-                sa.bindparam("owner", type_=sa.Text),
-                q.db_now(),
-            ).where(claimed.c.run_id.is_not(None)),
-        )
-        .cte("logged")
-    )
-    return sa.select(claimed).add_cte(logged)
+    return claim.claim(swap=False)
 
 
 def statements(leases, tasks, samples: int) -> dict:
     from celery_lease.db import queries as q
     from celery_lease.db.prepared import Prepared
-    from celery_lease.worker.attempt import Attempt
 
     store, flow = leases.store, leases.flow
     before = Prepared(_claim_before_flow_control())
@@ -99,9 +80,8 @@ def statements(leases, tasks, samples: int) -> dict:
             assert row is not None, f"{name}: claim refused"
             complete(row)
             if name in ("noop_limited", "noop_rated"):
-                attempt = Attempt.from_claim(str(row["id"]), row)
                 started = time.perf_counter()
-                flow.release(attempt)
+                flow.release([row])
                 if name == "noop_limited" and i >= 5:
                     timings["release"].append((time.perf_counter() - started) * 1e6)
             if i >= 5:
@@ -127,7 +107,7 @@ def drain(leases, tasks, kind: str, n: int, timeout: float = 120) -> float:
     return n / (last - first).total_seconds()
 
 
-def handover(leases, tasks, n: int, timeout: float = 300) -> float:
+def handover(leases, tasks, n: int, timeout: float = 900) -> float:
     """Seconds for n jobs of a concurrency=1 kind, submitted at once, to all succeed."""
     count = sa.text("SELECT count(*) FROM celery_lease_jobs WHERE kind = 'noop_one' AND status = 'succeeded'")
     started = time.monotonic()
@@ -215,7 +195,7 @@ def main(args, log) -> int:
             + " |"
             for k, label in (
                 ("before", "claim_job before flow control (baseline)"),
-                ("noop", "unlimited kind (claim_job_flow)"),
+                ("noop", "unlimited kind (claim.claim)"),
                 ("noop_limited", "concurrency=64"),
                 ("noop_rated", 'rate_limit="100000/s"'),
                 ("release", "release of a concurrency slot (after the outcome)"),

@@ -38,7 +38,8 @@ from celery_lease.wakeups import RETRY_POLICY
 if TYPE_CHECKING:
     from celery import Celery
 
-    from celery_lease.db.store import RidingSuccesses, Store
+    from celery_lease.db.claims import RidingSuccesses
+    from celery_lease.db.store import Store
     from celery_lease.kinds import JobKind, Registry
     from celery_lease.settings import Settings
 
@@ -77,13 +78,13 @@ class FlowControl:
         owner: str,
         queue: str | None,
         *,
-        may_adopt: Callable[[int], bool] | None = None,
+        may_adopt: Callable[[str, int], bool] | None = None,
         successes: RidingSuccesses | None = None,
     ) -> dict[str, Any] | None:
         """Claim the job a delivery names (or a better one); None when nothing is
         claimed. Held jobs are marked; whatever must be woken is published.
-        ``may_adopt``, ``successes``: see Store.claim (a limited kind's claim carries
-        no successes: ``successes.done`` stays None)."""
+        ``may_adopt``, ``successes``: see Store.claim (a limited kind's claim, which
+        may wait for its kind's lock, carries none: the caller keeps them out of it)."""
         limits = spec.limits
         for _ in range(2):  # a second time only when nothing held a claimable job
             if limits is None:
@@ -91,7 +92,8 @@ class FlowControl:
                 successes = None  # written (or not) by the first claim
                 result = ClaimResult(row=row) if row is not None else self._db.hold(job_id, spec.task)
             else:
-                result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits)
+                assert successes is None, "successes must not wait for a limited kind's lock"
+                result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits, may_adopt=may_adopt)
             if not result.retry:
                 break
         self._publish_result(result, spec, queue)

@@ -116,7 +116,7 @@ def count_rate_claim() -> sa.Update:
 def hold_job() -> sa.Update:
     """hold_job: a delivery flow control refused leaves its job pending, marked with
     why: 'pause' (its kind is paused), and for a :limited kind 'rate' (its rate
-    window is spent) or 'limit' (:concurrency jobs of its kind and key run). held NULL
+    window is spent) or 'limit' (:slots jobs of its kind and key run). held NULL
     in the result means nothing holds it now: the caller claims again. Run under the
     kind's limits row lock (after lock_limits_row) for a limited kind, so the reason is
     decided on the same state a release sees.
@@ -128,7 +128,7 @@ def hold_job() -> sa.Update:
     """
     paused = sa.exists(sa.select(pauses.c.kind).where(pauses.c.kind == _c.kind).with_for_update(read=True))
     limited = sa.bindparam("limited", type_=sa.Boolean)
-    full = _running_like(_c.kind, _c.concurrency_key) >= sa.bindparam("concurrency", type_=sa.Integer)
+    full = _running_like(_c.kind, _c.concurrency_key) >= sa.bindparam("slots", type_=sa.Integer)
     reason = sa.case(
         (paused, Held.PAUSE.value),
         (sa.and_(limited, sa.not_(sa.func.coalesce(_rate_open_for(_c.kind), sa.true()))), Held.RATE.value),

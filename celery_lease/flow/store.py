@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from celery_lease.db.claims import ClaimLanded
 from celery_lease.db.prepared import Prepared, PreparedScript
 from celery_lease.db.statements import claim
 from celery_lease.flow import statements as fs
-from celery_lease.status import Event, Held
+from celery_lease.status import Event, Held, Status
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -64,10 +65,20 @@ class FlowStore:
 
     # --- claims ----------------------------------------------------------------------
 
-    def claim_limited(self, job_id: str, owner: str, kind: str, task: str, limits: Limits) -> ClaimResult:
-        """The claim of a limited kind: lock_limits, then claim_job_limited (with its
-        run event and the rate window's count) in one transaction; refused, hold_job
-        under the lock again (the reason is decided on what a release would see)."""
+    def claim_limited(
+        self,
+        job_id: str,
+        owner: str,
+        kind: str,
+        task: str,
+        limits: Limits,
+        *,
+        may_adopt: Callable[[str, int], bool] | None = None,
+    ) -> ClaimResult:
+        """The claim of a limited kind: lock_limits, then the limited claim (with its run
+        event and the rate window's count) in one transaction; refused, hold_job under
+        the lock again (the reason is decided on what a release would see). A lost
+        reply is settled as Store.claim settles it (``may_adopt``: see LandedClaim)."""
         rate = limits.rate
         concurrency, rated = limits.concurrency is not None, rate is not None
         params = {
@@ -78,29 +89,39 @@ class FlowStore:
             "new_concurrency": limits.concurrency,
             "new_rate": rate and rate.count,
             "new_per_seconds": rate and rate.per_seconds,
-            "concurrency": limits.concurrency,
+            "slots": limits.concurrency,  # (a column name would be taken for a SET of the rate count)
         }
+        postgres = self._store.dialect == "postgresql"
+        stmt = claim.claim(logged=postgres, concurrency=concurrency, rate=rated)
+        check = self._store.landed_claim(job_id, owner, may_adopt)
         row: dict[str, Any] | None
-        if self._prepare:
-            script = self._script(fs.lock_limits("postgresql"), claim.claim_job_limited_logged(concurrency, rated))
-            rows = self._store.execute_prepared(script, params)
-            row = rows[0] if rows else None
-        else:
+        try:
+            if self._prepare:
+                rows = self._store.execute_prepared(self._script(fs.lock_limits("postgresql"), stmt), params, on_retry=check)
+                row = rows[0] if rows else None
+            else:
 
-            def work(conn: Connection) -> dict[str, Any] | None:
-                conn.execute(fs.lock_limits(self._store.dialect), params)
-                found = conn.execute(claim.claim_job_limited(concurrency, rated), params).mappings().first()
-                if found is None:
-                    return None
-                claimed = dict(found)
-                self._store.log_events(conn, [(claimed, Event.CLAIMED, owner)])
-                claimed["window_claims"] = conn.execute(fs.count_rate_claim(), params).scalar() if rated else None
-                return claimed
+                def work(conn: Connection) -> dict[str, Any] | None:
+                    conn.execute(fs.lock_limits(self._store.dialect), params)
+                    found = conn.execute(stmt, params).mappings().first()
+                    if found is None or postgres:  # the PostgreSQL statement logged and counted
+                        return None if found is None else dict(found)
+                    claimed = dict(found)
+                    cancelled = claimed["status"] == Status.CANCELLED.value
+                    event, detail = (Event.CANCELLED, claim.RUN_CANCELLED) if cancelled else (Event.CLAIMED, owner)
+                    self._store.log_events(conn, [(claimed, event, detail)])
+                    counted = rated and not cancelled
+                    claimed["window_claims"] = conn.execute(fs.count_rate_claim(), params).scalar() if counted else None
+                    return claimed
 
-            row = self._tx(work)
+                row = self._store.transaction(self._store.durable, work, on_retry=check)
+            if row is None and check.retried:
+                check()  # the retry claimed nothing: the first try may have
+        except ClaimLanded as landed:
+            row = landed.row
         if row is not None:
             result = ClaimResult(row=row)
-            if rate is not None and row["window_claims"] == 1 and rate.count > 1:
+            if rate is not None and row.get("window_claims") == 1 and rate.count > 1:
                 # This claim opened a rate window: wake the jobs held for it.
                 result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, None, rate.count - 1))
             return result
@@ -122,7 +143,7 @@ class FlowStore:
         return self._hold(job_id, task, None, None)
 
     def _hold(self, job_id: str, task: str, kind: str | None, concurrency: int | None) -> ClaimResult:
-        params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None, "concurrency": concurrency}
+        params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None, "slots": concurrency}
         if self._prepare:
             stmts = (fs.lock_limits_row(), fs.hold_job()) if kind is not None else (fs.hold_job(),)
             rows = self._store.execute_prepared(self._script(*stmts), params)

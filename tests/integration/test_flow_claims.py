@@ -67,3 +67,126 @@ def test_a_rate_window_with_budget_n_wakes_n_held_jobs(pg, make_job, flow):
     assert result.row is not None and result.row["window_claims"] == 1
     assert len(result.wake) == 2
     assert sum(1 for status, held in statuses(pg, ids).values() if held is None) == 2
+
+
+# --- #18 item 1: every claim commits durably, in every mode --------------------------------
+
+
+@pytest.fixture
+def crashable_pg():
+    """A private cluster whose WAL writer flushes every 10 s: an asynchronous commit is
+    lost by a crash within that window."""
+    from tests.harness import pgcluster
+
+    if not pgcluster.available():
+        pytest.skip("needs PostgreSQL server binaries (bash dev.sh test installs them)")
+    with pgcluster.private_cluster(settings={"wal_writer_delay": "10s"}) as cluster:
+        yield cluster
+
+
+#: Every limited claim path: concurrency, rate, both (and the unlimited claim beside them).
+VARIANTS = {
+    "unlimited": None,
+    "concurrency": Limits(concurrency=2),
+    "rate": Limits(rate=Rate(5, 1)),
+    "both": Limits(concurrency=2, rate=Rate(100, 60)),
+}
+
+
+def test_every_claim_survives_a_postgresql_crash_in_both_modes(crashable_pg, make_job):
+    """A claim's generation is a fencing token: once a worker was told it, a crash of
+    PostgreSQL must not roll it back (the job would be claimed again under the same
+    generation, and two holders' fenced writes would both land). Unprepared, a limited
+    kind's claim committed with synchronous_commit=off and was rolled back."""
+    from celery_lease.db import migrate
+    from celery_lease.db.store import Store
+    from celery_lease.flow.store import FlowStore
+
+    url = crashable_pg.create_database("jobs")
+    migrate.upgrade(Store(url))
+    # Every job first, the unprepared claims last: a durable commit flushes the WAL before it.
+    claimed = {
+        make_job(url, kind=f"{name}-{prepare}", task="t"): f"{name}-{prepare}" for prepare in (True, False) for name in VARIANTS
+    }
+    for prepare in (True, False):
+        store = Store(url, prepare_statements=prepare)
+        flow = FlowStore(store, prepare=prepare)
+        for job, kind in [(j, k) for j, k in claimed.items() if k.endswith(str(prepare))]:
+            limits_ = VARIANTS[kind.rpartition("-")[0]]
+            if limits_ is None:
+                row = store.claim(job, OWNER, "t")
+            else:
+                row = flow.claim_limited(job, OWNER, kind, "t", limits_).row
+            assert row is not None and row["lease_generation"] == 1, kind
+        store.dispose()
+    crashable_pg.crash()
+    crashable_pg.start()
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.select(jobs.c.id, jobs.c.status, jobs.c.lease_generation).where(jobs.c.id.in_(claimed)))
+            after = {claimed[str(r.id)]: (r.status, r.lease_generation) for r in rows}
+    finally:
+        engine.dispose()
+    assert after == dict.fromkeys(claimed.values(), ("running", 1))
+
+
+# --- #18 item 3: a claim whose reply was lost is adopted, whatever it claimed ----------------
+
+
+def rows_of(pg, ids) -> dict[str, tuple[str, int]]:
+    engine = sa.create_engine(pg)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(jobs.c.id, jobs.c.status, jobs.c.lease_generation).where(jobs.c.id.in_(ids))).all()
+    engine.dispose()
+    return {str(r.id): (r.status, r.lease_generation) for r in rows}
+
+
+@pytest.mark.parametrize(
+    "limits_", [None, Limits(concurrency=2), Limits(rate=Rate(10, 60))], ids=["unlimited", "limited", "rated"]
+)
+@pytest.mark.parametrize("swap", [False, True], ids=["delivered", "priority-swap"])
+def test_a_claim_whose_reply_was_lost_is_adopted(pg, make_job, pg_proxy, limits_, swap):
+    """The claim reaches PostgreSQL and commits; its reply is lost and the connection
+    drops. The retry must take the job the first try claimed: the delivered one, or the
+    higher-priority job claimed in its place. (A limited kind's retry found the job
+    running and claimed nothing; a swap's retry claimed the delivered job too: either
+    way a job sat running with no body for a whole lease and spent an attempt.)"""
+    from celery_lease.db.store import Store
+    from celery_lease.flow.store import FlowStore
+
+    delivered = make_job(pg, kind="k", task="t")
+    better = make_job(pg, kind="k", task="t", priority=5) if swap else None
+    claimed_id = better or delivered
+    store = Store(pg_proxy.url_for(pg))
+    flow = FlowStore(store, prepare=True)
+    try:
+        pg_proxy.cut_reply_to(delivered.encode())  # the first statement naming the job: its claim
+        if limits_ is None:
+            row = store.claim(delivered, OWNER, "t", may_adopt=lambda job_id, generation: True)
+        else:
+            row = flow.claim_limited(delivered, OWNER, "k", "t", limits_, may_adopt=lambda job_id, generation: True).row
+        assert pg_proxy.cuts == 1  # the reply really was lost
+    finally:
+        store.dispose()
+    assert row is not None and str(row["id"]) == claimed_id and row["lease_generation"] == 1
+    expected = {claimed_id: ("running", 1)}
+    if swap:
+        expected[delivered] = ("pending", 0)  # not claimed: its wakeup is sent again
+    assert rows_of(pg, expected) == expected
+
+
+def test_a_lost_claim_reply_is_not_adopted_while_this_process_holds_the_row(pg, make_job, pg_proxy):
+    """may_adopt refuses (an attempt of this process holds the running row): nothing is
+    adopted, the delivery counts as a duplicate."""
+    from celery_lease.db.store import Store
+
+    job = make_job(pg, kind="k", task="t")
+    store = Store(pg_proxy.url_for(pg))
+    try:
+        pg_proxy.cut_reply_to(job.encode())
+        assert store.claim(job, OWNER, "t", may_adopt=lambda job_id, generation: False) is None
+        assert pg_proxy.cuts == 1
+    finally:
+        store.dispose()
+    assert rows_of(pg, [job]) == {job: ("running", 1)}

@@ -207,14 +207,9 @@ def test_a_web_app_submitting_from_many_threads_does_not_exhaust_the_pool(pg, br
 
 
 @pytest.fixture
-def proxy():
-    from tests.harness.services import PG_ADMIN
-    from tests.harness.tcpproxy import TcpProxy
-
-    url = sa.engine.make_url(PG_ADMIN)
-    p = TcpProxy(url.host or "127.0.0.1", url.port or 5432).start()
-    yield p
-    p.close()
+def proxy(pg_proxy):
+    """A TCP proxy in front of the shared PostgreSQL, that the test may freeze or cut."""
+    return pg_proxy
 
 
 def _jobs_with_payload(db, value: str) -> list[str]:
