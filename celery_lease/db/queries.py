@@ -114,6 +114,8 @@ CLAIMED_COLUMNS = (
     _c.parent_id,
     _c.tenant,
     _c.canvas,
+    _c.queue,
+    _c.trace_context,  # the submit's, parent of the attempt's span (celery_lease.tracing)
 )
 #: What is needed to (re)publish a job's wakeup.
 WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
@@ -181,6 +183,7 @@ BATCH_SHARED_COLUMNS = (
     "canvas",
     "priority",
     "held",
+    "trace_context",
 )
 #: What differs from job to job of one submit_many: the fields of each record of :jobs.
 BATCH_JOB_FIELDS = ("id", "payload", "idempotency_key", "concurrency_key")

@@ -83,6 +83,11 @@ class Attempt:
     #: Monotonic time after which the attempt is stopped and retried (kind's timeout).
     deadline: float | None = None
     kind: str = ""
+    queue: str | None = None
+    #: The submit's trace context stored with the job, and this attempt's span
+    #: (celery_lease.tracing); the span is None while tracing is off.
+    trace_context: str | None = None
+    span: Any = None
 
     @classmethod
     def from_claim(cls, job_id: str, row: dict[str, Any], *, sent_at: float | None = None) -> Attempt:
@@ -101,6 +106,8 @@ class Attempt:
             checkpoint=row["checkpoint"],
             canvas=row.get("canvas"),
             kind=row.get("kind", ""),
+            queue=row.get("queue"),
+            trace_context=row.get("trace_context"),
         )
 
     @property
