@@ -83,6 +83,8 @@ class Attempt:
     #: Monotonic time after which the attempt is stopped and retried (kind's timeout).
     deadline: float | None = None
     kind: str = ""
+    #: What a concurrency limit counts this job under (its kind's key function, at submit).
+    concurrency_key: str | None = None
 
     @classmethod
     def from_claim(cls, job_id: str, row: dict[str, Any], *, sent_at: float | None = None) -> Attempt:
@@ -101,6 +103,7 @@ class Attempt:
             checkpoint=row["checkpoint"],
             canvas=row.get("canvas"),
             kind=row.get("kind", ""),
+            concurrency_key=row.get("concurrency_key"),
         )
 
     @property
