@@ -25,9 +25,9 @@ from celery_lease import tracing, wakeups
 from celery_lease.db.schema import jobs as jobs_table
 from celery_lease.db.store import Store
 from celery_lease.errors import InvalidPayload, LeaseError
+from celery_lease.flow.limits import parse_priority
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
-from celery_lease.limits import parse_priority
 from celery_lease.payload import storable_text
 from celery_lease.settings import Settings
 from celery_lease.status import Event, Status
