@@ -1,5 +1,5 @@
 """The dashboard's reads and writes: one method per statement of
-:mod:`celery_lease.db.dashboard_queries`, run on the job store's durable engine.
+:mod:`celery_lease.db.statements.dashboard`, run on the job store's durable engine.
 
 Rows come back as dicts with ids as strings and times as aware UTC (SQLite returns
 them naive), like the API's views.
@@ -13,9 +13,9 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from celery_lease.db import dashboard_queries as dq
 from celery_lease.db import queries as q
 from celery_lease.db.reads import _view
+from celery_lease.db.statements import dashboard as dq
 from celery_lease.db.store import Store
 from celery_lease.status import Event
 

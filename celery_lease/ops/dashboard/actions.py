@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 
-from celery_lease.db.dashboard_queries import Filter
+from celery_lease.db.statements.dashboard import Filter
 from celery_lease.ops.dashboard import filters
 from celery_lease.ops.dashboard.access import Viewer
 from celery_lease.ops.dashboard.pages import RETRYABLE, SCAN

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlencode
 
-from celery_lease.db.dashboard_queries import Filter
+from celery_lease.db.statements.dashboard import Filter
 from celery_lease.job import parse_job_id
 from celery_lease.ops import listing
 

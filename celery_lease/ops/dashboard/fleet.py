@@ -1,7 +1,7 @@
 """The fleet's pages: kinds (flow control), live throughput and latency, workers and
 leases, and reconciliation between the job table and the broker.
 
-Every figure comes from a bounded read (see celery_lease.db.dashboard_queries): the
+Every figure comes from a bounded read (see celery_lease.db.statements.dashboard): the
 live set of pending and running jobs, or a recent window of submits and finishes.
 """
 

@@ -288,7 +288,19 @@ def retry_as_new_job(tenant: str | None) -> sa.Insert:
     The old job is terminal and stays as it was ("never resurrect a finished job"); its
     canvas (chain, callbacks, chord) is not carried over: those already fired or were
     dropped when it ended. The new job is woken at once (woken_at: now)."""
-    copied = ("kind", "task", "queue", "max_attempts", "lease_seconds", "payload", "run_id", "tenant", "priority")
+    # trace_context too: the retry's attempts stay in the trace of the original submit.
+    copied = (
+        "kind",
+        "task",
+        "queue",
+        "max_attempts",
+        "lease_seconds",
+        "payload",
+        "run_id",
+        "tenant",
+        "priority",
+        "trace_context",
+    )
     source = sa.select(
         sa.bindparam("new_id", type_=_c.id.type),
         *(_c[name] for name in copied),
