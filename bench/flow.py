@@ -75,7 +75,7 @@ def statements(leases, tasks, samples: int) -> dict:
             if name == "before":
                 row = store.execute_prepared(before, {"job_id": job_id, "owner": OWNER, "wakeup_task": specs["noop"].task})[0]
             else:
-                row = flow.claim(job_id, specs[name], OWNER, None)
+                row = flow.claim(job_id, specs[name], OWNER)
             elapsed = time.perf_counter() - started
             assert row is not None, f"{name}: claim refused"
             complete(row)

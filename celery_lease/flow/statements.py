@@ -24,7 +24,6 @@ from celery_lease.db.queries import (
     _batch,
     _c,
     _delivered,
-    _due,
     _picked,
     _seconds,
     db_now,
@@ -77,6 +76,22 @@ def _rate_window_sqlite(element, compiler, **kw):
     return f"CAST({epoch} / {per} AS INTEGER)"
 
 
+#: Seconds: a database clock this far behind the start of the stored rate window has
+#: stepped back (NTP, a failover to another host). Far more than any claim's lock wait
+#: (pooled connections have a lock_timeout): a claim whose transaction began a moment
+#: before the stored window is a lock wait across the boundary, not a step back.
+STEP_BACK_SECONDS = 60
+
+
+def _new_window(row) -> sa.ColumnElement[bool]:
+    """The database clock is past the stored rate window, or stepped back behind it:
+    the current window is a new one (its count starts again). Without the step back, a
+    clock set back an hour froze a rate-limited kind for an hour."""
+    now = rate_window_now(row.per_seconds)
+    stepped_back = epoch_seconds(db_now()) < row.rate_window * row.per_seconds - STEP_BACK_SECONDS
+    return sa.or_(now > row.rate_window, stepped_back)
+
+
 def _rate_open(row) -> sa.ColumnElement:
     """A limits row's rate window still takes a claim. A claim whose transaction began
     in an older window than the one stored (it waited for the lock across the
@@ -85,7 +100,7 @@ def _rate_open(row) -> sa.ColumnElement:
     now = rate_window_now(row.per_seconds)
     return sa.case(
         (row.rate.is_(None), sa.true()),
-        (now > row.rate_window, sa.true()),
+        (_new_window(row), sa.true()),
         (now == row.rate_window, row.rate_claims < row.rate),
         else_=sa.false(),
     )
@@ -106,7 +121,7 @@ def count_rate_claim() -> sa.Update:
         .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None))
         .values(
             rate_window=now,
-            rate_claims=sa.case((limits.c.rate_window == now, limits.c.rate_claims + 1), else_=1),
+            rate_claims=sa.case((_new_window(limits.c), 1), else_=limits.c.rate_claims + 1),
         )
         .returning(limits.c.rate_claims)
     )
@@ -145,7 +160,13 @@ def hold_job() -> sa.Update:
 
 @functools.cache
 def get_claim_target() -> sa.Select:
-    return sa.select(_c.kind, _c.concurrency_key, _c.status).where(_c.id == sa.bindparam("job_id"))
+    """What a delivery that claimed nothing names: the job's kind, key, status, held
+    reason, wakeup (task, queue) and ``wait``: seconds until it is due, by the database
+    clock (NULL when due)."""
+    wait = sa.case((_c.run_after > db_now(), epoch_seconds(_c.run_after) - epoch_seconds(db_now())), else_=sa.null())
+    return sa.select(*WAKEUP_COLUMNS, _c.kind, _c.concurrency_key, _c.status, _c.held, wait.label("wait")).where(
+        _c.id == sa.bindparam("job_id")
+    )
 
 
 @functools.cache
@@ -161,12 +182,24 @@ def lock_limits(dialect: str) -> sa.Insert:
         per_seconds=sa.bindparam("new_per_seconds"),
         updated_at=db_now(),
     )
+    # A new window length ("5/s" redeployed as "300/m"): the stored window numbers
+    # count windows of the old length; re-based to the new one (the window that holds
+    # the same instant), so a window's claims still count, and the next window's wakeup
+    # may be scheduled again. (Kept as they were, every claim was refused for good.)
+    old, new = limits.c.per_seconds, stmt.excluded.per_seconds
+    resized = sa.and_(old.is_not(None), new.is_not(None), old != new)
+
+    def rebased(window: sa.ColumnElement) -> sa.ColumnElement:
+        return sa.case((resized, (window * old) // new), else_=window)
+
     return stmt.on_conflict_do_update(
         index_elements=[limits.c.kind],
         set_={
             "concurrency": stmt.excluded.concurrency,
             "rate": stmt.excluded.rate,
-            "per_seconds": stmt.excluded.per_seconds,
+            "per_seconds": new,
+            "rate_window": rebased(limits.c.rate_window),
+            "woken_window": sa.case((resized, 0), else_=limits.c.woken_window),
             "updated_at": db_now(),
         },
     )
@@ -179,7 +212,7 @@ def lock_limits_row() -> sa.Select:
     now = rate_window_now(limits.c.per_seconds)
     budget = sa.case(
         (limits.c.rate.is_(None), sa.null()),
-        (now > limits.c.rate_window, limits.c.rate),
+        (_new_window(limits.c), limits.c.rate),
         (sa.and_(now == limits.c.rate_window, limits.c.rate > limits.c.rate_claims), limits.c.rate - limits.c.rate_claims),
         else_=0,
     )
@@ -192,12 +225,37 @@ def schedule_window_wakeup() -> sa.Update:
     returns the seconds until then, or no row when one is already scheduled (one
     wakeup per window and kind)."""
     now = rate_window_now(limits.c.per_seconds)
-    following = sa.case((now > limits.c.rate_window, now), else_=limits.c.rate_window) + 1
+    following = sa.case((_new_window(limits.c), now), else_=limits.c.rate_window) + 1
     return (
         sa.update(limits)
-        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None), limits.c.woken_window < following)
+        # (woken_window != following, not <: after the clock stepped back, the window
+        # recorded lies ahead of the next one, and must not block its wakeup.)
+        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None), limits.c.woken_window != following)
         .values(woken_window=following)
         .returning((following * limits.c.per_seconds - epoch_seconds(db_now())).label("seconds"))
+    )
+
+
+@functools.cache
+def await_window() -> sa.Update:
+    """await_window: the job that carries a rate window's wakeup (:job_id, or with
+    :job_id NULL the first due job of :of_kind still held for the rate) is due only at
+    the window's start, :seconds from now by the database clock. A wakeup that a
+    host's clock delivers early then finds it not due yet, and is sent again for the
+    time left (FlowControl.claim), instead of being spent on a refused claim."""
+    first = (
+        sa.select(_c.id)
+        .where(_c.status == _PENDING, *_held_for(Held.RATE, by_key=False))
+        .order_by(_c.priority.desc(), _c.created_at)
+        .limit(1)
+        .scalar_subquery()
+    )
+    target = sa.func.coalesce(sa.bindparam("job_id", type_=_c.id.type), first)
+    return (
+        sa.update(jobs)
+        .where(_c.id == target, _c.status == Status.PENDING.value, _c.held == Held.RATE.value)
+        .values(run_after=db_now_plus(_seconds("seconds")))
+        .returning(*WAKEUP_COLUMNS)
     )
 
 
@@ -214,15 +272,17 @@ def _wake(where: list[sa.ColumnElement], limit: sa.ColumnElement, dialect: str) 
     return (
         sa.update(jobs)
         .where(_picked(picked, dialect), _c.status == Status.PENDING.value)
-        .values(held=sa.null(), woken_at=db_now())
+        .values(held=sa.null(), woken_at=db_now(), run_after=sa.null())
         .returning(*WAKEUP_COLUMNS)
     )
 
 
 def _held_for(reason: Held, *, by_key: bool) -> list[sa.ColumnElement]:
-    """Due jobs of :of_kind held for ``reason`` (with ``by_key``, of concurrency key :key).
-    The reason is literal SQL: a generic plan then uses the held index too."""
-    where = [_c.held == sa.literal_column(f"'{reason.value}'"), _c.kind == sa.bindparam("of_kind"), _due(_c)]
+    """Jobs of :of_kind held for ``reason`` (with ``by_key``, of concurrency key :key).
+    The reason is literal SQL: a generic plan then uses the held index too. (A job is
+    held only when due; one that carries a rate window's wakeup is due only at the
+    window's start (await_window), but a wake that picks it sends it now.)"""
+    where = [_c.held == sa.literal_column(f"'{reason.value}'"), _c.kind == sa.bindparam("of_kind")]
     if by_key:
         where.append(_c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)))
     return where

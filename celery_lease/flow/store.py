@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from celery_lease.flow.limits import Limits
 
 
+class _NoWakeup(Exception):
+    """No wakeup for the next rate window: its transaction is rolled back."""
+
+
 @dataclasses.dataclass
 class ClaimResult:
     #: The claimed row (the job claimed may be another than the one delivered).
@@ -121,21 +125,41 @@ class FlowStore:
             row = landed.row
         if row is not None:
             result = ClaimResult(row=row)
-            if rate is not None and row.get("window_claims") == 1 and rate.count > 1:
-                # This claim opened a rate window: wake the jobs held for it.
+            if rate is not None and row.get("window_claims") == 1:
+                # This claim opened a rate window: wake the jobs held for it, and if
+                # that may not be all, one of those left carries the next window's wakeup.
                 result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, None, rate.count - 1))
+                if len(result.wake) == rate.count - 1:
+                    result.later = self._window_wakeup(kind, None)
             return result
         result = self._hold(job_id, task, kind, limits.concurrency)
         if result.held == Held.RATE:
-            seconds = self._store.transaction(
-                self._store.engine(fast=True, single=True),
-                lambda c: c.execute(fs.schedule_window_wakeup(), {"of_kind": kind}).scalar(),
-            )
-            if seconds is not None:
-                # One wakeup for the next window's start (the first claim there wakes
-                # the rest); the sweeper recovers it if it is lost.
-                result.later = (max(0.0, float(seconds)), {"id": job_id})
+            result.later = self._window_wakeup(kind, job_id)
         return result
+
+    def _window_wakeup(self, kind: str, job_id: str | None) -> tuple[float, dict] | None:
+        """(seconds, wakeup): the one wakeup of the kind's next rate window (the first
+        claim there wakes the rest), carried by ``job_id`` (None: a job still held for
+        the rate), due at the window's start by the database clock (await_window). None
+        when that window's wakeup is sent already, or no job is held to carry it: the
+        window is then left unscheduled, for the next refused claim. The sweeper
+        recovers a lost one."""
+
+        def work(conn: Connection) -> tuple[float, dict]:
+            seconds = conn.execute(fs.schedule_window_wakeup(), {"of_kind": kind}).scalar()
+            if seconds is None:
+                raise _NoWakeup()
+            seconds = max(0.0, float(seconds))
+            params = {"job_id": job_id, "of_kind": kind, "seconds": seconds}
+            carrier = conn.execute(fs.await_window(), params).mappings().first()
+            if carrier is None:
+                raise _NoWakeup()  # rolls the schedule back
+            return seconds, dict(carrier)
+
+        try:
+            return self._tx(work)
+        except _NoWakeup:
+            return None
 
     def hold(self, job_id: str, task: str) -> ClaimResult:
         """After a refused claim of an unlimited kind: held for a pause, or (retry) not
@@ -162,10 +186,11 @@ class FlowStore:
             return ClaimResult()  # not pending or not due: a duplicate delivery
         return ClaimResult(held=held, retry=held is None)
 
-    def claim_target(self, job_id: str) -> tuple[str, str | None] | None:
-        """(kind, concurrency key) of a job, if it exists."""
-        row = self._store.transaction(self._store.durable, lambda c: c.execute(fs.get_claim_target(), {"job_id": job_id}).first())
-        return None if row is None else (row.kind, row.concurrency_key)
+    def claim_target(self, job_id: str) -> dict[str, Any] | None:
+        """What get_claim_target reads of a job, if it exists."""
+        stmt = fs.get_claim_target()
+        row = self._store.transaction(self._store.durable, lambda c: c.execute(stmt, {"job_id": job_id}).mappings().first())
+        return None if row is None else dict(row)
 
     # --- waking held jobs --------------------------------------------------------------
 

@@ -98,7 +98,7 @@ class WorkerState:
 
     # --- task_prerun / task_postrun ------------------------------------------------
 
-    def begin(self, job_id: str, spec: JobKind, hostname: str | None, queue: str | None) -> Attempt | None:
+    def begin(self, job_id: str, spec: JobKind, hostname: str | None) -> Attempt | None:
         """Claim the job named by the delivery; None when it is not claimable."""
         if shutdown.requested():
             # Warm shutdown: leave the job pending, and since this (early-acked)
@@ -120,7 +120,7 @@ class WorkerState:
         riding = self.completer.take() if self.completer is not None and spec.limits is None else None
         try:
             if self.flow is not None:
-                row = self.flow.claim(job_id, spec, owner, queue, may_adopt=self._may_adopt, successes=riding)
+                row = self.flow.claim(job_id, spec, owner, may_adopt=self._may_adopt, successes=riding)
             else:
                 row = self.store.claim(job_id, owner, spec.task, may_adopt=self._may_adopt, successes=riding)
             if row is not None and row.get("status", _RUNNING) == _RUNNING:

@@ -3,10 +3,12 @@ sets rows up directly (make_job) and runs the store's transactions as a worker d
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import pytest
 import sqlalchemy as sa
 
-from celery_lease.db.schema import jobs
+from celery_lease.db.schema import jobs, limits
 from celery_lease.flow.limits import Limits, Rate
 from celery_lease.status import Held
 
@@ -190,3 +192,72 @@ def test_a_lost_claim_reply_is_not_adopted_while_this_process_holds_the_row(pg, 
     finally:
         store.dispose()
     assert rows_of(pg, [job]) == {job: ("running", 1)}
+
+
+# --- #18 item 5 and the clock stepping back: a rate window never freezes -----------------------
+
+
+def test_a_kinds_rate_redeployed_in_another_unit_keeps_claiming(pg, make_job, flow):
+    """ "5/s" redeployed as "300/m": the stored window number counted seconds and was
+    compared with minutes; every claim was refused, for good."""
+    first, second, third = (make_job(pg, kind="k", task="t") for _ in range(3))
+    assert flow.claim_limited(first, OWNER, "k", "t", Limits(rate=Rate(5, 1))).row is not None
+    result = flow.claim_limited(second, OWNER, "k", "t", Limits(rate=Rate(300, 60)))
+    assert result.row is not None and result.held is None
+    assert flow.claim_limited(third, OWNER, "k", "t", Limits(rate=Rate(5, 1))).row is not None  # and back
+
+
+def test_a_database_clock_that_stepped_back_does_not_freeze_a_rated_kind(pg, make_job, flow):
+    """The stored window is an hour ahead of the database clock (it stepped back after
+    the window's claims): claims go on in the window the clock is in now."""
+    first, second, third = (make_job(pg, kind="k", task="t") for _ in range(3))
+    rate = Limits(rate=Rate(2, 1))
+    assert flow.claim_limited(first, OWNER, "k", "t", rate).row is not None
+    engine = sa.create_engine(pg)
+    with engine.begin() as conn:
+        conn.execute(sa.update(limits).values(rate_window=limits.c.rate_window + 3600, rate_claims=2, woken_window=0))
+    engine.dispose()
+    result = flow.claim_limited(second, OWNER, "k", "t", rate)
+    assert result.row is not None and result.row["window_claims"] == 1  # a new window
+    assert flow.claim_limited(third, OWNER, "k", "t", rate).row is not None
+
+
+# --- #18 item 10: a window wakeup delivered early is sent again ----------------------------
+
+
+def test_a_window_wakeup_delivered_early_is_sent_again_for_the_time_left(pg, broker, client_app, redis_server):
+    """A rate window's wakeup is timed by a countdown on the publishing host's clock; a
+    consumer whose clock is ahead (or a publisher whose clock is behind the database's)
+    delivers it before its window opens. Its job, due only at the window's start by the
+    database clock, is then not claimable yet, and the wakeup is published again for
+    the time left. (The early claim was refused, re-held, and the window's one wakeup
+    was spent: the backlog waited for the sweeper.)"""
+    import json
+    import time
+
+    import redis
+
+    mod = client_app(pg, broker, extra_env={"CL_TEST_RATE": "1/m"}, module="tests.apps.app_flow")
+    spec = mod.rated.spec
+    flow = mod.leases.flow
+    while time.time() % 60 > 50:  # the three claims below fall in one minute
+        time.sleep(1)
+    first, second = (j.id for j in mod.rated.submit_many([{}] * 2))
+    r = redis.Redis(port=redis_server.port)
+    redis_server.flush()  # the submit's own wakeups: delivered (and spent)
+
+    def wakeups_of(job_id: str) -> list[dict]:
+        messages = [json.loads(m) for m in r.lrange("celery", 0, -1)]
+        return [m["headers"] for m in messages if m["headers"]["id"] == job_id]
+
+    assert flow.claim(first, spec, OWNER) is not None  # the minute's one claim
+    assert flow.claim(second, spec, OWNER) is None  # held for the rate; it carries the next minute's wakeup
+    (scheduled,) = wakeups_of(second)
+    assert scheduled["eta"] is not None
+    redis_server.flush()
+    assert flow.claim(second, spec, OWNER) is None  # that wakeup, delivered early
+    (again,) = wakeups_of(second)
+    left = 60 - time.time() % 60
+    eta = datetime.fromisoformat(again["eta"]).timestamp() - time.time()
+    assert left - 5 < eta < left + 5
+    assert statuses(pg, [second]) == {second: ("pending", "rate")}

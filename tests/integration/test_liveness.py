@@ -297,8 +297,8 @@ def test_a_wakeup_delivered_during_warm_shutdown_is_republished_to_the_jobs_own_
     redis_server.flush()  # their wakeups were delivered (and spent)
     shutdown.request()
     try:
-        assert mod.leases.worker.begin(job.id, mod.echo.spec, "w@host", "special.key") is None
-        assert mod.leases.worker.begin(running.id, mod.echo.spec, "w@host", "celery") is None
+        assert mod.leases.worker.begin(job.id, mod.echo.spec, "w@host") is None
+        assert mod.leases.worker.begin(running.id, mod.echo.spec, "w@host") is None
     finally:
         shutdown.reset()
     assert r.llen("special") == 1 and r.llen("special.key") == 0 and r.llen("celery") == 0
