@@ -43,7 +43,7 @@ SELECT gen_random_uuid(), {_KIND}, 'bench.dash.' || {_KIND}, s, 1, 3, 60, 1, (s 
     (ARRAY['acme', 'globex', 'initech', NULL])[1 + i % 4],
     t, t + interval '2 s', t + interval '0.5 s', t + interval '2 s'
 FROM (
-    SELECT i, now() - make_interval(secs => i * 2592000.0 / :rows) AS t,
+    SELECT i, now() - make_interval(secs => i * :span / :rows) AS t,
         CASE WHEN i % 200 < 194 THEN 'succeeded' WHEN i % 200 < 198 THEN 'failed'
              WHEN i % 200 = 198 THEN 'cancelled' ELSE 'expired' END AS s
     FROM generate_series(1, :rows) AS i
@@ -62,9 +62,9 @@ SELECT gen_random_uuid(), {_KIND}, 'bench.dash.' || {_KIND}, s, (s = 'running'):
     t, t, CASE WHEN s = 'running' THEN now() - make_interval(secs => i % 90) END, NULL
 FROM (
     SELECT i, now() - make_interval(secs => i * 0.05) AS t,
-        CASE WHEN i <= 1000 THEN 'running' ELSE 'pending' END AS s,
-        CASE WHEN i > 1000 AND i <= 2000 THEN 'limit' END AS held
-    FROM generate_series(1, 10000) AS i
+        CASE WHEN i % 10 = 0 THEN 'running' ELSE 'pending' END AS s,
+        CASE WHEN i % 10 = 1 THEN 'limit' END AS held
+    FROM generate_series(1, :live) AS i
 ) AS g
 """
 
@@ -93,12 +93,14 @@ def make_app(url: str, broker: str):
     return app, leases
 
 
-def seed(url: str, rows: int, log) -> None:
+def seed(url: str, rows: int, log, *, days: float = 30, live: int = 10_000) -> None:
+    """``rows`` finished jobs over ``days``, and ``live`` pending (a tenth held), a
+    tenth of them running."""
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     with engine.connect() as conn:
         for what, sql, params in (
-            (f"{rows:,} finished jobs", FILL_HISTORY, {"rows": rows}),
-            ("the live set", FILL_LIVE, {}),
+            (f"{rows:,} finished jobs", FILL_HISTORY, {"rows": rows, "span": days * 86400.0}),
+            (f"{live:,} live jobs", FILL_LIVE, {"live": live}),
             ("run events", FILL_EVENTS, {}),
         ):
             started = time.monotonic()

@@ -1,7 +1,7 @@
 """``python -m bench screenshot [--out PATH]``: the README's picture of the jobs page.
 
 Seeds a throwaway PostgreSQL database with the dashboard bench's demo data (5,000
-finished jobs and the live set, see bench.dashboard), serves the dashboard on a free
+jobs finished over 12 hours and 40 live ones, see bench.dashboard), serves the dashboard on a free
 port, signs in with headless chromium (tests/e2e/browser.py) and saves the jobs page
 to docs/img/jobs.png.
 """
@@ -28,7 +28,7 @@ def main(args, log) -> int:
             url = dbs.create("screenshot")
             app, leases = make_app(url, redis.url)
             leases.create_schema()
-            seed(url, 5000, log)
+            seed(url, 5000, log, days=0.5, live=40)
             serving = Serving(leases)
             browser = chrome(width=1400, height=1050)
             try:
