@@ -269,7 +269,7 @@ class Producer:
             for ambient in AMBIENT_TRANSACTIONS:
                 with ambient(self._store) as joined:
                     if joined is not None:
-                        return self._write(insert, wanted, run_ids, keyed=keyed, connection=joined, wake=wake)
+                        return self._store_and_wake(insert, wanted, run_ids, keyed=keyed, connection=joined, wake=wake)
         store = self._store
 
         def write(conn: sa.Connection | None) -> tuple[list[Job], list[Job]]:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import PG_ADMIN
 
-PROJECT = '''
+PROJECT = """
 from celery import Celery
 
 from celery_lease import CeleryLease, Failure
@@ -33,10 +33,10 @@ def flaky(ctx, payload):
     if ctx.attempt < 2:
         raise RuntimeError("transient")
     return {"attempt": ctx.attempt}
-'''
+"""
 
 #: The user's test file, as docs/converting.md shows it: no conftest, no fixture of its own.
-USER_TESTS = '''
+USER_TESTS = """
 from celery_lease import Status
 
 from shopapp.celery import double, flaky
@@ -58,7 +58,7 @@ def test_each_test_gets_a_fresh_database(celery_lease, lease_database_url):
 def test_eager_too(lease_eager, celery_lease):
     lease_eager(celery_lease)
     assert double({"n": 2}).result == {"n": 4}
-'''
+"""
 
 
 def _run_user_suite(tmp_path, pg_admin: str | None) -> subprocess.CompletedProcess:
