@@ -96,6 +96,10 @@ KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, 
 TCP_USER_TIMEOUT_MS = 60_000
 
 
+#: Query-string parameters of a database URL that carry a secret (libpq accepts both).
+SECRET_QUERY_KEYS = frozenset({"password", "sslpassword"})
+
+
 class Database:
     """One job database: its engines, pooled connections and transactions."""
 
@@ -149,7 +153,10 @@ class Database:
 
     @property
     def display_url(self) -> str:
-        return self.url.render_as_string(hide_password=True)
+        """The URL for messages and logs: the password masked, whether it is in the
+        userinfo or in the query string (``?password=``, libpq's ``sslpassword``)."""
+        secret = {k: "***" for k in self.url.query if k.lower() in SECRET_QUERY_KEYS}
+        return self.url.update_query_dict(secret).render_as_string(hide_password=True)
 
     def _create_engine(self, *, fast: bool, single: bool, heartbeat: bool) -> Engine:
         kwargs: dict[str, Any] = {}

@@ -95,6 +95,12 @@ REFUSED_OPTIONS = {
 }
 
 
+#: Headers of a wakeup that its job's children inherit (Celery's task lineage).
+LINEAGE_HEADERS = ("root_id", "parent_id", "group")
+#: Longer than any task id Celery makes (a UUID is 36).
+MAX_HEADER_CHARS = 255
+
+
 def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     """The options a leased job keeps; raises TypeError for one it cannot honour."""
     for key in options:
@@ -350,6 +356,11 @@ class LeaseTask(Task):
             parse_job_id(request.id)
         except ValueError:
             return "its task id is not a job id"
+        for header in LINEAGE_HEADERS:
+            # Handed on to the wakeups of the children this job creates.
+            value = getattr(request, header, None)
+            if value is not None and not (isinstance(value, str) and len(value) <= MAX_HEADER_CHARS and value.isprintable()):
+                return f"its {header} header is not a task id"
         return None
 
     def emit_progress(self, progress: Any) -> None:
