@@ -295,9 +295,40 @@ def get_job_view(job_id: str, *, tenant: str | None = None) -> sa.Select:
     return stmt if tenant is None else stmt.where(_c.tenant == tenant)
 
 
-def list_job_views(**filters: Any) -> sa.Select:
-    """list_job_views: list_jobs selecting only the API columns."""
-    return list_jobs(columns=VIEW_COLUMNS, **filters)
+class json_bytes(FunctionElement):
+    """The size in bytes of a JSON column's stored text (NULL for NULL)."""
+
+    type = sa.Integer()
+    inherit_cache = True
+
+
+@compiles(json_bytes)
+def _json_bytes_default(element, compiler, **kw):
+    (value,) = element.clauses
+    return f"octet_length(CAST({compiler.process(value, **kw)} AS TEXT))"
+
+
+@compiles(json_bytes, "sqlite")
+def _json_bytes_sqlite(element, compiler, **kw):
+    (value,) = element.clauses
+    return f"length(CAST({compiler.process(value, **kw)} AS BLOB))"
+
+
+def _bounded(column: Any, max_bytes: int) -> tuple[Any, Any]:
+    """``column`` when its JSON text is at most ``max_bytes`` (else NULL), and its size:
+    a list page never reads a large value out of the table."""
+    size = json_bytes(column)
+    return sa.case((size <= max_bytes, column), else_=sa.null()).label(column.name), size.label(f"{column.name}_bytes")
+
+
+def list_job_summaries(*, max_value_bytes: int, **filters: Any) -> sa.Select:
+    """list_job_summaries: list_jobs with the API columns, ``result`` and ``progress``
+    only when their JSON text is at most ``max_value_bytes`` (NULL otherwise), and
+    their sizes (``result_bytes``, ``progress_bytes``)."""
+    result, result_bytes = _bounded(_c.result, max_value_bytes)
+    progress, progress_bytes = _bounded(_c.progress, max_value_bytes)
+    columns = [c for c in VIEW_COLUMNS if c.name not in ("result", "progress")]
+    return list_jobs(columns=(*columns, result, result_bytes, progress, progress_bytes), **filters)
 
 
 def run_visible(run_id: str, *, tenant: str | None = None) -> sa.Select:
@@ -1406,8 +1437,21 @@ def list_limits() -> sa.Select:
 
 
 def flow_counts(tenant: str | None = None) -> sa.Select:
-    """Per (kind, concurrency key, status, held): active jobs, for the limits view."""
-    stmt = sa.select(_c.kind, _c.concurrency_key, _c.status, _c.held, sa.func.count()).where(_c.status.in_(_ACTIVE))
-    if tenant is not None:
-        stmt = stmt.where(_c.tenant == tenant)
-    return stmt.group_by(_c.kind, _c.concurrency_key, _c.status, _c.held)
+    """Per (kind, concurrency key, status, held): active jobs, for the limits view.
+
+    Active jobs are read through the three partial indexes that hold exactly them
+    (running; pending and held; pending and not held), one part each, so the cost
+    follows the live jobs, never the terminal history (a scan of 300k rows otherwise,
+    for any tenant's token)."""
+    parts = [
+        _c.status == Status.RUNNING.value,
+        sa.and_(_c.status == Status.PENDING.value, _c.held.is_not(None)),
+        sa.and_(_c.status == Status.PENDING.value, _c.held.is_(None)),
+    ]
+    selects = []
+    for where in parts:
+        part = sa.select(_c.kind, _c.concurrency_key, _c.status, _c.held).where(where)
+        selects.append(part if tenant is None else part.where(_c.tenant == tenant))
+    active = sa.union_all(*selects).subquery("active")
+    keys = (active.c.kind, active.c.concurrency_key, active.c.status, active.c.held)
+    return sa.select(*keys, sa.func.count()).group_by(*keys)

@@ -1,4 +1,5 @@
-"""Signatures a delivered message carries: its chain, callbacks, errbacks and chord.
+"""What a delivered message carries besides its task: signatures (its chain, callbacks,
+errbacks and chord) and lineage headers.
 
 Celery applies them after the task's body, with the options the message gave them.
 For a leased job those options include ``tenant=`` and ``run_id=``, which decide which
@@ -26,6 +27,21 @@ INHERITED = ("tenant", "run_id")
 MAX_DEPTH = 32
 
 _FIELDS = ("chain", "callbacks", "errbacks", "chord")
+#: Headers the children of a job inherit from its wakeup (Celery's task lineage).
+LINEAGE_HEADERS = ("root_id", "parent_id", "group")
+#: Longer than any task id Celery makes (a UUID is 36).
+MAX_HEADER_CHARS = 255
+
+
+def malformed_lineage(request: Any) -> str | None:
+    """Why a lineage header of ``request`` is not a task id, or None. They are handed on
+    to the wakeups of the children the job creates: a wakeup with a malformed one is
+    refused before its claim."""
+    for header in LINEAGE_HEADERS:
+        value = getattr(request, header, None)
+        if value is not None and not (isinstance(value, str) and len(value) <= MAX_HEADER_CHARS and value.isprintable()):
+            return f"its {header} header is not a task id"
+    return None
 
 
 def scrub(request: Any, leased: Callable[[Any], bool]) -> int:

@@ -23,7 +23,7 @@ from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 from celery_lease.results import LeaseBackend, LeaseResult
 from celery_lease.status import Status
-from celery_lease.worker import events
+from celery_lease.worker import borne, events
 from celery_lease.worker.outcome import Outcome
 
 if TYPE_CHECKING:
@@ -93,12 +93,6 @@ REFUSED_OPTIONS = {
     "exchange": "leased jobs are routed by queue: pass queue= (or @leases.job(queue=...))",
     "routing_key": "leased jobs are routed by queue: pass queue= (or @leases.job(queue=...))",
 }
-
-
-#: Headers of a wakeup that its job's children inherit (Celery's task lineage).
-LINEAGE_HEADERS = ("root_id", "parent_id", "group")
-#: Longer than any task id Celery makes (a UUID is 36).
-MAX_HEADER_CHARS = 255
 
 
 def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -356,12 +350,7 @@ class LeaseTask(Task):
             parse_job_id(request.id)
         except ValueError:
             return "its task id is not a job id"
-        for header in LINEAGE_HEADERS:
-            # Handed on to the wakeups of the children this job creates.
-            value = getattr(request, header, None)
-            if value is not None and not (isinstance(value, str) and len(value) <= MAX_HEADER_CHARS and value.isprintable()):
-                return f"its {header} header is not a task id"
-        return None
+        return borne.malformed_lineage(request)
 
     def emit_progress(self, progress: Any) -> None:
         """Send progress as a Celery event so Flower's event stream carries it."""
