@@ -82,6 +82,9 @@ jobs = sa.Table(
     # What Celery's canvas asked of this job (celery_lease/canvas.py): the rest of its
     # chain, link / link_error signatures, its chord, priority. NULL for a plain submit.
     sa.Column("canvas", JSON),
+    # The submitter's OpenTelemetry context (celery_lease.tracing: JSON of the W3C
+    # traceparent / tracestate headers), parent of every attempt's span. NULL untraced.
+    sa.Column("trace_context", sa.Text),
     sa.CheckConstraint(_in("status", Status), name="celery_lease_jobs_status_check"),
     sa.CheckConstraint("attempt >= 0 AND max_attempts >= 1", name="celery_lease_jobs_attempts_check"),
 )
@@ -113,7 +116,7 @@ sa.Index("celery_lease_jobs_run", jobs.c.run_id, **_partial("run_id IS NOT NULL"
 # Lists of the jobs that ended without success (``?status=failed``), newest first: the
 # rare terminal statuses, which the created index would walk the whole history to find
 # (pending and running jobs are few and recent; succeeded ones are most rows). Only a
-# job that ends so enters it (migration 0006).
+# job that ends so enters it (migration 0007).
 sa.Index(
     "celery_lease_jobs_unsuccessful",
     jobs.c.status,

@@ -11,6 +11,7 @@ needs the ``api`` extra). Routes::
     GET  /healthz                     200 when the database answers, else 503
     GET  /metrics                     Prometheus text (see celery_lease.metrics)
     GET  /openapi.json                the OpenAPI schema
+    /dashboard                        the dashboard (celery_lease.ops.dashboard)
 
 Tokens. Every ``/api/v1`` route needs ``Authorization: Bearer <token>``. The tokens
 come from ``app.conf.lease_api_tokens``, a dict mapping each token to the tenant it may
@@ -53,16 +54,13 @@ does not declare (a misspelt filter must not silently widen a list); 404
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -70,7 +68,24 @@ from celery_lease.errors import DatabaseUnavailable
 from celery_lease.job import parse_job_id
 from celery_lease.ops import listing, metrics
 from celery_lease.ops.throttle import Throttle, retry_after
-from celery_lease.ops.tokens import TOKENS_ENV, TOKENS_SETTING, load_metrics_token, load_tokens, matches, scrape_tokens
+from celery_lease.ops.tokens import (
+    TOKENS_ENV,
+    TOKENS_SETTING,
+    Grant,
+    load_metrics_token,
+    load_tokens,
+    matches,
+    scrape_tokens,
+)
+from celery_lease.ops.wire import (
+    CancelOut,
+    ErrorOut,
+    EventPageOut,
+    HealthOut,
+    JobOut,
+    JobPageOut,
+    LimitsOut,
+)
 from celery_lease.status import Event, Status
 
 if TYPE_CHECKING:
@@ -81,93 +96,6 @@ log = logging.getLogger("celery_lease.api")
 MAX_EVENTS_LIMIT = 1000
 #: Said of every route in the schema: extra query parameters are refused, not ignored.
 STRICT_QUERY = "Query parameters the route does not declare are refused (400)."
-
-
-# --- wire shapes (these make the OpenAPI schema) ----------------------------------------
-
-
-class ErrorOut(BaseModel):
-    error: str
-    detail: str | None = None
-
-
-class JobOut(BaseModel):
-    id: str
-    kind: str
-    status: str
-    result: Any = None
-    error: str | None = None
-    progress: Any = None
-    attempt: int
-    max_attempts: int
-    created_at: datetime
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    run_id: str | None = None
-    parent_id: str | None = None
-
-
-class JobSummaryOut(JobOut):
-    """A job in a list: result or progress over 1 KiB is null (*_omitted); see one job's route."""
-
-    result_bytes: int | None = None
-    result_omitted: bool = False
-    progress_bytes: int | None = None
-    progress_omitted: bool = False
-
-
-class JobPageOut(BaseModel):
-    jobs: list[JobSummaryOut]
-    next_cursor: str | None = None
-
-
-class CancelOut(BaseModel):
-    id: str
-    #: True when this request moved the job to cancelled; False when it was terminal.
-    cancelled: bool
-    status: str
-
-
-class EventOut(BaseModel):
-    #: The event's id; for a tenant token, its number among the tenant's events of the run.
-    id: int
-    run_id: str
-    job_id: str
-    event: str
-    attempt: int
-    detail: str | None = None
-    created_at: datetime
-
-
-class EventPageOut(BaseModel):
-    run_id: str
-    events: list[EventOut]
-    #: Pass as ``after`` for the next page; None when this page is the last.
-    next_after: int | None = None
-
-
-class LimitOut(BaseModel):
-    kind: str
-    #: The concurrency key (None: the kind as a whole).
-    key: str | None = None
-    concurrency: int | None = None
-    rate_limit: str | None = None
-    paused: bool
-    running: int
-    #: Pending jobs held back by the kind's concurrency limit, its rate, or its pause.
-    waiting_limit: int
-    waiting_rate: int
-    waiting_pause: int
-    #: Other pending jobs (queued for a worker, or due later).
-    pending: int
-
-
-class LimitsOut(BaseModel):
-    kinds: list[LimitOut]
-
-
-class HealthOut(BaseModel):
-    status: str
 
 
 # --- errors -----------------------------------------------------------------------------
@@ -184,12 +112,13 @@ def _error(status: int, error: str, detail: str | None = None, headers: dict | N
     return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
 
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+_HTTP_CODES = {403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
 _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorOut, "description": "malformed id, status, limit, cursor or parameter"},
     401: {"model": ErrorOut, "description": "missing or unknown bearer token (/metrics: when tokens are configured)"},
+    403: {"model": ErrorOut, "description": "a read-only token asked to change a job"},
     404: {"model": ErrorOut, "description": "no such job or run visible to this token"},
     429: {"model": ErrorOut, "description": "this token's request rate (lease_api_rate) is spent: see Retry-After"},
     503: {"model": ErrorOut, "description": "the job database cannot be reached, or is not migrated"},
@@ -201,10 +130,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 JOB_ID = Path(description="the job's id, a UUID", json_schema_extra={"format": "uuid"})
 
 
-@dataclasses.dataclass(frozen=True)
-class Caller:
-    #: The one tenant this caller may see; None means every tenant.
-    tenant: str | None
+#: The grant of the token a request carried (tenant, read-only).
+Caller = Grant
 
 
 def _parse_id(value: str, what: str) -> str:
@@ -284,9 +211,9 @@ def create_app(leases: CeleryLease) -> FastAPI:
         match = None
         # compare_digest against every token: the time taken does not depend on how
         # much of a token was guessed right, nor on which one matched.
-        for token, tenant in tokens.items():
+        for token, grant in tokens.items():
             if matches(credentials.credentials, token):
-                match = token, Caller(tenant)
+                match = token, grant
         if match is None:
             raise ApiError(401, "unauthorized")
         wait = throttle.wait(match[0])
@@ -310,6 +237,8 @@ def create_app(leases: CeleryLease) -> FastAPI:
         finished (its status is unchanged). Query parameters the route does not declare
         are refused (400)."""
         job = visible_job(job_id, who)
+        if who.read_only:
+            raise ApiError(403, "forbidden", "this token is read-only")
         cancelled = leases.cancel(job["id"])
         now = leases.store.get_view(job["id"]) or job
         return {"id": job["id"], "cancelled": cancelled, "status": now["status"]}
@@ -390,7 +319,18 @@ def create_app(leases: CeleryLease) -> FastAPI:
     def prometheus():
         return Response(scrapes.render(), media_type=metrics.CONTENT_TYPE)
 
+    _mount_dashboard(api, leases, tokens)
     return api
+
+
+def _mount_dashboard(api: FastAPI, leases: CeleryLease, tokens: dict[str, Grant]) -> None:
+    """The dashboard at /dashboard (celery_lease.ops.dashboard), when Jinja2 is installed."""
+    try:
+        from celery_lease.ops.dashboard import create_dashboard
+    except ImportError:  # an api extra installed before the dashboard needed jinja2
+        log.warning("celery-lease: no dashboard at /dashboard: it needs jinja2 (pip install 'celery-lease[api]')")
+        return
+    api.mount("/dashboard", create_dashboard(leases, tokens))
 
 
 def serve(leases: CeleryLease, host: str, port: int) -> None:

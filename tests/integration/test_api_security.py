@@ -19,6 +19,7 @@ from sqlalchemy.dialects import postgresql
 from celery_lease.db import migrate
 from celery_lease.db import queries as q
 from celery_lease.db.store import Store
+from celery_lease.flow import statements as flow_statements
 from celery_lease.ops import listing
 from tests.conftest import CELERY, ROOT, SUMMARY_LINES, _env, throwaway_database
 from tests.integration.test_api import ACME, ADMIN, GLOBEX, Server
@@ -194,8 +195,8 @@ def test_limits_and_unsuccessful_lists_read_indexes_not_the_table(big_table, req
     tenant's token. Both read only the rows they count or return."""
     _, engine = big_table
     statements = {
-        "limits": q.flow_counts(),
-        "limits (tenant)": q.flow_counts("t7"),
+        "limits": flow_statements.flow_counts(),
+        "limits (tenant)": flow_statements.flow_counts("t7"),
         "failed": q.list_jobs(columns=q.VIEW_COLUMNS, status="failed", limit=51),
         "expired (kind)": q.list_jobs(columns=q.VIEW_COLUMNS, status="expired", kind="k3", limit=51),
         "failed (tenant)": q.list_jobs(columns=q.VIEW_COLUMNS, status="failed", tenant="t1", limit=51),

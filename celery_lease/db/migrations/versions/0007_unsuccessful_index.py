@@ -5,15 +5,15 @@ filtered: with few failures among 300k jobs that is nearly the whole table, for 
 tenant token, on every request (issue 19). The index holds only jobs that ended
 without success, so a submit, a claim or a success pays nothing for it.
 
-Revision ID: 0006_unsuccessful_index
-Revises: 0005_sweep_index
+Revision ID: 0007_unsuccessful_index
+Revises: 0006_trace_context
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0006_unsuccessful_index"
-down_revision = "0005_sweep_index"
+revision = "0007_unsuccessful_index"
+down_revision = "0006_trace_context"
 branch_labels = None
 depends_on = None
 
