@@ -40,6 +40,10 @@ T = TypeVar("T")
 DEFAULT_SQLITE_PATH = "celery-lease.sqlite3"
 #: How often a statement is retried when its connection was dropped.
 RECONNECT_ATTEMPTS = 3
+#: The driver behind a bare ``postgresql://`` (or ``postgres://``) URL: the one
+#: celery-lease installs and is tested with. (SQLAlchemy 2.1 would pick psycopg 3,
+#: which it does not install.) Name another in the URL to use it: postgresql+psycopg://.
+POSTGRESQL_DRIVER = "postgresql+psycopg2"
 
 
 def resolve_database_url(explicit: str | None, app_conf: Any) -> tuple[str, str]:
@@ -138,11 +142,21 @@ class Database:
             raise ConfigurationError(
                 f"{source} is not a valid database URL (expected e.g. postgresql+psycopg2://user@host/db or sqlite:///path)"
             ) from None
+        if parsed.drivername in ("postgresql", "postgres"):
+            parsed = parsed.set(drivername=POSTGRESQL_DRIVER)
         if parsed.get_backend_name() not in ("postgresql", "sqlite"):
             raise ConfigurationError(
                 f"{source} names the unsupported database {parsed.get_backend_name()!r}: "
                 "celery-lease runs on PostgreSQL or SQLite"
             )
+        try:
+            parsed.get_dialect().import_dbapi()
+        except (sa_exc.NoSuchModuleError, ImportError) as exc:
+            fix = "pip install psycopg2-binary" if parsed.drivername == POSTGRESQL_DRIVER else "install it"
+            raise ConfigurationError(
+                f"{source}: the database driver of {parsed.drivername!r} is not installed ({type(exc).__name__}): "
+                f"{fix}, or name an installed driver in the URL, e.g. {POSTGRESQL_DRIVER}://user@host/db"
+            ) from None
         return parsed
 
     # --- engines ---------------------------------------------------------------------
@@ -182,10 +196,7 @@ class Database:
             if single or heartbeat:
                 # One statement is its own transaction: no BEGIN and COMMIT round trips.
                 kwargs["isolation_level"] = "AUTOCOMMIT"
-        try:
-            engine = sa.create_engine(self.url, **kwargs)
-        except (sa_exc.NoSuchModuleError, ImportError) as exc:
-            raise ConfigurationError(f"{self.source}: no driver for {self.url.drivername!r} ({type(exc).__name__})") from None
+        engine = sa.create_engine(self.url, **kwargs)  # parse_url made sure its driver imports
         if self.dialect == "sqlite":
             sa.event.listen(engine, "connect", _on_sqlite_connect)
             sa.event.listen(engine, "begin", _on_sqlite_begin)
