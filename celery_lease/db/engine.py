@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine, make_url
 
+from celery_lease import green
 from celery_lease.db.prepared import Prepared
 from celery_lease.errors import ConfigurationError, DatabaseUnavailable
 
@@ -127,7 +128,9 @@ class Database:
         engines made so far (e.g. by the startup ping)."""
         self._pool_size = max(DEFAULT_POOL_SIZE, concurrency + 4)
         self._max_overflow = max(DEFAULT_MAX_OVERFLOW, concurrency + 8)
-        self._pin = True
+        # A green pool runs each task in a new greenlet: a connection pinned to one would
+        # be dropped with it, unreturned. There each statement borrows from the pool.
+        self._pin = green.hub() is None
         self.dispose()
 
     @staticmethod

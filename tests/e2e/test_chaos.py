@@ -104,6 +104,22 @@ def test_chaos_production_mix_short(crashable_db, broker, redis_server, client_a
     _run(url, broker, redis_server, client_app, tmp_path, request, scenario, name=name, cluster=cluster)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_chaos_green_pool_short(pg, broker, redis_server, client_app, tmp_path, request, pool):
+    """The classic faults on a gevent / eventlet worker (no pool children to kill: the
+    whole worker is the SIGKILL target), short."""
+    scenario = Scenario(jobs=80, seconds=12.0, pool=pool, concurrency=8)
+    _run(pg, broker, redis_server, client_app, tmp_path, request, scenario, name=f"chaos ({pool}, short)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_chaos_green_pool(pg, broker, redis_server, client_app, tmp_path, request, pool):
+    _run(pg, broker, redis_server, client_app, tmp_path, request, Scenario(pool=pool, concurrency=8), name=f"chaos ({pool})")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_chaos_threads_pool(pg, broker, redis_server, client_app, tmp_path, request):
