@@ -104,9 +104,8 @@ class RabbitNode:
         self.start()
 
     def ctl(self, *args: str) -> str:
-        return subprocess.run(
-            [str(BIN / "rabbitmqctl"), "-n", self.node, *args], env=self.env, capture_output=True, text=True, check=True, timeout=60
-        ).stdout
+        command = [str(BIN / "rabbitmqctl"), "-n", self.node, *args]
+        return subprocess.run(command, env=self.env, capture_output=True, text=True, check=True, timeout=60).stdout
 
     def add_vhost(self) -> str:
         vhost = f"cl-{uuid.uuid4().hex[:10]}"
