@@ -126,7 +126,7 @@ def test_chaos_green_pool(pg, broker, redis_server, client_app, tmp_path, reques
 
 
 #: Every broker restart is a SIGKILL of the node and a boot (5-15 s here).
-RABBITMQ_FAULTS = ("kill_worker", "kill_child", "restart_broker", "terminate_pg", "kill_worker", "kill_child")
+RABBITMQ_FAULTS = ("kill_worker", "terminate_pg", "restart_broker", "kill_child", "kill_worker", "terminate_pg")
 
 
 @pytest.mark.timeout(400)
