@@ -31,10 +31,10 @@ from celery_lease.canvas import Canvas
 from celery_lease.db import migrate
 from celery_lease.db.engine import Database, Timeouts, resolve_database_url
 from celery_lease.db.store import Store
-from celery_lease.flow import FlowControl
+from celery_lease.flow.control import FlowControl
+from celery_lease.flow.limits import Limits
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind, Registry
-from celery_lease.limits import Limits
 from celery_lease.payload import Codec
 from celery_lease.producer import Producer
 from celery_lease.settings import Settings
@@ -286,18 +286,18 @@ class CeleryLease:
         job_id = parse_job_id(job_id)
         endings = self.canvas.endings(CANCELLED)  # its errbacks and chord, in the cancel's transaction
         cancelled = self.store.cancel(job_id=job_id, ended=endings.write)
-        self._notify_cancelled(cancelled)
+        self._notify_cancelled([str(r["id"]) for r in cancelled])
         endings.send()
-        self.flow.released(cancelled)  # a cancelled running job frees its slot at once
+        self.flow.release(cancelled)  # a cancelled running job frees its slot at once
         return bool(cancelled)
 
     def cancel_run(self, run_id: str) -> int:
         """Cancel every non-terminal job of a run; the run accepts no new jobs."""
         endings = self.canvas.endings(CANCELLED, run_cancelled=True)
         cancelled = self.store.cancel(run_id=parse_job_id(run_id), ended=endings.write)
-        self._notify_cancelled(cancelled)
+        self._notify_cancelled([str(r["id"]) for r in cancelled])
         endings.send()
-        self.flow.released(cancelled)
+        self.flow.release(cancelled)
         return len(cancelled)
 
     def _notify_cancelled(self, job_ids: list[str]) -> None:

@@ -18,7 +18,7 @@ from celery_lease.worker.attempt import BOOT_ID
 if TYPE_CHECKING:
     from celery_lease.canvas import Canvas, Endings
     from celery_lease.db.store import Store
-    from celery_lease.flow import FlowControl
+    from celery_lease.flow.control import FlowControl
     from celery_lease.settings import Settings
 
 log = logging.getLogger("celery_lease.maintenance")
@@ -60,7 +60,7 @@ class Maintenance:
         self._publish(requeued)
         if self._flow is not None:
             # Their slots free at once (the statement told which kinds are limited).
-            self._flow.released_groups([(r["kind"], r["concurrency_key"]) for r in rows if r["limited"]])
+            self._flow.release(rows)
         return {"requeued": len(requeued), final.value: len(rows) - len(requeued)}
 
     def reap(self) -> dict[str, int]:

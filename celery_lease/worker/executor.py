@@ -38,7 +38,7 @@ from celery_lease.worker.outcome import INTERNAL_ERROR, TIMED_OUT, Outcome, back
 if TYPE_CHECKING:
     from celery_lease.canvas import Canvas
     from celery_lease.db.store import Store
-    from celery_lease.flow import FlowControl
+    from celery_lease.flow.control import FlowControl
     from celery_lease.kinds import JobKind, Registry
     from celery_lease.producer import Producer
     from celery_lease.settings import Settings
@@ -148,8 +148,8 @@ class WorkerState:
     def end(self, attempt: Attempt | None) -> None:
         if attempt is not None:
             self.heartbeat.remove(attempt)
-            if self.flow is not None:
-                self.flow.release(attempt)  # its outcome is written: a held job may take its slot
+            if self.flow is not None:  # its outcome is written: a held job may take its slot
+                self.flow.release([{"kind": attempt.kind, "concurrency_key": attempt.concurrency_key}])
             if not attempt.pending_write:  # else the completer releases it once written
                 self._release(attempt)
 
@@ -257,7 +257,7 @@ class WorkerState:
             raise LeaseLost()
         followup = self.canvas.after_success(attempt, result, eager=self.eager) if self.canvas and attempt.canvas else None
         # (Not batched for a limited kind: its slot is freed once the success is written.)
-        limited = self.flow is not None and self.flow.holds_slot(attempt)
+        limited = self.flow is not None and self.flow.holds_slot(attempt.kind)
         if self.completer is not None and not (staged.effects or staged.children or attempt.run_id or followup or limited):
             attempt.pending_write = True
             self.completer.add(attempt, result, ctx.pending_progress)
