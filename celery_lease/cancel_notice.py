@@ -1,11 +1,14 @@
-"""Faster cancel notice: a Redis pub/sub message that wakes the heartbeats.
+"""Faster cancel notice: a Redis pub/sub message (or, on an AMQP broker, a fanout
+exchange: celery_lease/notice_amqp.py) that wakes the heartbeats.
 
 The table is the truth and the heartbeat is the guarantee: a cancelled job's lease is
 revoked by the cancel statement itself, and the worker holding it learns at its next
 renewal (within ``lease_seconds / 3``). This module only shortens that wait. When the
 broker is Redis, ``cancel`` publishes the cancelled ids, and every worker process that
 holds a lease listens and renews at once when a notice names a job it holds; the
-renewal finds the revoked lease and marks the attempt lost.
+renewal finds the revoked lease and marks the attempt lost. On RabbitMQ the same
+notices go through a fanout exchange of the broker (:mod:`celery_lease.notice_amqp`);
+other brokers have none (the heartbeat alone).
 
 A notice is untrusted input: anything that can reach the Redis server can publish one.
 So a listener
@@ -33,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from celery_lease import notice_amqp
 from celery_lease.job import parse_job_id
 
 log = logging.getLogger("celery_lease.cancel_notice")
@@ -78,16 +82,22 @@ def channel(broker_url: Any, app_name: str | None) -> str:
 
 def publish(broker_url: Any, job_ids: list[str], channel_name: str | None = None) -> bool:
     """Announce cancelled jobs; False when no notice could be sent."""
-    url = redis_url(broker_url)
-    if url is None or not job_ids:
+    if not job_ids:
         return False
+    notices = [json.dumps(job_ids[start : start + MAX_IDS]) for start in range(0, len(job_ids), MAX_IDS)]
+    url = redis_url(broker_url)
+    if url is None:
+        amqp = notice_amqp.amqp_url(broker_url)
+        if amqp is None:
+            return False
+        return notice_amqp.publish(amqp, channel_name or channel(amqp, None), notices, PUBLISH_TIMEOUT)
     import redis
 
     name = channel_name or channel(url, None)
     client = redis.Redis.from_url(url, socket_timeout=PUBLISH_TIMEOUT, socket_connect_timeout=PUBLISH_TIMEOUT)
     try:
-        for start in range(0, len(job_ids), MAX_IDS):
-            client.publish(name, json.dumps(job_ids[start : start + MAX_IDS]))
+        for notice in notices:
+            client.publish(name, notice)
         return True
     except redis.RedisError as exc:
         log.info("celery-lease: cancel notice not sent (%s); heartbeats will notice", type(exc).__name__)
@@ -199,11 +209,16 @@ def listen(
     names a job in ``held()`` (within the rate).
 
     Called once per process (by the heartbeat when it starts); returns None when the
-    broker is not Redis.
+    broker is neither Redis nor AMQP.
     """
     url = redis_url(broker_url)
     if url is None:
-        return None
+        amqp = notice_amqp.amqp_url(broker_url)
+        if amqp is None:
+            return None
+        listener = Listener(wake, held)
+        notice_amqp.listen(amqp, channel_name or channel(amqp, None), listener.handle, RECONNECT_SECONDS)
+        return listener
     listener = Listener(wake, held)
     listener.start(url, channel_name or channel(url, None))
     return listener

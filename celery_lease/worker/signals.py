@@ -1,6 +1,7 @@
 """Celery's moments mapped onto lease transitions. Handlers stay thin.
 
-- ``worker_init``: size the connection pools for the worker's concurrency; check the
+- ``worker_init``: make the database driver green in a gevent / eventlet worker
+  (celery_lease/green.py); size the connection pools for the worker's concurrency; check the
   database is reachable; exit with one clear line if not.
 - ``worker_ready``: restart recovery, before the worker takes new work.
 - ``task_prerun``: claim the job (one atomic statement) and start its heartbeats; for a
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from celery import Celery, signals
 
-from celery_lease import tracing
+from celery_lease import green, tracing
 from celery_lease.errors import LeaseError
 from celery_lease.worker import borne, events, revoke, shutdown
 from celery_lease.worker.task import LeaseTask
@@ -56,6 +57,8 @@ def connect(
     def check_database(sender=None, **_):
         if getattr(sender, "app", None) is not app:
             return
+        # A green pool (-P gevent / eventlet): the database driver yields to the hub.
+        green.cooperate()
         # Pools follow the worker's concurrency (threads pool: all in this process).
         concurrency = getattr(sender, "concurrency", None)
         size_pools(concurrency if isinstance(concurrency, int) else (os.cpu_count() or 2))

@@ -288,6 +288,24 @@ def test_a_malformed_database_url_never_shows_its_password(url):
     assert caught.value.__cause__ is None and (caught.value.__suppress_context__ or caught.value.__context__ is None)
 
 
+@pytest.mark.parametrize("scheme", ["postgresql", "postgres"])
+def test_a_bare_postgresql_url_uses_the_installed_driver(scheme):
+    # SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3, which is not installed.
+    url = Database.parse_url(f"{scheme}://shop:pw@db:5432/shop")
+    assert url.drivername == "postgresql+psycopg2"
+    assert (url.username, url.password, url.host, url.port, url.database) == ("shop", "pw", "db", 5432, "shop")
+    assert Database.parse_url("postgresql+psycopg2://db/shop").drivername == "postgresql+psycopg2"
+
+
+@pytest.mark.parametrize("url", ["postgresql+pg8000://user:hunter2-secret@db/shop", "postgresql+nosuch://db/shop"])
+def test_a_database_url_whose_driver_is_missing_names_the_fix(url):
+    with pytest.raises(ConfigurationError) as caught:
+        Database.parse_url(url, "CELERY_LEASE_DATABASE_URL")
+    message = str(caught.value)
+    assert "is not installed" in message and "postgresql+psycopg2://" in message and "CELERY_LEASE_DATABASE_URL" in message
+    assert "hunter2" not in message
+
+
 def test_api_fields_match_the_view_columns():
     assert [c.name for c in q.VIEW_COLUMNS] == list(listing.API_FIELDS)
     assert isinstance(q.run_visible(ID), sa.Select)
