@@ -164,7 +164,7 @@ def lease(ctx: click.Context) -> None:
 def migrate(ctx: click.Context) -> None:
     leases = _leases(ctx)
     revision = leases.create_schema()
-    click.echo(f"celery-lease schema at revision {revision} ({leases.store.display_url})")
+    click.echo(f"celery-lease schema at revision {revision} ({printable(leases.store.display_url)})")
 
 
 @lease.command(help="Show one job.")
@@ -337,7 +337,8 @@ def limits(ctx: click.Context, as_json: bool) -> None:
     rows = _leases(ctx).limits()
 
     def cell(value: Any) -> str:
-        return "yes" if value is True else "" if value is None or value is False else str(value)
+        # A key is payload text: escaped like every stored value shown on a terminal.
+        return "yes" if value is True else "" if value is None or value is False else printable(str(value))
 
     text = _table([h for h, _ in LIMIT_COLUMNS], [[cell(r[k]) for _, k in LIMIT_COLUMNS] for r in rows])
     _emit(as_json, {"kinds": rows}, text)

@@ -24,7 +24,7 @@ from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 from celery_lease.results import LeaseBackend, LeaseResult
 from celery_lease.status import Status
-from celery_lease.worker import events
+from celery_lease.worker import borne, events
 from celery_lease.worker.outcome import Outcome
 
 if TYPE_CHECKING:
@@ -354,7 +354,7 @@ class LeaseTask(Task):
             parse_job_id(request.id)
         except ValueError:
             return "its task id is not a job id"
-        return None
+        return borne.malformed_lineage(request)
 
     def emit_progress(self, progress: Any) -> None:
         """Send progress as a Celery event so Flower's event stream carries it."""
