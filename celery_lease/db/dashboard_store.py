@@ -77,7 +77,7 @@ class DashboardStore:
     def counts(self, *, tenant: str | None, window: float) -> dict[str, list[dict[str, Any]]]:
         def work(conn: Connection):
             return {
-                "active": [dict(r) for r in conn.execute(fs.flow_counts(tenant)).mappings()],
+                "active": [dict(zip(("kind", "key", "status", "held", "n"), r)) for r in conn.execute(fs.flow_counts(tenant))],
                 "terminal": [dict(r) for r in conn.execute(dq.terminal_counts(tenant), {"window": window}).mappings()],
             }
 

@@ -327,22 +327,22 @@ def list_limits() -> sa.Select:
     return sa.select(limits).order_by(limits.c.kind)
 
 
-def flow_counts(tenant: str | None = None) -> sa.CompoundSelect:
-    """Per (kind, concurrency key, status, held): active jobs, for the limits view and
-    the dashboard's counts.
+def flow_counts(tenant: str | None = None) -> sa.Select:
+    """Per (kind, concurrency key, status, held): active jobs, for the limits view.
 
-    Three parts, each visibly within one partial index (running; pending not held:
-    wakeup; pending held: held), so the count reads the live set only: a plain
-    ``status IN ('pending', 'running')`` has no index and scans the whole table,
-    history included (280 ms at a million jobs)."""
-    parts = []
-    for where in (
-        _c.status == _RUNNING,
-        sa.and_(_c.status == _PENDING, _c.held.is_(None)),
-        sa.and_(_c.status == _PENDING, _c.held.is_not(None)),
-    ):
-        part = sa.select(_c.kind, _c.concurrency_key, _c.status, _c.held, sa.func.count().label("n")).where(where)
-        if tenant is not None:
-            part = part.where(_c.tenant == tenant)
-        parts.append(part.group_by(_c.kind, _c.concurrency_key, _c.status, _c.held))
-    return sa.union_all(*parts)
+    Active jobs are read through the three partial indexes that hold exactly them
+    (running; pending and held; pending and not held), one part each, so the cost
+    follows the live jobs, never the terminal history (a scan of 300k rows otherwise,
+    for any tenant's token: issue 19)."""
+    parts = [
+        _c.status == Status.RUNNING.value,
+        sa.and_(_c.status == Status.PENDING.value, _c.held.is_not(None)),
+        sa.and_(_c.status == Status.PENDING.value, _c.held.is_(None)),
+    ]
+    selects = []
+    for where in parts:
+        part = sa.select(_c.kind, _c.concurrency_key, _c.status, _c.held).where(where)
+        selects.append(part if tenant is None else part.where(_c.tenant == tenant))
+    active = sa.union_all(*selects).subquery("active")
+    keys = (active.c.kind, active.c.concurrency_key, active.c.status, active.c.held)
+    return sa.select(*keys, sa.func.count()).group_by(*keys)

@@ -4,7 +4,9 @@ Run by workers as ``celery -A tests.apps.app_otel worker`` with CL_TEST_SPANS se
 process then sets an SDK TracerProvider whose exporter appends one JSON line per ended
 span to that file (every pool child appends to the same file, one write per batch).
 CL_TEST_OTEL_CELERY=1 also sets up opentelemetry-instrumentation-celery, the way its
-documentation says for prefork: in each pool child, at ``worker_process_init``.
+documentation says for prefork: in each pool child, at ``worker_process_init``;
+CL_TEST_OTEL_CELERY=early sets it up before the app and its CeleryLease exist (so its
+signal handlers run before celery-lease's).
 Without CL_TEST_SPANS (the test process) it configures nothing: the test sets its own
 provider.
 """
@@ -20,8 +22,6 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
-
-from tests.apps.app import app, echo, flaky, leases, parent, steps  # noqa: F401  (celery -A finds the app here; the kinds the tests use)
 
 
 def span_record(span: ReadableSpan) -> dict:
@@ -57,10 +57,18 @@ if os.environ.get("CL_TEST_SPANS"):
     provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(os.environ["CL_TEST_SPANS"])))
     trace.set_tracer_provider(provider)
 
-    if os.environ.get("CL_TEST_OTEL_CELERY"):
+    if os.environ.get("CL_TEST_OTEL_CELERY") == "early":
+        from opentelemetry.instrumentation.celery import CeleryInstrumentor
+
+        CeleryInstrumentor().instrument()
+    elif os.environ.get("CL_TEST_OTEL_CELERY"):
 
         @signals.worker_process_init.connect(weak=False)
         def instrument_celery(**_):
             from opentelemetry.instrumentation.celery import CeleryInstrumentor
 
             CeleryInstrumentor().instrument()
+
+
+# (After the instrumentation: "early" means before CeleryLease connects its signals.)
+from tests.apps.app import app, echo, flaky, leases, parent, steps  # noqa: E402, F401  (celery -A finds the app here)

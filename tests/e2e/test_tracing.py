@@ -225,3 +225,28 @@ def test_jobs_submitted_in_a_transaction_by_a_handler_or_by_a_chain_carry_a_cont
     (second,) = set(attempts) - children - {in_tx.id, parent.id, first.id}
     assert attempts[first.id]["parent_id"] == producers[first.id]["span_id"]
     assert attempts[second]["parent_id"] == attempts[first.id]["span_id"]
+
+
+@pytest.mark.timeout(120)
+def test_instrumented_before_celery_lease_the_attempt_links_to_celerys_run_span(pg, broker, client_app, workers, traces):
+    """Celery's instrumentation set up before CeleryLease(app): its run span exists at
+    the claim (a child of the wakeup's publish span). The attempt span stays the
+    submit's child and links to Celery's span; still one of each per delivery."""
+    env = {**ENV, "CL_TEST_SPANS": str(traces.path), "CL_TEST_OTEL_CELERY": "early"}
+    mod = client_app(pg, broker, module=APP)
+    workers(pg, broker, module=APP, extra_env=env)
+    with traces.tracer.start_as_current_span("caller"):
+        jobs_ = mod.echo.submit_many([{"value": i} for i in range(3)])
+    wait_done(mod, [j.id for j in jobs_])
+    wait_for(lambda: len(ours(traces.workers(), "CONSUMER")) == 3, timeout=20, what="3 attempt spans")
+
+    spans = traces.here() + traces.workers()
+    (submit,) = ours(spans, "PRODUCER")
+    attempts = ours(spans, "CONSUMER")
+    runs = {s["span_id"]: s for s in spans if s["name"].startswith("run/")}
+    assert len(runs) == 3
+    for a in attempts:
+        assert a["parent_id"] == submit["span_id"] and a["trace_id"] == submit["trace_id"]
+        (linked,) = a["links"]
+        assert linked in runs
+    assert sorted(a["links"][0] for a in attempts) == sorted(runs)
