@@ -167,6 +167,18 @@ def test_a_tenant_token_sees_only_its_tenant(browser, server, pg, make_job):
         assert browser.find_element(By.TAG_NAME, "h1").text == "no such job"
     browser.get(f"{server.url}/dashboard/jobs/{mine}")
     assert browser.find_element(By.ID, "job-status").text == "pending"
+    # Kinds and the broker are shared by every tenant: a tenant's token steers neither.
+    browser.get(server.url + "/dashboard/kinds")
+    assert not browser.find_elements(By.CLASS_NAME, "kind-action")
+    with _session(server, ACME) as http:
+        token = _csrf(http)
+        assert http.post("/dashboard/kinds/echo/pause", data={"csrf": token}).status_code == 403
+        assert http.post("/dashboard/reconcile/sweep", data={"csrf": token}).status_code == 403
+        assert http.post(f"/dashboard/jobs/{other}/cancel", data={"csrf": token}).status_code == 404
+        assert http.get("/dashboard/bulk?action=cancel&tenant=globex").text.count('data-count="1"') == 1  # its own job only
+    assert _row(pg, other)["status"] == "pending"
+    with sa.create_engine(pg).connect() as conn:
+        assert conn.execute(sa.select(pauses.c.kind)).scalars().all() == []
 
 
 def test_nothing_is_served_without_signing_in(server, pg, make_job):
