@@ -370,3 +370,17 @@ def test_the_workers_page_shows_leases_about_to_lapse(server, pg, make_job):
     found = re.findall(r'<tr class="lease-(\w+)"><td class="id"><a href="/dashboard/jobs/([0-9a-f-]+)"', page)
     # Soonest to lapse first.
     assert [(job, state) for state, job in found] == [(lapsed, "lapsed"), (lapsing, "lapsing"), (fresh, "ok")]
+
+
+def test_the_kinds_page_shows_a_rate_budget(server, pg):
+    from celery_lease.db.schema import limits
+
+    with sa.create_engine(pg).begin() as conn:
+        window = conn.execute(sa.text("SELECT floor(extract(epoch from now()) / 3600)::bigint")).scalar_one()
+        row = {"kind": "echo", "rate": 20, "per_seconds": 3600, "rate_claims": 7, "updated_at": sa.func.now()}
+        conn.execute(limits.insert().values(**row, rate_window=window))
+        conn.execute(limits.insert().values(**{**row, "kind": "steps"}, rate_window=window - 1))  # an older window
+    with _session(server) as http:
+        page = http.get("/dashboard/kinds").text
+    budgets = dict(re.findall(r'<tr data-kind="(\w+)">.*?rate-budget">([^<]*)<', page, re.S))
+    assert budgets == {"echo": "7 of 20 used this window", "steps": "0 of 20 used this window"}
