@@ -14,10 +14,14 @@ tasks. Celery's ``task_revoked`` signal cancels nothing: Celery also sends it wh
 discards an *expired* message, and a message's ``expires`` is whatever its sender wrote
 (``send_task(<leased task>, task_id=<any job>, expires=...)``, or
 ``task_annotations = {"*": {"expires": 30}}`` with a backlog), so acting on it would let
-any message cancel any job.
+any message cancel any job. Celery also adds an expired message's id to the worker's
+in-memory revoked ids, which would discard every later wakeup of that job on this
+worker: for a leased task's message, that id is taken out again (unless a revoke
+command named it), so the job's next wakeup (the sweeper's) runs it.
 
 The control command runs on the worker's consumer, which also answers ``ping`` and
-receives every job: it only queues the ids. A :class:`Revoker` thread cancels them,
+receives every job: it only queues the ids (and Celery's own part of the command does
+not read a job row per id either: results.reads_skipped). A :class:`Revoker` thread cancels them,
 one statement for everything queued (a broadcast of thousands of ids included), with a
 lock timeout; an id that is not a job id (not a UUID) costs nothing, one that names no
 job an index probe. Cancelling a terminal job changes nothing. A revoke broadcast while
@@ -33,10 +37,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from celery import Celery
+from celery import Celery, signals
+from celery.utils.collections import LimitedSet
 from celery.utils.functional import maybe_list
 from celery.worker import control
+from celery.worker import state as worker_state
 
+from celery_lease import results
 from celery_lease.errors import LeaseError
 from celery_lease.job import parse_job_id
 
@@ -58,6 +65,8 @@ class Revoker:
     def __init__(self, cancel: Callable[[list[str]], list[str]]) -> None:
         #: cancel(ids) -> the ids cancelled.
         self._cancel = cancel
+        #: Ids a revoke command named (as long as Celery remembers revoked ids).
+        self.named = LimitedSet(maxlen=50_000, expires=3 * 3600)
         self._ids: dict[str, float] = {}  # id -> monotonic time first queued
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -67,6 +76,7 @@ class Revoker:
         """Queue the job ids among ``task_ids``; returns at once (the consumer's thread)."""
         ids = []
         for task_id in maybe_list(task_ids) or []:
+            self.named.add(str(task_id))
             try:
                 ids.append(parse_job_id(str(task_id)))
             except ValueError:
@@ -119,17 +129,28 @@ def _install_control_command() -> None:
 
     def revoke(state, task_id, terminate=False, signal=None, **kwargs):
         revoker = getattr(getattr(state, "app", None), "_celery_lease_revoker", None)
-        if revoker is not None:
-            revoker.submit(task_id)  # queued: the consumer never waits on the database
-        return original(state, task_id, terminate=terminate, signal=signal, **kwargs)
+        if revoker is None:
+            return original(state, task_id, terminate=terminate, signal=signal, **kwargs)
+        revoker.submit(task_id)  # queued: the consumer never waits on the database
+        with results.reads_skipped():
+            return original(state, task_id, terminate=terminate, signal=signal, **kwargs)
 
     setattr(revoke, _MARK, True)
     revoke.__doc__ = original.__doc__
     control.Panel.data["revoke"] = revoke
 
 
-def connect(app: Celery, *, cancel_ids: Callable[[list[str]], list[str]]) -> None:
+def connect(app: Celery, *, ours: Callable[[object], bool], cancel_ids: Callable[[list[str]], list[str]]) -> None:
     """Make revokes of ``app``'s leased jobs cancel them (``cancel_ids(ids) -> ids cancelled``:
     only jobs of the app's leased tasks)."""
-    app._celery_lease_revoker = Revoker(cancel_ids)
+    revoker = app._celery_lease_revoker = Revoker(cancel_ids)
     _install_control_command()
+
+    @signals.task_revoked.connect(weak=False)
+    def on_expired(sender=None, request=None, expired=False, **_):
+        # Never a cancel (see above): only forget the id Celery's expiry check added.
+        if expired and request is not None and ours(sender) and request.id not in revoker.named:
+            worker_state.revoked.discard(request.id)
+            log.info("celery-lease: expired wakeup of job %s discarded; the job is left as it is", request.id)
+
+    app._celery_lease_revoke_handlers = (on_expired,)

@@ -111,5 +111,5 @@ def connect(
 
     app._celery_lease_signal_handlers = (check_database, recover_interrupted, claim, release, suspend, flush)
     # `celery control revoke` cancels the job (never a discarded or expired message).
-    revoke.connect(app, cancel_ids=cancel_ids)
+    revoke.connect(app, ours=ours, cancel_ids=cancel_ids)
     events.connect(app)

@@ -31,20 +31,10 @@ def _sqlite_time(delta: float) -> datetime:
 
 @pytest.fixture
 def lifecycle(store):
-    """The transition pipeline on the unit store; wakeups it sends are kept in
-    ``lifecycle.woken`` (no broker here)."""
-    from celery import Celery
+    """The transition pipeline on the unit store (wakeups kept in ``lifecycle.woken``)."""
+    from tests.conftest import local_pipeline
 
-    from celery_lease.lifecycle.pipeline import Pipeline
-    from celery_lease.settings import Settings
-    from celery_lease.worker.eager import _LocalProducer
-
-    app = Celery("unit", set_as_current=False)
-    producer = _LocalProducer(app, store, Settings.resolve(app.conf, {}))
-    pipeline = Pipeline(store, producer)
-    pipeline.woken = producer.woken  # type: ignore[attr-defined]
-    yield pipeline
-    app.close()
+    return local_pipeline(store)
 
 
 @pytest.fixture
