@@ -70,7 +70,8 @@ def test_a_timed_out_handler_is_fenced_and_its_slot_freed_at_the_timeout(pg, bro
     done = mod.leases.get(a.id)
     assert done.status is Status.SUCCEEDED and done.attempt == 2 and done.result == {"attempt": 2}, done
     wait_for(lambda: (marks / f"hl-late-{a.id}").exists(), timeout=30, what="A's attempt 1 to wake")
-    wait_for(lambda: f"job {a.id}: lease lost; succeeded outcome discarded" in w.log(), timeout=30, what="its late success refused")
+    refused = f"job {a.id}: lease lost; succeeded outcome discarded"
+    wait_for(lambda: refused in w.log(), timeout=30, what="its late success refused")
 
 
 @pytest.mark.timeout(300)
