@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from celery_lease.errors import UnknownKind
-from celery_lease.limits import Limits
+from celery_lease.flow.limits import Limits
 from celery_lease.payload import Codec
 
 
@@ -57,6 +57,10 @@ class Registry:
         except (KeyError, TypeError):
             known = ", ".join(sorted(self._kinds)) or "none"
             raise UnknownKind(f"no job handler for kind {kind!r} (registered: {known})") from None
+
+    def get(self, kind: str) -> JobKind | None:
+        """The kind named ``kind``, or None when this process does not declare it."""
+        return self._kinds.get(kind)
 
     def __iter__(self) -> Iterator[JobKind]:
         return iter(self._kinds.values())

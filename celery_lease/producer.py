@@ -14,6 +14,7 @@ import math
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -21,13 +22,13 @@ import sqlalchemy as sa
 from celery import Celery
 from sqlalchemy import exc as sa_exc
 
-from celery_lease import wakeups
+from celery_lease import tracing, wakeups
 from celery_lease.db.schema import jobs as jobs_table
 from celery_lease.db.store import Store
 from celery_lease.errors import InvalidPayload, LeaseError
+from celery_lease.flow.limits import parse_priority
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
-from celery_lease.limits import parse_priority
 from celery_lease.payload import storable_text
 from celery_lease.settings import Settings
 from celery_lease.status import Event, Status
@@ -36,6 +37,15 @@ log = logging.getLogger("celery_lease")
 
 #: Where a caller's connection keeps the wakeups to publish after its COMMIT.
 _COMMIT_WAKEUPS = "celery_lease.wakeups"
+#: In a connection's ``info``: a function that runs a callback after the connection's
+#: transaction commits (and drops it on rollback), for transactions SQLAlchemy does not
+#: commit itself (Django's: celery_lease.django.transaction).
+AFTER_COMMIT = "celery_lease.after_commit"
+
+#: Transactions a submit made without ``connection=`` joins: each takes the store and
+#: returns a context manager yielding a connection in such a transaction, or None.
+#: celery_lease.django adds Django's atomic blocks.
+AMBIENT_TRANSACTIONS: list[Callable[[Store], AbstractContextManager[sa.Connection | None]]] = []
 
 
 def run_after_time(value: datetime | timedelta | float | None) -> tuple[datetime | None, float | None]:
@@ -148,6 +158,9 @@ class Producer:
             "canvas": options.get("canvas"),
             "priority": parse_priority(options.get("priority") or 0),
             "held": None,
+            # A job created by a handler carries its attempt's context (the span then
+            # current); a submit's own jobs, its span's (see _write).
+            "trace_context": tracing.carrier(),
         }
 
     def submit_many(
@@ -196,7 +209,7 @@ class Producer:
 
         wanted = [(r["id"], spec.kind, r.get("idempotency_key")) for r in records]
         run_ids = [] if shared["run_id"] is None else [shared["run_id"]]
-        return self._write(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake)
+        return self._write(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake, columns=[shared])
 
     def submit_rows(
         self, rows: list[dict[str, Any]], *, keyed: bool, connection: sa.Connection | None = None, wake: bool = True
@@ -217,9 +230,29 @@ class Producer:
 
         wanted = [(str(r["id"]), r["kind"], r["idempotency_key"]) for r in rows]
         run_ids = list(dict.fromkeys(r["run_id"] for r in rows if r["run_id"] is not None))
-        return self._write(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake)
+        return self._write(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake, columns=rows)
 
     def _write(
+        self,
+        insert: Callable[[sa.Connection | None, list[Job]], list[Job]],
+        wanted: list[tuple[str, str, str | None]],
+        run_ids: list[str],
+        *,
+        keyed: bool,
+        connection: sa.Connection | None,
+        wake: bool,
+        columns: list[dict[str, Any]],
+    ) -> list[Job]:
+        """One submit, inside its PRODUCER span (celery_lease.tracing) when tracing is on:
+        ``columns``, the values ``insert`` binds (the batch's shared ones, or each row),
+        carry that span's context into the rows."""
+        with tracing.producing(wanted, columns) as context:
+            if context is not None:
+                for values in columns:
+                    values["trace_context"] = context
+            return self._store_and_wake(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake)
+
+    def _store_and_wake(
         self,
         insert: Callable[[sa.Connection | None, list[Job]], list[Job]],
         wanted: list[tuple[str, str, str | None]],
@@ -232,6 +265,11 @@ class Producer:
         """The write of a submit: ``insert`` stores the new jobs (``wanted``: (id, kind,
         idempotency key) of each, in the caller's order) with their runs; then the due
         ones are woken. Returns the jobs of ``wanted``, in its order."""
+        if connection is None:
+            for ambient in AMBIENT_TRANSACTIONS:
+                with ambient(self._store) as joined:
+                    if joined is not None:
+                        return self._store_and_wake(insert, wanted, run_ids, keyed=keyed, connection=joined, wake=wake)
         store = self._store
 
         def write(conn: sa.Connection | None) -> tuple[list[Job], list[Job]]:
@@ -286,7 +324,13 @@ class Producer:
         SQLAlchemy's Core ``commit`` event fires *before* the DBAPI commit, so the
         listener commits the DBAPI connection itself, then publishes; SQLAlchemy's own
         commit that follows finds nothing left to commit. A rollback drops the list.
+        A connection whose ``info`` holds ``AFTER_COMMIT`` (Django's) says itself when.
         """
+        after_commit = connection.info.get(AFTER_COMMIT)
+        if after_commit is not None:
+            if jobs:
+                after_commit(lambda: self.publish_wakeups(jobs))
+            return
         pending = connection.info.setdefault(_COMMIT_WAKEUPS, [])
         pending.extend(jobs)
         engine = connection.engine

@@ -1,4 +1,4 @@
-"""Job statuses and the events of a run's log."""
+"""Job statuses, why flow control holds a pending job, and the events of a run's log."""
 
 from __future__ import annotations
 
@@ -29,6 +29,24 @@ class Status(str, enum.Enum):
 
 TERMINAL = frozenset({Status.SUCCEEDED, Status.FAILED, Status.EXPIRED, Status.CANCELLED})
 ACTIVE = frozenset({Status.PENDING, Status.RUNNING})
+
+
+class Held(str, enum.Enum):
+    """Why flow control holds a pending job (``jobs.held``; NULL: nothing holds it).
+
+    A held job's wakeup is spent and nothing polls it: it is woken (held cleared) when
+    its cause ends, or by the sweeper's recovery (celery_lease.flow)."""
+
+    #: Its kind is paused. Cleared by: resume.
+    PAUSE = "pause"
+    #: Its kind's rate window is spent. Cleared by: the next window's wakeup, the first
+    #: claim of a window (which wakes as many as the window still takes).
+    RATE = "rate"
+    #: ``concurrency`` jobs of its kind and key run. Cleared by: a release of a slot.
+    LIMIT = "limit"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Event(str, enum.Enum):

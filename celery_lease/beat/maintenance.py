@@ -18,7 +18,7 @@ from celery_lease.worker.attempt import BOOT_ID
 
 if TYPE_CHECKING:
     from celery_lease.db.store import Store
-    from celery_lease.flow import FlowControl
+    from celery_lease.flow.control import FlowControl
     from celery_lease.lifecycle.pipeline import Pipeline
     from celery_lease.settings import Settings
 

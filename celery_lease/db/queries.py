@@ -30,7 +30,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.dml import ReturningDelete
 from sqlalchemy.sql.functions import FunctionElement
 
-from celery_lease.db.schema import ID, chords, events, jobs, limits, pauses, runs
+from celery_lease.db.schema import ID, chords, events, jobs, limits, runs
 from celery_lease.status import TERMINAL, Event, Status
 
 # --- database time -----------------------------------------------------------------
@@ -94,27 +94,30 @@ _running_under_lease = sa.and_(
 )
 _lease_cleared = {"lease_owner": None, "lease_expires_at": None}
 
+
+def _due(t) -> sa.ColumnElement:
+    """A pending job of table ``t`` may be claimed now (no run_after, or it passed)."""
+    return sa.or_(t.run_after.is_(None), t.run_after <= db_now())
+
+
+def _delivered() -> sa.ColumnElement[bool]:
+    """The job a wakeup names (:job_id), pending and due. Guarded by the job's own task
+    too: a wakeup is untrusted input, and a message for kind B's task carrying kind A's
+    job id must match nothing (it would run B's handler on A's payload)."""
+    return sa.and_(
+        _c.id == sa.bindparam("job_id"),
+        _c.task == sa.bindparam("wakeup_task", type_=_c.task.type),
+        _c.status == Status.PENDING.value,
+        _due(_c),
+    )
+
+
 # Constants a partial index predicate needs are literal SQL, not bound values: a
 # prepared statement's generic plan can only use a partial index (running, wakeup,
 # priority, held) when its WHERE visibly implies the index's predicate.
 _PENDING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.PENDING.value}'")
 _RUNNING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.RUNNING.value}'")
 
-#: What a worker needs from a claimed job.
-CLAIMED_COLUMNS = (
-    _c.id,
-    _c.kind,
-    _c.attempt,
-    _c.max_attempts,
-    _c.lease_seconds,
-    _c.lease_generation,
-    _c.payload,
-    _c.checkpoint,
-    _c.run_id,
-    _c.parent_id,
-    _c.tenant,
-    _c.canvas,
-)
 #: What is needed to (re)publish a job's wakeup.
 WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
 #: What a transition that moves a job out of running or pending returns: the wakeup, the
@@ -132,6 +135,10 @@ ENDED_COLUMNS = (
     _c.kind,
     _c.concurrency_key,
 )
+#: What FlowControl.release needs of a job that left running (or pending): its kind,
+#: its concurrency key, and ``limited``: its kind has a limits row (only those can
+#: hold jobs for a free slot). A statement that ends jobs returns these.
+RELEASE_COLUMNS = (_c.kind, _c.concurrency_key, _c.kind.in_(sa.select(limits.c.kind)).label("limited"))
 
 
 # --- producer ------------------------------------------------------------------------
@@ -196,6 +203,7 @@ BATCH_SHARED_COLUMNS = (
     "canvas",
     "priority",
     "held",
+    "trace_context",
 )
 #: What differs from job to job of one submit_many: the fields of each record of :jobs.
 BATCH_JOB_FIELDS = ("id", "payload", "idempotency_key", "concurrency_key")
@@ -444,123 +452,6 @@ def lease_health() -> sa.Select:
 
 
 # --- the lease life (worker) ---------------------------------------------------------
-
-
-#: The detail of the run event of a job that a claim found in a cancelled run.
-RUN_CANCELLED = "run cancelled"
-
-
-@functools.cache
-def claim_job() -> sa.Update:
-    """claim_job: pending -> running for one attempt, atomically.
-
-    attempt + 1 and lease_generation + 1 in the same statement: the generation
-    returned is this attempt's fencing token. A job that is running elsewhere,
-    terminal, or not due yet matches nothing: the delivery is a duplicate.
-
-    Guarded by the job's own task too: a wakeup is untrusted input, and a message for
-    kind B's task carrying kind A's job id must claim nothing (it would run B's
-    handler on A's payload).
-
-    A job whose run is cancelled never starts: the same statement makes it
-    ``cancelled`` instead (the returned ``status`` says which). Such a job can exist:
-    a child committed with its parent's success, or a ``submit(run_id=R,
-    connection=...)`` committed after ``cancel_run(R)`` looked at the run's jobs. The
-    run's row is read FOR SHARE, so a claim racing a ``cancel_run`` that has marked
-    the run but not yet committed waits for it and sees the run cancelled; a
-    ``cancel_run`` that comes after the claim waits for the claim and then revokes it.
-    """
-    run = (
-        sa.select(runs.c.cancelled_at.is_not(None).label("cancelled"))
-        .select_from(runs.join(jobs, runs.c.id == _c.run_id))
-        .where(_c.id == sa.bindparam("job_id"))
-        .with_for_update(read=True, of=runs)
-        .cte("run")
-        .prefix_with("MATERIALIZED")
-    )
-    # Read only while building the new row, so no job row is locked while it waits.
-    cancelled = sa.func.coalesce(sa.select(run.c.cancelled).scalar_subquery(), sa.false())
-
-    def unless_cancelled(value, otherwise):
-        return sa.case((cancelled, otherwise), else_=value)
-
-    return (
-        sa.update(jobs)
-        .where(
-            _c.id == sa.bindparam("job_id"),
-            _c.task == sa.bindparam("wakeup_task", type_=_c.task.type),
-            _c.status == Status.PENDING.value,
-            sa.or_(_c.run_after.is_(None), _c.run_after <= db_now()),
-        )
-        .values(
-            status=unless_cancelled(sa.literal(Status.RUNNING.value), sa.literal(Status.CANCELLED.value)),
-            attempt=unless_cancelled(_c.attempt + 1, _c.attempt),
-            lease_generation=_c.lease_generation + 1,
-            lease_owner=unless_cancelled(sa.bindparam("owner", type_=_c.lease_owner.type), sa.null()),
-            lease_expires_at=unless_cancelled(db_now_plus(_c.lease_seconds), sa.null()),
-            started_at=unless_cancelled(sa.func.coalesce(_c.started_at, db_now()), _c.started_at),
-            finished_at=unless_cancelled(_c.finished_at, db_now()),
-            updated_at=db_now(),
-        )
-        .returning(*CLAIMED_COLUMNS, _c.status)
-    )
-
-
-@functools.cache
-def adopt_claim() -> sa.Update:
-    """adopt_claim: a claim retried after its reply was lost found the job running
-    under this very owner: the lost claim had landed. Takes that attempt (its attempt
-    number and generation) and restarts its lease from now, as the claim would have.
-
-    The caller checks that no other attempt of this job lives in its process (the
-    owner is one process): then the running row can only be that claim's.
-    """
-    return (
-        sa.update(jobs)
-        .where(_c.id == sa.bindparam("job_id"), _c.status == Status.RUNNING.value, _c.lease_owner == sa.bindparam("owner"))
-        .values(lease_expires_at=db_now_plus(_c.lease_seconds), updated_at=db_now())
-        .returning(*CLAIMED_COLUMNS, _c.status)
-    )
-
-
-def _claimed_and_logged() -> tuple[sa.CTE, sa.CTE]:
-    """claim_job_flow as the CTE ``claimed``, and the CTE ``logged`` writing its run event."""
-    claimed = claim_job_flow().cte("claimed")
-    cancelled = claimed.c.status == Status.CANCELLED.value
-    event = sa.case((cancelled, sa.literal(Event.CANCELLED.value)), else_=sa.literal(Event.CLAIMED.value))
-    detail = sa.case((cancelled, sa.literal(RUN_CANCELLED)), else_=sa.bindparam("owner", type_=sa.Text))
-    return claimed, _events_of(claimed, event, detail, "logged")
-
-
-@functools.cache
-def claim_job_logged() -> sa.Select:
-    """claim_job, plus the run's 'claimed' event when the job belongs to a run, as ONE
-    statement (PostgreSQL data-modifying CTE): the claim stays a single round trip
-    and the event can never exist without the claim, nor the claim without it."""
-    claimed, logged = _claimed_and_logged()
-    return sa.select(claimed).add_cte(logged)
-
-
-@functools.cache
-def claim_job_completing(count: int) -> sa.Select:
-    """claim_job_logged and complete_jobs(count) as ONE statement (PostgreSQL): a worker
-    process's batched successes ride on its next claim, so a steady stream of jobs costs
-    one round trip and one durable commit per job instead of two.
-
-    The two parts touch different rows (a claim matches a pending job, a completion a
-    running one) and each keeps its own guards; they commit together, synchronously.
-    Always one row: the claimed job's columns (all NULL when nothing was claimed) and
-    ``completed``, the ids completed (NULL when none), as complete_jobs returns them.
-    """
-    claimed, logged = _claimed_and_logged()
-    done = complete_jobs(count).cte("completed")
-    completed = sa.select(sa.func.array_agg(sa.cast(done.c.id, sa.Text)).label("completed")).subquery("done_ids")
-    return (
-        sa.select(claimed, completed.c.completed)
-        .select_from(completed.outerjoin(claimed, sa.true()))
-        .add_cte(logged)
-        .add_cte(done)
-    )
 
 
 def renew_leases(dialect: str, leases: Iterable[tuple[str, int]]) -> sa.Select | sa.Update:
@@ -835,12 +726,11 @@ def _picked(batch: sa.CTE, dialect: str) -> sa.ColumnElement[bool]:
 
 
 #: What a requeue (reap, restart recovery) returns: the wakeup, the run event, an ended
-#: job's canvas (its errbacks), and the flow-control group a limited kind's job frees
-#: (``limited``: its kind has a limits row), so the caller frees slots without reading
-#: the jobs again.
+#: job's canvas (its errbacks), and what FlowControl.release needs (RELEASE_COLUMNS),
+#: so the caller frees slots without reading the jobs again.
 REQUEUED_COLUMNS = (
     *ENDED_COLUMNS,
-    _c.kind.in_(sa.select(limits.c.kind)).label("limited"),
+    RELEASE_COLUMNS[-1],
 )
 
 
@@ -900,7 +790,7 @@ def claim_due_wakeups(dialect: str) -> sa.Update:
     threshold.
 
     Due means pending, not held (flow control wakes held jobs when their cause ends:
-    flow.py), run_after null or past, and woken_at null or older than :stale_seconds.
+    celery_lease.flow), run_after null or past, and woken_at null or older than :stale_seconds.
     That is three disjoint ranges of celery_lease_jobs_wakeup (woken_at, run_after),
     read in index order, each bounded by what is left of :limit: never woken and due
     at once; never woken and run_after past; woken before the threshold (run_after is
@@ -1037,399 +927,6 @@ def job_results(ids: Sequence[str]) -> sa.Select:
 def make_due() -> sa.Update:
     """make_due: a pending job may be claimed now (eager mode runs retries at once)."""
     return sa.update(jobs).where(_c.id == sa.bindparam("job_id"), _c.status == Status.PENDING.value).values(run_after=None)
-
-
-# --- flow control (celery_lease.flow) ---------------------------------------------------
-
-
-def _due(t) -> sa.ColumnElement:
-    return sa.or_(t.run_after.is_(None), t.run_after <= db_now())
-
-
-def _better_job() -> sa.ScalarSelect:
-    """The job a delivery for :job_id claims instead: the first due pending job of the
-    same kind, queue and concurrency key with a higher priority. NULL (claim :job_id)
-    when there is none, or when :job_id is not itself due and pending (a stale
-    delivery claims nothing, as before)."""
-    named, best = jobs.alias("named"), jobs.alias("best")
-    return (
-        sa.select(best.c.id)
-        .where(
-            named.c.id == sa.bindparam("job_id", type_=ID),
-            named.c.status == Status.PENDING.value,
-            _due(named.c),
-            best.c.status == _PENDING,
-            best.c.priority > sa.literal_column("0"),
-            best.c.priority > named.c.priority,
-            best.c.kind == named.c.kind,
-            best.c.queue.is_not_distinct_from(named.c.queue),
-            best.c.concurrency_key.is_not_distinct_from(named.c.concurrency_key),
-            _due(best.c),
-        )
-        .order_by(best.c.priority.desc(), best.c.created_at)
-        .limit(1)
-        .with_for_update(of=best, skip_locked=True)
-        .scalar_subquery()
-    )
-
-
-_not_paused = ~sa.exists().where(pauses.c.kind == _c.kind)
-
-
-@functools.cache
-def claim_job_flow() -> sa.Update:
-    """claim_job, under flow control: nothing of a paused kind is claimed, and a
-    higher-priority due job of the same kind, queue and key is claimed in place of the
-    delivered one (whose wakeup the caller sends again). Every other guard of
-    claim_job applies unchanged, to the job actually claimed: this is claim_job with
-    its target :job_id replaced, so a guard added there is inherited here."""
-    target = sa.func.coalesce(_better_job(), sa.bindparam("job_id", type_=ID))
-
-    def retarget(element):
-        if isinstance(element, sa.BindParameter) and element.key == "job_id":
-            return target
-        return None
-
-    # held is cleared by the claim itself (a held job may be the one claimed).
-    stmt: Any = sa.sql.visitors.replacement_traverse(claim_job().values(held=sa.null()), {}, retarget)  # type: ignore[call-overload]
-    # The concurrency key too: a limited attempt's end frees the slot of its key.
-    return stmt.where(_not_paused).returning(_c.concurrency_key)
-
-
-def _running_like(t) -> sa.ScalarSelect:
-    """How many jobs of t's kind and concurrency key are running."""
-    slots = jobs.alias("slots")
-    return (
-        sa.select(sa.func.count())
-        .select_from(slots)
-        .where(
-            slots.c.status == _RUNNING,
-            slots.c.kind == t.kind,
-            slots.c.concurrency_key.is_not_distinct_from(t.concurrency_key),
-        )
-        .scalar_subquery()
-    )
-
-
-class rate_window_now(FunctionElement):
-    """The index of the current rate window: epoch seconds of the database clock
-    divided by a window's length, rounded down."""
-
-    type = sa.BigInteger()
-    inherit_cache = True
-
-
-def _window_parts(element, compiler, **kw) -> tuple[str, str]:
-    """The database clock in epoch seconds (as epoch_seconds spells it), and the length."""
-    (per,) = element.clauses
-    return compiler.process(epoch_seconds(db_now()), **kw), compiler.process(per, **kw)
-
-
-@compiles(rate_window_now)
-def _rate_window_default(element, compiler, **kw):
-    epoch, per = _window_parts(element, compiler, **kw)
-    return f"CAST(floor({epoch} / {per}) AS BIGINT)"
-
-
-@compiles(rate_window_now, "sqlite")
-def _rate_window_sqlite(element, compiler, **kw):
-    epoch, per = _window_parts(element, compiler, **kw)
-    # Epoch seconds are positive: truncation is rounding down (SQLite may lack floor()).
-    return f"CAST({epoch} / {per} AS INTEGER)"
-
-
-def _rate_open(row) -> sa.ColumnElement:
-    """A limits row's rate window still takes a claim. A claim whose transaction began
-    in an older window than the one stored (it waited for the lock across the
-    boundary) is refused, so no window, however its claims are grouped (by the window
-    that counted them or by their started_at), holds more than the rate."""
-    now = rate_window_now(row.per_seconds)
-    return sa.case(
-        (row.rate.is_(None), sa.true()),
-        (now > row.rate_window, sa.true()),
-        (now == row.rate_window, row.rate_claims < row.rate),
-        else_=sa.false(),
-    )
-
-
-def _rate_open_for(kind) -> sa.ScalarSelect:
-    row = limits.alias("lim")
-    return sa.select(_rate_open(row.c)).where(row.c.kind == kind).scalar_subquery()
-
-
-@functools.cache
-def claim_job_limited(concurrency: bool, rate: bool) -> sa.Update:
-    """claim_job_flow for a limited kind, run after lock_limits in the same transaction:
-    with ``concurrency``, only while fewer than :concurrency jobs of the claimed job's
-    kind and key run; with ``rate``, only while the kind's rate window takes a claim."""
-    stmt = claim_job_flow()
-    if concurrency:
-        stmt = stmt.where(_running_like(_c) < sa.bindparam("concurrency", type_=sa.Integer))
-    if rate:
-        stmt = stmt.where(_rate_open_for(sa.bindparam("of_kind", type_=sa.String)))
-    return stmt
-
-
-@functools.cache
-def count_rate_claim() -> sa.Update:
-    """count_rate_claim: one more claim in the kind's current rate window (a new window
-    starts at 1). Returns the count: 1 means this claim opened the window."""
-    now = rate_window_now(limits.c.per_seconds)
-    return (
-        sa.update(limits)
-        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None))
-        .values(
-            rate_window=now,
-            rate_claims=sa.case((limits.c.rate_window == now, limits.c.rate_claims + 1), else_=1),
-        )
-        .returning(limits.c.rate_claims)
-    )
-
-
-@functools.cache
-def claim_job_limited_logged(concurrency: bool, rate: bool) -> sa.Select:
-    """claim_job_limited, its run's 'claimed' event and (with ``rate``) the window's
-    count, as ONE statement (PostgreSQL), like claim_job_logged. window_claims is the
-    count after this claim (NULL without a rate)."""
-    claimed = claim_job_limited(concurrency, rate).cte("claimed")
-    logged = _events_of(claimed, sa.literal(Event.CLAIMED.value), sa.bindparam("owner", type_=sa.Text), "logged")
-    stmt = sa.select(claimed).add_cte(logged)
-    if not rate:
-        return stmt.add_columns(sa.null().label("window_claims"))
-    counted = count_rate_claim().where(sa.exists(sa.select(claimed.c.id))).cte("counted")
-    return stmt.add_cte(counted).add_columns(sa.select(counted.c.rate_claims).scalar_subquery().label("window_claims"))
-
-
-@functools.cache
-def hold_job() -> sa.Update:
-    """hold_job: a delivery flow control refused leaves its job pending, marked with
-    why: 'pause' (its kind is paused), and for a :limited kind 'rate' (its rate
-    window is spent) or 'limit' (:concurrency jobs of its kind and key run). held NULL
-    in the result means nothing holds it now: the caller claims again. Run under the
-    kind's limits row lock (after lock_limits_row) for a limited kind, so the reason is
-    decided on the same state a release sees.
-
-    The pause row is read FOR SHARE: a resume that deletes it either waits for this
-    statement (and then wakes the job it marked) or commits first (and this statement
-    sees no pause). woken_at records when the job was held, so the sweeper's recovery
-    of missed wakeups (stale_held_groups) leaves freshly held jobs alone.
-    """
-    paused = sa.exists(sa.select(pauses.c.kind).where(pauses.c.kind == _c.kind).with_for_update(read=True))
-    limited = sa.bindparam("limited", type_=sa.Boolean)
-    reason = sa.case(
-        (paused, "pause"),
-        (sa.and_(limited, sa.not_(sa.func.coalesce(_rate_open_for(_c.kind), sa.true()))), "rate"),
-        (sa.and_(limited, _running_like(_c) >= sa.bindparam("concurrency", type_=sa.Integer)), "limit"),
-        else_=None,
-    )
-    return (
-        sa.update(jobs)
-        .where(
-            _c.id == sa.bindparam("job_id"),
-            # As in claim_job: an untrusted wakeup naming another task's job writes nothing.
-            _c.task == sa.bindparam("wakeup_task", type_=_c.task.type),
-            _c.status == Status.PENDING.value,
-            _due(_c),
-        )
-        .values(held=reason, woken_at=db_now())
-        .returning(_c.held, _c.kind, _c.concurrency_key)
-    )
-
-
-@functools.cache
-def get_claim_target() -> sa.Select:
-    return sa.select(_c.kind, _c.concurrency_key, _c.status).where(_c.id == sa.bindparam("job_id"))
-
-
-@functools.cache
-def lock_limits(dialect: str) -> sa.Insert:
-    """lock_limits: create or update a kind's limits row with the limits its worker
-    declares, locking it until the transaction ends. Every limited claim and every
-    release of a limited kind's slot takes this lock first, so they serialize per kind."""
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    stmt = insert(limits).values(
-        kind=sa.bindparam("of_kind"),
-        concurrency=sa.bindparam("new_concurrency"),
-        rate=sa.bindparam("new_rate"),
-        per_seconds=sa.bindparam("new_per_seconds"),
-        updated_at=db_now(),
-    )
-    return stmt.on_conflict_do_update(
-        index_elements=[limits.c.kind],
-        set_={
-            "concurrency": stmt.excluded.concurrency,
-            "rate": stmt.excluded.rate,
-            "per_seconds": stmt.excluded.per_seconds,
-            "updated_at": db_now(),
-        },
-    )
-
-
-@functools.cache
-def lock_limits_row() -> sa.Select:
-    """A kind's limits row, locked (a release of a slot: the limits stay as declared),
-    with the claims its rate window still takes (NULL without a rate)."""
-    now = rate_window_now(limits.c.per_seconds)
-    budget = sa.case(
-        (limits.c.rate.is_(None), sa.null()),
-        (now > limits.c.rate_window, limits.c.rate),
-        (sa.and_(now == limits.c.rate_window, limits.c.rate > limits.c.rate_claims), limits.c.rate - limits.c.rate_claims),
-        else_=0,
-    )
-    return sa.select(limits, budget.label("rate_budget")).where(limits.c.kind == sa.bindparam("of_kind")).with_for_update()
-
-
-@functools.cache
-def schedule_window_wakeup() -> sa.Update:
-    """Record that a wakeup is sent for the start of the kind's next rate window;
-    returns the seconds until then, or no row when one is already scheduled (one
-    wakeup per window and kind)."""
-    now = rate_window_now(limits.c.per_seconds)
-    following = sa.case((now > limits.c.rate_window, now), else_=limits.c.rate_window) + 1
-    return (
-        sa.update(limits)
-        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None), limits.c.woken_window < following)
-        .values(woken_window=following)
-        .returning((following * limits.c.per_seconds - epoch_seconds(db_now())).label("seconds"))
-    )
-
-
-@functools.cache
-def wake_for_slot() -> sa.Update:
-    """wake_for_slot: after a limited job left running, the jobs of its kind and key
-    :key held by the limit, as many as slots are free now (the kind's declared
-    concurrency minus its running jobs of that key), best priority first. Run after
-    lock_limits_row in the same transaction."""
-    row, slots = limits.alias("lim"), jobs.alias("slots")
-    running = (
-        sa.select(sa.func.count())
-        .select_from(slots)
-        .where(
-            slots.c.status == _RUNNING,
-            slots.c.kind == sa.bindparam("of_kind"),
-            slots.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
-        )
-        .scalar_subquery()
-    )
-    free = (
-        sa.select(sa.case((row.c.concurrency > running, row.c.concurrency - running), else_=0))
-        .where(row.c.kind == sa.bindparam("of_kind"))
-        .scalar_subquery()
-    )
-    held = jobs.alias("held")
-    pick = (
-        sa.select(held.c.id)
-        .where(
-            held.c.status == _PENDING,
-            held.c.held == sa.literal_column("'limit'"),
-            held.c.kind == sa.bindparam("of_kind"),
-            held.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
-            _due(held.c),
-        )
-        .order_by(held.c.priority.desc(), held.c.created_at)
-        .limit(free)
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    return (
-        sa.update(jobs)
-        .where(_c.id.in_(pick), _c.status == Status.PENDING.value)
-        .values(held=sa.null(), woken_at=db_now())
-        .returning(*WAKEUP_COLUMNS)
-    )
-
-
-@functools.cache
-def running_count() -> sa.Select:
-    return sa.select(sa.func.count()).where(
-        _c.status == _RUNNING,
-        _c.kind == sa.bindparam("of_kind"),
-        _c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
-    )
-
-
-@functools.cache
-def wake_held(by_key: bool) -> sa.Update:
-    """wake_held: up to :limit jobs of :of_kind held for :reason (with ``by_key``, of
-    concurrency key :key only), best priority first, then oldest: no longer held,
-    woken now. Returns what their wakeups need."""
-    where = [_c.status == _PENDING, _c.held == sa.bindparam("reason"), _c.kind == sa.bindparam("of_kind"), _due(_c)]
-    if by_key:
-        where.append(_c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)))
-    pick = (
-        sa.select(_c.id)
-        .where(*where)
-        .order_by(_c.priority.desc(), _c.created_at)
-        .limit(sa.bindparam("limit"))
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    return (
-        sa.update(jobs)
-        .where(_c.id.in_(pick), _c.status == Status.PENDING.value, _c.held == sa.bindparam("reason"))
-        .values(held=sa.null(), woken_at=db_now())
-        .returning(*WAKEUP_COLUMNS)
-    )
-
-
-def limited_groups(ids: Sequence[str]) -> sa.Select:
-    """(kind, concurrency key) of these jobs, for the kinds that have a limits row."""
-    return sa.select(_c.kind, _c.concurrency_key).distinct().where(_c.id.in_(ids), _c.kind.in_(sa.select(limits.c.kind)))
-
-
-@functools.cache
-def stale_held_groups() -> sa.Select:
-    """(kind, key, held) groups with a job held longer than :stale_seconds: where a
-    wakeup may have been missed (a worker died between freeing a slot and waking the
-    next job, a window wakeup was lost). Bounded by :limit."""
-    return (
-        sa.select(_c.kind, _c.concurrency_key, _c.held)
-        .distinct()
-        .where(
-            _c.status == _PENDING,
-            _c.held.is_not(None),
-            _c.woken_at < db_now_plus(-_seconds("stale_seconds")),
-        )
-        .limit(sa.bindparam("limit"))
-    )
-
-
-@functools.cache
-def pause_kind(dialect: str) -> sa.Insert:
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    return (
-        insert(pauses)
-        .values(kind=sa.bindparam("of_kind"), paused_at=db_now())
-        .on_conflict_do_nothing(index_elements=[pauses.c.kind])
-    )
-
-
-@functools.cache
-def resume_kind() -> sa.Delete:
-    return sa.delete(pauses).where(pauses.c.kind == sa.bindparam("of_kind"))
-
-
-@functools.cache
-def is_paused() -> sa.Select:
-    return sa.select(pauses.c.kind).where(pauses.c.kind == sa.bindparam("of_kind"))
-
-
-@functools.cache
-def list_pauses() -> sa.Select:
-    return sa.select(pauses).order_by(pauses.c.kind)
-
-
-@functools.cache
-def list_limits() -> sa.Select:
-    return sa.select(limits).order_by(limits.c.kind)
-
-
-def flow_counts(tenant: str | None = None) -> sa.Select:
-    """Per (kind, concurrency key, status, held): active jobs, for the limits view."""
-    stmt = sa.select(_c.kind, _c.concurrency_key, _c.status, _c.held, sa.func.count()).where(_c.status.in_(_ACTIVE))
-    if tenant is not None:
-        stmt = stmt.where(_c.tenant == tenant)
-    return stmt.group_by(_c.kind, _c.concurrency_key, _c.status, _c.held)
 
 
 # --- a transaction's fate after a lost reply (celery_lease/db/landing.py) -------------

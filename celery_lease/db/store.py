@@ -3,7 +3,7 @@
 It runs them on a :class:`~celery_lease.db.engine.Database` (engines, transactions,
 prepared statements) and turns rows into :class:`~celery_lease.job.Job` values. Run
 events are built here, in :meth:`Store.log_events`, and nowhere else, but by the
-PostgreSQL statements that write their own (queries.claim_job_logged,
+PostgreSQL statements that write their own (claim.claim_job_logged,
 queries.reap_expired_logged: the same rows, in the same statement). The transitions
 that end attempts or jobs are executed by celery_lease/lifecycle, not here.
 """
@@ -23,6 +23,7 @@ from celery_lease.db.chords import Chords
 from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.prepared import Prepared
 from celery_lease.db.reads import Reads
+from celery_lease.db.statements import claim
 from celery_lease.errors import DatabaseUnavailable
 from celery_lease.job import Job
 from celery_lease.status import Event, Status
@@ -55,7 +56,7 @@ class Store(Reads, Chords, Database):
         self._prepared: dict[str, Prepared] | None = None
         if self.dialect == "postgresql" and prepare_statements:
             self._prepared = {
-                "claim": Prepared(q.claim_job_logged()),
+                "claim": Prepared(claim.claim_job_logged()),
                 "insert_batch": Prepared(q.insert_job_batch(on_key_conflict_nothing=False)),
             }
 
@@ -190,23 +191,23 @@ class Store(Reads, Chords, Database):
         elif self.dialect == "postgresql":
             row = self.transaction(
                 self.engine(single=True),
-                lambda conn: conn.execute(q.claim_job_logged(), params).mappings().first(),
+                lambda conn: conn.execute(claim.claim_job_logged(), params).mappings().first(),
                 on_retry=note_retry,
             )
         else:
 
             def work(conn):
-                # The job claimed may be another than job_id: see queries.claim_job_flow.
-                claimed = conn.execute(q.claim_job_flow(), params).mappings().first()
+                # The job claimed may be another than job_id: see claim.claim_job_flow.
+                claimed = conn.execute(claim.claim_job_flow(), params).mappings().first()
                 if claimed is not None:
                     run_cancelled = claimed["status"] == Status.CANCELLED.value
-                    event, detail = (Event.CANCELLED, q.RUN_CANCELLED) if run_cancelled else (Event.CLAIMED, owner)
+                    event, detail = (Event.CANCELLED, claim.RUN_CANCELLED) if run_cancelled else (Event.CLAIMED, owner)
                     self.log_events(conn, [(claimed, event, detail)])
                 return claimed
 
             row = self.transaction(self.durable, work, on_retry=note_retry)
         if row is None and retried and may_adopt is not None:
-            adopt = q.adopt_claim()
+            adopt = claim.adopt_claim()
             row = self.transaction(self.engine(single=True), lambda conn: conn.execute(adopt, params).mappings().first())
             if row is not None and not may_adopt(row["lease_generation"]):
                 row = None  # an attempt of this process holds it: a duplicate after all
@@ -220,7 +221,7 @@ class Store(Reads, Chords, Database):
         alone, and ``successes.done`` stays None."""
         assert self._prepared is not None
         key = f"claim_complete_{successes.count}"
-        stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(q.claim_job_completing(successes.count)))
+        stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(claim.claim_job_completing(successes.count)))
         try:
             (row,) = self.execute_prepared(stmt, {**params, **successes.params}, on_retry=lambda: retried.append(True))
         except DatabaseUnavailable:

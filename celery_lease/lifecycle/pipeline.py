@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from celery_lease.canvas import Canvas, Endings
     from celery_lease.db.store import Store
-    from celery_lease.flow import FlowControl
+    from celery_lease.flow.control import FlowControl
     from celery_lease.job import Job
     from celery_lease.lifecycle.transition import Transition
     from celery_lease.producer import Producer
@@ -164,16 +164,13 @@ class Pipeline:
         if t.notifies and rows and self._notify is not None:
             steps.append(("cancel notices", lambda: self._notify([str(r["id"]) for r in rows])))  # type: ignore[misc]
         if t.releases and self._flow is not None:
-            steps.append(("slot release", lambda: self._release(rows, attempt)))
+            steps.append(("slot release", lambda: self._release(rows)))
         for what, step in steps:
             try:
                 step()
             except Exception:
                 log.exception("celery-lease: %s after %s of %d job(s) failed", what, t.name, len(rows))
 
-    def _release(self, rows: list[dict[str, Any]], attempt: Attempt | None) -> None:
+    def _release(self, rows: list[dict[str, Any]]) -> None:
         assert self._flow is not None
-        if attempt is not None:
-            self._flow.release(attempt)  # the attempt's own slot, known in this process
-        else:
-            self._flow.released_groups([(r["kind"], r["concurrency_key"]) for r in rows if r.get("limited")])
+        self._flow.release(rows)  # the rows carry kind, concurrency_key (and limited)

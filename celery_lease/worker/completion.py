@@ -10,7 +10,7 @@ and its write stays fenced by the lease generation. So the body returns at once 
 the success waits here, at most LINGER seconds, for one of two rides:
 
 * the process's next claim (:meth:`Completer.take`): the claim statement writes every
-  waiting success too (queries.claim_job_completing), one round trip and one durable
+  waiting success too (claim.claim_job_completing), one round trip and one durable
   commit for both; a steady stream of jobs pays no completion statement of its own;
 * else this thread, which writes every success gathered in one ``complete_jobs``.
 

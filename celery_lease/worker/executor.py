@@ -40,7 +40,7 @@ from celery_lease.worker.timeouts import Timeouts
 if TYPE_CHECKING:
     from celery_lease.canvas import Canvas
     from celery_lease.db.store import Store
-    from celery_lease.flow import FlowControl
+    from celery_lease.flow.control import FlowControl
     from celery_lease.kinds import JobKind, Registry
     from celery_lease.producer import Producer
     from celery_lease.settings import Settings
@@ -155,8 +155,8 @@ class WorkerState:
     def end(self, attempt: Attempt | None) -> None:
         if attempt is not None:
             self.heartbeat.remove(attempt)
-            if self.flow is not None:
-                self.flow.release(attempt)  # its outcome is written: a held job may take its slot
+            # (Its slot, if its kind is limited, was freed by the transition that moved
+            # it out of running, once: its outcome's, or the cancel's or reap's.)
             if not attempt.pending_write:  # else the completer releases it once written
                 self._release(attempt)
 

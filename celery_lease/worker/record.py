@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from celery_lease.canvas import Canvas, Followup
     from celery_lease.db.store import Store
-    from celery_lease.flow import FlowControl
+    from celery_lease.flow.control import FlowControl
     from celery_lease.job import Job
     from celery_lease.kinds import Registry
     from celery_lease.lifecycle.pipeline import Pipeline
@@ -106,7 +106,7 @@ class Recorder:
             raise LeaseLost()
         followup = self._canvas.after_success(attempt, result, eager=self._eager) if self._canvas and attempt.canvas else None
         # (Not batched for a limited kind: its slot is freed once the success is written.)
-        limited = self._flow is not None and self._flow.holds_slot(attempt)
+        limited = self._flow is not None and self._flow.holds_slot(attempt.kind)
         if not (staged.effects or staged.children or attempt.run_id or followup or limited):
             attempt.pending_write = True
             completer.add(attempt, result, ctx.pending_progress)

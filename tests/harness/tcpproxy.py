@@ -8,9 +8,12 @@
     proxy.cut_reply_to(b"some bytes")     # the next request that contains them reaches
                                           # the server, its reply never reaches the
                                           # client, and the connection drops: a lost reply
+    proxy.cut_all()                       # every open connection drops now (new ones
+                                          # are accepted): a network blip
     proxy.close()
 
 Threads only, no dependencies; one pair of pump threads per connection.
+tests/harness/pgfaults.py builds on it: faults aimed at one SQL statement.
 """
 
 from __future__ import annotations
@@ -55,14 +58,19 @@ class TcpProxy:
         with self._lock:
             self._cut_marker = marker
 
+    def cut_all(self) -> int:
+        """Drop every open connection (both directions, at once); return how many
+        sockets were closed. The listener keeps accepting: clients reconnect."""
+        sockets = list(self._sockets)
+        for s in sockets:
+            _drop(s)
+        return len(sockets)
+
     def close(self) -> None:
         self._closed = True
         self._open.set()
         for s in [self._listener, *list(self._sockets)]:
-            try:
-                s.close()
-            except OSError:
-                pass
+            _drop(s)
 
     # --- internals ------------------------------------------------------------------
 
@@ -79,9 +87,13 @@ class TcpProxy:
                 client.close()
                 continue
             self._sockets.update((client, upstream))
-            pair = {"cut": False}
-            threading.Thread(target=self._pump, args=(client, upstream, pair, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, pair, False), daemon=True).start()
+            self._serve(client, upstream)
+
+    def _serve(self, client: socket.socket, upstream: socket.socket) -> None:
+        """Start forwarding one accepted connection (a subclass may parse it)."""
+        pair = {"cut": False}
+        threading.Thread(target=self._pump, args=(client, upstream, pair, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, pair, False), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket, pair: dict, from_client: bool) -> None:
         try:
@@ -108,9 +120,17 @@ class TcpProxy:
             pass
         finally:
             for s in (source, sink):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
+                _drop(s)
                 self._sockets.discard(s)
+
+
+def _drop(s: socket.socket) -> None:
+    """Shut a socket down both ways (the peer sees the connection end) and close it."""
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        s.close()
+    except OSError:
+        pass

@@ -181,9 +181,9 @@ def test_a_reap_wakes_the_job_held_by_the_slot_it_frees(pg, broker, client_app):
 
 @pytest.mark.parametrize("prepare", [True, False], ids=["one-round-trip-script", "transaction"])
 def test_limited_claim_hold_and_release_on_postgresql(pg, make_job, prepare):
-    from celery_lease.db.flow_store import FlowStore
     from celery_lease.db.store import Store
-    from celery_lease.limits import Limits, Rate
+    from celery_lease.flow.limits import Limits, Rate
+    from celery_lease.flow.store import FlowStore
 
     store = Store(pg)
     flow = FlowStore(store, prepare=prepare)

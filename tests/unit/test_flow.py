@@ -11,10 +11,10 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.db import queries as q
-from celery_lease.db.flow_store import FlowStore
 from celery_lease.db.schema import limits as limits_table
 from celery_lease.errors import InvalidPayload, JobSnoozed
-from celery_lease.limits import Limits, Rate, parse_priority
+from celery_lease.flow.limits import Limits, Rate, parse_priority
+from celery_lease.flow.store import FlowStore
 from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
 from tests.conftest import attempt_for

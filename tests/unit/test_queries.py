@@ -82,7 +82,7 @@ def test_attempt_writes_are_fenced(store, add_job, row, stmt, params, final, sta
 @pytest.mark.parametrize("status", ALL)
 def test_cancel_revokes_active_jobs_and_leaves_terminal_ones(lifecycle, add_job, row, status):
     job_id = add_job(status=status, lease_generation=2)
-    cancelled = [r["id"] for r in lifecycle.execute(tr.CANCEL, build={"job_id": job_id})]
+    cancelled = [str(r["id"]) for r in lifecycle.execute(tr.CANCEL, build={"job_id": job_id})]
     if status in ("pending", "running"):
         assert cancelled == [job_id]
         r = row(job_id)

@@ -1,6 +1,7 @@
 """The flow-control transactions: one method each, over the named statements of
-:mod:`celery_lease.db.queries` ("flow control" section). The decisions around them
-(which path a claim takes, what to publish) are :mod:`celery_lease.flow`.
+:mod:`celery_lease.flow.statements` and the claim family
+(:mod:`celery_lease.db.statements.claim`). The decisions around them (which path a
+claim takes, what to publish) are :mod:`celery_lease.flow.control`.
 
 Lock order, everywhere: a kind's limits row (``lock_limits`` / ``lock_limits_row``),
 then its pause row (FOR SHARE, inside ``hold_job``), then job rows. Resume takes the
@@ -15,18 +16,16 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_lease.db import queries as q
 from celery_lease.db.prepared import Prepared, PreparedScript
-from celery_lease.status import Event
+from celery_lease.db.statements import claim
+from celery_lease.flow import statements as fs
+from celery_lease.status import Event, Held
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
     from celery_lease.db.store import Store
-    from celery_lease.limits import Limits
-
-#: The reasons a pending job is held (the jobs.held column).
-PAUSE, RATE, LIMIT = "pause", "rate", "limit"
+    from celery_lease.flow.limits import Limits
 
 
 @dataclasses.dataclass
@@ -83,19 +82,19 @@ class FlowStore:
         }
         row: dict[str, Any] | None
         if self._prepare:
-            script = self._script(q.lock_limits("postgresql"), q.claim_job_limited_logged(concurrency, rated))
+            script = self._script(fs.lock_limits("postgresql"), claim.claim_job_limited_logged(concurrency, rated))
             rows = self._store.execute_prepared(script, params)
             row = rows[0] if rows else None
         else:
 
             def work(conn: Connection) -> dict[str, Any] | None:
-                conn.execute(q.lock_limits(self._store.dialect), params)
-                found = conn.execute(q.claim_job_limited(concurrency, rated), params).mappings().first()
+                conn.execute(fs.lock_limits(self._store.dialect), params)
+                found = conn.execute(claim.claim_job_limited(concurrency, rated), params).mappings().first()
                 if found is None:
                     return None
                 claimed = dict(found)
                 self._store.log_events(conn, [(claimed, Event.CLAIMED, owner)])
-                claimed["window_claims"] = conn.execute(q.count_rate_claim(), params).scalar() if rated else None
+                claimed["window_claims"] = conn.execute(fs.count_rate_claim(), params).scalar() if rated else None
                 return claimed
 
             row = self._tx(work)
@@ -103,13 +102,13 @@ class FlowStore:
             result = ClaimResult(row=row)
             if rate is not None and row["window_claims"] == 1 and rate.count > 1:
                 # This claim opened a rate window: wake the jobs held for it.
-                result.wake = self._tx(lambda c: self._wake(c, RATE, kind, None, rate.count - 1))
+                result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, None, rate.count - 1))
             return result
         result = self._hold(job_id, task, kind, limits.concurrency)
-        if result.held == RATE:
+        if result.held == Held.RATE:
             seconds = self._store.transaction(
                 self._store.engine(fast=True, single=True),
-                lambda c: c.execute(q.schedule_window_wakeup(), {"of_kind": kind}).scalar(),
+                lambda c: c.execute(fs.schedule_window_wakeup(), {"of_kind": kind}).scalar(),
             )
             if seconds is not None:
                 # One wakeup for the next window's start (the first claim there wakes
@@ -125,7 +124,7 @@ class FlowStore:
     def _hold(self, job_id: str, task: str, kind: str | None, concurrency: int | None) -> ClaimResult:
         params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None, "concurrency": concurrency}
         if self._prepare:
-            stmts = (q.lock_limits_row(), q.hold_job()) if kind is not None else (q.hold_job(),)
+            stmts = (fs.lock_limits_row(), fs.hold_job()) if kind is not None else (fs.hold_job(),)
             rows = self._store.execute_prepared(self._script(*stmts), params)
             held = rows[0]["held"] if rows else None
             found = bool(rows)
@@ -133,8 +132,8 @@ class FlowStore:
 
             def work(conn: Connection) -> tuple[bool, str | None]:
                 if kind is not None:
-                    conn.execute(q.lock_limits_row(), params)
-                marked = conn.execute(q.hold_job(), params).first()
+                    conn.execute(fs.lock_limits_row(), params)
+                marked = conn.execute(fs.hold_job(), params).first()
                 return (False, None) if marked is None else (True, marked.held)
 
             found, held = self._tx(work)
@@ -144,7 +143,7 @@ class FlowStore:
 
     def claim_target(self, job_id: str) -> tuple[str, str | None] | None:
         """(kind, concurrency key) of a job, if it exists."""
-        row = self._store.transaction(self._store.durable, lambda c: c.execute(q.get_claim_target(), {"job_id": job_id}).first())
+        row = self._store.transaction(self._store.durable, lambda c: c.execute(fs.get_claim_target(), {"job_id": job_id}).first())
         return None if row is None else (row.kind, row.concurrency_key)
 
     # --- waking held jobs --------------------------------------------------------------
@@ -152,19 +151,19 @@ class FlowStore:
     def _wake(self, conn: Connection, reason: str, kind: str, key: Any, limit: float, by_key: bool = False) -> list[dict]:
         if limit <= 0:
             return []
-        params = {"reason": reason, "of_kind": kind, "key": key, "limit": int(min(limit, 2**31 - 1))}
-        return [dict(r) for r in conn.execute(q.wake_held(by_key), params).mappings()]
+        params = {"reason": Held(reason).value, "of_kind": kind, "key": key, "limit": int(min(limit, 2**31 - 1))}
+        return [dict(r) for r in conn.execute(fs.wake_held(by_key), params).mappings()]
 
     def wake_for_slot(self, kind: str, key: str | None) -> list[dict]:
         """A limited job of (kind, key) left running: under the kind's lock, wake the
         jobs held by its limit into the free slots (wake_for_slot). Returns wakeups."""
         params = {"of_kind": kind, "key": key}
         if self._prepare:
-            return self._store.execute_prepared(self._script(q.lock_limits_row(), q.wake_for_slot()), params)
+            return self._store.execute_prepared(self._script(fs.lock_limits_row(), fs.wake_for_slot()), params)
 
         def work(conn: Connection) -> list[dict]:
-            conn.execute(q.lock_limits_row(), params)
-            return [dict(r) for r in conn.execute(q.wake_for_slot(), params).mappings()]
+            conn.execute(fs.lock_limits_row(), params)
+            return [dict(r) for r in conn.execute(fs.wake_for_slot(), params).mappings()]
 
         return self._tx(work)
 
@@ -174,19 +173,19 @@ class FlowStore:
         a spent delivery of a limited kind). Returns the wakeups to publish."""
 
         def work(conn: Connection) -> list[dict]:
-            state = conn.execute(q.lock_limits_row(), {"of_kind": kind}).mappings().first()
+            state = conn.execute(fs.lock_limits_row(), {"of_kind": kind}).mappings().first()
             if state is None:
                 return []
             budget: float = math.inf if state["rate_budget"] is None else state["rate_budget"]
             woken: list[dict] = []
             if state["concurrency"]:
-                running = conn.execute(q.running_count(), {"of_kind": kind, "key": key}).scalar_one()
+                running = conn.execute(fs.running_count(), {"of_kind": kind, "key": key}).scalar_one()
                 free = state["concurrency"] - running
             else:
                 free = math.inf  # the kind no longer declares a concurrency: nothing holds its jobs
-            woken += self._wake(conn, LIMIT, kind, key, min(free, budget), by_key=True)
+            woken += self._wake(conn, Held.LIMIT, kind, key, min(free, budget), by_key=True)
             # (Without a rate, budget is unbounded: jobs held by a dropped rate are all woken.)
-            woken += self._wake(conn, RATE, kind, None, budget - len(woken))
+            woken += self._wake(conn, Held.RATE, kind, None, budget - len(woken))
             return woken
 
         return self._tx(work)
@@ -200,29 +199,29 @@ class FlowStore:
             if len(rows) < batch:
                 return out
 
-    def limited_groups(self, ids: Sequence[str]) -> list[tuple[str, str | None]]:
-        if not ids:
-            return []
-        rows = self._store.transaction(self._store.durable, lambda c: c.execute(q.limited_groups(ids)).all())
-        return [(r.kind, r.concurrency_key) for r in rows]
+    def limited_kinds(self, kinds: Sequence[str]) -> list[str]:
+        """Which of these kinds have a limits row."""
+        rows = self._store.transaction(self._store.durable, lambda c: c.execute(fs.limited_kinds(kinds)).all())
+        return [r.kind for r in rows]
 
     def stale_held_groups(self, stale_seconds: float, limit: int) -> list[tuple[str, str | None, str]]:
         params = {"stale_seconds": stale_seconds, "limit": limit}
-        rows = self._store.transaction(self._store.durable, lambda c: c.execute(q.stale_held_groups(), params).all())
+        rows = self._store.transaction(self._store.durable, lambda c: c.execute(fs.stale_held_groups(), params).all())
         return [(r.kind, r.concurrency_key, r.held) for r in rows]
 
     # --- pause -----------------------------------------------------------------------
 
     def pause(self, kind: str) -> bool:
         """True when this call paused the kind (False: it already was)."""
-        stmt = q.pause_kind(self._store.dialect)
+        stmt = fs.pause_kind(self._store.dialect)
         return self._store.transaction(self._store.durable, lambda c: c.execute(stmt, {"of_kind": kind}).rowcount == 1)
 
     def resume(self, kind: str) -> bool:
-        return self._store.transaction(self._store.durable, lambda c: c.execute(q.resume_kind(), {"of_kind": kind}).rowcount == 1)
+        stmt = fs.resume_kind()
+        return self._store.transaction(self._store.durable, lambda c: c.execute(stmt, {"of_kind": kind}).rowcount == 1)
 
     def is_paused(self, kind: str) -> bool:
-        row = self._store.transaction(self._store.durable, lambda c: c.execute(q.is_paused(), {"of_kind": kind}).first())
+        row = self._store.transaction(self._store.durable, lambda c: c.execute(fs.is_paused(), {"of_kind": kind}).first())
         return row is not None
 
     # --- what operators see --------------------------------------------------------
@@ -232,9 +231,9 @@ class FlowStore:
 
         def work(conn: Connection) -> dict[str, Any]:
             return {
-                "limits": [dict(r) for r in conn.execute(q.list_limits()).mappings()],
-                "pauses": [dict(r) for r in conn.execute(q.list_pauses()).mappings()],
-                "counts": [tuple(r) for r in conn.execute(q.flow_counts(tenant))],
+                "limits": [dict(r) for r in conn.execute(fs.list_limits()).mappings()],
+                "pauses": [dict(r) for r in conn.execute(fs.list_pauses()).mappings()],
+                "counts": [tuple(r) for r in conn.execute(fs.flow_counts(tenant))],
             }
 
         return self._store.transaction(self._store.durable, work)

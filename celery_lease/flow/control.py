@@ -27,12 +27,12 @@ process and host at once (Celery's own ``rate_limit`` is per worker).
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_lease.db.flow_store import LIMIT, PAUSE, RATE, ClaimResult, FlowStore
-from celery_lease.limits import Rate
+from celery_lease.flow.limits import Rate
+from celery_lease.flow.store import ClaimResult, FlowStore
+from celery_lease.status import Held
 from celery_lease.wakeups import RETRY_POLICY
 
 if TYPE_CHECKING:
@@ -41,13 +41,12 @@ if TYPE_CHECKING:
     from celery_lease.db.store import RidingSuccesses, Store
     from celery_lease.kinds import JobKind, Registry
     from celery_lease.settings import Settings
-    from celery_lease.worker.attempt import Attempt
 
 log = logging.getLogger("celery_lease.flow")
 
 #: What a view of flow control shows per (kind, key).
 STATES = ("running", "waiting_limit", "waiting_rate", "waiting_pause", "pending")
-_WAITING = {LIMIT: "waiting_limit", RATE: "waiting_rate", PAUSE: "waiting_pause"}
+_WAITING = {Held.LIMIT.value: "waiting_limit", Held.RATE.value: "waiting_rate", Held.PAUSE.value: "waiting_pause"}
 
 
 class FlowControl:
@@ -68,9 +67,6 @@ class FlowControl:
         self._publish = publish
         self._registry = registry
         self._settings = settings
-        #: (job id, generation) -> (kind, key) of each limited attempt of this process.
-        self._slots: dict[tuple[str, int], tuple[str, str | None]] = {}
-        self._lock = threading.Lock()
 
     # --- worker: claim and release ---------------------------------------------------
 
@@ -114,9 +110,6 @@ class FlowControl:
         if str(row["id"]) != job_id:
             log.info("celery-lease: job %s (%s): claimed higher-priority job %s in its place", job_id, spec.kind, row["id"])
             self._publish([{"id": job_id, "task": spec.task, "queue": queue}])
-        if limits is not None and limits.concurrency is not None:  # a rate is not given back
-            with self._lock:
-                self._slots[(str(row["id"]), row["lease_generation"])] = (spec.kind, row.get("concurrency_key"))
         return row
 
     def _publish_result(self, result: ClaimResult, spec: JobKind, queue: str | None) -> None:
@@ -136,31 +129,53 @@ class FlowControl:
             except Exception as exc:
                 log.warning("celery-lease: cannot schedule the next rate window's wakeup (%s)", type(exc).__name__)
 
-    def holds_slot(self, attempt: Attempt) -> bool:
-        """True for an attempt of a limited kind: its end must free its slot at once."""
-        with self._lock:
-            return attempt.key in self._slots
+    def holds_slot(self, kind: str) -> bool:
+        """True for a kind with a concurrency limit: its jobs' ends must free their slot
+        at once (so a success of such a kind is not batched)."""
+        spec = self._registry.get(kind)
+        return spec is not None and spec.limits is not None and spec.limits.concurrency is not None
 
-    def release(self, attempt: Attempt) -> None:
-        """The attempt's outcome is written (task_postrun): wake held jobs into the slot."""
-        with self._lock:
-            slot = self._slots.pop(attempt.key, None)
-        if slot is not None:
-            self.released_groups([slot])
+    # --- every way a job ends ----------------------------------------------------------
 
-    # --- jobs that left running elsewhere (cancel, reap, restart recovery) -------------
+    def release(self, rows: Iterable[Mapping[str, Any]]) -> int:
+        """Jobs left running (or pending): wake the jobs their concurrency limit holds,
+        as many as slots are free now. Returns the wakeups published.
 
-    def released(self, job_ids: Sequence[str]) -> None:
-        """These jobs left running (or pending) outside their worker: free their slots."""
-        self.released_groups(self._db.limited_groups(job_ids))
+        Every way a job ends calls it, once its transition committed: the worker's
+        outcome (success, failure, retry, snooze, hand-off, timeout, lease loss), a
+        cancel (API, revoke, run), the reaper, restart recovery.
 
-    def released_groups(self, groups: Sequence[tuple[str, str | None]]) -> None:
-        for kind, key in dict.fromkeys(groups):
+        ``rows``: mappings with the job's ``kind`` and ``concurrency_key``, and
+        optionally ``limited`` (its kind has a limits row: a statement that returns
+        ``queries.RELEASE_COLUMNS`` tells it, so nothing is read again). Without
+        ``limited``, a kind this process declares is limited when it declares a
+        concurrency; an unknown kind is looked up. Rows of unlimited kinds cost nothing.
+
+        Never raises: the wakes that fail are left to the sweeper's recovery."""
+        groups: dict[tuple[str, str | None], None] = {}
+        unknown: dict[str, list[str | None]] = {}
+        for row in rows:
+            kind, key = row["kind"], row["concurrency_key"]
+            limited = row.get("limited")
+            if limited is None and self._registry.get(kind) is None:
+                unknown.setdefault(kind, []).append(key)
+                continue
+            if limited or (limited is None and self.holds_slot(kind)):
+                groups[kind, key] = None
+        if unknown:
             try:
-                self._publish(self._db.wake_for_slot(kind, key))
+                for kind in self._db.limited_kinds(list(unknown)):
+                    groups.update(dict.fromkeys((kind, key) for key in unknown[kind]))
+            except Exception:
+                log.warning("celery-lease: cannot tell which ended jobs free a slot; the sweeper will", exc_info=True)
+        sent = 0
+        for kind, key in groups:
+            try:
+                sent += self._publish(self._db.wake_for_slot(kind, key))
             except Exception:
                 # The jobs stay held; the sweeper's recovery wakes them.
                 log.warning("celery-lease: cannot wake jobs held by %s's limit; the sweeper will", kind, exc_info=True)
+        return sent
 
     # --- pause -----------------------------------------------------------------------
 
@@ -173,7 +188,7 @@ class FlowControl:
         """Claim ``kind`` again and wake every job its pause held; returns how many."""
         name = self._registry.resolve(kind).kind
         self._db.resume(name)
-        woken = self._db.wake_all(PAUSE, name, self._settings().batch_size)
+        woken = self._db.wake_all(Held.PAUSE, name, self._settings().batch_size)
         self._publish(woken)
         return len(woken)
 
@@ -190,10 +205,10 @@ class FlowControl:
         sent = 0
         for kind, key, held in self._db.stale_held_groups(settings.sweep_stale_seconds, settings.batch_size):
             spec = next((s for s in self._registry if s.kind == kind), None)
-            if held == PAUSE:
+            if held == Held.PAUSE:
                 if self._db.is_paused(kind):
                     continue
-                woken = self._db.wake_all(PAUSE, kind, settings.batch_size)
+                woken = self._db.wake_all(Held.PAUSE, kind, settings.batch_size)
             elif spec is not None and spec.limits is None:
                 woken = self._db.wake_all(held, kind, settings.batch_size)
             else:

@@ -1,0 +1,336 @@
+"""The flow-control statements (run by :mod:`celery_lease.flow.store`): the limits
+and pause rows, holding a refused job, waking held jobs, the rate window, the view.
+
+The claims themselves (a limited kind's included) are the claim family of
+:mod:`celery_lease.db.statements.claim`; the guards it shares with these (the running
+count of a kind and key, whether a rate window takes a claim) are here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+
+from celery_lease.db.queries import (
+    _ACTIVE,
+    _PENDING,
+    _RUNNING,
+    WAKEUP_COLUMNS,
+    _c,
+    _delivered,
+    _due,
+    _seconds,
+    db_now,
+    db_now_plus,
+    epoch_seconds,
+)
+from celery_lease.db.schema import jobs, limits, pauses
+from celery_lease.status import Held, Status
+
+
+def _running_like(t) -> sa.ScalarSelect:
+    """How many jobs of t's kind and concurrency key are running."""
+    slots = jobs.alias("slots")
+    return (
+        sa.select(sa.func.count())
+        .select_from(slots)
+        .where(
+            slots.c.status == _RUNNING,
+            slots.c.kind == t.kind,
+            slots.c.concurrency_key.is_not_distinct_from(t.concurrency_key),
+        )
+        .scalar_subquery()
+    )
+
+
+class rate_window_now(FunctionElement):
+    """The index of the current rate window: epoch seconds of the database clock
+    divided by a window's length, rounded down."""
+
+    type = sa.BigInteger()
+    inherit_cache = True
+
+
+def _window_parts(element, compiler, **kw) -> tuple[str, str]:
+    """The database clock in epoch seconds (as epoch_seconds spells it), and the length."""
+    (per,) = element.clauses
+    return compiler.process(epoch_seconds(db_now()), **kw), compiler.process(per, **kw)
+
+
+@compiles(rate_window_now)
+def _rate_window_default(element, compiler, **kw):
+    epoch, per = _window_parts(element, compiler, **kw)
+    return f"CAST(floor({epoch} / {per}) AS BIGINT)"
+
+
+@compiles(rate_window_now, "sqlite")
+def _rate_window_sqlite(element, compiler, **kw):
+    epoch, per = _window_parts(element, compiler, **kw)
+    # Epoch seconds are positive: truncation is rounding down (SQLite may lack floor()).
+    return f"CAST({epoch} / {per} AS INTEGER)"
+
+
+def _rate_open(row) -> sa.ColumnElement:
+    """A limits row's rate window still takes a claim. A claim whose transaction began
+    in an older window than the one stored (it waited for the lock across the
+    boundary) is refused, so no window, however its claims are grouped (by the window
+    that counted them or by their started_at), holds more than the rate."""
+    now = rate_window_now(row.per_seconds)
+    return sa.case(
+        (row.rate.is_(None), sa.true()),
+        (now > row.rate_window, sa.true()),
+        (now == row.rate_window, row.rate_claims < row.rate),
+        else_=sa.false(),
+    )
+
+
+def _rate_open_for(kind) -> sa.ScalarSelect:
+    row = limits.alias("lim")
+    return sa.select(_rate_open(row.c)).where(row.c.kind == kind).scalar_subquery()
+
+
+@functools.cache
+def count_rate_claim() -> sa.Update:
+    """count_rate_claim: one more claim in the kind's current rate window (a new window
+    starts at 1). Returns the count: 1 means this claim opened the window."""
+    now = rate_window_now(limits.c.per_seconds)
+    return (
+        sa.update(limits)
+        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None))
+        .values(
+            rate_window=now,
+            rate_claims=sa.case((limits.c.rate_window == now, limits.c.rate_claims + 1), else_=1),
+        )
+        .returning(limits.c.rate_claims)
+    )
+
+
+@functools.cache
+def hold_job() -> sa.Update:
+    """hold_job: a delivery flow control refused leaves its job pending, marked with
+    why: 'pause' (its kind is paused), and for a :limited kind 'rate' (its rate
+    window is spent) or 'limit' (:concurrency jobs of its kind and key run). held NULL
+    in the result means nothing holds it now: the caller claims again. Run under the
+    kind's limits row lock (after lock_limits_row) for a limited kind, so the reason is
+    decided on the same state a release sees.
+
+    The pause row is read FOR SHARE: a resume that deletes it either waits for this
+    statement (and then wakes the job it marked) or commits first (and this statement
+    sees no pause). woken_at records when the job was held, so the sweeper's recovery
+    of missed wakeups (stale_held_groups) leaves freshly held jobs alone.
+    """
+    paused = sa.exists(sa.select(pauses.c.kind).where(pauses.c.kind == _c.kind).with_for_update(read=True))
+    limited = sa.bindparam("limited", type_=sa.Boolean)
+    reason = sa.case(
+        (paused, Held.PAUSE.value),
+        (sa.and_(limited, sa.not_(sa.func.coalesce(_rate_open_for(_c.kind), sa.true()))), Held.RATE.value),
+        (sa.and_(limited, _running_like(_c) >= sa.bindparam("concurrency", type_=sa.Integer)), Held.LIMIT.value),
+        else_=None,
+    )
+    return (
+        sa.update(jobs)
+        .where(_delivered())  # as claim_job's: an untrusted wakeup for another task writes nothing
+        .values(held=reason, woken_at=db_now())
+        .returning(_c.held, _c.kind, _c.concurrency_key)
+    )
+
+
+@functools.cache
+def get_claim_target() -> sa.Select:
+    return sa.select(_c.kind, _c.concurrency_key, _c.status).where(_c.id == sa.bindparam("job_id"))
+
+
+@functools.cache
+def lock_limits(dialect: str) -> sa.Insert:
+    """lock_limits: create or update a kind's limits row with the limits its worker
+    declares, locking it until the transaction ends. Every limited claim and every
+    release of a limited kind's slot takes this lock first, so they serialize per kind."""
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert(limits).values(
+        kind=sa.bindparam("of_kind"),
+        concurrency=sa.bindparam("new_concurrency"),
+        rate=sa.bindparam("new_rate"),
+        per_seconds=sa.bindparam("new_per_seconds"),
+        updated_at=db_now(),
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[limits.c.kind],
+        set_={
+            "concurrency": stmt.excluded.concurrency,
+            "rate": stmt.excluded.rate,
+            "per_seconds": stmt.excluded.per_seconds,
+            "updated_at": db_now(),
+        },
+    )
+
+
+@functools.cache
+def lock_limits_row() -> sa.Select:
+    """A kind's limits row, locked (a release of a slot: the limits stay as declared),
+    with the claims its rate window still takes (NULL without a rate)."""
+    now = rate_window_now(limits.c.per_seconds)
+    budget = sa.case(
+        (limits.c.rate.is_(None), sa.null()),
+        (now > limits.c.rate_window, limits.c.rate),
+        (sa.and_(now == limits.c.rate_window, limits.c.rate > limits.c.rate_claims), limits.c.rate - limits.c.rate_claims),
+        else_=0,
+    )
+    return sa.select(limits, budget.label("rate_budget")).where(limits.c.kind == sa.bindparam("of_kind")).with_for_update()
+
+
+@functools.cache
+def schedule_window_wakeup() -> sa.Update:
+    """Record that a wakeup is sent for the start of the kind's next rate window;
+    returns the seconds until then, or no row when one is already scheduled (one
+    wakeup per window and kind)."""
+    now = rate_window_now(limits.c.per_seconds)
+    following = sa.case((now > limits.c.rate_window, now), else_=limits.c.rate_window) + 1
+    return (
+        sa.update(limits)
+        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None), limits.c.woken_window < following)
+        .values(woken_window=following)
+        .returning((following * limits.c.per_seconds - epoch_seconds(db_now())).label("seconds"))
+    )
+
+
+@functools.cache
+def wake_for_slot() -> sa.Update:
+    """wake_for_slot: after a limited job left running, the jobs of its kind and key
+    :key held by the limit, as many as slots are free now (the kind's declared
+    concurrency minus its running jobs of that key), best priority first. Run after
+    lock_limits_row in the same transaction."""
+    row, slots = limits.alias("lim"), jobs.alias("slots")
+    running = (
+        sa.select(sa.func.count())
+        .select_from(slots)
+        .where(
+            slots.c.status == _RUNNING,
+            slots.c.kind == sa.bindparam("of_kind"),
+            slots.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
+        )
+        .scalar_subquery()
+    )
+    free = (
+        sa.select(sa.case((row.c.concurrency > running, row.c.concurrency - running), else_=0))
+        .where(row.c.kind == sa.bindparam("of_kind"))
+        .scalar_subquery()
+    )
+    held = jobs.alias("held")
+    pick = (
+        sa.select(held.c.id)
+        .where(
+            held.c.status == _PENDING,
+            held.c.held == sa.literal_column(f"'{Held.LIMIT.value}'"),
+            held.c.kind == sa.bindparam("of_kind"),
+            held.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
+            _due(held.c),
+        )
+        .order_by(held.c.priority.desc(), held.c.created_at)
+        .limit(free)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return (
+        sa.update(jobs)
+        .where(_c.id.in_(pick), _c.status == Status.PENDING.value)
+        .values(held=sa.null(), woken_at=db_now())
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
+@functools.cache
+def running_count() -> sa.Select:
+    return sa.select(sa.func.count()).where(
+        _c.status == _RUNNING,
+        _c.kind == sa.bindparam("of_kind"),
+        _c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
+    )
+
+
+@functools.cache
+def wake_held(by_key: bool) -> sa.Update:
+    """wake_held: up to :limit jobs of :of_kind held for :reason (with ``by_key``, of
+    concurrency key :key only), best priority first, then oldest: no longer held,
+    woken now. Returns what their wakeups need."""
+    where = [_c.status == _PENDING, _c.held == sa.bindparam("reason"), _c.kind == sa.bindparam("of_kind"), _due(_c)]
+    if by_key:
+        where.append(_c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)))
+    pick = (
+        sa.select(_c.id)
+        .where(*where)
+        .order_by(_c.priority.desc(), _c.created_at)
+        .limit(sa.bindparam("limit"))
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return (
+        sa.update(jobs)
+        .where(_c.id.in_(pick), _c.status == Status.PENDING.value, _c.held == sa.bindparam("reason"))
+        .values(held=sa.null(), woken_at=db_now())
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
+def limited_kinds(kinds: Sequence[str]) -> sa.Select:
+    """Which of these kinds have a limits row (their ended jobs may free a slot)."""
+    return sa.select(limits.c.kind).where(limits.c.kind.in_(kinds))
+
+
+@functools.cache
+def stale_held_groups() -> sa.Select:
+    """(kind, key, held) groups with a job held longer than :stale_seconds: where a
+    wakeup may have been missed (a worker died between freeing a slot and waking the
+    next job, a window wakeup was lost). Bounded by :limit."""
+    return (
+        sa.select(_c.kind, _c.concurrency_key, _c.held)
+        .distinct()
+        .where(
+            _c.status == _PENDING,
+            _c.held.is_not(None),
+            _c.woken_at < db_now_plus(-_seconds("stale_seconds")),
+        )
+        .limit(sa.bindparam("limit"))
+    )
+
+
+@functools.cache
+def pause_kind(dialect: str) -> sa.Insert:
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    return (
+        insert(pauses)
+        .values(kind=sa.bindparam("of_kind"), paused_at=db_now())
+        .on_conflict_do_nothing(index_elements=[pauses.c.kind])
+    )
+
+
+@functools.cache
+def resume_kind() -> sa.Delete:
+    return sa.delete(pauses).where(pauses.c.kind == sa.bindparam("of_kind"))
+
+
+@functools.cache
+def is_paused() -> sa.Select:
+    return sa.select(pauses.c.kind).where(pauses.c.kind == sa.bindparam("of_kind"))
+
+
+@functools.cache
+def list_pauses() -> sa.Select:
+    return sa.select(pauses).order_by(pauses.c.kind)
+
+
+@functools.cache
+def list_limits() -> sa.Select:
+    return sa.select(limits).order_by(limits.c.kind)
+
+
+def flow_counts(tenant: str | None = None) -> sa.Select:
+    """Per (kind, concurrency key, status, held): active jobs, for the limits view."""
+    stmt = sa.select(_c.kind, _c.concurrency_key, _c.status, _c.held, sa.func.count()).where(_c.status.in_(_ACTIVE))
+    if tenant is not None:
+        stmt = stmt.where(_c.tenant == tenant)
+    return stmt.group_by(_c.kind, _c.concurrency_key, _c.status, _c.held)
