@@ -61,3 +61,35 @@ def test_an_apps_own_result_backend_answers_for_leased_jobs(pg, broker, client_a
     assert result.get(timeout=30) == [3, 7, {"n": 11}]
     assert result.join_native(timeout=5) == [3, 7, {"n": 11}]
     assert mod.app.AsyncResult(str(uuid.uuid4())).state == "PENDING"  # an unknown id stays PENDING
+
+
+def test_a_pool_process_killed_mid_job_releases_its_lease_at_once(pg, broker, client_app, workers, marker_dir):
+    """The OOM killer takes a prefork child: Celery reports WorkerLostError at once, and the
+    job is requeued (then, on its last attempt, expired) at once, not after its 60 s lease.
+    No beat runs: nothing else could reap it in time."""
+    import os
+    import signal
+    import time
+
+    long_lease = {"CL_TEST_LEASE": "60"}
+    mod = client_app(pg, broker, extra_env=long_lease)
+    worker = workers(pg, broker, extra_env=long_lease, concurrency=2)
+    job = mod.sleepy.submit({"sleep": 600, "marker_dir": str(marker_dir)})
+
+    def kill_attempt(n: int) -> float:
+        marker = marker_dir / f"sleepy-{job.id}-{n}"
+        wait_for(marker.exists, timeout=30, what=f"attempt {n} to start")
+        running = wait_for(lambda: (j := mod.leases.get(job.id)).status is Status.RUNNING and j.attempt == n and j, timeout=30)
+        pid = int(running.lease_owner.split("/")[1])
+        assert pid in worker.children() and pid == int(marker.read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        return time.monotonic()
+
+    killed = kill_attempt(1)
+    second = wait_for(lambda: marker_dir.joinpath(f"sleepy-{job.id}-2").exists(), timeout=20, what="attempt 2 to start")
+    assert second and time.monotonic() - killed < 20  # far less than the 60 s lease
+    assert mod.leases.get(job.id).lease_losses == 1
+    killed = kill_attempt(2)
+    ended = wait_for(lambda: (j := mod.leases.get(job.id)).terminal and j, timeout=20, what="the last attempt to expire")
+    assert ended.status is Status.EXPIRED and ended.error == "lease expired" and ended.lease_losses == 2
+    assert "its worker process" in worker.log() and "lease released" in worker.log()
