@@ -28,7 +28,10 @@ the app a result backend of its own for those.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from celery import states
@@ -92,6 +95,23 @@ def _leases(app) -> Any:
     return leases
 
 
+#: Set on the thread running Celery's ``revoke`` control command (worker/revoke.py).
+#: Celery then reads each revoked id's state to decide whether to store REVOKED: this
+#: backend drops Celery's writes, so the reads (one job read per id, on the worker's
+#: consumer: a broadcast of 3,000 ids stalled ``ping`` for 15 s) decide nothing.
+_revoking = threading.local()
+
+
+@contextlib.contextmanager
+def reads_skipped() -> Iterator[None]:
+    """Inside: the backend answers PENDING for every id without reading its row."""
+    _revoking.active = True
+    try:
+        yield
+    finally:
+        _revoking.active = False
+
+
 class LeaseBackend(BaseBackend):
     """A result backend whose results are the job rows."""
 
@@ -105,6 +125,8 @@ class LeaseBackend(BaseBackend):
         pass  # eager jobs have rows too: their results are real
 
     def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
+        if getattr(_revoking, "active", False):
+            return meta_of(task_id, None)
         try:
             job_id = parse_job_id(task_id)
         except ValueError:
