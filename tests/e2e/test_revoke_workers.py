@@ -68,7 +68,7 @@ def test_a_revoke_of_another_apps_task_id_cancels_nothing(pg, broker, client_app
     engine = mod.leases.store.durable
     with engine.begin() as conn:
         conn.execute(jobs.update().where(jobs.c.id == foreign.id).values(task="elsewhere.task"))
-    mod.app.control.revoke([ours.id, foreign.id])
+    mod.app.control.revoke([foreign.id, ours.id])  # ours last: once it is cancelled, both were seen
     wait_for(lambda: mod.leases.get(ours.id).status is Status.CANCELLED, timeout=30, what="the revoked job to be cancelled")
     assert mod.leases.get(foreign.id).status is Status.PENDING
 
@@ -90,5 +90,6 @@ def test_a_broadcast_of_3000_unknown_ids_keeps_workers_answering_and_running_job
     done = mod.leases.wait(job.id, timeout=30)
     finished = time.monotonic() - started
     print(f"\nrevoke of 3000 unknown ids: ping {pings}, trivial job done {finished:.2f}s after the broadcast")
-    assert all(p is not None and p < 2.0 for p in pings.values()), pings
-    assert done.status is Status.SUCCEEDED and finished < 3.0, finished
+    # (Margins for a loaded machine: measured 0.1-0.2 s pings and 0.5 s for the job.)
+    assert all(p is not None for p in pings.values()), pings  # before: no answer within 5 s
+    assert done.status is Status.SUCCEEDED and finished < 5.0, finished

@@ -80,3 +80,22 @@ def test_a_cancel_and_a_reap_whose_reply_was_lost_fire_their_errbacks_once(pg, b
     messages = _queued(broker)
     assert woken(messages) == [str(errback["id"])]
     assert len([m for m in messages if m["headers"]["task"] == "tests.plain_errback"]) == 1
+
+
+def test_a_cancel_whose_reply_was_lost_frees_the_slot_of_its_limited_job(pg, broker, client_app):
+    """``concurrency=1``: A runs, B is held by the limit. A's cancel lands, its reply is
+    lost: B is woken, once (before: the retry matched nothing, freed nothing, and B
+    waited for the sweeper's recovery)."""
+    mod = client_app(pg, broker, module="tests.apps.app_flow")
+    spec = mod.leases.registry.resolve("one_slot")
+    a, b = (mod.one_slot.submit({"n": n}) for n in (1, 2))
+    assert mod.leases.flow.claim(a.id, spec, "test/1/boot", None) is not None
+    assert mod.leases.flow.claim(b.id, spec, "test/1/boot", None) is None  # held by the limit
+    assert _rows(pg, jobs.c.id == b.id)[0]["held"] == "limit"
+    _queued(broker)
+    with reply_lost_once(mod.leases.store.durable) as lost:
+        assert mod.leases.cancel(a.id) is True
+    assert lost == [1]
+    woken = [m["headers"]["id"] for m in _queued(broker) if m["headers"]["task"] == mod.one_slot.name]
+    assert woken == [b.id]
+    assert _rows(pg, jobs.c.id == b.id)[0]["held"] is None
