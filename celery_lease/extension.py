@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_lease import cancel_notice, grouping, results
+from celery_lease import cancel_notice, grouping, results, shared
 from celery_lease.beat import entries
 from celery_lease.beat.maintenance import Maintenance
 from celery_lease.beat.periodic import BeatJobs, Periodic
@@ -31,22 +31,22 @@ from celery_lease.canvas import Canvas
 from celery_lease.db import migrate
 from celery_lease.db.engine import Database, Timeouts, resolve_database_url
 from celery_lease.db.store import Store
+from celery_lease.errors import UnknownKind
 from celery_lease.flow.control import FlowControl
 from celery_lease.flow.limits import Limits
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind, Registry
+from celery_lease.lifecycle import transition as tr
+from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import Codec
 from celery_lease.producer import Producer
 from celery_lease.settings import Settings
-from celery_lease.worker import signals
+from celery_lease.worker import lost, signals
 from celery_lease.worker.eager import EagerRunner
 from celery_lease.worker.executor import WorkerState
 from celery_lease.worker.task import LeaseTask, run_leased
 
 log = logging.getLogger("celery_lease")
-
-#: The error an errback of a cancelled job gets.
-CANCELLED = "cancelled"
 
 
 class CeleryLease:
@@ -72,6 +72,7 @@ class CeleryLease:
         self._producer: Producer | None = None
         self._maintenance: Maintenance | None = None
         self._flow: FlowControl | None = None
+        self._lifecycle: Pipeline | None = None
         self.registry = Registry()
         self._tasks: dict[str, LeaseTask] = {}
         self._worker: WorkerState | None = None
@@ -87,12 +88,15 @@ class CeleryLease:
             size_pools=lambda concurrency: self.store.size_for_concurrency(concurrency),
             recover=self.recover,
             worker_state=lambda: self.worker,
-            cancel=self.cancel,
+            cancel_ids=self._revoke,
         )
+        lost.connect(app, self, store=lambda: self.store, reap=self.reap)  # a pool process killed mid-job
         results.install(app)  # AsyncResult(job_id) reads the row when the app has no result backend
         grouping.install(app)  # a group's leased members are one submit
         self.beat_schedule = entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
         self.beat_jobs = BeatJobs(app, self.registry, lambda: self.producer, self.beat_schedule.add)
+        self._task_modules_imported = False
+        shared.attach(self)  # jobs declared with @shared_job (reusable apps)
 
     # --- the parts, made when first needed ---------------------------------------------
 
@@ -121,7 +125,7 @@ class CeleryLease:
     def maintenance(self) -> Maintenance:
         if self._maintenance is None:
             self._maintenance = Maintenance(
-                self.store, self.producer.publish_wakeups, self.settings, flow=self.flow, canvas=self.canvas
+                self.store, self.lifecycle, self.producer.publish_wakeups, self.settings, flow=self.flow
             )
         return self._maintenance
 
@@ -130,6 +134,16 @@ class CeleryLease:
         if self._flow is None:
             self._flow = FlowControl(self.store, self.app, self.producer.publish_wakeups, self.registry, lambda: self.settings)
         return self._flow
+
+    @property
+    def lifecycle(self) -> Pipeline:
+        """Executes the transitions that end jobs outside a worker's attempt (cancel,
+        reap, restart recovery); see celery_lease/lifecycle."""
+        if self._lifecycle is None:
+            self._lifecycle = Pipeline(
+                self.store, self.producer, canvas=self.canvas, flow=self.flow, notify=self._notify_cancelled
+            )
+        return self._lifecycle
 
     @property
     def worker(self) -> WorkerState:
@@ -230,7 +244,28 @@ class CeleryLease:
 
     def task_for(self, kind_or_task: Any) -> LeaseTask:
         """The task of a kind name (raises UnknownKind), or the task itself."""
-        return self._tasks[self.registry.resolve(kind_or_task).kind]
+        return self._tasks[self.resolve(kind_or_task).kind]
+
+    def resolve(self, kind: Any) -> JobKind:
+        """The kind of a name or task, importing the app's task modules first if it is not
+        registered yet (raises UnknownKind when it is not registered there either)."""
+        try:
+            return self.registry.resolve(kind)
+        except UnknownKind:
+            if not self.import_task_modules():
+                raise
+            return self.registry.resolve(kind)
+
+    def import_task_modules(self) -> bool:
+        """Import the modules a worker imports before taking work (``include``, ``imports``,
+        ``autodiscover_tasks()`` packages, with Django's setup first), so the kinds they
+        declare are registered here too (the CLI, a web process). Once per process;
+        returns False when already done."""
+        if self._task_modules_imported:
+            return False
+        self._task_modules_imported = True
+        self.app.loader.import_default_modules()
+        return True
 
     @property
     def kinds(self) -> list[str]:
@@ -282,23 +317,28 @@ class CeleryLease:
     def cancel(self, job_id: str) -> bool:
         """Cancel a pending or running job at once; False when it is already terminal
         or unknown. A running handler learns at its next heartbeat (sooner when the
-        broker can carry the notice) and its later writes are discarded."""
-        job_id = parse_job_id(job_id)
-        endings = self.canvas.endings(CANCELLED)  # its errbacks and chord, in the cancel's transaction
-        cancelled = self.store.cancel(job_id=job_id, ended=endings.write)
-        self._notify_cancelled([str(r["id"]) for r in cancelled])
-        endings.send()
-        self.flow.release(cancelled)  # a cancelled running job frees its slot at once
-        return bool(cancelled)
+        broker can carry the notice) and its later writes are discarded. Its errbacks
+        fire and a running job's slot is freed (the ``cancel`` transition)."""
+        return bool(self.lifecycle.execute(tr.CANCEL, build={"job_id": parse_job_id(job_id)}))
 
     def cancel_run(self, run_id: str) -> int:
         """Cancel every non-terminal job of a run; the run accepts no new jobs."""
-        endings = self.canvas.endings(CANCELLED, run_cancelled=True)
-        cancelled = self.store.cancel(run_id=parse_job_id(run_id), ended=endings.write)
-        self._notify_cancelled([str(r["id"]) for r in cancelled])
-        endings.send()
-        self.flow.release(cancelled)
-        return len(cancelled)
+        run_id = parse_job_id(run_id)
+        store = self.store
+
+        def mark_run(conn) -> None:
+            store.mark_run_cancelled(conn, run_id)
+
+        return len(self.lifecycle.execute(tr.CANCEL, build={"run_id": run_id}, before=mark_run, run_cancelled=True))
+
+    def _revoke(self, job_ids: list[str]) -> list[str]:
+        """A revoke broadcast's job ids (valid UUIDs): those of this app's leased tasks
+        are cancelled, in one statement. Returns the ids cancelled."""
+        tasks = [spec.task for spec in self.registry]
+        if not tasks:
+            return []
+        rows = self.lifecycle.execute(tr.REVOKE, build={"ids": job_ids, "tasks": tasks})
+        return [str(r["id"]) for r in rows]
 
     def _notify_cancelled(self, job_ids: list[str]) -> None:
         # Best-effort: the table already says cancelled; heartbeats enforce it.
@@ -312,14 +352,15 @@ class CeleryLease:
     def pause(self, kind: Any) -> bool:
         """Claim no job of ``kind`` until resume (stored in the database: survives
         restarts); running jobs finish. False when it was already paused."""
-        return self.flow.pause(kind)
+        return self.flow.pause(self.resolve(kind).kind)
 
     def resume(self, kind: Any) -> int:
         """Claim ``kind`` again and wake the jobs its pause held; returns how many."""
-        return self.flow.resume(kind)
+        return self.flow.resume(self.resolve(kind).kind)
 
     def limits(self, tenant: str | None = None) -> list[dict]:
         """Per kind and key: limits, pause, and jobs running or waiting on each."""
+        self.import_task_modules()  # every kind the workers run, not only those imported here
         return self.flow.overview(tenant)
 
     def run_events(self, run_id: str, **kw) -> list[dict]:
