@@ -19,6 +19,7 @@ from celery import Task
 from celery.exceptions import Ignore
 
 from celery_lease import grouping, tracing
+from celery_lease.errors import JobRefused
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 from celery_lease.results import LeaseBackend, LeaseResult
@@ -126,6 +127,9 @@ class LeaseTask(Task):
     #: instead re-deliver the message after the visibility timeout for nothing.
     acks_late = False
     typing = False
+    #: Expected outcomes: Celery logs them at INFO without a traceback (a Failure is the
+    #: handler's decision, not a crash for Sentry). Spent retries stay JobFailed: ERROR.
+    throws = (JobRefused,)
 
     # Set per handler by CeleryLease.job():
     spec: JobKind
