@@ -228,7 +228,7 @@ def test_the_cancel_notice_listener_outlives_hostile_notices(pg, broker, client_
 # --- the maintenance queue -----------------------------------------------------------------
 
 
-def test_an_undecodable_message_on_the_maintenance_queue_is_dropped(pg, broker, client_app, workers):
+def test_an_undecodable_message_on_the_maintenance_queue_is_dropped(pg, broker, client_app, workers, make_job):
     """Found with finding 2 (signed messages): before, a message the app does not accept
     (pickle here; an unsigned one under task_serializer="auth") raised in the maintenance
     consumer, which reconnected and got the same unacked message back first, for ever:
@@ -242,6 +242,11 @@ def test_an_undecodable_message_on_the_maintenance_queue_is_dropped(pg, broker, 
         producer = Producer(conn)
         producer.publish({"x": 1}, serializer="pickle", exchange=queue.exchange, routing_key="celery_lease", declare=[queue])
     wait_for(lambda: "undecodable message" in w.log() or "reconnecting" in w.log(), timeout=30, what="the message consumed")
+    # A lease that elapsed: only a reap tick (no beat runs here) takes it back.
+    job = make_job(
+        pg, status="running", attempt=1, lease_owner="gone@host/1/boot", lease_expires_at=sa.text("now() - interval '1 minute'")
+    )
     mod.app.send_task("celery_lease.reap", queue="celery_lease")
-    wait_for(lambda: "maintenance tick celery_lease.reap done" in w.log(), timeout=30, what="a reap tick to run after it")
+    wait_for(lambda: _rows(pg)[0]["status"] != "running", timeout=30, what="a reap tick to run after it")
+    assert [r["id"] for r in _rows(pg)] == [job]
     assert "reconnecting" not in w.log()
