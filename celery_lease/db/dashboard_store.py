@@ -100,6 +100,10 @@ class DashboardStore:
 
         return self._read(work)
 
+    def rate_budgets(self) -> dict[str, dict[str, Any]]:
+        """Kind -> its rate, window and the claims counted in the current window."""
+        return {r["kind"]: r for r in self._rows(dq.rate_budgets())}
+
     # --- workers, leases, reconciliation ------------------------------------------------------
 
     def leases(self, *, tenant: str | None, limit: int) -> dict[str, Any]:

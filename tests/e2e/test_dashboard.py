@@ -167,6 +167,18 @@ def test_a_tenant_token_sees_only_its_tenant(browser, server, pg, make_job):
         assert browser.find_element(By.TAG_NAME, "h1").text == "no such job"
     browser.get(f"{server.url}/dashboard/jobs/{mine}")
     assert browser.find_element(By.ID, "job-status").text == "pending"
+    # Kinds and the broker are shared by every tenant: a tenant's token steers neither.
+    browser.get(server.url + "/dashboard/kinds")
+    assert not browser.find_elements(By.CLASS_NAME, "kind-action")
+    with _session(server, ACME) as http:
+        token = _csrf(http)
+        assert http.post("/dashboard/kinds/echo/pause", data={"csrf": token}).status_code == 403
+        assert http.post("/dashboard/reconcile/sweep", data={"csrf": token}).status_code == 403
+        assert http.post(f"/dashboard/jobs/{other}/cancel", data={"csrf": token}).status_code == 404
+        assert http.get("/dashboard/bulk?action=cancel&tenant=globex").text.count('data-count="1"') == 1  # its own job only
+    assert _row(pg, other)["status"] == "pending"
+    with sa.create_engine(pg).connect() as conn:
+        assert conn.execute(sa.select(pauses.c.kind)).scalars().all() == []
 
 
 def test_nothing_is_served_without_signing_in(server, pg, make_job):
@@ -184,6 +196,11 @@ def test_nothing_is_served_without_signing_in(server, pg, make_job):
         http.cookies.set("celery_lease_session", "e30.AAAA", path="/dashboard")
         assert http.get("/dashboard/jobs").status_code == 303
         assert http.post("/dashboard/login", data={"token": "not-a-token"}).status_code == 401
+        # Guessing tokens on the form is throttled per address (5 a second, bursts of 10).
+        answers = [http.post("/dashboard/login", data={"token": f"guess-{i}"}) for i in range(30)]
+        assert {r.status_code for r in answers} == {401, 429}
+        assert int(next(r for r in answers if r.status_code == 429).headers["Retry-After"]) >= 1
+        wait_for(lambda: http.post("/dashboard/login", data={"token": "x"}).status_code == 401, what="the throttle to refill")
     assert _status(pg, job) == "pending"
 
 
@@ -319,3 +336,56 @@ def test_reconciliation_shows_the_broker_beside_the_table_and_resends_wakeups(se
         assert r.status_code == 303 and "sent=" in r.headers["location"]
     assert lost in _queued(broker)
     assert _row(pg, lost)["woken_at"] is not None
+
+
+def test_the_live_page_updates_without_a_reload(browser, server, pg, make_job):
+    make_job(pg, kind="echo", status="succeeded", attempt=1, started_at=sa.func.now(), finished_at=sa.func.now())
+    sign_in(browser, server, ADMIN)
+    browser.get(server.url + "/dashboard/live")
+    row = "#live tr[data-kind='echo']"
+    _wait(browser, ec.presence_of_element_located((By.CSS_SELECTOR, row)))
+    cells = browser.find_elements(By.CSS_SELECTOR, f"{row} td")
+    assert cells[2].text.endswith(" 1")  # succeeded in the window
+    browser.execute_script("window.notReloaded = true")
+    make_job(pg, kind="echo", status="succeeded", attempt=1, started_at=sa.func.now(), finished_at=sa.func.now())
+    # The script polls live.json every 5 s and redraws the table in place.
+    _wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, f"{row} td")[2].text.endswith(" 2"), timeout=15)
+    assert browser.execute_script("return window.notReloaded") is True
+
+
+def test_the_workers_page_shows_leases_about_to_lapse(server, pg, make_job):
+    def lease(owner: str, seconds_left: int) -> str:
+        expires = sa.func.now() + sa.text(f"interval '{seconds_left} seconds'")
+        return make_job(
+            pg,
+            status="running",
+            attempt=1,
+            lease_owner=owner,
+            lease_seconds=30,
+            lease_expires_at=expires,
+            started_at=sa.func.now(),
+        )
+
+    fresh, lapsing, lapsed = lease("w1@h/10/b", 28), lease("w1@h/10/b", 5), lease("w2@h/20/b", -3)
+    with _session(server) as http:
+        page = http.get("/dashboard/workers").text
+    owners = re.search(r'<table id="owners">(.*?)</table>', page, re.S).group(1)
+    assert re.search(r"<td>w1@h</td><td>10</td>.*?<td class=\"num\">2</td>", owners, re.S)
+    assert re.search(r"<td>w2@h</td><td>20</td>.*?<td class=\"num\">1</td>", owners, re.S)
+    found = re.findall(r'<tr class="lease-(\w+)"><td class="id"><a href="/dashboard/jobs/([0-9a-f-]+)"', page)
+    # Soonest to lapse first.
+    assert [(job, state) for state, job in found] == [(lapsed, "lapsed"), (lapsing, "lapsing"), (fresh, "ok")]
+
+
+def test_the_kinds_page_shows_a_rate_budget(server, pg):
+    from celery_lease.db.schema import limits
+
+    with sa.create_engine(pg).begin() as conn:
+        window = conn.execute(sa.text("SELECT floor(extract(epoch from now()) / 3600)::bigint")).scalar_one()
+        row = {"kind": "echo", "rate": 20, "per_seconds": 3600, "rate_claims": 7, "updated_at": sa.func.now()}
+        conn.execute(limits.insert().values(**row, rate_window=window))
+        conn.execute(limits.insert().values(**{**row, "kind": "steps"}, rate_window=window - 1))  # an older window
+    with _session(server) as http:
+        page = http.get("/dashboard/kinds").text
+    budgets = dict(re.findall(r'<tr data-kind="(\w+)">.*?rate-budget">([^<]*)<', page, re.S))
+    assert budgets == {"echo": "7 of 20 used this window", "steps": "0 of 20 used this window"}

@@ -25,7 +25,8 @@ from sqlalchemy.sql.dml import ReturningDelete
 from sqlalchemy.sql.functions import FunctionElement
 
 from celery_lease.db.queries import db_now, db_now_plus, epoch_seconds
-from celery_lease.db.schema import events, jobs
+from celery_lease.db.schema import events, jobs, limits
+from celery_lease.flow.statements import rate_window_now
 from celery_lease.status import TERMINAL, Status
 
 _c = jobs.c
@@ -218,6 +219,15 @@ def recent_finishes(tenant: str | None) -> sa.Select:
 @functools.cache
 def database_now() -> sa.Select:
     return sa.select(db_now(), minute_of(db_now()))
+
+
+@functools.cache
+def rate_budgets() -> sa.Select:
+    """rate_budgets: per rate-limited kind, its rate and the claims its current window
+    has counted (0 when no claim opened this window yet)."""
+    current = limits.c.rate_window == rate_window_now(limits.c.per_seconds)
+    used = sa.case((current, limits.c.rate_claims), else_=0).label("used")
+    return sa.select(limits.c.kind, limits.c.rate, limits.c.per_seconds, used).where(limits.c.rate.is_not(None))
 
 
 # --- workers, leases and reconciliation -----------------------------------------------------

@@ -119,8 +119,10 @@ def register(app: FastAPI, board: Board) -> None:
     @app.get("/kinds", response_class=HTMLResponse)
     def kinds(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:
         rows = leases.limits(tenant=viewer.tenant)
+        budgets = board.store.rate_budgets()
         for i, r in enumerate(rows):  # the kind's pause button goes on its first row
             r["first"] = i == 0 or rows[i - 1]["kind"] != r["kind"]
+            r["budget"] = budgets.get(r["kind"]) if r["rate_limit"] and r["first"] else None
         return board.render(request, "kinds.html", viewer, rows=rows)
 
     async def flow(request: Request, viewer: Viewer, kind: str, pause: bool) -> Response:
