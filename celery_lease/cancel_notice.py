@@ -114,7 +114,7 @@ def parse(data: Any) -> set[str] | None:
         return None
     try:
         ids = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
         return None
     if not isinstance(ids, list) or not 0 < len(ids) <= MAX_IDS:
         return None
@@ -133,6 +133,8 @@ class Listener:
     def __init__(self, wake: Callable[[], None], held: Callable[[], Iterable[str]]) -> None:
         self._wake = wake
         self._held = held
+        self._thread: threading.Thread | None = None
+        self._target: tuple[str, str] | None = None  # (Redis URL, channel) once started
         self.received = 0
         self.ignored = 0  # malformed, or naming no job held here
         self.dropped = 0  # over the rate
@@ -142,8 +144,34 @@ class Listener:
         self._reported = (0, 0)
         self._reported_at = 0.0
 
+    def start(self, url: str, name: str) -> None:
+        self._target = (url, name)
+        self.ensure_running()
+
+    def ensure_running(self) -> bool:
+        """Start the listening thread again if it ever ended; True when it was restarted.
+        (Its loop outlives any notice and any error; this covers what cannot be caught.)"""
+        if self._target is None or (self._thread is not None and self._thread.is_alive()):
+            return False
+        restarted = self._thread is not None
+        if restarted:
+            log.warning("celery-lease: the cancel-notice listener had stopped; restarted")
+        url, name = self._target
+        self._thread = threading.Thread(target=_listen, args=(url, name, self), name="celery-lease-cancel-notice", daemon=True)
+        self._thread.start()
+        return restarted
+
     def handle(self, data: Any) -> bool:
-        """One notice; True when it woke the heartbeat."""
+        """One notice; True when it woke the heartbeat. Never raises: a notice is
+        untrusted input, and the listener must outlive any of them."""
+        try:
+            return self._handle(data)
+        except Exception:
+            log.exception("celery-lease: a cancel notice could not be handled; ignored")
+            self.ignored += 1
+            return False
+
+    def _handle(self, data: Any) -> bool:
         self.received += 1
         ids = parse(data)
         if not ids or ids.isdisjoint(self._held()):
@@ -192,9 +220,7 @@ def listen(
         notice_amqp.listen(amqp, channel_name or channel(amqp, None), listener.handle, RECONNECT_SECONDS)
         return listener
     listener = Listener(wake, held)
-    name = channel_name or channel(url, None)
-    thread = threading.Thread(target=_listen, args=(url, name, listener), name="celery-lease-cancel-notice", daemon=True)
-    thread.start()
+    listener.start(url, channel_name or channel(url, None))
     return listener
 
 
@@ -211,6 +237,10 @@ def _listen(url: str, name: str, listener: Listener) -> None:
                     listener.handle(message.get("data"))
         except redis.RedisError:
             pass  # Redis restarting: the heartbeat covers the gap
+        except Exception:
+            # Whatever it was, listening goes on: a listener that died would leave
+            # every later cancel to the heartbeat, in every worker.
+            log.exception("celery-lease: the cancel-notice listener failed; reconnecting")
         finally:
             client.close()
         time.sleep(RECONNECT_SECONDS)

@@ -103,6 +103,10 @@ KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, 
 TCP_USER_TIMEOUT_MS = 60_000
 
 
+#: Query-string parameters of a database URL that carry a secret (libpq accepts both).
+SECRET_QUERY_KEYS = frozenset({"password", "sslpassword"})
+
+
 class Database:
     """One job database: its engines, pooled connections and transactions."""
 
@@ -176,7 +180,10 @@ class Database:
 
     @property
     def display_url(self) -> str:
-        return self.url.render_as_string(hide_password=True)
+        """The URL for messages and logs: the password masked, whether it is in the
+        userinfo or in the query string (``?password=``, libpq's ``sslpassword``)."""
+        secret = {k: "***" for k in self.url.query if k.lower() in SECRET_QUERY_KEYS}
+        return self.url.update_query_dict(secret).render_as_string(hide_password=True)
 
     def _create_engine(self, *, fast: bool, single: bool, heartbeat: bool) -> Engine:
         kwargs: dict[str, Any] = {}
@@ -288,13 +295,19 @@ class Database:
                         on_retry()
                     time.sleep(0.05 * attempt)
                     continue
-                if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
-                    log.warning("celery-lease: database error: %s", exc.orig)
-                    raise DatabaseUnavailable(
-                        f"cannot reach the job database {self.display_url} ({self.source}): {type(exc.orig).__name__}"
-                    ) from None
-                raise
+                raise self.translate(exc) from None
         raise AssertionError("unreachable")
+
+    def translate(self, exc: sa_exc.DBAPIError) -> Exception:
+        """A database error as the caller sees it: DatabaseUnavailable, naming the
+        setting and never the driver's text, for a lost or refusing server (a lock
+        timeout included); the error itself otherwise."""
+        if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+            log.warning("celery-lease: database error: %s", exc.orig)
+            return DatabaseUnavailable(
+                f"cannot reach the job database {self.display_url} ({self.source}): {type(exc.orig).__name__}"
+            )
+        return exc
 
     def execute_prepared(
         self, stmt: Prepared, params: dict[str, Any], *, fast: bool = False, on_retry: Callable[[], None] | None = None

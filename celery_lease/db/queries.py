@@ -120,6 +120,21 @@ _RUNNING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.RUNNING.value}'")
 
 #: What is needed to (re)publish a job's wakeup.
 WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
+#: What a transition that moves a job out of running or pending returns: the wakeup, the
+#: run event, an ended job's canvas (its errbacks) and its flow-control group
+#: (celery_lease/lifecycle).
+ENDED_COLUMNS = (
+    _c.id,
+    _c.status,
+    _c.run_id,
+    _c.attempt,
+    _c.task,
+    _c.queue,
+    _c.tenant,
+    _c.canvas,
+    _c.kind,
+    _c.concurrency_key,
+)
 #: What FlowControl.release needs of a job that left running (or pending): its kind,
 #: its concurrency key, and ``limited``: its kind has a limits row (only those can
 #: hold jobs for a free slot). A statement that ends jobs returns these.
@@ -303,9 +318,40 @@ def get_job_view(job_id: str, *, tenant: str | None = None) -> sa.Select:
     return stmt if tenant is None else stmt.where(_c.tenant == tenant)
 
 
-def list_job_views(**filters: Any) -> sa.Select:
-    """list_job_views: list_jobs selecting only the API columns."""
-    return list_jobs(columns=VIEW_COLUMNS, **filters)
+class json_bytes(FunctionElement):
+    """The size in bytes of a JSON column's stored text (NULL for NULL)."""
+
+    type = sa.Integer()
+    inherit_cache = True
+
+
+@compiles(json_bytes)
+def _json_bytes_default(element, compiler, **kw):
+    (value,) = element.clauses
+    return f"octet_length(CAST({compiler.process(value, **kw)} AS TEXT))"
+
+
+@compiles(json_bytes, "sqlite")
+def _json_bytes_sqlite(element, compiler, **kw):
+    (value,) = element.clauses
+    return f"length(CAST({compiler.process(value, **kw)} AS BLOB))"
+
+
+def _bounded(column: Any, max_bytes: int) -> tuple[Any, Any]:
+    """``column`` when its JSON text is at most ``max_bytes`` (else NULL), and its size:
+    a list page never reads a large value out of the table."""
+    size = json_bytes(column)
+    return sa.case((size <= max_bytes, column), else_=sa.null()).label(column.name), size.label(f"{column.name}_bytes")
+
+
+def list_job_summaries(*, max_value_bytes: int, **filters: Any) -> sa.Select:
+    """list_job_summaries: list_jobs with the API columns, ``result`` and ``progress``
+    only when their JSON text is at most ``max_value_bytes`` (NULL otherwise), and
+    their sizes (``result_bytes``, ``progress_bytes``)."""
+    result, result_bytes = _bounded(_c.result, max_value_bytes)
+    progress, progress_bytes = _bounded(_c.progress, max_value_bytes)
+    columns = [c for c in VIEW_COLUMNS if c.name not in ("result", "progress")]
+    return list_jobs(columns=(*columns, result, result_bytes, progress, progress_bytes), **filters)
 
 
 def run_visible(run_id: str, *, tenant: str | None = None) -> sa.Select:
@@ -491,6 +537,7 @@ def complete_job() -> sa.Update:
             updated_at=db_now(),
             **_lease_cleared,
         )
+        .returning(*ENDED_COLUMNS)
     )
 
 
@@ -554,6 +601,7 @@ def fail_job() -> sa.Update:
             updated_at=db_now(),
             **_lease_cleared,
         )
+        .returning(*ENDED_COLUMNS)
     )
 
 
@@ -570,6 +618,7 @@ def retry_job() -> sa.Update:
             updated_at=db_now(),
             **_lease_cleared,
         )
+        .returning(*ENDED_COLUMNS)
     )
 
 
@@ -591,7 +640,7 @@ def hand_off_job() -> sa.Update:
             updated_at=db_now(),
             **_lease_cleared,
         )
-        .returning(*WAKEUP_COLUMNS)
+        .returning(*ENDED_COLUMNS)
     )
 
 
@@ -616,16 +665,26 @@ def snooze_job() -> sa.Update:
             updated_at=db_now(),
             **_lease_cleared,
         )
-        .returning(*WAKEUP_COLUMNS)
+        .returning(*ENDED_COLUMNS)
     )
 
 
 # --- revoking statements (producer, beat, worker start) -------------------------------
 
 
-def cancel_jobs(*, job_id: str | None = None, run_id: str | None = None) -> sa.Update:
-    """cancel_jobs: pending/running -> cancelled at once; revokes any lease."""
-    where = _c.id == job_id if job_id is not None else _c.run_id == run_id
+def cancel_jobs(
+    *, job_id: str | None = None, run_id: str | None = None, ids: Sequence[str] = (), tasks: Sequence[str] = ()
+) -> sa.Update:
+    """cancel_jobs: pending/running -> cancelled at once; revokes any lease. One job, a
+    run's jobs, or (a revoke broadcast) the jobs among ``ids`` whose task is one of
+    ``tasks``: one statement whatever the number of ids, an id that is no job costs an
+    index probe. Returns, per cancelled job, what its follow-ups need (REQUEUED_COLUMNS)."""
+    if job_id is not None:
+        where = _c.id == job_id
+    elif run_id is not None:
+        where = _c.run_id == run_id
+    else:
+        where = sa.and_(_c.id.in_(list(ids)), _c.task.in_(list(tasks)))
     return (
         sa.update(jobs)
         .where(where, _c.status.in_(_ACTIVE))
@@ -636,7 +695,7 @@ def cancel_jobs(*, job_id: str | None = None, run_id: str | None = None) -> sa.U
             updated_at=db_now(),
             **_lease_cleared,
         )
-        .returning(_c.id, _c.run_id, _c.attempt, _c.tenant, _c.canvas, *RELEASE_COLUMNS)
+        .returning(*REQUEUED_COLUMNS)
     )
 
 
@@ -701,15 +760,8 @@ def _picked(batch: sa.CTE, dialect: str) -> sa.ColumnElement[bool]:
 #: job's canvas (its errbacks), and what FlowControl.release needs (RELEASE_COLUMNS),
 #: so the caller frees slots without reading the jobs again.
 REQUEUED_COLUMNS = (
-    _c.id,
-    _c.status,
-    _c.run_id,
-    _c.attempt,
-    _c.task,
-    _c.queue,
-    _c.tenant,
-    _c.canvas,
-    *RELEASE_COLUMNS,
+    *ENDED_COLUMNS,
+    RELEASE_COLUMNS[-1],
 )
 
 
@@ -906,3 +958,35 @@ def job_results(ids: Sequence[str]) -> sa.Select:
 def make_due() -> sa.Update:
     """make_due: a pending job may be claimed now (eager mode runs retries at once)."""
     return sa.update(jobs).where(_c.id == sa.bindparam("job_id"), _c.status == Status.PENDING.value).values(run_after=None)
+
+
+# --- a transaction's fate after a lost reply (celery_lease/db/landing.py) -------------
+
+
+@functools.cache
+def transaction_mark(lock_timeout: bool) -> sa.Select:
+    """The current transaction's id (as text: an xid8) and its server process, taken
+    before COMMIT so a lost reply can be settled by asking the server; with
+    ``lock_timeout``, also ``SET LOCAL lock_timeout = :lock_timeout_ms`` in the same
+    round trip (background transitions never wait on a row lock for long)."""
+    columns: list[Any] = [sa.cast(sa.func.pg_current_xact_id(), sa.Text), sa.func.pg_backend_pid()]
+    if lock_timeout:
+        columns.append(sa.func.set_config("lock_timeout", sa.cast(sa.bindparam("lock_timeout_ms"), sa.Text), True))
+    return sa.select(*columns)
+
+
+@functools.cache
+def transaction_status() -> sa.TextClause:
+    """'committed', 'aborted' or 'in progress' of transaction :xid (NULL: too old to know)."""
+    return sa.text("SELECT pg_xact_status(CAST(:xid AS xid8))")
+
+
+@functools.cache
+def end_stranded_transaction() -> sa.TextClause:
+    """Terminate server process :pid if it still runs transaction :xid (its client lost
+    the connection before COMMIT was sent or answered, and the server has not noticed):
+    the transaction then aborts, so its fate is known. A role may end its own sessions."""
+    return sa.text(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+        " WHERE pid = :pid AND backend_xid IS NOT NULL AND backend_xid::text = :xid32"
+    )

@@ -4,7 +4,8 @@ It runs them on a :class:`~celery_lease.db.engine.Database` (engines, transactio
 prepared statements) and turns rows into :class:`~celery_lease.job.Job` values. Run
 events are built here, in :meth:`Store.log_events`, and nowhere else, but by the
 PostgreSQL statements that write their own (claim.claim_job_logged,
-queries.reap_expired_logged: the same rows, in the same statement).
+queries.reap_expired_logged: the same rows, in the same statement). The transitions
+that end attempts or jobs are executed by celery_lease/lifecycle, not here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -28,10 +30,6 @@ from celery_lease.job import Job
 from celery_lease.status import Event, Status
 
 log = logging.getLogger("celery_lease")
-
-
-#: Called inside a transition's transaction with the rows of the jobs it ended.
-Ended = Callable[[Connection, Sequence[Any]], None]
 
 
 def _event_source(job: Any) -> tuple[Any, Any, int]:
@@ -82,8 +80,9 @@ class Store(Reads, Chords, Database):
             return [Job.from_row(r) for r in result.mappings()]
 
         # The INSERT is one statement: outside a caller's transaction it commits alone.
-        inserted = self.transaction(self.engine(single=True), work, connection=connection)
-        self._read_back_landed([str(r["id"]) for r in rows], {j.id for j in inserted}, landed, connection)
+        retried: list[bool] = []
+        inserted = self.transaction(self.engine(single=True), work, connection=connection, on_retry=partial(retried.append, True))
+        self._read_back_landed([str(r["id"]) for r in rows], {j.id for j in inserted}, landed, connection, bool(retried))
         return inserted
 
     def insert_job_batch(
@@ -96,12 +95,15 @@ class Store(Reads, Chords, Database):
         text = json.dumps(records, separators=(",", ":"))
         params = {**shared, "jobs": text}
         rows: list[Any]
+        retried: list[bool] = []
+        again = partial(retried.append, True)  # a dropped connection made it try again
         if self._prepared is not None and not keyed and connection is None:
             prepared = self._prepared["insert_batch"]
-            rows = [(r["id"], r["created_at"], r["run_after"]) for r in self.execute_prepared(prepared, params)]
+            rows = [(r["id"], r["created_at"], r["run_after"]) for r in self.execute_prepared(prepared, params, on_retry=again)]
         else:
             stmt = q.insert_job_batch(on_key_conflict_nothing=keyed)
-            rows = self.transaction(self.engine(single=True), lambda c: list(c.execute(stmt, params)), connection=connection)
+            engine = self.engine(single=True)
+            rows = self.transaction(engine, lambda c: list(c.execute(stmt, params)), connection=connection, on_retry=again)
         sent = {str(r["id"]): r for r in json.loads(text)}  # payloads as stored: tuples become lists
         base = Job.pending_fields(shared)
         inserted = []
@@ -109,21 +111,21 @@ class Store(Reads, Chords, Database):
             record = sent[str(job_id)]
             own = {"id": str(job_id), "payload": record["payload"], "idempotency_key": record.get("idempotency_key")}
             inserted.append(Job.of_fields({**base, **own, "created_at": created_at, "run_after": run_after}))
-        self._read_back_landed(list(sent), {j.id for j in inserted}, landed, connection)
+        self._read_back_landed(list(sent), {j.id for j in inserted}, landed, connection, bool(retried))
         return inserted
 
-    def _read_back_landed(self, ids: list[str], inserted: set[str], landed: list[Job] | None, connection) -> None:
-        """Rows an insert did not return although their ids are fresh UUIDs: an earlier
-        try of the same insert committed them before its reply was lost. Read back into
-        ``landed`` (a conflicting idempotency key is not found by id: the caller reads it
-        by key)."""
+    def _read_back_landed(self, ids: list[str], inserted: set[str], landed: list[Job] | None, connection, retried: bool) -> None:
+        """Rows an insert did not return although they exist: an earlier try of it that
+        committed before its reply was lost (``retried``), or ids the caller chose and
+        submitted before (one Celery ``task_id`` applied twice). Read back into ``landed``
+        (a conflicting idempotency key is not found by id: the caller reads it by key)."""
         if len(inserted) == len(ids):
             return
         found = self.get_jobs_by_ids([i for i in ids if i not in inserted], connection=connection)
-        if found:
+        if found and retried:  # else the same ids were simply submitted again: nothing to report
             log.warning("celery-lease: %d job(s) had landed before a lost reply; not inserted again", len(found))
-            if landed is not None:
-                landed.extend(found)
+        if landed is not None:
+            landed.extend(found)
 
     def pending_wakeups(self, ids: Sequence[str]) -> list[dict]:
         return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(q.pending_wakeups(ids)).mappings()])
@@ -285,9 +287,13 @@ class Store(Reads, Chords, Database):
         """Run one guarded write; False when its guard matched no row. Alone (committed
         by itself, asynchronously: progress and checkpoints) unless a ``connection`` is
         given."""
-        return self.transaction(
-            self.engine(fast=True, single=True), lambda conn: conn.execute(stmt, params).rowcount == 1, connection=connection
-        )
+
+        def work(conn: Connection) -> bool:
+            result = conn.execute(stmt, params)
+            # (A statement with RETURNING: SQLite counts its rows only once read.)
+            return (len(result.all()) if result.returns_rows else result.rowcount) == 1
+
+        return self.transaction(self.engine(fast=True, single=True), work, connection=connection)
 
     def log_events(self, conn: Connection | None, entries: Iterable[tuple[Any, Event, str | None]]) -> None:
         """Append run events for jobs that belong to a run; the one place events are built.
@@ -303,48 +309,12 @@ class Store(Reads, Chords, Database):
         if rows:
             self.transaction(self.durable, lambda c: c.execute(q.append_events(), rows), connection=conn)
 
-    # --- revoking statements ---------------------------------------------------------
+    # --- revoking statements (executed by celery_lease/lifecycle) -------------------
 
-    def cancel(self, *, job_id: str | None = None, run_id: str | None = None, ended: Ended | None = None) -> list[dict]:
-        """Cancel a job, or a run and its jobs; ``ended`` gets the cancelled rows in the
-        same transaction (their errbacks and chords: canvas.Endings). Returns the rows
-        cancelled (q.cancel_jobs: ids, and what FlowControl.release needs)."""
-
-        def work(conn):
-            if run_id is not None:
-                conn.execute(q.upsert_run(self.dialect, run_id))
-                conn.execute(q.cancel_run(), {"run_id": run_id})
-            rows = [dict(r) for r in conn.execute(q.cancel_jobs(job_id=job_id, run_id=run_id)).mappings()]
-            self.log_events(conn, [(r, Event.CANCELLED, None) for r in rows])
-            if ended is not None and rows:
-                ended(conn, rows)
-            return rows
-
-        return self.transaction(self.durable, work)
-
-    def _requeue(self, stmt, params: dict, event: Event, cause: str, final: Status, ended: Ended | None) -> list[dict]:
-        def work(conn):
-            rows = [dict(r) for r in conn.execute(stmt, params).mappings()]
-            self.log_events(conn, [(r, event, f"{cause}: {r['status']}") for r in rows])
-            if ended is not None:
-                ended(conn, [r for r in rows if r["status"] == final.value])
-            return rows
-
-        return self.transaction(self.durable, work)
-
-    def reap(self, limit: int, ended: Ended | None = None) -> list[dict]:
-        """Expired leases: requeued, or expired when no attempt is left (``ended``
-        gets those, in the same transaction)."""
-        params = {"limit": limit}
-        if self.dialect != "postgresql":
-            return self._requeue(q.reap_expired(self.dialect), params, Event.REAPED, q.LEASE_EXPIRED, Status.EXPIRED, ended)
-        # One statement that also appends the run events: one round trip per batch
-        # (prepared: a backlog is reaped in many; see queries.reap_expired_logged).
-        return self._maintain("reap", q.reap_expired_logged(), params, ended=ended, final=Status.EXPIRED)
-
-    def recover(self, node: str, boot: str, ended: Ended | None = None) -> list[dict]:
-        stmt = q.recover_restarted(owner_prefix=f"{node}/", owner_boot=f"/{boot}")
-        return self._requeue(stmt, {}, Event.REQUEUED, "interrupted by restart", Status.FAILED, ended)
+    def mark_run_cancelled(self, conn: Connection, run_id: str) -> None:
+        """The run takes no new job (in the transaction that cancels its jobs)."""
+        conn.execute(q.upsert_run(self.dialect, run_id))
+        conn.execute(q.cancel_run(), {"run_id": run_id})
 
     def claim_due_wakeups(self, stale_seconds: float, limit: int) -> list[dict]:
         params = {"stale_seconds": stale_seconds, "limit": limit}
@@ -355,31 +325,13 @@ class Store(Reads, Chords, Database):
             return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
         return self._maintain("sweep", stmt, params)
 
-    def _maintain(
-        self, name: str, stmt, params: dict[str, Any], *, ended: Ended | None = None, final: Status | None = None
-    ) -> list[dict]:
-        """A maintenance statement on PostgreSQL, prepared unless prepare_statements is
-        off: alone in its transaction (autocommit), or, with ``ended``, in one that also
-        runs ``ended`` with the rows that reached ``final`` (their errbacks)."""
+    def _maintain(self, name: str, stmt, params: dict[str, Any]) -> list[dict]:
+        """A maintenance statement on PostgreSQL alone in its transaction (autocommit),
+        prepared unless prepare_statements is off."""
         if self._prepared is None:
-
-            def run(c: Connection) -> list[dict]:
-                return [dict(r) for r in c.execute(stmt, params).mappings()]
-        else:
-            prepared = self._prepared.get(name) or self._prepared.setdefault(name, Prepared(stmt))
-
-            def run(c: Connection) -> list[dict]:
-                return prepared.run(c, params)
-
-        if ended is None:
-            return self.transaction(self.engine(single=True), run)
-
-        def work(c: Connection) -> list[dict]:
-            rows = run(c)
-            ended(c, [r for r in rows if final is not None and r["status"] == final.value])
-            return rows
-
-        return self.transaction(self.durable, work)
+            return self.transaction(self.engine(single=True), lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
+        prepared = self._prepared.get(name) or self._prepared.setdefault(name, Prepared(stmt))
+        return self.transaction(self.engine(single=True), lambda c: prepared.run(c, params))
 
     def prune(self, older_than_seconds: float, limit: int) -> int:
         def work(conn):

@@ -4,13 +4,14 @@
   (celery_lease/green.py); size the connection pools for the worker's concurrency; check the
   database is reachable; exit with one clear line if not.
 - ``worker_ready``: restart recovery, before the worker takes new work.
-- ``task_prerun``: claim the job (one atomic statement) and start its heartbeats.
+- ``task_prerun``: claim the job (one atomic statement) and start its heartbeats; for a
+  plain task, strip tenant and run from the leased signatures its message carries.
 - (the task body): run the handler; record success / failure / retry.
 - ``task_postrun``: stop the attempt's heartbeats; free the exception the body ended with.
 - ``worker_shutting_down``: warm shutdown; handlers stop at their next
   ``raise_if_cancelled()`` and hand their job off.
 - ``worker_process_shutdown`` / ``worker_shutdown``: write batched successes before exit.
-- revoke control command / ``task_revoked``: cancel the job (worker/revoke.py).
+- revoke control command: cancel the jobs, off the consumer (worker/revoke.py).
 
 Celery signals are process-global, so every handler first checks that the sender
 belongs to this CeleryLease's app.
@@ -28,7 +29,7 @@ from celery import Celery, signals
 
 from celery_lease import green, tracing
 from celery_lease.errors import LeaseError
-from celery_lease.worker import events, revoke, shutdown
+from celery_lease.worker import borne, events, revoke, shutdown
 from celery_lease.worker.task import LeaseTask
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def connect(
     size_pools: Callable[[int], None],
     recover: Callable[[str], dict[str, int]],
     worker_state: Callable[[], WorkerState],
-    cancel: Callable[[str], bool],
+    cancel_ids: Callable[[list[str]], list[str]],
 ) -> None:
     """Connect the handlers for ``app``'s leased tasks (those whose ``owner`` is ``owner``)."""
 
@@ -77,8 +78,16 @@ def connect(
         if any(counts.values()):
             log.warning("celery-lease: restart recovery on %s: %s", sender.hostname, counts)
 
+    def leased(name: object) -> bool:
+        return isinstance(name, str) and ours(app.tasks.get(name))
+
     @signals.task_prerun.connect(weak=False)
     def claim(sender=None, task=None, **_):
+        if task is not None and not ours(task) and getattr(task, "app", None) is app:
+            # A plain task: the leased jobs its message's chain or callbacks create
+            # take no tenant or run from that message (worker/borne.py).
+            borne.scrub(task.request, leased)
+            return
         if ours(task):
             request = task.request
             request.lease_attempt = None  # stays None if the claim raises
@@ -121,6 +130,6 @@ def connect(
         worker_state().flush()
 
     app._celery_lease_signal_handlers = (check_database, recover_interrupted, claim, release, suspend, flush)
-    # `celery control revoke` / task_revoked cancel the job; -E reaches the pool processes.
-    revoke.connect(app, ours=ours, cancel=cancel)
+    # `celery control revoke` cancels the job (never a discarded or expired message).
+    revoke.connect(app, ours=ours, cancel_ids=cancel_ids)
     events.connect(app)

@@ -24,7 +24,7 @@ from celery_lease.status import TERMINAL, Event, Status
 
 PAGE = 50
 #: Jobs one page of the list reads at most.
-SCAN = 20_000
+SCAN = 10_000
 #: Characters of a payload or result shown on a job's page.
 SHOW_CHARS = 20_000
 MAX_EVENTS = 500
