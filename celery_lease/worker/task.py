@@ -375,18 +375,20 @@ def run_leased(self: LeaseTask, *args: Any, **kwargs: Any) -> Any:
         return self.eager_runner().run(self.spec, one_payload(self.name, args, kwargs)).bind(self.owner)
     attempt = getattr(self.request, "lease_attempt", None)
     if attempt is None:
-        _announce_if_cancelled(self)
+        _announce_skipped(self)
         raise Ignore()
     events.attempt_started(self, attempt)
     with tracing.current(attempt):  # the handler's spans and the jobs it creates are the attempt's
         value = self.worker_state().execute(self.spec, attempt, self.emit_progress)
     if attempt.outcome is not Outcome.SUCCEEDED:
-        _announce_if_cancelled(self)
+        _announce_skipped(self)
         raise Ignore()
     return value
 
 
-def _announce_if_cancelled(task: LeaseTask) -> None:
+def _announce_skipped(task: LeaseTask) -> None:
+    """Tell Flower why a delivery ran nothing: its job is cancelled, or pending (held by
+    a pause or a limit, or not yet due)."""
     if not events.enabled(task):
         return
     try:
@@ -395,3 +397,5 @@ def _announce_if_cancelled(task: LeaseTask) -> None:
         return
     if job is not None and job.status is Status.CANCELLED:
         events.revoked(task)
+    elif job is not None and job.status is Status.PENDING:
+        events.held(task)
