@@ -387,8 +387,7 @@ def run_leased(self: LeaseTask, *args: Any, **kwargs: Any) -> Any:
 
 
 def _announce_skipped(task: LeaseTask) -> None:
-    """Tell Flower why a delivery ran nothing: its job is cancelled, or pending (held by
-    a pause or a limit, or not yet due)."""
+    """Tell Flower why a delivery ran nothing: cancelled, or pending (held, not yet due)."""
     if not events.enabled(task):
         return
     try:
