@@ -70,7 +70,7 @@ FROM (
 
 FILL_EVENTS = """
 INSERT INTO celery_lease_events (run_id, job_id, event, attempt, detail, created_at)
-SELECT run_id, id, e, 1, CASE WHEN e = 'claimed' THEN 'worker-1/1001/b00t' END,
+SELECT run_id, id, e, (e <> 'dispatched')::int, CASE WHEN e = 'claimed' THEN 'worker-1/1001/b00t' END,
     CASE WHEN e = 'dispatched' THEN created_at WHEN e = 'claimed' THEN started_at ELSE finished_at END
 FROM celery_lease_jobs, unnest(ARRAY['dispatched', 'claimed', status]) AS e
 WHERE run_id IS NOT NULL AND created_at > now() - interval '3 days' AND status <> 'pending'

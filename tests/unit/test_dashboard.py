@@ -116,6 +116,7 @@ def test_attempts_come_from_the_run_events():
     events = [
         _event("dispatched", 0),
         _event("claimed", 1, "w1/10/b1", 1),
+        _event("dispatched", 1, None, 1),  # not an ending, whatever its attempt
         _event("retried", 1, "internal error", 2),
         _event("claimed", 2, "w2/20/b2", 3),
         _event("reaped", 2, "lease expired: pending", 9),
@@ -134,3 +135,19 @@ def test_attempts_come_from_the_run_events():
     assert [(a["attempt"], a["worker"], a["outcome"]) for a in attempts_of(row, [], show_worker=True)] == [
         (3, "w3/1/b", "running")
     ]
+
+
+def test_the_signing_key_comes_from_the_settings_or_is_drawn_per_process(monkeypatch):
+    from celery_lease.errors import ConfigurationError
+    from celery_lease.ops.dashboard.access import load_secret
+
+    monkeypatch.delenv("CELERY_LEASE_DASHBOARD_SECRET", raising=False)
+    assert load_secret({"lease_dashboard_secret": "s" * 16}) == b"s" * 16
+    monkeypatch.setenv("CELERY_LEASE_DASHBOARD_SECRET", "e" * 20)
+    assert load_secret({}) == b"e" * 20
+    monkeypatch.delenv("CELERY_LEASE_DASHBOARD_SECRET")
+    drawn = load_secret({})
+    assert len(drawn) == 32 and drawn != load_secret({})  # random: sessions end with the process
+    for bad in ("short", 12345):
+        with pytest.raises(ConfigurationError, match="lease_dashboard_secret"):
+            load_secret({"lease_dashboard_secret": bad})
