@@ -100,6 +100,18 @@ class FlowControl:
                 result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits, may_adopt=may_adopt)
             if not result.retry:
                 break
+        row = result.row
+        try:
+            self._follow_up(job_id, spec, result)
+        except Exception:
+            # Never fail a delivery whose claim committed (its job would stay running
+            # with no body): what was not woken is the sweeper's to recover.
+            log.warning("celery-lease: job %s (%s): wakeups after the claim not sent; the sweeper will", job_id, spec.kind)
+        return row
+
+    def _follow_up(self, job_id: str, spec: JobKind, result: ClaimResult) -> None:
+        """What a claim's outcome asks to publish: woken jobs, the next window's wakeup,
+        a swapped delivery's job, an early window wakeup again."""
         if result.wake:
             self._publish(result.wake)
         if result.later is not None:
@@ -108,14 +120,12 @@ class FlowControl:
         if row is None:
             if result.held is not None:
                 log.info("celery-lease: job %s (%s): held by its %s", job_id, spec.kind, result.held)
-            elif limits is not None:
+            elif spec.limits is not None:
                 self._spent(job_id)
-            return None
-        if str(row["id"]) != job_id:
+        elif str(row["id"]) != job_id:
             log.info("celery-lease: job %s (%s): claimed higher-priority job %s in its place", job_id, spec.kind, row["id"])
             # The swap never leaves the kind and queue: the claimed row's queue is the delivered job's.
             self._publish([{"id": job_id, "task": spec.task, "queue": row["queue"]}])
-        return row
 
     def _spent(self, job_id: str) -> None:
         """A delivery of a limited kind that claimed nothing and held nothing."""

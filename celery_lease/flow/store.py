@@ -12,6 +12,7 @@ transactions cannot deadlock with each other or with cancel and reap (job rows o
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 
     from celery_lease.db.store import Store
     from celery_lease.flow.limits import Limits
+
+
+log = logging.getLogger("celery_lease.flow")
 
 
 class _NoWakeup(Exception):
@@ -128,9 +132,14 @@ class FlowStore:
             if rate is not None and row.get("window_claims") == 1:
                 # This claim opened a rate window: wake the jobs held for it, and if
                 # that may not be all, one of those left carries the next window's wakeup.
-                result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, None, rate.count - 1))
-                if len(result.wake) == rate.count - 1:
-                    result.later = self._window_wakeup(kind, None)
+                try:
+                    result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, None, rate.count - 1))
+                    if len(result.wake) == rate.count - 1:
+                        result.later = self._window_wakeup(kind, None)
+                except Exception:
+                    # The claim is committed: its job must run. The held jobs wait for
+                    # the sweeper's recovery (stale_held_groups).
+                    log.warning("celery-lease: cannot wake the jobs held for %s's new rate window; the sweeper will", kind)
             return result
         result = self._hold(job_id, task, kind, limits.concurrency)
         if result.held == Held.RATE:

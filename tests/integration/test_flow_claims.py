@@ -261,3 +261,25 @@ def test_a_window_wakeup_delivered_early_is_sent_again_for_the_time_left(pg, bro
     eta = datetime.fromisoformat(again["eta"]).timestamp() - time.time()
     assert left - 5 < eta < left + 5
     assert statuses(pg, [second]) == {second: ("pending", "rate")}
+
+
+# --- #18 item 4: nothing after a committed claim leaves its job without a body ---------------
+
+
+def test_an_unreachable_broker_for_task_events_does_not_orphan_the_claimed_job(pg, client_app):
+    """-E (task events) with the broker unreachable: the task-started event sent after
+    the claim raised, the delivery ended before the body, and the job stayed running
+    with no body until its lease expired. Runs Celery's own tracer (what a pool process
+    runs per message) on a job whose claim commits."""
+    from celery.app.trace import build_tracer
+
+    from tests.conftest import free_port
+
+    dead_broker = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    mod = client_app(pg, dead_broker, conf={"worker_send_task_events": True, "broker_connection_max_retries": 1})
+    job = mod.leases.store.insert_jobs([mod.leases.producer.job_row(mod.echo.spec, {"value": 7}, {})], keyed=False)[0]
+    tracer = build_tracer(mod.echo.name, mod.echo, app=mod.app, eager=False)
+    tracer(job.id, (), {}, {"id": job.id, "delivery_info": {"routing_key": "celery"}, "hostname": "celery@events-test"})
+    mod.leases.worker.flush()  # a success waits a few milliseconds for a batch
+    done = mod.leases.get(job.id)
+    assert (done.status.value, done.attempt) == ("succeeded", 1)
