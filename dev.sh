@@ -77,6 +77,10 @@ ensure_test_tools() {
     || compgen -G '/usr/lib/faketime/libfaketime.so.1' >/dev/null \
     || missing+=(faketime)
   command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
+  # The dashboard's browser tests (tests/e2e/test_dashboard.py) drive Debian's
+  # headless chromium through chromedriver.
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
   if [ ${#missing[@]} -gt 0 ]; then
     apt_install "${missing[@]}"
   fi

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from celery import Celery
 from sqlalchemy import exc as sa_exc
 
-from celery_lease import wakeups
+from celery_lease import tracing, wakeups
 from celery_lease.db.schema import jobs as jobs_table
 from celery_lease.db.store import Store
 from celery_lease.errors import InvalidPayload, LeaseError
@@ -148,6 +148,9 @@ class Producer:
             "canvas": options.get("canvas"),
             "priority": parse_priority(options.get("priority") or 0),
             "held": None,
+            # A job created by a handler carries its attempt's context (the span then
+            # current); a submit's own jobs, its span's (see _write).
+            "trace_context": tracing.carrier(),
         }
 
     def submit_many(
@@ -196,7 +199,7 @@ class Producer:
 
         wanted = [(r["id"], spec.kind, r.get("idempotency_key")) for r in records]
         run_ids = [] if shared["run_id"] is None else [shared["run_id"]]
-        return self._write(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake)
+        return self._write(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake, columns=[shared])
 
     def submit_rows(
         self, rows: list[dict[str, Any]], *, keyed: bool, connection: sa.Connection | None = None, wake: bool = True
@@ -217,9 +220,29 @@ class Producer:
 
         wanted = [(str(r["id"]), r["kind"], r["idempotency_key"]) for r in rows]
         run_ids = list(dict.fromkeys(r["run_id"] for r in rows if r["run_id"] is not None))
-        return self._write(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake)
+        return self._write(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake, columns=rows)
 
     def _write(
+        self,
+        insert: Callable[[sa.Connection | None, list[Job]], list[Job]],
+        wanted: list[tuple[str, str, str | None]],
+        run_ids: list[str],
+        *,
+        keyed: bool,
+        connection: sa.Connection | None,
+        wake: bool,
+        columns: list[dict[str, Any]],
+    ) -> list[Job]:
+        """One submit, inside its PRODUCER span (celery_lease.tracing) when tracing is on:
+        ``columns``, the values ``insert`` binds (the batch's shared ones, or each row),
+        carry that span's context into the rows."""
+        with tracing.producing(wanted, columns) as context:
+            if context is not None:
+                for values in columns:
+                    values["trace_context"] = context
+            return self._store_and_wake(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake)
+
+    def _store_and_wake(
         self,
         insert: Callable[[sa.Connection | None, list[Job]], list[Job]],
         wanted: list[tuple[str, str, str | None]],

@@ -188,6 +188,7 @@ BATCH_SHARED_COLUMNS = (
     "canvas",
     "priority",
     "held",
+    "trace_context",
 )
 #: What differs from job to job of one submit_many: the fields of each record of :jobs.
 BATCH_JOB_FIELDS = ("id", "payload", "idempotency_key", "concurrency_key")

@@ -78,6 +78,9 @@ jobs = sa.Table(
     # What Celery's canvas asked of this job (celery_lease/canvas.py): the rest of its
     # chain, link / link_error signatures, its chord, priority. NULL for a plain submit.
     sa.Column("canvas", JSON),
+    # The submitter's OpenTelemetry context (celery_lease.tracing: JSON of the W3C
+    # traceparent / tracestate headers), parent of every attempt's span. NULL untraced.
+    sa.Column("trace_context", sa.Text),
     sa.CheckConstraint(_in("status", Status), name="celery_lease_jobs_status_check"),
     sa.CheckConstraint("attempt >= 0 AND max_attempts >= 1", name="celery_lease_jobs_attempts_check"),
 )

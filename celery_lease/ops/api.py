@@ -11,6 +11,7 @@ needs the ``api`` extra). Routes::
     GET  /healthz                     200 when the database answers, else 503
     GET  /metrics                     Prometheus text (see celery_lease.metrics)
     GET  /openapi.json                the OpenAPI schema
+    /dashboard                        the dashboard (celery_lease.ops.dashboard)
 
 Tokens. Every ``/api/v1`` route needs ``Authorization: Bearer <token>``. The tokens
 come from ``app.conf.lease_api_tokens``, a dict mapping each token to the tenant it may
@@ -51,7 +52,6 @@ refused before anything is read or changed: no input is a 5xx.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -67,7 +67,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from celery_lease.errors import DatabaseUnavailable
 from celery_lease.job import parse_job_id
 from celery_lease.ops import listing, metrics
-from celery_lease.ops.tokens import TOKENS_ENV, TOKENS_SETTING, load_metrics_token, load_tokens, matches
+from celery_lease.ops.tokens import TOKENS_ENV, TOKENS_SETTING, Grant, load_metrics_token, load_tokens, matches
 from celery_lease.status import Event, Status
 
 if TYPE_CHECKING:
@@ -171,12 +171,13 @@ def _error(status: int, error: str, detail: str | None = None, headers: dict | N
     return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
 
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+_HTTP_CODES = {403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
 _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorOut, "description": "malformed id, status, limit, cursor or parameter"},
     401: {"model": ErrorOut, "description": "missing or unknown bearer token (/metrics: only with lease_metrics_token)"},
+    403: {"model": ErrorOut, "description": "a read-only token asked to change a job"},
     404: {"model": ErrorOut, "description": "no such job or run visible to this token"},
     503: {"model": ErrorOut, "description": "the job database cannot be reached, or is not migrated"},
 }
@@ -187,10 +188,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 JOB_ID = Path(description="the job's id, a UUID", json_schema_extra={"format": "uuid"})
 
 
-@dataclasses.dataclass(frozen=True)
-class Caller:
-    #: The one tenant this caller may see; None means every tenant.
-    tenant: str | None
+#: The grant of the token a request carried (tenant, read-only).
+Caller = Grant
 
 
 def _parse_id(value: str, what: str) -> str:
@@ -270,9 +269,9 @@ def create_app(leases: CeleryLease) -> FastAPI:
         match = None
         # compare_digest against every token: the time taken does not depend on how
         # much of a token was guessed right, nor on which one matched.
-        for token, tenant in tokens.items():
+        for token, grant in tokens.items():
             if matches(credentials.credentials, token):
-                match = Caller(tenant)
+                match = grant
         if match is None:
             raise ApiError(401, "unauthorized")
         return match
@@ -293,6 +292,8 @@ def create_app(leases: CeleryLease) -> FastAPI:
         finished (its status is unchanged). Query parameters the route does not declare
         are refused (400)."""
         job = visible_job(job_id, who)
+        if who.read_only:
+            raise ApiError(403, "forbidden", "this token is read-only")
         cancelled = leases.cancel(job["id"])
         now = leases.store.get_view(job["id"]) or job
         return {"id": job["id"], "cancelled": cancelled, "status": now["status"]}
@@ -356,7 +357,7 @@ def create_app(leases: CeleryLease) -> FastAPI:
     def scraper(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
         offered = "" if credentials is None else credentials.credentials
         # The metrics token, or an API token bound to no tenant (metrics span tenants).
-        allowed = [str(metrics_token), *(t for t, tenant in tokens.items() if tenant is None)]
+        allowed = [str(metrics_token), *(t for t, grant in tokens.items() if grant.tenant is None)]
         if not any([matches(offered, token) for token in allowed]):
             raise ApiError(401, "unauthorized")
 
@@ -374,7 +375,18 @@ def create_app(leases: CeleryLease) -> FastAPI:
     def prometheus():
         return Response(scrapes.render(), media_type=metrics.CONTENT_TYPE)
 
+    _mount_dashboard(api, leases, tokens)
     return api
+
+
+def _mount_dashboard(api: FastAPI, leases: CeleryLease, tokens: dict[str, Grant]) -> None:
+    """The dashboard at /dashboard (celery_lease.ops.dashboard), when Jinja2 is installed."""
+    try:
+        from celery_lease.ops.dashboard import create_dashboard
+    except ImportError:  # an api extra installed before the dashboard needed jinja2
+        log.warning("celery-lease: no dashboard at /dashboard: it needs jinja2 (pip install 'celery-lease[api]')")
+        return
+    api.mount("/dashboard", create_dashboard(leases, tokens))
 
 
 def serve(leases: CeleryLease, host: str, port: int) -> None:

@@ -1,11 +1,22 @@
-"""Bearer tokens of the HTTP API and of its /metrics route, from app.conf or the
-environment (see :mod:`celery_lease.ops.api` for what each one may see)."""
+"""Bearer tokens of the HTTP API, the dashboard and the /metrics route, from app.conf or
+the environment (see :mod:`celery_lease.ops.api` for what each one may see).
+
+A token maps to the tenant it may see (None: every tenant), or to an object saying so
+and whether it may only look::
+
+    {"ops-7f3a...": None, "acme-91bc...": "acme",
+     "oncall-5d2e...": {"tenant": None, "read_only": true}}
+
+A read-only token sees what its tenant allows and changes nothing: the API's cancel and
+every dashboard action answer it 403.
+"""
 
 from __future__ import annotations
 
 import hmac
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from celery_lease.errors import ConfigurationError
@@ -16,8 +27,28 @@ METRICS_TOKEN_SETTING = "lease_metrics_token"
 METRICS_TOKEN_ENV = "CELERY_LEASE_METRICS_TOKEN"
 
 
-def load_tokens(app_conf: Any) -> dict[str, str | None]:
-    """Token -> tenant (None: every tenant), from app.conf or the environment."""
+@dataclass(frozen=True)
+class Grant:
+    """What one token may do."""
+
+    #: The one tenant it may see; None means every tenant.
+    tenant: str | None = None
+    #: True: it sees, but cannot cancel, retry, delete, pause or resume anything.
+    read_only: bool = False
+
+
+def _grant(value: Any) -> Grant | None:
+    if value is None or isinstance(value, str):
+        return Grant(value)
+    if isinstance(value, dict) and set(value) <= {"tenant", "read_only"}:
+        tenant, read_only = value.get("tenant"), value.get("read_only", False)
+        if (tenant is None or isinstance(tenant, str)) and isinstance(read_only, bool):
+            return Grant(tenant, read_only)
+    return None
+
+
+def load_tokens(app_conf: Any) -> dict[str, Grant]:
+    """Token -> its Grant, from app.conf or the environment."""
     tokens = app_conf.get(TOKENS_SETTING) if app_conf is not None else None
     source = f"app.conf.{TOKENS_SETTING}"
     if tokens is None and os.environ.get(TOKENS_ENV):
@@ -30,11 +61,12 @@ def load_tokens(app_conf: Any) -> dict[str, str | None]:
             ) from None
     if tokens is None:
         return {}
-    if not isinstance(tokens, dict) or not all(
-        isinstance(t, str) and t and (v is None or isinstance(v, str)) for t, v in tokens.items()
-    ):
-        raise ConfigurationError(f"{source} must map non-empty token strings to a tenant name or None")
-    return dict(tokens)
+    grants = {t: _grant(v) for t, v in tokens.items()} if isinstance(tokens, dict) else None
+    if grants is None or not all(isinstance(t, str) and t and g is not None for t, g in grants.items()):
+        raise ConfigurationError(
+            f'{source} must map non-empty token strings to a tenant name, None, or {{"tenant": ..., "read_only": true}}'
+        )
+    return {t: g for t, g in grants.items() if g is not None}
 
 
 def load_metrics_token(app_conf: Any) -> str | None:

@@ -85,6 +85,11 @@ class Attempt:
     kind: str = ""
     #: What a concurrency limit counts this job under (its kind's key function, at submit).
     concurrency_key: str | None = None
+    queue: str | None = None
+    #: The submit's trace context stored with the job, and this attempt's span
+    #: (celery_lease.tracing); the span is None while tracing is off.
+    trace_context: str | None = None
+    span: Any = None
 
     @classmethod
     def from_claim(cls, job_id: str, row: dict[str, Any], *, sent_at: float | None = None) -> Attempt:
@@ -104,6 +109,8 @@ class Attempt:
             canvas=row.get("canvas"),
             kind=row.get("kind", ""),
             concurrency_key=row.get("concurrency_key"),
+            queue=row.get("queue"),
+            trace_context=row.get("trace_context"),
         )
 
     @property

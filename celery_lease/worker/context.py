@@ -95,6 +95,14 @@ class JobContext:
         return self._attempt.parent_id
 
     @property
+    def fencing_token(self) -> int:
+        """An int greater than that of every earlier attempt of this job: the lease
+        generation it claimed (every claim commits a greater one, durably, so a crash of
+        the database cannot hand it out twice). Give it to a system that accepts
+        conditional writes, so it refuses an older holder's (docs/fencing.md)."""
+        return self._attempt.generation
+
+    @property
     def checkpoint(self) -> Any:
         """The last checkpoint saved by this or an earlier attempt, or None."""
         return self._checkpoint

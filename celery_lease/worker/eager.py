@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 from celery.exceptions import Retry
 
+from celery_lease import tracing
 from celery_lease.errors import JobFailed
 from celery_lease.producer import Producer
 from celery_lease.worker.executor import WorkerState
@@ -79,14 +80,19 @@ class EagerRunner:
                 return
             self._store.make_due(job_id)  # a retry's backoff or run_after: now
             spec = self._registry.resolve(job.kind)
+            started = tracing.clock()
             attempt = self._worker.begin(job_id, spec, self._hostname, job.queue)
             if attempt is None:
                 return  # running elsewhere: not ours to finish
+            if started is not None:
+                tracing.start_attempt(attempt, job.queue, started, None)
             try:
-                self._worker.execute(spec, attempt)
+                with tracing.current(attempt):
+                    self._worker.execute(spec, attempt)
             except (Retry, JobFailed):
                 pass  # recorded: the loop reads the row again
             finally:
+                tracing.end_attempt(attempt)
                 self._worker.end(attempt)
                 self._worker.flush()
             if attempt.outcome in (None, Outcome.CANCELLED):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from celery import Celery, signals
 
+from celery_lease import tracing
 from celery_lease.errors import LeaseError
 from celery_lease.worker import events, revoke, shutdown
 from celery_lease.worker.task import LeaseTask
@@ -83,12 +84,19 @@ def connect(
                 log.warning("celery-lease: delivery %.64r of %s refused before the claim: %s", request.id, task.name, refusal)
                 return
             queue = (request.delivery_info or {}).get("routing_key")
-            request.lease_attempt = worker_state().begin(request.id, task.spec, request.hostname, queue)
+            started = tracing.clock()  # the attempt's span starts with its claim
+            attempt = worker_state().begin(request.id, task.spec, request.hostname, queue)
+            if started is not None and attempt is not None:
+                tracing.start_attempt(attempt, queue, started, request)
+            request.lease_attempt = attempt
 
     @signals.task_postrun.connect(weak=False)
     def release(sender=None, task=None, retval=None, **_):
         if ours(task):
-            worker_state().end(getattr(task.request, "lease_attempt", None))
+            attempt = getattr(task.request, "lease_attempt", None)
+            if attempt is not None:
+                tracing.end_attempt(attempt)
+            worker_state().end(attempt)
             if isinstance(retval, BaseException):
                 # Ignore (a skipped delivery), Retry, JobFailed: the exception's traceback
                 # starts in Celery's trace frame, whose locals hold the exception again. That

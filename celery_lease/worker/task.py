@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Task
 from celery.exceptions import Ignore
 
-from celery_lease import grouping
+from celery_lease import grouping, tracing
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 from celery_lease.results import LeaseBackend, LeaseResult
@@ -374,7 +374,8 @@ def run_leased(self: LeaseTask, *args: Any, **kwargs: Any) -> Any:
         _announce_if_cancelled(self)
         raise Ignore()
     events.attempt_started(self, attempt)
-    value = self.worker_state().execute(self.spec, attempt, self.emit_progress)
+    with tracing.current(attempt):  # the handler's spans and the jobs it creates are the attempt's
+        value = self.worker_state().execute(self.spec, attempt, self.emit_progress)
     if attempt.outcome is not Outcome.SUCCEEDED:
         _announce_if_cancelled(self)
         raise Ignore()

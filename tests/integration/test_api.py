@@ -27,12 +27,14 @@ from celery_lease.db import migrate
 from celery_lease.db.schema import events, jobs
 from celery_lease.db.store import Store
 from celery_lease.ops.api import load_tokens
+from celery_lease.ops.tokens import Grant
 from tests.conftest import CELERY, PG_ADMIN, ROOT, _env, free_port, throwaway_database, wait_for
 
 ADMIN = "admin-token-4f1c"  # every tenant
 ACME = "acme-token-9b2e"  # tenant "acme" only
 GLOBEX = "globex-token-77aa"  # tenant "globex" only
-TOKENS = {ADMIN: None, ACME: "acme", GLOBEX: "globex"}
+READER = "reader-token-1d0c"  # every tenant, read-only
+TOKENS = {ADMIN: None, ACME: "acme", GLOBEX: "globex", READER: {"tenant": None, "read_only": True}}
 
 JOB_FIELDS = {
     "id",
@@ -151,14 +153,14 @@ def test_every_api_route_needs_a_valid_bearer_token(server, pg, make_job):
 def test_tokens_come_from_app_conf_or_the_environment(monkeypatch):
     from celery_lease import ConfigurationError
 
-    assert load_tokens({"lease_api_tokens": {"t": "acme", "u": None}}) == {"t": "acme", "u": None}
-    monkeypatch.setenv("CELERY_LEASE_API_TOKENS", '{"e": null}')
-    assert load_tokens({}) == {"e": None}
-    assert load_tokens({"lease_api_tokens": {"c": "x"}}) == {"c": "x"}  # app.conf wins
+    assert load_tokens({"lease_api_tokens": {"t": "acme", "u": None}}) == {"t": Grant("acme"), "u": Grant(None)}
+    monkeypatch.setenv("CELERY_LEASE_API_TOKENS", '{"e": null, "r": {"tenant": "acme", "read_only": true}}')
+    assert load_tokens({}) == {"e": Grant(None), "r": Grant("acme", read_only=True)}
+    assert load_tokens({"lease_api_tokens": {"c": "x"}}) == {"c": Grant("x")}  # app.conf wins
     monkeypatch.setenv("CELERY_LEASE_API_TOKENS", "e=acme")
     with pytest.raises(ConfigurationError, match="CELERY_LEASE_API_TOKENS is not JSON"):
         load_tokens({})
-    for bad in ({"": None}, {"t": 3}, ["t"]):
+    for bad in ({"": None}, {"t": 3}, ["t"], {"t": {"tenant": 3}}, {"t": {"read_only": "yes"}}, {"t": {"role": "ro"}}):
         with pytest.raises(ConfigurationError, match="lease_api_tokens must map"):
             load_tokens({"lease_api_tokens": bad})
     monkeypatch.delenv("CELERY_LEASE_API_TOKENS")
@@ -218,6 +220,17 @@ def test_cancel_over_http(admin, pg, make_job):
     r = admin.post(f"/api/v1/jobs/{done}/cancel")
     assert r.json() == {"id": done, "cancelled": False, "status": "succeeded"}
     assert _row(pg, done)["status"] == "succeeded"
+
+
+def test_a_read_only_token_reads_but_cannot_cancel(server, pg, make_job):
+    job = make_job(pg, status="pending")
+    with server.client(READER) as reader:
+        assert reader.get(f"/api/v1/jobs/{job}").json()["status"] == "pending"
+        r = reader.post(f"/api/v1/jobs/{job}/cancel")
+        assert (r.status_code, r.json()) == (403, {"error": "forbidden", "detail": "this token is read-only"})
+        # An unknown job is still a 404: the refusal says nothing about what exists.
+        assert reader.post(f"/api/v1/jobs/{uuid.uuid4()}/cancel").status_code == 404
+    assert _row(pg, job)["status"] == "pending"
 
 
 def test_tenant_token_sees_only_its_tenant(server, pg, make_job):

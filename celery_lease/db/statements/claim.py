@@ -33,6 +33,8 @@ CLAIMED_COLUMNS = (
     _c.canvas,
     # What a limited attempt's end frees: the slot of its kind and key.
     _c.concurrency_key,
+    _c.queue,
+    _c.trace_context,  # the submit's, parent of the attempt's span (celery_lease.tracing)
 )
 
 #: The detail of the run event of a job that a claim found in a cancelled run.

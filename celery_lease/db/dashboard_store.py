@@ -1,0 +1,141 @@
+"""The dashboard's reads and writes: one method per statement of
+:mod:`celery_lease.db.statements.dashboard`, run on the job store's durable engine.
+
+Rows come back as dicts with ids as strings and times as aware UTC (SQLite returns
+them naive), like the API's views.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from celery_lease.db import queries as q
+from celery_lease.db.reads import _view
+from celery_lease.db.statements import dashboard as dq
+from celery_lease.db.store import Store
+from celery_lease.status import Event
+
+
+class DashboardStore:
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def _read(self, fn):
+        return self._store.transaction(self._store.durable, fn)
+
+    def _rows(self, stmt, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        return self._read(lambda c: [_view(r) for r in c.execute(stmt, params or {}).mappings()])
+
+    # --- jobs ----------------------------------------------------------------------------
+
+    def page(
+        self, f: dq.Filter, *, after: tuple[Any, str] | None, scan: int, limit: int
+    ) -> tuple[list[dict[str, Any]], tuple[datetime, str] | None]:
+        """Up to ``limit`` + 1 matching jobs among the next ``scan``, and, when fewer than
+        ``limit`` + 1 matched, where that window ended (None: no job is left to scan)."""
+
+        def work(conn: Connection):
+            rows = [_view(r) for r in conn.execute(dq.scan_jobs(f, after=after, scan=scan, limit=limit + 1)).mappings()]
+            end = None
+            if len(rows) <= limit:
+                last = conn.execute(dq.scan_end(f, after=after, scan=scan)).mappings().first()
+                if last is not None and last["n"] >= scan:
+                    view = _view(last)
+                    end = (view["created_at"], view["id"])
+            return rows, end
+
+        return self._read(work)
+
+    def job(self, job_id: str, *, tenant: str | None, cap: int) -> dict[str, Any] | None:
+        rows = self._rows(dq.get_job_detail(job_id, tenant=tenant, cap=cap))
+        return rows[0] if rows else None
+
+    def job_events(self, job_id: str, limit: int) -> list[dict[str, Any]]:
+        return self._rows(dq.job_events(job_id, limit))
+
+    def run_events(self, run_id: str, *, tenant: str | None, limit: int) -> list[dict[str, Any]]:
+        if tenant is None:
+            rows = self._store.run_events(run_id, limit=limit)
+        else:
+            rows = self._store.tenant_run_events(run_id, tenant, limit=limit)
+        return [_view(r) for r in rows]
+
+    # --- counts and live figures ----------------------------------------------------------
+
+    def counts(self, *, tenant: str | None, window: float) -> dict[str, list[dict[str, Any]]]:
+        def work(conn: Connection):
+            return {
+                "active": [dict(r) for r in conn.execute(dq.active_counts(tenant)).mappings()],
+                "terminal": [dict(r) for r in conn.execute(dq.terminal_counts(tenant), {"window": window}).mappings()],
+            }
+
+        return self._read(work)
+
+    def live(self, *, tenant: str | None, window: float, cap: int) -> dict[str, Any]:
+        def work(conn: Connection):
+            params = {"window": window, "cap": cap}
+            return {
+                "now": _view({"now": conn.execute(dq.database_now()).scalar_one()})["now"],
+                "submits": [_view(r) for r in conn.execute(dq.recent_submits(tenant), params).mappings()],
+                "finishes": [_view(r) for r in conn.execute(dq.recent_finishes(tenant), params).mappings()],
+            }
+
+        return self._read(work)
+
+    # --- workers, leases, reconciliation ------------------------------------------------------
+
+    def leases(self, *, tenant: str | None, limit: int) -> dict[str, Any]:
+        def work(conn: Connection):
+            return {
+                "now": _view({"now": conn.execute(dq.database_now()).scalar_one()})["now"],
+                "running": [_view(r) for r in conn.execute(dq.running_leases(tenant, limit)).mappings()],
+                "owners": [_view(r) for r in conn.execute(dq.leases_by_owner(tenant)).mappings()],
+            }
+
+        return self._read(work)
+
+    def reconciliation(self, *, tenant: str | None, stale_seconds: float, limit: int, cap: int) -> dict[str, Any]:
+        def work(conn: Connection):
+            params = {"stale_seconds": stale_seconds}
+            return {
+                "stale": [_view(r) for r in conn.execute(dq.stale_wakeups(tenant, limit), params).mappings()],
+                "stale_count": conn.execute(dq.count_capped(dq.unswept_jobs(tenant), cap), params).scalar_one(),
+                "pending": [dict(r) for r in conn.execute(dq.pending_by_queue(tenant)).mappings()],
+                "held": [_view(r) for r in conn.execute(dq.held_groups(tenant)).mappings()],
+            }
+
+        return self._read(work)
+
+    def job_states(self, ids: list[str]) -> dict[str, str]:
+        if not ids:
+            return {}
+        return {r["id"]: r["status"] for r in self._rows(dq.job_states(ids))}
+
+    # --- actions -----------------------------------------------------------------------------
+
+    def retry(self, job_id: str, *, tenant: str | None) -> dict[str, Any] | None:
+        """The new job retrying ``job_id`` (with its dispatched event), or None when
+        ``job_id`` is not a failed, expired or cancelled job this tenant may see."""
+
+        def work(conn: Connection):
+            row = conn.execute(dq.retry_as_new_job(tenant), {"new_id": str(uuid.uuid4()), "job_id": job_id}).mappings().first()
+            if row is not None:
+                self._store.log_events(conn, [(row, Event.DISPATCHED, f"retry of {job_id}")])
+            return None if row is None else _view(row)
+
+        return self._read(work)
+
+    def delete(self, ids: list[str], *, tenant: str | None) -> list[str]:
+        """Delete those of these jobs that are terminal, with their events."""
+
+        def work(conn: Connection):
+            deleted = [str(r[0]) for r in conn.execute(dq.delete_finished_jobs(ids, tenant))]
+            if deleted:
+                conn.execute(q.delete_job_events(deleted))
+            return deleted
+
+        return self._read(work) if ids else []

@@ -1,0 +1,76 @@
+"""The dashboard at ``/dashboard`` of ``celery -A proj lease serve`` (the ``api`` extra).
+
+Server-rendered pages (Jinja2 templates in ``templates/``), one small script for the
+live figures (``static/live.js``, polling ``live.json``); nothing is loaded from the
+network. Pages::
+
+    /dashboard/login          the sign-in form (one field: token)
+    /dashboard/jobs           jobs by status, kind, queue, tenant, run, time, payload field;
+                              search by id; counts per kind; bulk actions
+    /dashboard/jobs/{id}      one job: payload, result, error, progress, checkpoint size,
+                              attempts, its run's events; cancel, retry, delete
+    /dashboard/kinds          limits, pauses, running and waiting per key; pause / resume
+    /dashboard/live           per kind and minute: submitted, succeeded, failed, p50/p95
+                              queue wait and run time
+    /dashboard/workers        who holds which lease, its last renewal, leases about to lapse
+    /dashboard/reconcile      stale wakeups, held jobs, broker queue lengths beside pending
+                              rows; re-send wakeups
+
+Access (see :mod:`.access`): nothing but the login form and the static files is served
+without a session; a read-only token sees every page but no action (403, and no
+buttons); a tenant token sees only its tenant's jobs (another tenant's job is 404).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from celery_lease.errors import DatabaseUnavailable
+from celery_lease.ops.dashboard import actions, fleet, pages
+from celery_lease.ops.dashboard.access import COOKIE, Sessions, load_secret
+from celery_lease.ops.dashboard.web import HERE, Board, PageError, SignIn, redirect
+from celery_lease.ops.tokens import Grant
+
+if TYPE_CHECKING:
+    from celery_lease.extension import CeleryLease
+
+
+def create_dashboard(leases: CeleryLease, tokens: dict[str, Grant]) -> FastAPI:
+    """The dashboard's ASGI app, to mount at ``/dashboard``."""
+    board = Board.of(leases, Sessions(tokens, load_secret(leases.app.conf)))
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+
+    def error_page(request: Request, status: int, message: str) -> Response:
+        if request.url.path.endswith(".json"):
+            return JSONResponse({"error": message}, status_code=status)
+        viewer = board.sessions.viewer(request.cookies.get(COOKIE))
+        return board.render(request, "error.html", viewer, status=status, message=message)
+
+    @app.exception_handler(SignIn)
+    async def on_sign_in(request: Request, exc: SignIn) -> Response:
+        if request.method == "GET" and not request.url.path.endswith(".json"):
+            return redirect(request, "/login")
+        return error_page(request, 401, "sign in first")
+
+    @app.exception_handler(PageError)
+    async def on_page_error(request: Request, exc: PageError) -> Response:
+        return error_page(request, exc.status, exc.message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        return error_page(request, exc.status_code, "no such page" if exc.status_code == 404 else str(exc.detail))
+
+    @app.exception_handler(DatabaseUnavailable)
+    async def on_db_down(request: Request, exc: DatabaseUnavailable) -> Response:
+        return error_page(request, 503, "the job database does not answer")
+
+    pages.register(app, board)
+    actions.register(app, board)
+    fleet.register(app, board)
+    return app

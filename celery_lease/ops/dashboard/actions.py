@@ -1,0 +1,145 @@
+"""Actions on jobs: cancel, retry, delete, one job or everything a filter matches.
+
+Every action is a POST carrying the session's CSRF token, refused (403) to a read-only
+token before anything is read, and limited to the viewer's tenant (another tenant's
+job is a 404, as if it did not exist).
+
+- **cancel**: :meth:`CeleryLease.cancel` (pending or running -> cancelled; the worker
+  learns at its next heartbeat).
+- **retry** a failed, expired or cancelled job: a *new* job (statement
+  ``retry_as_new_job``) with the same kind, payload, queue, tenant and run, a fresh
+  attempt budget, and the old job as its ``parent_id``; the old one stays as it ended
+  (a terminal job never changes). Its wakeup is published at once.
+- **delete** a terminal job and its events (``delete_finished_jobs``); a pending or
+  running job must be cancelled first.
+- **bulk**: ``GET /bulk?action=...&<filter>`` shows how many jobs the action would
+  change (the newest BULK_CAP the filter matches among the newest SCAN jobs) and asks
+  for confirmation; the POST selects them again and acts on at most BULK_CAP. More
+  matching jobs are left for the next round, which the result page offers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, Response
+
+from celery_lease.db.statements.dashboard import Filter
+from celery_lease.ops.dashboard import filters
+from celery_lease.ops.dashboard.access import Viewer
+from celery_lease.ops.dashboard.pages import RETRYABLE, SCAN
+from celery_lease.ops.dashboard.web import Board, PageError, form, job_id, redirect
+from celery_lease.status import Status
+
+#: Jobs one bulk action changes at most.
+BULK_CAP = 1000
+ACTIONS = {
+    "cancel": (Status.PENDING.value, Status.RUNNING.value),
+    "retry": RETRYABLE,
+    "delete": tuple(s.value for s in Status if s.terminal),
+}
+
+
+def _selection(board: Board, f: Filter, action: str) -> tuple[list[str], bool]:
+    """The ids ``action`` applies to among the filter's newest matches (at most
+    BULK_CAP), and whether more may match beyond them."""
+    rows, end = board.store.page(f, after=None, scan=SCAN, limit=BULK_CAP)
+    eligible = [r["id"] for r in rows if r["status"] in ACTIONS[action]]
+    return eligible[:BULK_CAP], len(rows) > BULK_CAP or end is not None
+
+
+def _action(value: str | None) -> str:
+    if value not in ACTIONS:
+        raise PageError(400, f"unknown action (one of: {', '.join(ACTIONS)})")
+    return value
+
+
+class Acts:
+    """What an action does, on ids the viewer may see."""
+
+    def __init__(self, board: Board, viewer: Viewer) -> None:
+        self.board, self.viewer = board, viewer
+
+    def cancel(self, ids: list[str]) -> int:
+        return sum(bool(self.board.leases.cancel(i)) for i in ids)
+
+    def retry(self, ids: list[str]) -> list[dict[str, Any]]:
+        made = [r for r in (self.board.store.retry(i, tenant=self.viewer.tenant) for i in ids) if r is not None]
+        self.board.leases.producer.publish_wakeups(made)
+        return made
+
+    def delete(self, ids: list[str]) -> int:
+        return len(self.board.store.delete(ids, tenant=self.viewer.tenant))
+
+
+def register(app: FastAPI, board: Board) -> None:
+    def visible(job: str, viewer: Viewer) -> dict[str, Any]:
+        row = board.store.job(job_id(job), tenant=viewer.tenant, cap=1)
+        if row is None:
+            raise PageError(404, "no such job")
+        return row
+
+    @app.post("/jobs/{job}/cancel")
+    async def cancel(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:
+        await form(request, viewer)
+        row = visible(job, viewer)
+        Acts(board, viewer).cancel([row["id"]])
+        return redirect(request, f"/jobs/{row['id']}")
+
+    @app.post("/jobs/{job}/retry")
+    async def retry(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:
+        await form(request, viewer)
+        row = visible(job, viewer)
+        made = Acts(board, viewer).retry([row["id"]])
+        if not made:
+            raise PageError(409, f"job {row['id']} is {row['status']}: only failed, expired or cancelled jobs are retried")
+        return redirect(request, f"/jobs/{made[0]['id']}")
+
+    @app.post("/jobs/{job}/delete")
+    async def delete(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:
+        await form(request, viewer)
+        row = visible(job, viewer)
+        if not Acts(board, viewer).delete([row["id"]]):
+            raise PageError(409, f"job {row['id']} is {row['status']}: cancel it before deleting it")
+        return redirect(request, "/jobs")
+
+    @app.get("/bulk", response_class=HTMLResponse)
+    def bulk_confirm(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:
+        params = dict(request.query_params)
+        action = _action(params.pop("action", None))
+        if not viewer.can_act:
+            raise PageError(403, "this token is read-only: it can look, not act")
+        try:
+            f = filters.parse(params, tenant=viewer.tenant)
+        except ValueError as exc:
+            raise PageError(400, str(exc)) from None
+        ids, more = _selection(board, f, action)
+        return board.render(
+            request,
+            "confirm.html",
+            viewer,
+            action=action,
+            count=len(ids),
+            more=more,
+            cap=BULK_CAP,
+            scan=SCAN,
+            fields=filters.form_values(f),
+            filtered=filters.query_string(f),
+        )
+
+    @app.post("/bulk", response_class=HTMLResponse)
+    async def bulk(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:
+        fields = await form(request, viewer)
+        action = _action(fields.pop("action", None))
+        fields.pop("csrf", None)
+        try:
+            f = filters.parse(fields, tenant=viewer.tenant)
+        except ValueError as exc:
+            raise PageError(400, str(exc)) from None
+        ids, more = _selection(board, f, action)
+        acts = Acts(board, viewer)
+        done = acts.cancel(ids) if action == "cancel" else len(acts.retry(ids)) if action == "retry" else acts.delete(ids)
+        return board.render(
+            request, "done.html", viewer, action=action, done=done, more=more, filtered=filters.query_string(f), cap=BULK_CAP
+        )

@@ -1,0 +1,208 @@
+"""Signing in and out, the job list and one job's page.
+
+The list is keyset-paged newest first (the cursor of celery_lease.ops.listing). Each
+page reads at most SCAN jobs: when a filter that no index serves (status, kind, queue,
+payload field) matches fewer than a page among them, the page says so and its "older"
+link continues the search from where it stopped, so no page costs more as the table
+grows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, Response
+
+from celery_lease.job import parse_job_id
+from celery_lease.ops import listing
+from celery_lease.ops.dashboard import filters
+from celery_lease.ops.dashboard.access import COOKIE, SESSION_SECONDS, Viewer, csrf_ok
+from celery_lease.ops.dashboard.web import Board, PageError, form, job_id, redirect
+from celery_lease.status import TERMINAL, Event, Status
+
+PAGE = 50
+#: Jobs one page of the list reads at most.
+SCAN = 20_000
+#: Characters of a payload or result shown on a job's page.
+SHOW_CHARS = 20_000
+MAX_EVENTS = 500
+#: Finished jobs are counted over this window (the finished index; never the history).
+COUNT_WINDOW = 3600
+RETRYABLE = (Status.FAILED.value, Status.EXPIRED.value, Status.CANCELLED.value)
+#: Events that end an attempt by taking its lease away.
+LEASE_LOSSES = (Event.REAPED.value, Event.REQUEUED.value)
+
+
+def kind_counts(data: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per kind: pending (due or queued), held, running, and the terminal
+    statuses reached within COUNT_WINDOW."""
+    rows: dict[str, dict[str, Any]] = {}
+
+    def row(kind: str) -> dict[str, Any]:
+        return rows.setdefault(kind, {"kind": kind, "pending": 0, "held": 0, "running": 0, **{s.value: 0 for s in TERMINAL}})
+
+    for r in data["active"]:
+        state = "held" if r["held"] is not None else r["status"]
+        row(r["kind"])[state] += r["n"]
+    for r in data["terminal"]:
+        row(r["kind"])[r["status"]] += r["n"]
+    return sorted(rows.values(), key=lambda r: r["kind"])
+
+
+def shown_json(text: str | None, chars: int | None) -> dict[str, Any] | None:
+    """A stored JSON value for the page: pretty when whole, else cut, with its size."""
+    if text is None:
+        return None
+    whole = chars is not None and chars <= len(text)
+    if whole:
+        try:
+            text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+        except ValueError:
+            pass
+    return {"text": text, "chars": chars, "cut": not whole}
+
+
+def attempts_of(job: dict[str, Any], events: list[dict[str, Any]], *, show_worker: bool) -> list[dict[str, Any]]:
+    """The attempts of a job, from its run events (claimed opens one; the next event
+    of that attempt closes it). A job outside a run has no events: its current
+    attempt is read from the row."""
+    out: list[dict[str, Any]] = []
+    by_attempt: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e["event"] == Event.CLAIMED.value:
+            opened = {"attempt": e["attempt"], "worker": e["detail"], "start": e["created_at"], "end": None}
+            opened.update(outcome="running", detail=None, lease_losses=0)
+            by_attempt[e["attempt"]] = opened
+            out.append(opened)
+            continue
+        entry = by_attempt.get(e["attempt"])
+        if entry is None or entry["end"] is not None:
+            continue
+        entry.update(end=e["created_at"], outcome=e["event"], detail=e["detail"])
+        entry["lease_losses"] += e["event"] in LEASE_LOSSES
+    if not out and job["attempt"] > 0:
+        final = job["status"] if job["status"] != Status.PENDING.value else "requeued"
+        out.append(
+            {
+                "attempt": job["attempt"],
+                "worker": job["lease_owner"],
+                "start": job["started_at"],
+                "end": job["finished_at"],
+                "outcome": final,
+                "detail": None,
+                "lease_losses": job["lease_losses"],
+            }
+        )
+    if not show_worker:
+        for entry in out:
+            entry["worker"] = None
+    return out
+
+
+def register(app: FastAPI, board: Board) -> None:
+    @app.get("/", include_in_schema=False)
+    def home(request: Request, viewer: Viewer = Depends(board.viewer)):
+        return redirect(request, "/jobs")
+
+    @app.get("/login", response_class=HTMLResponse)
+    def login_form(request: Request):
+        return board.render(request, "login.html", None, error=None)
+
+    @app.post("/login")
+    async def login(request: Request):
+        fields = await form(request, None, action=False)
+        cookie = board.sessions.sign_in(fields.get("token", ""))
+        if cookie is None:
+            return board.render(request, "login.html", None, status=401, error="Unknown token.")
+        response = redirect(request, "/jobs")
+        response.set_cookie(
+            COOKIE,
+            cookie,
+            max_age=SESSION_SECONDS,
+            path=(request.scope.get("root_path") or "/"),
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+        return response
+
+    @app.post("/logout")
+    async def logout(request: Request, viewer: Viewer = Depends(board.viewer)):
+        fields = await form(request, viewer, action=False)
+        if not csrf_ok(viewer, fields.get("csrf")):
+            raise PageError(403, "the form's CSRF token is missing or stale")
+        response = redirect(request, "/login")
+        response.delete_cookie(COOKIE, path=(request.scope.get("root_path") or "/"))
+        return response
+
+    @app.get("/jobs", response_class=HTMLResponse)
+    def jobs(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:
+        params = dict(request.query_params)
+        search = (params.pop("q", "") or "").strip()
+        if search:
+            found = None
+            try:
+                found = board.store.job(parse_job_id(search), tenant=viewer.tenant, cap=1)
+            except ValueError:
+                pass
+            if found is None:
+                raise PageError(404, f"no job with the id {search[:64]!r}")
+            return redirect(request, f"/jobs/{found['id']}")
+        try:
+            f = filters.parse(params, tenant=viewer.tenant)
+            after = listing.decode_cursor(params.get("cursor") or None)
+        except ValueError as exc:
+            raise PageError(400, str(exc)) from None
+        rows, end = board.store.page(f, after=after, scan=SCAN, limit=PAGE)
+        more = len(rows) > PAGE
+        rows = rows[:PAGE]
+        older = listing.encode_cursor(rows[-1]) if more else None
+        if not more and end is not None:
+            older = listing.encode_cursor({"created_at": end[0], "id": end[1]})
+        counts = kind_counts(board.store.counts(tenant=viewer.tenant, window=COUNT_WINDOW))
+        return board.render(
+            request,
+            "jobs.html",
+            viewer,
+            jobs=rows,
+            counts=counts,
+            statuses=[s.value for s in Status],
+            form=filters.form_values(f),
+            older=filters.query_string(f, cursor=older) if older else None,
+            short=not more and end is not None,
+            filtered=filters.query_string(f),
+            scan=SCAN,
+            window_minutes=COUNT_WINDOW // 60,
+            first_page=after is None,
+        )
+
+    @app.get("/jobs/{job}", response_class=HTMLResponse)
+    def job_page(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:
+        row = board.store.job(job_id(job), tenant=viewer.tenant, cap=SHOW_CHARS)
+        if row is None:
+            raise PageError(404, "no such job")
+        # A tenant sees neither the worker hosts nor the events of other tenants.
+        show_worker = viewer.tenant is None
+        events = board.store.job_events(row["id"], MAX_EVENTS)
+        run_events = board.store.run_events(row["run_id"], tenant=viewer.tenant, limit=MAX_EVENTS) if row["run_id"] else []
+        if not show_worker:
+            for e in run_events:
+                if e["event"] == Event.CLAIMED.value:
+                    e["detail"] = None
+        return board.render(
+            request,
+            "job.html",
+            viewer,
+            job=row,
+            payload=shown_json(row["payload_text"], row["payload_chars"]),
+            result=shown_json(row["result_text"], row["result_chars"]),
+            progress=None if row["progress"] is None else json.dumps(row["progress"], indent=2, ensure_ascii=False)[:SHOW_CHARS],
+            attempts=attempts_of(row, events, show_worker=show_worker),
+            run_events=run_events,
+            show_worker=show_worker,
+            can_cancel=row["status"] in (Status.PENDING.value, Status.RUNNING.value),
+            can_retry=row["status"] in RETRYABLE,
+            can_delete=Status(row["status"]).terminal,
+        )

@@ -1,0 +1,147 @@
+"""What every dashboard route shares: templates, who is signed in, forms and errors.
+
+Pages are rendered by Jinja2 with autoescaping on: job data (payloads, results,
+errors, kinds) is whatever a submitter or handler wrote and is only ever shown as
+text. Every response forbids framing and inline scripts (Content-Security-Policy), so
+neither a stored string nor another site can drive the page.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import HTMLResponse, RedirectResponse
+
+from celery_lease.db.dashboard_store import DashboardStore
+from celery_lease.job import parse_job_id
+from celery_lease.ops.dashboard.access import COOKIE, Sessions, Viewer, csrf_ok
+
+if TYPE_CHECKING:
+    from celery_lease.extension import CeleryLease
+
+HERE = Path(__file__).resolve().parent
+#: Larger forms are refused unread (a bulk form carries a filter, never a list of ids).
+MAX_FORM_BYTES = 16_384
+HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+class PageError(Exception):
+    """Answered with the error page (or JSON for /live.json): 400, 403, 404, 503."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class SignIn(Exception):
+    """No valid session: a page redirects to the login form, anything else is 401."""
+
+
+def _when(value: Any) -> str:
+    if not isinstance(value, datetime):
+        return ""
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    seconds = float(seconds)
+    sign = "-" if seconds < 0 else ""
+    seconds = abs(seconds)
+    if seconds < 120:
+        return f"{sign}{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{sign}{seconds / 60:.0f} min"
+    return f"{sign}{seconds / 3600:.1f} h"
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["when"] = _when
+    env.filters["age"] = _age
+    env.filters["num"] = lambda n: f"{n:,}" if isinstance(n, int) else n
+    env.filters["pretty"] = lambda v: json.dumps(v, indent=2, default=str)
+    return env
+
+
+@dataclass
+class Board:
+    """The dashboard's dependencies, handed to each group of routes."""
+
+    leases: CeleryLease
+    store: DashboardStore
+    sessions: Sessions
+    env: jinja2.Environment
+
+    @classmethod
+    def of(cls, leases: CeleryLease, sessions: Sessions) -> Board:
+        return cls(leases, DashboardStore(leases.store), sessions, _environment())
+
+    def viewer(self, request: Request) -> Viewer:
+        """The signed-in viewer; raises SignIn otherwise (a route's dependency)."""
+        viewer = self.sessions.viewer(request.cookies.get(COOKIE))
+        if viewer is None:
+            raise SignIn()
+        return viewer
+
+    def render(self, request: Request, template: str, viewer: Viewer | None, status: int = 200, **context: Any) -> HTMLResponse:
+        html = self.env.get_template(template).render(base=base(request), viewer=viewer, path=request.url.path, **context)
+        return HTMLResponse(html, status_code=status, headers=HEADERS)
+
+
+def base(request: Request) -> str:
+    """The dashboard's own prefix (``/dashboard``): links are built on it."""
+    return request.scope.get("root_path", "").rstrip("/")
+
+
+def redirect(request: Request, to: str) -> RedirectResponse:
+    """303 to a dashboard path: the browser follows with a GET (post/redirect/get)."""
+    return RedirectResponse(base(request) + to, status_code=303, headers=HEADERS)
+
+
+async def form(request: Request, viewer: Viewer | None, *, action: bool = True) -> dict[str, str]:
+    """The POSTed url-encoded form. An action also needs a viewer who may act, and the
+    session's CSRF token in the form (403 otherwise, before anything is read)."""
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
+        raise PageError(400, "expected a form (application/x-www-form-urlencoded)")
+    body = await request.body()
+    if len(body) > MAX_FORM_BYTES:
+        raise PageError(400, "form too large")
+    try:
+        fields = dict(parse_qsl(body.decode(), keep_blank_values=True))
+    except (UnicodeDecodeError, ValueError):
+        raise PageError(400, "malformed form") from None
+    if action:
+        assert viewer is not None
+        if not csrf_ok(viewer, fields.get("csrf")):
+            raise PageError(403, "the form's CSRF token is missing or stale: reload the page and try again")
+        if not viewer.can_act:
+            raise PageError(403, "this token is read-only: it can look, not act")
+    return fields
+
+
+def job_id(value: str) -> str:
+    try:
+        return parse_job_id(value)
+    except ValueError:
+        raise PageError(404, "no such job") from None
