@@ -244,3 +244,16 @@ def test_the_report_shows_the_seed_and_the_jobs_history():
     assert "HISTORY_SEED=4242" in text and "[effect] a succeeded with 2 effects" in text
     shown = excerpt(h, violations[0])
     assert "body    start attempt=1 gen=1" in shown and "FAULT" in shown and "lose_reply" in shown
+
+
+def test_a_snoozed_body_whose_process_died_before_the_snooze_was_written_spent_its_attempt():
+    h = clean()
+    h.jobs["s"] = job("s", kind="h_snooze", attempt=2, generation=2)
+    h.effects.append(effect("s", 2, 2))
+    # Its process (pid 100) was killed at +3.0, 0.2 s after the body snoozed.
+    h.bodies += [body("s", 1, 1, outcome="snoozed", start=2.5, end=2.8), body("s", 2, 2, holder="200-b", start=5, end=5.1)]
+    h.events += [claimed("s", 1, at=2.45), claimed("s", 2, at=4.9, owner="w2@testhost/200/boot")]
+    assert check(h) == []
+    h.pid_kills[100] = T0 + 4.5  # killed long after: the snooze's own write was lost
+    h.node_kills = {}
+    assert checks(h) == ["attempt"]
