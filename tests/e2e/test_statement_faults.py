@@ -43,6 +43,11 @@ def _ended(pg: str, job_id: str, timeout: float) -> dict:
     return _row(pg, job_id)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug (issue #18, reasoned item; pipeline): Executor._snooze commits on the fast engine without "
+    "Attempt.ride_out, so a snooze that meets a database blip leaves the job running until reaped and spends its attempt",
+)
 @pytest.mark.parametrize("prepared", MODES)
 def test_a_snooze_rides_out_a_database_blip(pg, broker, client_app, workers, proxy, prepared):
     """A snooze never spends an attempt, also when its write meets a database that is
@@ -59,11 +64,16 @@ def test_a_snooze_rides_out_a_database_blip(pg, broker, client_app, workers, pro
     assert rule.wait(30), "the snooze's statement never ran"
     time.sleep(1.0)
     proxy.remove(rule)
-    row = _ended(pg, job.id, timeout=20)
+    row = _ended(pg, job.id, timeout=10)
     assert (row["status"], row["attempt"], row["error"]) == ("succeeded", 1, None)
     assert row["result"] == {"snoozed": 1, "attempt": 1}
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug (issue #18 item 3; flow): a limited kind's claim whose reply was lost is not adopted: the retry "
+    "reports a duplicate delivery and the job stays running with no body until its lease expires",
+)
 @pytest.mark.parametrize("prepared", MODES)
 def test_a_rated_claim_whose_reply_was_lost_is_adopted(pg, broker, client_app, workers, proxy, prepared):
     """A rated kind's claim commits and its reply is lost: the worker's retry finds its
@@ -76,5 +86,5 @@ def test_a_rated_claim_whose_reply_was_lost_is_adopted(pg, broker, client_app, w
     rule = proxy.lose_reply("rate_claims")
     job = mod.rated.submit({})
     assert rule.wait(30), "no rated claim committed through the proxy"
-    row = _ended(pg, job.id, timeout=20)
+    row = _ended(pg, job.id, timeout=10)
     assert (row["status"], row["attempt"], row["error"]) == ("succeeded", 1, None)
