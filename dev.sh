@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One entry point for a fresh clone:
 #   bash dev.sh demo   the example pipeline end to end on SQLite + a filesystem broker
-#   bash dev.sh test   lint, types, the unit tier, then the suite against real PostgreSQL,
-#                      Redis and workers (with arguments: just `pytest ARGS`)
+#   bash dev.sh test   lint, types, the unit tier, the oldest declared Celery/kombu/redis
+#                      (.venv-oldest), then the suite against real PostgreSQL, Redis,
+#                      RabbitMQ and workers (with arguments: just `pytest ARGS`)
 #   bash dev.sh bench  the side-by-side benchmarks (bench/README.md)
 # Each command creates .venv and installs what it needs; `test` also starts (and if
 # missing installs) PostgreSQL and Redis. Idempotent: run it as often as you like.
@@ -19,7 +20,8 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 apt_install() {
   log "installing $* with apt-get"
   as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  # (Waits for another apt-get holding the lock instead of failing.)
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 "$@" >/dev/null
 }
 
 venv() {
@@ -34,6 +36,21 @@ venv() {
     log "installing celery-lease[$extras] into .venv"
     "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
     "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+    touch "$stamp"
+  fi
+}
+
+venv_oldest() {
+  # The oldest Celery, kombu and redis that pyproject.toml declares
+  # (tests/oldest-constraints.txt), beside the newest in .venv; reinstalled when either
+  # file changed since.
+  local venv=$ROOT/.venv-oldest pins=tests/oldest-constraints.txt
+  local stamp="$venv/.installed"
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$pins" -nt "$stamp" ]; then
+    log "installing celery-lease[test] with the oldest declared pins into .venv-oldest"
+    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    "$venv/bin/python" -m pip install -q -e ".[test]" -c "$pins"
     touch "$stamp"
   fi
 }
@@ -91,6 +108,12 @@ ensure_redis() {
   command -v redis-server >/dev/null 2>&1 || apt_install redis-server
 }
 
+ensure_rabbitmq() {
+  # RabbitMQ tests boot a private node on free ports (tests/harness/rabbitmq.py): they
+  # need the server's scripts and Erlang, not a running service.
+  [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] && command -v erl >/dev/null 2>&1 || apt_install rabbitmq-server
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -112,9 +135,15 @@ case "$cmd" in
     ensure_postgres
     ensure_test_tools
     ensure_redis
+    ensure_rabbitmq
     export CL_TEST_PG_ADMIN=${CL_TEST_PG_ADMIN:-postgresql+psycopg2://$(id -un)@127.0.0.1:5432/postgres}
     if [ $# -eq 0 ]; then
-      log "integration and end-to-end tiers (PostgreSQL, Redis, worker processes)"
+      log "oldest declared Celery/kombu/redis (.venv-oldest): wakeup format, lifecycle, a worker kill"
+      venv_oldest
+      CL_TEST_OLDEST=1 "$ROOT/.venv-oldest/bin/python" -m pytest -q -p no:cacheprovider \
+        tests/unit/test_oldest_pins.py tests/integration/test_submit_perf.py tests/integration/test_lifecycle.py \
+        tests/e2e/test_faults.py::test_killed_worker_job_is_reaped_and_resumed_from_checkpoint
+      log "integration and end-to-end tiers (PostgreSQL, Redis, RabbitMQ, worker processes)"
       exec "$VENV/bin/python" -m pytest tests --ignore=tests/unit --durations=15  # the slowest, to keep the run under 15 min
     fi
     exec "$VENV/bin/python" -m pytest "$@"

@@ -19,6 +19,7 @@ from celery_lease.errors import (
 )
 from celery_lease.extension import CeleryLease
 from celery_lease.job import Job
+from celery_lease.shared import shared_job
 from celery_lease.status import Status
 from celery_lease.worker.context import JobContext
 
@@ -38,5 +39,6 @@ __all__ = [
     "LeaseLost",
     "Status",
     "UnknownKind",
+    "shared_job",
 ]
 __version__ = "0.1.0"

@@ -1,11 +1,14 @@
-"""Faster cancel notice: a Redis pub/sub message that wakes the heartbeats.
+"""Faster cancel notice: a Redis pub/sub message (or, on an AMQP broker, a fanout
+exchange: celery_lease/notice_amqp.py) that wakes the heartbeats.
 
 The table is the truth and the heartbeat is the guarantee: a cancelled job's lease is
 revoked by the cancel statement itself, and the worker holding it learns at its next
 renewal (within ``lease_seconds / 3``). This module only shortens that wait. When the
 broker is Redis, ``cancel`` publishes the cancelled ids, and every worker process that
 holds a lease listens and renews at once when a notice names a job it holds; the
-renewal finds the revoked lease and marks the attempt lost.
+renewal finds the revoked lease and marks the attempt lost. On RabbitMQ the same
+notices go through a fanout exchange of the broker (:mod:`celery_lease.notice_amqp`);
+other brokers have none (the heartbeat alone).
 
 A notice is untrusted input: anything that can reach the Redis server can publish one.
 So a listener
@@ -33,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from celery_lease import notice_amqp
 from celery_lease.job import parse_job_id
 
 log = logging.getLogger("celery_lease.cancel_notice")
@@ -78,16 +82,22 @@ def channel(broker_url: Any, app_name: str | None) -> str:
 
 def publish(broker_url: Any, job_ids: list[str], channel_name: str | None = None) -> bool:
     """Announce cancelled jobs; False when no notice could be sent."""
-    url = redis_url(broker_url)
-    if url is None or not job_ids:
+    if not job_ids:
         return False
+    notices = [json.dumps(job_ids[start : start + MAX_IDS]) for start in range(0, len(job_ids), MAX_IDS)]
+    url = redis_url(broker_url)
+    if url is None:
+        amqp = notice_amqp.amqp_url(broker_url)
+        if amqp is None:
+            return False
+        return notice_amqp.publish(amqp, channel_name or channel(amqp, None), notices, PUBLISH_TIMEOUT)
     import redis
 
     name = channel_name or channel(url, None)
     client = redis.Redis.from_url(url, socket_timeout=PUBLISH_TIMEOUT, socket_connect_timeout=PUBLISH_TIMEOUT)
     try:
-        for start in range(0, len(job_ids), MAX_IDS):
-            client.publish(name, json.dumps(job_ids[start : start + MAX_IDS]))
+        for notice in notices:
+            client.publish(name, notice)
         return True
     except redis.RedisError as exc:
         log.info("celery-lease: cancel notice not sent (%s); heartbeats will notice", type(exc).__name__)
@@ -104,7 +114,7 @@ def parse(data: Any) -> set[str] | None:
         return None
     try:
         ids = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
         return None
     if not isinstance(ids, list) or not 0 < len(ids) <= MAX_IDS:
         return None
@@ -123,6 +133,8 @@ class Listener:
     def __init__(self, wake: Callable[[], None], held: Callable[[], Iterable[str]]) -> None:
         self._wake = wake
         self._held = held
+        self._thread: threading.Thread | None = None
+        self._target: tuple[str, str] | None = None  # (Redis URL, channel) once started
         self.received = 0
         self.ignored = 0  # malformed, or naming no job held here
         self.dropped = 0  # over the rate
@@ -132,8 +144,34 @@ class Listener:
         self._reported = (0, 0)
         self._reported_at = 0.0
 
+    def start(self, url: str, name: str) -> None:
+        self._target = (url, name)
+        self.ensure_running()
+
+    def ensure_running(self) -> bool:
+        """Start the listening thread again if it ever ended; True when it was restarted.
+        (Its loop outlives any notice and any error; this covers what cannot be caught.)"""
+        if self._target is None or (self._thread is not None and self._thread.is_alive()):
+            return False
+        restarted = self._thread is not None
+        if restarted:
+            log.warning("celery-lease: the cancel-notice listener had stopped; restarted")
+        url, name = self._target
+        self._thread = threading.Thread(target=_listen, args=(url, name, self), name="celery-lease-cancel-notice", daemon=True)
+        self._thread.start()
+        return restarted
+
     def handle(self, data: Any) -> bool:
-        """One notice; True when it woke the heartbeat."""
+        """One notice; True when it woke the heartbeat. Never raises: a notice is
+        untrusted input, and the listener must outlive any of them."""
+        try:
+            return self._handle(data)
+        except Exception:
+            log.exception("celery-lease: a cancel notice could not be handled; ignored")
+            self.ignored += 1
+            return False
+
+    def _handle(self, data: Any) -> bool:
         self.received += 1
         ids = parse(data)
         if not ids or ids.isdisjoint(self._held()):
@@ -171,15 +209,18 @@ def listen(
     names a job in ``held()`` (within the rate).
 
     Called once per process (by the heartbeat when it starts); returns None when the
-    broker is not Redis.
+    broker is neither Redis nor AMQP.
     """
     url = redis_url(broker_url)
     if url is None:
-        return None
+        amqp = notice_amqp.amqp_url(broker_url)
+        if amqp is None:
+            return None
+        listener = Listener(wake, held)
+        notice_amqp.listen(amqp, channel_name or channel(amqp, None), listener.handle, RECONNECT_SECONDS)
+        return listener
     listener = Listener(wake, held)
-    name = channel_name or channel(url, None)
-    thread = threading.Thread(target=_listen, args=(url, name, listener), name="celery-lease-cancel-notice", daemon=True)
-    thread.start()
+    listener.start(url, channel_name or channel(url, None))
     return listener
 
 
@@ -196,6 +237,10 @@ def _listen(url: str, name: str, listener: Listener) -> None:
                     listener.handle(message.get("data"))
         except redis.RedisError:
             pass  # Redis restarting: the heartbeat covers the gap
+        except Exception:
+            # Whatever it was, listening goes on: a listener that died would leave
+            # every later cancel to the heartbeat, in every worker.
+            log.exception("celery-lease: the cancel-notice listener failed; reconnecting")
         finally:
             client.close()
         time.sleep(RECONNECT_SECONDS)

@@ -11,6 +11,8 @@ Control flow inside a handler (not errors of celery-lease itself)::
 Raised to Celery after the outcome is stored, so Flower shows the job's state::
 
     JobFailed               the job is failed; carries only the stored error
+     └── JobRefused         ... by the handler's own Failure (or a refused value): an
+                            expected outcome, so Celery logs it at INFO, no traceback
     celery.exceptions.Retry the job will run again after its backoff
 
 Errors of celery-lease, all under one base::
@@ -60,6 +62,12 @@ class JobSnoozed(Exception):
 
 class JobFailed(Exception):
     """The job was recorded as failed (the stored error is the message)."""
+
+
+class JobRefused(JobFailed):
+    """The handler failed the job on purpose (``Failure``): one of a leased task's
+    ``throws``, which Celery logs as an expected outcome (INFO, no traceback) rather than
+    an error for the error tracker."""
 
 
 class LeaseError(Exception):

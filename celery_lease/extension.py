@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_lease import cancel_notice, grouping, results
+from celery_lease import cancel_notice, grouping, results, shared
 from celery_lease.beat import entries
 from celery_lease.beat.maintenance import Maintenance
 from celery_lease.beat.periodic import BeatJobs, Periodic
@@ -31,6 +31,7 @@ from celery_lease.canvas import Canvas
 from celery_lease.db import migrate
 from celery_lease.db.engine import Database, Timeouts, resolve_database_url
 from celery_lease.db.store import Store
+from celery_lease.errors import UnknownKind
 from celery_lease.flow.control import FlowControl
 from celery_lease.flow.limits import Limits
 from celery_lease.job import Job, parse_job_id
@@ -93,6 +94,8 @@ class CeleryLease:
         grouping.install(app)  # a group's leased members are one submit
         self.beat_schedule = entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
         self.beat_jobs = BeatJobs(app, self.registry, lambda: self.producer, self.beat_schedule.add)
+        self._task_modules_imported = False
+        shared.attach(self)  # jobs declared with @shared_job (reusable apps)
 
     # --- the parts, made when first needed ---------------------------------------------
 
@@ -230,7 +233,28 @@ class CeleryLease:
 
     def task_for(self, kind_or_task: Any) -> LeaseTask:
         """The task of a kind name (raises UnknownKind), or the task itself."""
-        return self._tasks[self.registry.resolve(kind_or_task).kind]
+        return self._tasks[self.resolve(kind_or_task).kind]
+
+    def resolve(self, kind: Any) -> JobKind:
+        """The kind of a name or task, importing the app's task modules first if it is not
+        registered yet (raises UnknownKind when it is not registered there either)."""
+        try:
+            return self.registry.resolve(kind)
+        except UnknownKind:
+            if not self.import_task_modules():
+                raise
+            return self.registry.resolve(kind)
+
+    def import_task_modules(self) -> bool:
+        """Import the modules a worker imports before taking work (``include``, ``imports``,
+        ``autodiscover_tasks()`` packages, with Django's setup first), so the kinds they
+        declare are registered here too (the CLI, a web process). Once per process;
+        returns False when already done."""
+        if self._task_modules_imported:
+            return False
+        self._task_modules_imported = True
+        self.app.loader.import_default_modules()
+        return True
 
     @property
     def kinds(self) -> list[str]:
@@ -312,14 +336,15 @@ class CeleryLease:
     def pause(self, kind: Any) -> bool:
         """Claim no job of ``kind`` until resume (stored in the database: survives
         restarts); running jobs finish. False when it was already paused."""
-        return self.flow.pause(kind)
+        return self.flow.pause(self.resolve(kind).kind)
 
     def resume(self, kind: Any) -> int:
         """Claim ``kind`` again and wake the jobs its pause held; returns how many."""
-        return self.flow.resume(kind)
+        return self.flow.resume(self.resolve(kind).kind)
 
     def limits(self, tenant: str | None = None) -> list[dict]:
         """Per kind and key: limits, pause, and jobs running or waiting on each."""
+        self.import_task_modules()  # every kind the workers run, not only those imported here
         return self.flow.overview(tenant)
 
     def run_events(self, run_id: str, **kw) -> list[dict]:

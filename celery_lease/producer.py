@@ -14,6 +14,7 @@ import math
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -36,6 +37,15 @@ log = logging.getLogger("celery_lease")
 
 #: Where a caller's connection keeps the wakeups to publish after its COMMIT.
 _COMMIT_WAKEUPS = "celery_lease.wakeups"
+#: In a connection's ``info``: a function that runs a callback after the connection's
+#: transaction commits (and drops it on rollback), for transactions SQLAlchemy does not
+#: commit itself (Django's: celery_lease.django.transaction).
+AFTER_COMMIT = "celery_lease.after_commit"
+
+#: Transactions a submit made without ``connection=`` joins: each takes the store and
+#: returns a context manager yielding a connection in such a transaction, or None.
+#: celery_lease.django adds Django's atomic blocks.
+AMBIENT_TRANSACTIONS: list[Callable[[Store], AbstractContextManager[sa.Connection | None]]] = []
 
 
 def run_after_time(value: datetime | timedelta | float | None) -> tuple[datetime | None, float | None]:
@@ -255,6 +265,11 @@ class Producer:
         """The write of a submit: ``insert`` stores the new jobs (``wanted``: (id, kind,
         idempotency key) of each, in the caller's order) with their runs; then the due
         ones are woken. Returns the jobs of ``wanted``, in its order."""
+        if connection is None:
+            for ambient in AMBIENT_TRANSACTIONS:
+                with ambient(self._store) as joined:
+                    if joined is not None:
+                        return self._store_and_wake(insert, wanted, run_ids, keyed=keyed, connection=joined, wake=wake)
         store = self._store
 
         def write(conn: sa.Connection | None) -> tuple[list[Job], list[Job]]:
@@ -309,7 +324,13 @@ class Producer:
         SQLAlchemy's Core ``commit`` event fires *before* the DBAPI commit, so the
         listener commits the DBAPI connection itself, then publishes; SQLAlchemy's own
         commit that follows finds nothing left to commit. A rollback drops the list.
+        A connection whose ``info`` holds ``AFTER_COMMIT`` (Django's) says itself when.
         """
+        after_commit = connection.info.get(AFTER_COMMIT)
+        if after_commit is not None:
+            if jobs:
+                after_commit(lambda: self.publish_wakeups(jobs))
+            return
         pending = connection.info.setdefault(_COMMIT_WAKEUPS, [])
         pending.extend(jobs)
         engine = connection.engine

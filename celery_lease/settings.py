@@ -56,6 +56,12 @@ class Settings:
     max_progress_bytes: int = DEFAULT_MAX_PROGRESS_BYTES
     #: the API's /metrics answers from a cache this fresh (its aggregates scan the table)
     metrics_cache_seconds: float = 5.0
+    #: /metrics: how many concurrency keys (the busiest) get a series of their own; the
+    #: rest are summed per kind as key "other". A key is payload text (e.g. a customer
+    #: name): 0, the default, exports none
+    metrics_key_labels: int = 0
+    #: the API: requests a second per bearer token (bursts of twice that) before 429; 0: off
+    api_rate: float = 50.0
 
     @classmethod
     def names(cls) -> list[str]:

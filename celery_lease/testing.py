@@ -1,20 +1,33 @@
-"""Testing a project's leased jobs: handlers run in-process on a throwaway database, with
-no broker and no worker.
+"""Testing a project's leased jobs with pytest: handlers run on a throwaway database,
+in-process (eager) or through a real Celery worker thread, with no broker server.
 
-Enable the pytest plugin in your ``conftest.py``::
-
-    pytest_plugins = ["celery_lease.testing"]
-
-It is not registered as an auto-loaded (``pytest11``) plugin on purpose: every pytest run
-in an environment where celery-lease is installed would import Celery and SQLAlchemy and
-get these fixture names, wanted or not.
+A pytest plugin, registered by entry point (``pytest11``) when celery-lease is installed:
+a test module needs no ``conftest.py`` to use these fixtures. ``-p no:celery_lease.testing``
+turns it off; a conftest's ``pytest_plugins = ["celery_lease.testing"]`` is harmless. Its
+fixtures all start with ``lease_`` or are ``celery_lease``, so they stand beside
+pytest-celery's and Celery's own (``celery_app``, ``celery_worker``, ``celery_config``).
 
 Fixtures:
 
+``lease_app``
+    The Celery app under test: the one named by the ini option ``celery_lease_app``
+    (``[tool.pytest.ini_options] celery_lease_app = "proj.celery:app"``) or the
+    environment variable ``CELERY_LEASE_TEST_APP``; else Celery's own ``celery_app``
+    fixture (an app with a memory broker, configured by ``celery_config``). Override it
+    in a test module to pick another app.
 ``lease_database_url``
     A migrated database for one test: a SQLite file in the test's ``tmp_path``, or, when
     ``CELERY_LEASE_TEST_PG_ADMIN`` holds an admin URL (``postgresql+psycopg2://user@host/postgres``),
     a throwaway PostgreSQL database created for the test and dropped after it.
+``celery_lease``
+    The ``CeleryLease`` of ``lease_app``, switched to ``lease_database_url`` for the test
+    (its parts are remade on that database and restored afterwards).
+``lease_worker``
+    ``celery_lease`` with a real Celery worker running in a thread of the test process
+    (solo pool, in-memory broker: the app's ``broker_url`` is ``memory://`` for the test)
+    and a maintenance thread doing what beat would (sweep and reap every 0.2 s, so retries
+    and delayed jobs run). ``task.delay(p)``, ``task.submit(p)``, chains and groups go
+    through the worker: claim, heartbeat, fenced writes and retries as in production.
 ``lease_eager``
     ``lease_eager(leases)`` switches your ``CeleryLease`` to ``lease_database_url`` and eager
     mode (``task_always_eager``) for the test and restores it afterwards. Then
@@ -25,17 +38,17 @@ Fixtures:
 
 Without pytest: ``with celery_lease.testing.eager(leases, database_url): ...``.
 
-Beside Celery's own fixtures (``celery.contrib.pytest``: ``celery_app``, ``celery_worker``):
-create ``CeleryLease(celery_app, database_url=lease_database_url)`` and declare the jobs in
-a fixture requested *before* ``celery_worker``, so the in-process worker thread (memory
-broker, solo pool) starts with them registered; leased jobs then run through that real
-worker, with the job rows in the throwaway database. pytest-celery 1.x's worker fixtures
-run workers in Docker containers; where Docker is not available, use the two ways above.
+With pytest-celery installed, ``celery_worker`` is its Docker-based worker (pytest-celery
+1.x); Celery's in-process one comes back with ``pytest_plugins = ["celery.contrib.pytest"]``
+in a conftest. ``lease_worker`` needs neither.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,17 +56,25 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from celery import Celery
 
 from celery_lease.db import migrate
 from celery_lease.db.store import Store
 from celery_lease.extension import CeleryLease
 from celery_lease.job import Job
 
+log = logging.getLogger("celery_lease")
+
 #: Environment variable naming a PostgreSQL admin URL for throwaway test databases.
 PG_ADMIN_ENV = "CELERY_LEASE_TEST_PG_ADMIN"
+#: Ini option / environment variable naming the app under test ("proj.celery:app").
+APP_OPTION, APP_ENV = "celery_lease_app", "CELERY_LEASE_TEST_APP"
 
 #: The parts a CeleryLease makes on first use from its database URL (extension.py).
-_PARTS = ("_store", "_producer", "_maintenance", "_worker", "_eager")
+_PARTS = ("_store", "_producer", "_maintenance", "_flow", "_worker", "_eager")
+
+#: Seconds between the maintenance passes ``lease_worker`` runs in place of beat.
+MAINTENANCE_INTERVAL = 0.2
 
 
 def migrated(url: str) -> str:
@@ -84,25 +105,93 @@ def throwaway_postgres(admin_url: str) -> Iterator[str]:
 
 
 @contextmanager
-def eager(leases: CeleryLease, database_url: str | None = None) -> Iterator[CeleryLease]:
-    """Run ``leases``' jobs in-process on ``database_url`` (migrated here; default: the
-    configured one) with ``task_always_eager`` on; both are restored on exit."""
+def switched(leases: CeleryLease, database_url: str | None) -> Iterator[CeleryLease]:
+    """``leases`` on ``database_url`` (migrated here; None: unchanged) until exit, when
+    its parts made on that database are disposed and the earlier ones put back."""
     saved = {part: getattr(leases, part) for part in (*_PARTS, "_database_url")}
-    conf = leases.app.conf
-    was_eager = conf.task_always_eager
     try:
         if database_url is not None:
             for part in _PARTS:
                 setattr(leases, part, None)
             leases._database_url = migrated(database_url)
-        conf.task_always_eager = True
         yield leases
     finally:
-        conf.task_always_eager = was_eager
         if database_url is not None and leases._store is not None:
             leases._store.dispose()
         for part, value in saved.items():
             setattr(leases, part, value)
+
+
+@contextmanager
+def eager(leases: CeleryLease, database_url: str | None = None) -> Iterator[CeleryLease]:
+    """Run ``leases``' jobs in-process on ``database_url`` (migrated here; default: the
+    configured one) with ``task_always_eager`` on; both are restored on exit."""
+    conf = leases.app.conf
+    was_eager = conf.task_always_eager
+    with switched(leases, database_url):
+        try:
+            conf.task_always_eager = True
+            yield leases
+        finally:
+            conf.task_always_eager = was_eager
+
+
+@contextmanager
+def memory_broker(app: Celery) -> Iterator[None]:
+    """``app`` publishes to and consumes from kombu's in-process memory transport until exit."""
+    conf = app.conf
+    saved = conf.broker_url, conf.task_always_eager
+    conf.broker_url, conf.task_always_eager = "memory://", False
+    _drop_connections(app)
+    try:
+        yield
+    finally:
+        conf.broker_url, conf.task_always_eager = saved
+        _drop_connections(app)
+
+
+def _drop_connections(app: Celery) -> None:
+    """Forget the app's broker connection and producer pools (made from ``broker_url`` on
+    first use), as Celery itself does after a fork."""
+    app._pool = None
+    amqp = app.__dict__.get("amqp")
+    if amqp is not None:
+        amqp._producer_pool = None
+
+
+@contextmanager
+def maintenance(leases: CeleryLease, interval: float = MAINTENANCE_INTERVAL) -> Iterator[None]:
+    """A thread doing beat's work (sweep: retries, delayed jobs, lost wakeups; reap:
+    elapsed leases) every ``interval`` seconds until exit."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            try:
+                leases.sweep()
+                leases.reap()
+            except Exception:  # a pass that fails is retried at the next one, as beat's
+                log.warning("celery-lease test maintenance pass failed", exc_info=True)
+
+    thread = threading.Thread(target=loop, name="celery-lease-test-maintenance", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+def load_app(spec: str) -> Celery:
+    """The Celery app named ``module:attribute`` (or ``module``, whose ``app`` or
+    ``celery_app`` it is)."""
+    module_name, _, attribute = spec.partition(":")
+    module = importlib.import_module(module_name)
+    for name in [attribute] if attribute else ["app", "celery_app"]:
+        app = getattr(module, name, None)
+        if isinstance(app, Celery):
+            return app
+    raise pytest.UsageError(f"celery-lease: {spec!r} names no Celery app")
 
 
 def run(task: Any, payload: Any) -> Job:
@@ -132,3 +221,40 @@ def lease_eager(lease_database_url) -> Iterator[Callable[[CeleryLease], CeleryLe
     yield switch
     while stack:
         stack.pop().__exit__(None, None, None)
+
+
+def pytest_addoption(parser) -> None:
+    parser.addini(APP_OPTION, "the Celery app whose leased jobs the tests run (module:attribute)", default="")
+
+
+@pytest.fixture
+def lease_app(request) -> Celery:
+    spec = request.config.getini(APP_OPTION) or os.environ.get(APP_ENV)
+    if spec:
+        return load_app(spec)
+    try:
+        return request.getfixturevalue("celery_app")
+    except pytest.FixtureLookupError:
+        raise pytest.UsageError(
+            f"celery-lease: name the app under test (ini option {APP_OPTION} = 'proj.celery:app', "
+            f"{APP_ENV}, or a lease_app fixture), or install pytest-celery for Celery's celery_app"
+        ) from None
+
+
+@pytest.fixture
+def celery_lease(lease_app, lease_database_url) -> Iterator[CeleryLease]:
+    leases = getattr(lease_app, "lease", None)
+    if not isinstance(leases, CeleryLease):
+        raise pytest.UsageError(f"celery-lease: the app {lease_app.main!r} has no CeleryLease (create CeleryLease(app) in it)")
+    with switched(leases, lease_database_url):
+        yield leases
+
+
+@pytest.fixture
+def lease_worker(celery_lease) -> Iterator[CeleryLease]:
+    from celery.contrib.testing.worker import start_worker
+
+    app = celery_lease.app
+    with memory_broker(app), maintenance(celery_lease):
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
+            yield celery_lease

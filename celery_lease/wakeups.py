@@ -106,8 +106,10 @@ class Publisher:
             slow = True
         root_id = parent_id = None
         if parent is not None:
-            root_id = parent.request.root_id or parent.request.id
-            parent_id = parent.request.id
+            # Message headers: a forged one may hold anything (a wakeup with one is
+            # refused, but a plain task's is not checked); only strings are handed on.
+            root_id = _task_id(parent.request.root_id) or _task_id(parent.request.id)
+            parent_id = _task_id(parent.request.id)
         reply_to = app.thread_oid
         before = signals.before_task_publish.send
         after = signals.after_task_publish.send
@@ -178,6 +180,10 @@ class Publisher:
         if key not in self._routes:
             self._routes[key] = _build_route(self._app, task, queue)
         return self._routes[key]
+
+
+def _task_id(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def _build_route(app: Celery, task: str, queue: str | None) -> _Route | None:

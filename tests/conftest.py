@@ -20,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.worker.attempt import Attempt
+from tests.harness import rabbitmq
 from tests.harness.services import (  # noqa: F401  (re-exported to the tests)
     PG_ADMIN,
     RedisServer,
@@ -127,6 +128,30 @@ def broker(redis_server):
         redis_server.start()
     redis_server.flush()
     return redis_server.url
+
+
+# --- RabbitMQ -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def rabbit_node(tmp_path_factory):
+    """A private RabbitMQ node (tests/harness/rabbitmq.py), booted once per run."""
+    if not rabbitmq.available():
+        pytest.skip("needs rabbitmq-server (bash dev.sh test installs it)")
+    node = rabbitmq.RabbitNode(tmp_path_factory.mktemp("rabbitmq"))
+    node.start()
+    yield node
+    node.stop()
+
+
+@pytest.fixture
+def amqp_broker(rabbit_node):
+    """A throwaway vhost of the private RabbitMQ node (running again if a test stopped it)."""
+    if not rabbit_node.ping():
+        rabbit_node.start()
+    broker = rabbitmq.RabbitBroker(rabbit_node, rabbit_node.add_vhost())
+    yield broker
+    rabbit_node.delete_vhost(broker.vhost)
 
 
 # --- Celery apps and workers ----------------------------------------------------------

@@ -106,7 +106,7 @@ class Maintenance:
         if self._flow is not None:
             sent += self._flow.sweep()
         if rows:
-            log.info("celery-lease: swept %d wakeup(s), %d published", len(rows), sent)
+            log.debug("celery-lease: swept %d wakeup(s), %d published", len(rows), sent)
         return sent
 
     def prune(self, older_than: float | None = None) -> int:

@@ -40,6 +40,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, Task
+from celery.exceptions import Ignore
 from celery.schedules import BaseSchedule, crontab, schedule
 
 from celery_lease.errors import ConfigurationError
@@ -163,14 +164,21 @@ class BeatSubmitTask(Task):
 
 def beat_submit(self: BeatSubmitTask, *args: Any, **kwargs: Any) -> dict[str, str]:
     """Submit the job of the slot a tick names; refuse (log, submit nothing) a message
-    that is not a tick of this app's schedule."""
+    that is not a tick of this app's schedule.
+
+    A refusal raises Ignore: a task that returned would have Celery apply the chain and
+    callbacks the message carries, and a forged tick could then create any job. Beat
+    never sends a tick with any, so a tick that carries one is refused whole."""
+    request = self.request
     try:
+        if request.callbacks or request.errbacks or request.chain or request.chord:
+            raise TickRefused("a tick carries no chain, callback or chord")
         if len(args) != 2 or kwargs or not isinstance(args[0], str):
             raise TickRefused("a tick carries exactly (entry name, tick time)")
         job, key = self.beat_jobs.submit_tick(args[0], args[1], time.time())
     except TickRefused as exc:
-        log.warning("celery-lease: beat tick %.64r refused: %s; nothing submitted", self.request.id, exc)
-        return {"refused": str(exc)}
+        log.warning("celery-lease: beat tick %.64r refused: %s; nothing submitted", request.id, exc)
+        raise Ignore() from None
     return {"job": job.id, "key": key}
 
 

@@ -101,6 +101,6 @@ class TickRunner:
         try:
             run()
             self.ran += 1
-            log.info("celery-lease: maintenance tick %s done", name)
+            log.debug("celery-lease: maintenance tick %s done", name)
         except Exception:
             log.exception("celery-lease: maintenance tick %s failed", name)

@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine, make_url
 
+from celery_lease import green
 from celery_lease.db.prepared import Prepared
 from celery_lease.errors import ConfigurationError, DatabaseUnavailable
 
@@ -40,6 +41,10 @@ T = TypeVar("T")
 DEFAULT_SQLITE_PATH = "celery-lease.sqlite3"
 #: How often a statement is retried when its connection was dropped.
 RECONNECT_ATTEMPTS = 3
+#: The driver behind a bare ``postgresql://`` (or ``postgres://``) URL: the one
+#: celery-lease installs and is tested with. (SQLAlchemy 2.1 would pick psycopg 3,
+#: which it does not install.) Name another in the URL to use it: postgresql+psycopg://.
+POSTGRESQL_DRIVER = "postgresql+psycopg2"
 
 
 def resolve_database_url(explicit: str | None, app_conf: Any) -> tuple[str, str]:
@@ -96,6 +101,10 @@ KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, 
 TCP_USER_TIMEOUT_MS = 60_000
 
 
+#: Query-string parameters of a database URL that carry a secret (libpq accepts both).
+SECRET_QUERY_KEYS = frozenset({"password", "sslpassword"})
+
+
 class Database:
     """One job database: its engines, pooled connections and transactions."""
 
@@ -123,7 +132,9 @@ class Database:
         engines made so far (e.g. by the startup ping)."""
         self._pool_size = max(DEFAULT_POOL_SIZE, concurrency + 4)
         self._max_overflow = max(DEFAULT_MAX_OVERFLOW, concurrency + 8)
-        self._pin = True
+        # A green pool runs each task in a new greenlet: a connection pinned to one would
+        # be dropped with it, unreturned. There each statement borrows from the pool.
+        self._pin = green.hub() is None
         self.dispose()
 
     @staticmethod
@@ -138,18 +149,31 @@ class Database:
             raise ConfigurationError(
                 f"{source} is not a valid database URL (expected e.g. postgresql+psycopg2://user@host/db or sqlite:///path)"
             ) from None
+        if parsed.drivername in ("postgresql", "postgres"):
+            parsed = parsed.set(drivername=POSTGRESQL_DRIVER)
         if parsed.get_backend_name() not in ("postgresql", "sqlite"):
             raise ConfigurationError(
                 f"{source} names the unsupported database {parsed.get_backend_name()!r}: "
                 "celery-lease runs on PostgreSQL or SQLite"
             )
+        try:
+            parsed.get_dialect().import_dbapi()
+        except (sa_exc.NoSuchModuleError, ImportError) as exc:
+            fix = "pip install psycopg2-binary" if parsed.drivername == POSTGRESQL_DRIVER else "install it"
+            raise ConfigurationError(
+                f"{source}: the database driver of {parsed.drivername!r} is not installed ({type(exc).__name__}): "
+                f"{fix}, or name an installed driver in the URL, e.g. {POSTGRESQL_DRIVER}://user@host/db"
+            ) from None
         return parsed
 
     # --- engines ---------------------------------------------------------------------
 
     @property
     def display_url(self) -> str:
-        return self.url.render_as_string(hide_password=True)
+        """The URL for messages and logs: the password masked, whether it is in the
+        userinfo or in the query string (``?password=``, libpq's ``sslpassword``)."""
+        secret = {k: "***" for k in self.url.query if k.lower() in SECRET_QUERY_KEYS}
+        return self.url.update_query_dict(secret).render_as_string(hide_password=True)
 
     def _create_engine(self, *, fast: bool, single: bool, heartbeat: bool) -> Engine:
         kwargs: dict[str, Any] = {}
@@ -182,10 +206,7 @@ class Database:
             if single or heartbeat:
                 # One statement is its own transaction: no BEGIN and COMMIT round trips.
                 kwargs["isolation_level"] = "AUTOCOMMIT"
-        try:
-            engine = sa.create_engine(self.url, **kwargs)
-        except (sa_exc.NoSuchModuleError, ImportError) as exc:
-            raise ConfigurationError(f"{self.source}: no driver for {self.url.drivername!r} ({type(exc).__name__})") from None
+        engine = sa.create_engine(self.url, **kwargs)  # parse_url made sure its driver imports
         if self.dialect == "sqlite":
             sa.event.listen(engine, "connect", _on_sqlite_connect)
             sa.event.listen(engine, "begin", _on_sqlite_begin)

@@ -303,9 +303,40 @@ def get_job_view(job_id: str, *, tenant: str | None = None) -> sa.Select:
     return stmt if tenant is None else stmt.where(_c.tenant == tenant)
 
 
-def list_job_views(**filters: Any) -> sa.Select:
-    """list_job_views: list_jobs selecting only the API columns."""
-    return list_jobs(columns=VIEW_COLUMNS, **filters)
+class json_bytes(FunctionElement):
+    """The size in bytes of a JSON column's stored text (NULL for NULL)."""
+
+    type = sa.Integer()
+    inherit_cache = True
+
+
+@compiles(json_bytes)
+def _json_bytes_default(element, compiler, **kw):
+    (value,) = element.clauses
+    return f"octet_length(CAST({compiler.process(value, **kw)} AS TEXT))"
+
+
+@compiles(json_bytes, "sqlite")
+def _json_bytes_sqlite(element, compiler, **kw):
+    (value,) = element.clauses
+    return f"length(CAST({compiler.process(value, **kw)} AS BLOB))"
+
+
+def _bounded(column: Any, max_bytes: int) -> tuple[Any, Any]:
+    """``column`` when its JSON text is at most ``max_bytes`` (else NULL), and its size:
+    a list page never reads a large value out of the table."""
+    size = json_bytes(column)
+    return sa.case((size <= max_bytes, column), else_=sa.null()).label(column.name), size.label(f"{column.name}_bytes")
+
+
+def list_job_summaries(*, max_value_bytes: int, **filters: Any) -> sa.Select:
+    """list_job_summaries: list_jobs with the API columns, ``result`` and ``progress``
+    only when their JSON text is at most ``max_value_bytes`` (NULL otherwise), and
+    their sizes (``result_bytes``, ``progress_bytes``)."""
+    result, result_bytes = _bounded(_c.result, max_value_bytes)
+    progress, progress_bytes = _bounded(_c.progress, max_value_bytes)
+    columns = [c for c in VIEW_COLUMNS if c.name not in ("result", "progress")]
+    return list_jobs(columns=(*columns, result, result_bytes, progress, progress_bytes), **filters)
 
 
 def run_visible(run_id: str, *, tenant: str | None = None) -> sa.Select:

@@ -53,9 +53,11 @@ class Reads:
 
         return self.transaction(self.durable, work)
 
-    def list_views(self, **filters) -> list[dict[str, Any]]:
-        """list_jobs, reading only the API columns."""
-        return self.transaction(self.durable, lambda c: [_view(r) for r in c.execute(q.list_job_views(**filters)).mappings()])
+    def list_summaries(self, *, max_value_bytes: int, **filters) -> list[dict[str, Any]]:
+        """list_jobs reading only the API columns, result and progress bounded (see
+        queries.list_job_summaries)."""
+        stmt = q.list_job_summaries(max_value_bytes=max_value_bytes, **filters)
+        return self.transaction(self.durable, lambda c: [_view(r) for r in c.execute(stmt).mappings()])
 
     def run_visible(self, run_id: str, *, tenant: str | None = None) -> bool:
         return self.transaction(self.durable, lambda c: c.execute(q.run_visible(run_id, tenant=tenant)).first() is not None)

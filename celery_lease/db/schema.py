@@ -19,6 +19,10 @@ TS = sa.DateTime(timezone=True)
 ID = sa.Uuid(as_uuid=False)
 
 
+#: Terminal statuses other than succeeded: the celery_lease_jobs_unsuccessful index.
+UNSUCCESSFUL = sorted(s.value for s in Status if s.terminal and s is not Status.SUCCEEDED)
+
+
 def _in(column: str, values) -> str:
     return f"{column} IN ({', '.join(repr(str(v)) for v in values)})"
 
@@ -109,6 +113,17 @@ sa.Index(
     **_partial(_in("status", sorted(s.value for s in Status if s.terminal))),
 )
 sa.Index("celery_lease_jobs_run", jobs.c.run_id, **_partial("run_id IS NOT NULL"))
+# Lists of the jobs that ended without success (``?status=failed``), newest first: the
+# rare terminal statuses, which the created index would walk the whole history to find
+# (pending and running jobs are few and recent; succeeded ones are most rows). Only a
+# job that ends so enters it (migration 0007).
+sa.Index(
+    "celery_lease_jobs_unsuccessful",
+    jobs.c.status,
+    jobs.c.created_at,
+    jobs.c.id,
+    **_partial(_in("status", UNSUCCESSFUL)),
+)
 sa.Index("celery_lease_jobs_created", jobs.c.created_at, jobs.c.id)
 # A tenant token's pages (newest first, keyset on created_at, id) walk this in order,
 # whatever other tenants hold; untenanted jobs stay out of it (migration 0002).

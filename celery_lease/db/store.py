@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -82,8 +83,9 @@ class Store(Reads, Chords, Database):
             return [Job.from_row(r) for r in result.mappings()]
 
         # The INSERT is one statement: outside a caller's transaction it commits alone.
-        inserted = self.transaction(self.engine(single=True), work, connection=connection)
-        self._read_back_landed([str(r["id"]) for r in rows], {j.id for j in inserted}, landed, connection)
+        retried: list[bool] = []
+        inserted = self.transaction(self.engine(single=True), work, connection=connection, on_retry=partial(retried.append, True))
+        self._read_back_landed([str(r["id"]) for r in rows], {j.id for j in inserted}, landed, connection, bool(retried))
         return inserted
 
     def insert_job_batch(
@@ -96,12 +98,15 @@ class Store(Reads, Chords, Database):
         text = json.dumps(records, separators=(",", ":"))
         params = {**shared, "jobs": text}
         rows: list[Any]
+        retried: list[bool] = []
+        again = partial(retried.append, True)  # a dropped connection made it try again
         if self._prepared is not None and not keyed and connection is None:
             prepared = self._prepared["insert_batch"]
-            rows = [(r["id"], r["created_at"], r["run_after"]) for r in self.execute_prepared(prepared, params)]
+            rows = [(r["id"], r["created_at"], r["run_after"]) for r in self.execute_prepared(prepared, params, on_retry=again)]
         else:
             stmt = q.insert_job_batch(on_key_conflict_nothing=keyed)
-            rows = self.transaction(self.engine(single=True), lambda c: list(c.execute(stmt, params)), connection=connection)
+            engine = self.engine(single=True)
+            rows = self.transaction(engine, lambda c: list(c.execute(stmt, params)), connection=connection, on_retry=again)
         sent = {str(r["id"]): r for r in json.loads(text)}  # payloads as stored: tuples become lists
         base = Job.pending_fields(shared)
         inserted = []
@@ -109,21 +114,21 @@ class Store(Reads, Chords, Database):
             record = sent[str(job_id)]
             own = {"id": str(job_id), "payload": record["payload"], "idempotency_key": record.get("idempotency_key")}
             inserted.append(Job.of_fields({**base, **own, "created_at": created_at, "run_after": run_after}))
-        self._read_back_landed(list(sent), {j.id for j in inserted}, landed, connection)
+        self._read_back_landed(list(sent), {j.id for j in inserted}, landed, connection, bool(retried))
         return inserted
 
-    def _read_back_landed(self, ids: list[str], inserted: set[str], landed: list[Job] | None, connection) -> None:
-        """Rows an insert did not return although their ids are fresh UUIDs: an earlier
-        try of the same insert committed them before its reply was lost. Read back into
-        ``landed`` (a conflicting idempotency key is not found by id: the caller reads it
-        by key)."""
+    def _read_back_landed(self, ids: list[str], inserted: set[str], landed: list[Job] | None, connection, retried: bool) -> None:
+        """Rows an insert did not return although they exist: an earlier try of it that
+        committed before its reply was lost (``retried``), or ids the caller chose and
+        submitted before (one Celery ``task_id`` applied twice). Read back into ``landed``
+        (a conflicting idempotency key is not found by id: the caller reads it by key)."""
         if len(inserted) == len(ids):
             return
         found = self.get_jobs_by_ids([i for i in ids if i not in inserted], connection=connection)
-        if found:
+        if found and retried:  # else the same ids were simply submitted again: nothing to report
             log.warning("celery-lease: %d job(s) had landed before a lost reply; not inserted again", len(found))
-            if landed is not None:
-                landed.extend(found)
+        if landed is not None:
+            landed.extend(found)
 
     def pending_wakeups(self, ids: Sequence[str]) -> list[dict]:
         return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(q.pending_wakeups(ids)).mappings()])

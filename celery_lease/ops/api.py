@@ -34,40 +34,58 @@ which worker claimed a job (host, pid and boot id are withheld from ``claimed``
 events) nor the global event ids, whose gaps would count other tenants' activity: its
 events are numbered 1, 2, 3 ... within the run, and ``after`` takes those numbers.
 
-Routes read only the columns their response carries: never payloads or checkpoints.
+Routes read only the columns their response carries: never payloads or checkpoints;
+lists are bounded summaries (listing.summary_view). Past ``lease_api_rate`` requests a
+second a token gets 429 with ``Retry-After``.
 
-``/healthz`` and ``/openapi.json`` need no token. ``/metrics`` needs none unless
-``app.conf.lease_metrics_token`` (or the environment variable
-``CELERY_LEASE_METRICS_TOKEN``) is set: then it takes that token, or any token of
-``lease_api_tokens`` bound to no tenant, as ``Authorization: Bearer``. Metrics carry
-counts by kind and status, never job contents; they are computed at most once every
-``lease_metrics_cache_seconds`` (default 5) whatever the scrape rate.
+``/healthz`` and ``/openapi.json`` need no token. ``/metrics`` needs one whenever
+``lease_api_tokens`` or ``app.conf.lease_metrics_token`` (or the environment variable
+``CELERY_LEASE_METRICS_TOKEN``) is set: that token, or any API token bound to no
+tenant, as ``Authorization: Bearer``. Metrics carry counts by kind and status, never
+job contents (concurrency keys only with ``lease_metrics_key_labels``); they are
+computed at most once every ``lease_metrics_cache_seconds`` (default 5).
 
 Errors are JSON ``{"error": code, "detail": text}``: 400 ``bad_request`` for a
 malformed id, status, limit, cursor or parameter, and for any query parameter a route
 does not declare (a misspelt filter must not silently widen a list); 404
-``not_found``; 503 ``database_unavailable`` or ``schema_not_migrated``. Bad input is
-refused before anything is read or changed: no input is a 5xx.
+``not_found``; 429 ``rate_limited``; 503 ``database_unavailable`` or
+``schema_not_migrated``. Bad input changes nothing and reads nothing: never a 5xx.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from celery_lease.errors import DatabaseUnavailable
 from celery_lease.job import parse_job_id
 from celery_lease.ops import listing, metrics
-from celery_lease.ops.tokens import TOKENS_ENV, TOKENS_SETTING, Grant, load_metrics_token, load_tokens, matches
+from celery_lease.ops.throttle import Throttle, retry_after
+from celery_lease.ops.tokens import (
+    TOKENS_ENV,
+    TOKENS_SETTING,
+    Grant,
+    load_metrics_token,
+    load_tokens,
+    matches,
+    scrape_tokens,
+)
+from celery_lease.ops.wire import (
+    CancelOut,
+    ErrorOut,
+    EventPageOut,
+    HealthOut,
+    JobOut,
+    JobPageOut,
+    LimitsOut,
+)
 from celery_lease.status import Event, Status
 
 if TYPE_CHECKING:
@@ -80,91 +98,14 @@ MAX_EVENTS_LIMIT = 1000
 STRICT_QUERY = "Query parameters the route does not declare are refused (400)."
 
 
-# --- wire shapes (these make the OpenAPI schema) ----------------------------------------
-
-
-class ErrorOut(BaseModel):
-    error: str
-    detail: str | None = None
-
-
-class JobOut(BaseModel):
-    id: str
-    kind: str
-    status: str
-    result: Any = None
-    error: str | None = None
-    progress: Any = None
-    attempt: int
-    max_attempts: int
-    created_at: datetime
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    run_id: str | None = None
-    parent_id: str | None = None
-
-
-class JobPageOut(BaseModel):
-    jobs: list[JobOut]
-    next_cursor: str | None = None
-
-
-class CancelOut(BaseModel):
-    id: str
-    #: True when this request moved the job to cancelled; False when it was terminal.
-    cancelled: bool
-    status: str
-
-
-class EventOut(BaseModel):
-    #: The event's id; for a tenant token, its number among the tenant's events of the run.
-    id: int
-    run_id: str
-    job_id: str
-    event: str
-    attempt: int
-    detail: str | None = None
-    created_at: datetime
-
-
-class EventPageOut(BaseModel):
-    run_id: str
-    events: list[EventOut]
-    #: Pass as ``after`` for the next page; None when this page is the last.
-    next_after: int | None = None
-
-
-class LimitOut(BaseModel):
-    kind: str
-    #: The concurrency key (None: the kind as a whole).
-    key: str | None = None
-    concurrency: int | None = None
-    rate_limit: str | None = None
-    paused: bool
-    running: int
-    #: Pending jobs held back by the kind's concurrency limit, its rate, or its pause.
-    waiting_limit: int
-    waiting_rate: int
-    waiting_pause: int
-    #: Other pending jobs (queued for a worker, or due later).
-    pending: int
-
-
-class LimitsOut(BaseModel):
-    kinds: list[LimitOut]
-
-
-class HealthOut(BaseModel):
-    status: str
-
-
 # --- errors -----------------------------------------------------------------------------
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, error: str, detail: str | None = None) -> None:
+    def __init__(self, status: int, error: str, detail: str | None = None, headers: dict | None = None) -> None:
         super().__init__(error)
         self.status, self.error, self.detail = status, error, detail
+        self.headers = _UNAUTHORIZED if status == 401 else headers
 
 
 def _error(status: int, error: str, detail: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -176,9 +117,10 @@ _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorOut, "description": "malformed id, status, limit, cursor or parameter"},
-    401: {"model": ErrorOut, "description": "missing or unknown bearer token (/metrics: only with lease_metrics_token)"},
+    401: {"model": ErrorOut, "description": "missing or unknown bearer token (/metrics: when tokens are configured)"},
     403: {"model": ErrorOut, "description": "a read-only token asked to change a job"},
     404: {"model": ErrorOut, "description": "no such job or run visible to this token"},
+    429: {"model": ErrorOut, "description": "this token's request rate (lease_api_rate) is spent: see Retry-After"},
     503: {"model": ErrorOut, "description": "the job database cannot be reached, or is not migrated"},
 }
 
@@ -218,6 +160,7 @@ def create_app(leases: CeleryLease) -> FastAPI:
     tokens = load_tokens(leases.app.conf)
     metrics_token = load_metrics_token(leases.app.conf)
     scrapes = metrics.CachedMetrics(leases, leases.settings.metrics_cache_seconds)
+    throttle = Throttle(leases.settings.api_rate)
     if not tokens:
         log.warning(
             "celery-lease: no API tokens configured (%s or %s): every /api/v1 request gets 401",
@@ -235,7 +178,7 @@ def create_app(leases: CeleryLease) -> FastAPI:
 
     @api.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):
-        return _error(exc.status, exc.error, exc.detail, _UNAUTHORIZED if exc.status == 401 else None)
+        return _error(exc.status, exc.error, exc.detail, exc.headers)
 
     @api.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError):
@@ -244,9 +187,8 @@ def create_app(leases: CeleryLease) -> FastAPI:
 
     @api.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
-        return _error(
-            exc.status_code, _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}"), None, getattr(exc, "headers", None)
-        )
+        code = _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
+        return _error(exc.status_code, code, None, getattr(exc, "headers", None))
 
     @api.exception_handler(DatabaseUnavailable)
     async def on_db_down(request: Request, exc: DatabaseUnavailable):
@@ -271,10 +213,13 @@ def create_app(leases: CeleryLease) -> FastAPI:
         # much of a token was guessed right, nor on which one matched.
         for token, grant in tokens.items():
             if matches(credentials.credentials, token):
-                match = grant
+                match = token, grant
         if match is None:
             raise ApiError(401, "unauthorized")
-        return match
+        wait = throttle.wait(match[0])
+        if wait:
+            raise ApiError(429, "rate_limited", None, {"Retry-After": retry_after(wait)})
+        return match[1]
 
     def visible_job(job_id: str, who: Caller) -> dict[str, Any]:
         view = leases.store.get_view(_parse_id(job_id, "job"), tenant=who.tenant)
@@ -311,7 +256,7 @@ def create_app(leases: CeleryLease) -> FastAPI:
         except ValueError as exc:
             raise ApiError(400, "bad_request", str(exc)) from None
         page = listing.list_view_page(leases, query, tenant=who.tenant)
-        return {"jobs": [listing.api_view(r) for r in page.rows], "next_cursor": page.next_cursor}
+        return {"jobs": page.rows, "next_cursor": page.next_cursor}
 
     @api.get("/api/v1/runs/{run_id}/events", response_model=EventPageOut, responses=_ERRORS, description=STRICT_QUERY)
     def run_events(
@@ -354,15 +299,14 @@ def create_app(leases: CeleryLease) -> FastAPI:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
+    scrape_with = scrape_tokens(tokens, metrics_token)
+
     def scraper(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
         offered = "" if credentials is None else credentials.credentials
-        # The metrics token, or an API token bound to no tenant (metrics span tenants).
-        allowed = [str(metrics_token), *(t for t, grant in tokens.items() if grant.tenant is None)]
-        if not any([matches(offered, token) for token in allowed]):
+        if not any([matches(offered, token) for token in scrape_with or ()]):
             raise ApiError(401, "unauthorized")
 
-    # The schema says /metrics needs a token exactly when it does.
-    guarded = metrics_token is not None
+    guarded = scrape_with is not None  # the schema says /metrics needs a token exactly when it does
     metrics_responses: dict[int | str, dict[str, Any]] = {c: _ERRORS[c] for c in ((400, 401, 503) if guarded else (400, 503))}
 
     @api.get(

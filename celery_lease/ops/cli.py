@@ -36,6 +36,7 @@ from sqlalchemy import exc as sa_exc
 from celery_lease.errors import LeaseError, UnknownKind
 from celery_lease.job import Job, parse_job_id
 from celery_lease.ops import listing
+from celery_lease.status import Status
 
 #: Columns of ``lease list``: (heading, how to show it).
 LIST_COLUMNS: tuple[tuple[str, Callable[[Job], str]], ...] = (
@@ -43,6 +44,7 @@ LIST_COLUMNS: tuple[tuple[str, Callable[[Job], str]], ...] = (
     ("KIND", lambda j: printable(j.kind)),
     ("STATUS", lambda j: j.status.value),
     ("ATTEMPT", lambda j: f"{j.attempt}/{j.max_attempts}"),
+    ("PROGRESS", lambda j: "" if j.progress is None else printable(_short(json.dumps(j.progress, separators=(",", ":"))))),
     ("CREATED", lambda j: _when(j.created_at)),
     ("FINISHED", lambda j: _when(j.finished_at)),
     ("ERROR", lambda j: printable((j.error or "")[:60])),
@@ -69,6 +71,30 @@ def printable(text: str) -> str:
     """``text`` with every control character spelt as an escape (``\\x1b``): job data
     is whatever a handler or submitter wrote, and must not drive the terminal."""
     return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+#: Celery's state names (what Flower and AsyncResult show) for the statuses they mean:
+#: FAILURE is ``failed`` (``expired`` is asked for apart); RETRY jobs are ``pending``.
+CELERY_STATES = {
+    "PENDING": Status.PENDING,
+    "RETRY": Status.PENDING,
+    "STARTED": Status.RUNNING,
+    "SUCCESS": Status.SUCCEEDED,
+    "FAILURE": Status.FAILED,
+    "REVOKED": Status.CANCELLED,
+}
+
+
+def _status(value: str | None) -> str | None:
+    """``--status`` as a status in any case, or a Celery state name (SUCCESS, FAILURE...)."""
+    if value is None:
+        return None
+    celery = CELERY_STATES.get(value.upper())
+    return celery.value if celery is not None else value.lower()
+
+
+def _short(text: str, width: int = 40) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _when(value: datetime | None) -> str:
@@ -138,7 +164,7 @@ def lease(ctx: click.Context) -> None:
 def migrate(ctx: click.Context) -> None:
     leases = _leases(ctx)
     revision = leases.create_schema()
-    click.echo(f"celery-lease schema at revision {revision} ({leases.store.display_url})")
+    click.echo(f"celery-lease schema at revision {revision} ({printable(leases.store.display_url)})")
 
 
 @lease.command(help="Show one job.")
@@ -163,7 +189,11 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
 
 
 @lease.command("list", help="List jobs, newest first.")
-@click.option("--status", default=None, help="pending, running, succeeded, failed, expired or cancelled.")
+@click.option(
+    "--status",
+    default=None,
+    help="pending, running, succeeded, failed, expired or cancelled (or Celery's PENDING, STARTED, SUCCESS, FAILURE, REVOKED).",
+)
 @click.option("--kind", default=None, help="Only jobs of this kind.")
 @click.option("--limit", default=str(listing.DEFAULT_LIMIT), show_default=True, help=f"Jobs per page (1-{listing.MAX_LIMIT}).")
 @click.option("--cursor", default=None, help="The next-page cursor printed by a previous list.")
@@ -172,10 +202,16 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
 @_boundary
 def list_(ctx: click.Context, status: str | None, kind: str | None, limit: str, cursor: str | None, as_json: bool) -> None:
     try:
-        query = listing.Query.parse(status=status, kind=kind, limit=limit, cursor=cursor)
+        query = listing.Query.parse(status=_status(status), kind=kind, limit=limit, cursor=cursor)
     except ValueError as exc:
         raise CliError(str(exc), exit_code=2) from None
-    page = listing.list_page(_leases(ctx), query)
+    leases = _leases(ctx)
+    page = listing.list_page(leases, query)
+    if kind is not None and not page.jobs and query.after is None:
+        try:  # a kind no handler declares and no job has: a typo, not an empty list
+            leases.resolve(kind)
+        except UnknownKind as exc:
+            raise CliError(str(exc), exit_code=2) from None
     data = {"jobs": [j.to_dict() for j in page.jobs], "next_cursor": page.next_cursor}
     text = _table([h for h, _ in LIST_COLUMNS], [[cell(j) for _, cell in LIST_COLUMNS] for j in page.jobs])
     if page.next_cursor:
@@ -301,7 +337,8 @@ def limits(ctx: click.Context, as_json: bool) -> None:
     rows = _leases(ctx).limits()
 
     def cell(value: Any) -> str:
-        return "yes" if value is True else "" if value is None or value is False else str(value)
+        # A key is payload text: escaped like every stored value shown on a terminal.
+        return "yes" if value is True else "" if value is None or value is False else printable(str(value))
 
     text = _table([h for h, _ in LIMIT_COLUMNS], [[cell(r[k]) for _, k in LIMIT_COLUMNS] for r in rows])
     _emit(as_json, {"kinds": rows}, text)

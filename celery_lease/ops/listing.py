@@ -34,6 +34,12 @@ MAX_CURSOR_CHARS = 200
 #: The width of the ``kind`` column: no longer kind can exist.
 MAX_KIND_CHARS = 200
 
+#: A list row carries a job's result or progress only up to this size (its JSON text).
+SUMMARY_VALUE_BYTES = 1024
+#: A list page stops before the row that would take its rows past this many bytes (of
+#: JSON); its cursor continues from there. At least one row is always returned.
+MAX_PAGE_BYTES = 1024 * 1024
+
 #: What the HTTP API shows of a job (the payload and lease internals stay private).
 API_FIELDS = (
     "id",
@@ -153,11 +159,38 @@ class ViewPage:
 
 
 def list_view_page(leases: CeleryLease, query: Query, *, tenant: str | None = None) -> ViewPage:
-    """list_page reading only the columns the API shows (no payloads, checkpoints)."""
-    rows = leases.store.list_views(status=query.status, kind=query.kind, tenant=tenant, after=query.after, limit=query.limit + 1)
+    """list_page as summaries (:func:`summary_view`): only the columns the API shows (no
+    payloads, checkpoints), a result or progress only up to SUMMARY_VALUE_BYTES, and
+    the page cut short (with a cursor) where it would pass MAX_PAGE_BYTES."""
+    rows = leases.store.list_summaries(
+        max_value_bytes=SUMMARY_VALUE_BYTES,
+        status=query.status,
+        kind=query.kind,
+        tenant=tenant,
+        after=query.after,
+        limit=query.limit + 1,
+    )
     more = len(rows) > query.limit
-    rows = rows[: query.limit]
+    rows = [summary_view(r) for r in rows[: query.limit]]
+    size = 0
+    for count, row in enumerate(rows):
+        size += len(json.dumps(row, default=str, ensure_ascii=False).encode())
+        if size > MAX_PAGE_BYTES and count > 0:
+            rows, more = rows[:count], True
+            break
     return ViewPage(rows, encode_cursor(rows[-1]) if more else None)
+
+
+def summary_view(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A list row: API_FIELDS, with ``result``/``progress`` None and ``*_omitted`` true
+    when the value is over SUMMARY_VALUE_BYTES (``*_bytes``: the stored JSON's size);
+    the job's own route returns it whole."""
+    out = {name: row[name] for name in API_FIELDS}
+    for name in ("result", "progress"):
+        size = row[f"{name}_bytes"]
+        out[f"{name}_bytes"] = size
+        out[f"{name}_omitted"] = size is not None and size > SUMMARY_VALUE_BYTES
+    return out
 
 
 def api_view(job: Job | Mapping[str, Any]) -> dict[str, Any]:

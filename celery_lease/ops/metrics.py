@@ -39,8 +39,10 @@ metric                                      meaning
 ``celery_lease_flow_jobs{kind,key,state}``  flow control: jobs ``running``, or pending and
                                             held by a limit (``waiting_limit``), a rate
                                             (``waiting_rate``) or a pause
-                                            (``waiting_pause``). ``key`` is the concurrency
-                                            key ("" for none): one series per key in use
+                                            (``waiting_pause``). ``key``: "" for a kind
+                                            without concurrency keys, else "other" (keys
+                                            are payload text); ``lease_metrics_key_labels
+                                            = N`` gives the N busiest keys their own
 ``celery_lease_paused{kind}``               1 for each paused kind
 ``celery_lease_sweep_backlog``              due pending jobs with no wakeup for
                                             ``lease_sweep_stale_seconds``: what the next
@@ -129,9 +131,9 @@ class LeaseCollector:
         )
         paused = GaugeMetricFamily("celery_lease_paused", "Paused kinds (1).", labels=["kind"])
         rows = self._leases.limits()
-        for row in rows:
-            for state in ("running", "waiting_limit", "waiting_rate", "waiting_pause"):
-                flow.add_metric([row["kind"], row["key"] or "", state], row[state])
+        for (kind, key), counts in sorted(key_series(rows, self._leases.settings.metrics_key_labels).items()):
+            for state in FLOW_STATES:
+                flow.add_metric([kind, key, state], counts[state])
         for kind in sorted({row["kind"] for row in rows if row["paused"]}):
             paused.add_metric([kind], 1)
         yield flow
@@ -146,6 +148,29 @@ class LeaseCollector:
         )
         yield GaugeMetricFamily("celery_lease_leases_overdue", "Running jobs whose lease elapsed.", value=overdue)
         yield GaugeMetricFamily("celery_lease_sweep_backlog", "Due pending jobs without a fresh wakeup.", value=unswept)
+
+
+FLOW_STATES = ("running", "waiting_limit", "waiting_rate", "waiting_pause")
+#: The key label of a kind's keys beyond the busiest ``lease_metrics_key_labels``.
+OTHER_KEYS = "other"
+
+
+def key_series(rows: list[dict], labelled: int) -> dict[tuple[str, str], dict[str, int]]:
+    """Flow counts per (kind, key label). A concurrency key is payload text and there may
+    be millions: only the ``labelled`` busiest keys (running + waiting, over all kinds)
+    keep their own label; the rest are summed per kind under "other". A kind with no
+    key function is key ""."""
+    keyed = [r for r in rows if r["key"] is not None]
+    busiest = sorted(keyed, key=lambda r: (-sum(r[s] for s in FLOW_STATES), r["kind"], r["key"]))[: max(0, labelled)]
+    named = {(r["kind"], r["key"]) for r in busiest}
+    series: dict[tuple[str, str], dict[str, int]] = {}
+    for row in rows:
+        key = row["key"]
+        label = "" if key is None else key if (row["kind"], key) in named else OTHER_KEYS
+        counts = series.setdefault((row["kind"], label), dict.fromkeys(FLOW_STATES, 0))
+        for state in FLOW_STATES:
+            counts[state] += row[state]
+    return series
 
 
 def render(leases: CeleryLease) -> bytes:

@@ -83,3 +83,13 @@ def load_metrics_token(app_conf: Any) -> str | None:
 def matches(offered: str, token: str) -> bool:
     """Constant-time comparison: the time taken does not tell how much was guessed right."""
     return hmac.compare_digest(offered.encode(), token.encode())
+
+
+def scrape_tokens(tokens: dict[str, Grant], metrics_token: str | None) -> list[str] | None:
+    """The tokens /metrics takes: the metrics token and every API token bound to no
+    tenant (metrics span tenants); None when it is open, with no token of either kind
+    configured. Configuring API tokens closes it: a deployment with tokens has clients
+    that must not see other tenants' kinds and keys."""
+    if metrics_token is None and not tokens:
+        return None
+    return [*([metrics_token] if metrics_token else []), *(t for t, grant in tokens.items() if grant.tenant is None)]

@@ -21,6 +21,7 @@ from celery_lease.errors import (
     Failure,
     JobCancelled,
     JobFailed,
+    JobRefused,
     JobSnoozed,
     JobSuspended,
     LeaseError,
@@ -242,7 +243,8 @@ class WorkerState:
             else:
                 error = str(value) if status is Outcome.FAILED else INTERNAL_ERROR
                 self._fail(attempt, error)
-                signal = JobFailed(error)
+                # A Failure is an outcome the handler chose: Celery logs it without a traceback.
+                signal = JobRefused(error) if status is Outcome.FAILED else JobFailed(error)
         except LeaseLost:
             attempt.outcome = None
             log.warning("celery-lease: job %s: lease lost; %s outcome discarded", attempt.job_id, status.value)

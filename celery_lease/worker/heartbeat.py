@@ -89,6 +89,8 @@ class Heartbeat:
                 # Re-time the sleeping loop (a shorter lease or a deadline now comes
                 # first); it renews nothing until something is due.
                 self._wake.set()
+            if self.notices is not None:
+                self.notices.ensure_running()  # a listener that ended listens again
 
     def remove(self, attempt: Attempt) -> None:
         with self._lock:

@@ -1,9 +1,11 @@
 """Celery's moments mapped onto lease transitions. Handlers stay thin.
 
-- ``worker_init``: size the connection pools for the worker's concurrency; check the
+- ``worker_init``: make the database driver green in a gevent / eventlet worker
+  (celery_lease/green.py); size the connection pools for the worker's concurrency; check the
   database is reachable; exit with one clear line if not.
 - ``worker_ready``: restart recovery, before the worker takes new work.
-- ``task_prerun``: claim the job (one atomic statement) and start its heartbeats.
+- ``task_prerun``: claim the job (one atomic statement) and start its heartbeats; for a
+  plain task, strip tenant and run from the leased signatures its message carries.
 - (the task body): run the handler; record success / failure / retry.
 - ``task_postrun``: stop the attempt's heartbeats; free the exception the body ended with.
 - ``worker_shutting_down``: warm shutdown; handlers stop at their next
@@ -25,9 +27,9 @@ from typing import TYPE_CHECKING
 
 from celery import Celery, signals
 
-from celery_lease import tracing
+from celery_lease import green, tracing
 from celery_lease.errors import LeaseError
-from celery_lease.worker import events, revoke, shutdown
+from celery_lease.worker import borne, events, revoke, shutdown
 from celery_lease.worker.task import LeaseTask
 
 if TYPE_CHECKING:
@@ -55,6 +57,8 @@ def connect(
     def check_database(sender=None, **_):
         if getattr(sender, "app", None) is not app:
             return
+        # A green pool (-P gevent / eventlet): the database driver yields to the hub.
+        green.cooperate()
         # Pools follow the worker's concurrency (threads pool: all in this process).
         concurrency = getattr(sender, "concurrency", None)
         size_pools(concurrency if isinstance(concurrency, int) else (os.cpu_count() or 2))
@@ -74,8 +78,16 @@ def connect(
         if any(counts.values()):
             log.warning("celery-lease: restart recovery on %s: %s", sender.hostname, counts)
 
+    def leased(name: object) -> bool:
+        return isinstance(name, str) and ours(app.tasks.get(name))
+
     @signals.task_prerun.connect(weak=False)
     def claim(sender=None, task=None, **_):
+        if task is not None and not ours(task) and getattr(task, "app", None) is app:
+            # A plain task: the leased jobs its message's chain or callbacks create
+            # take no tenant or run from that message (worker/borne.py).
+            borne.scrub(task.request, leased)
+            return
         if ours(task):
             request = task.request
             request.lease_attempt = None  # stays None if the claim raises

@@ -19,11 +19,12 @@ from celery import Task
 from celery.exceptions import Ignore
 
 from celery_lease import grouping, tracing
+from celery_lease.errors import JobRefused
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 from celery_lease.results import LeaseBackend, LeaseResult
 from celery_lease.status import Status
-from celery_lease.worker import events
+from celery_lease.worker import borne, events
 from celery_lease.worker.outcome import Outcome
 
 if TYPE_CHECKING:
@@ -126,6 +127,9 @@ class LeaseTask(Task):
     #: instead re-deliver the message after the visibility timeout for nothing.
     acks_late = False
     typing = False
+    #: Expected outcomes: Celery logs them at INFO without a traceback (a Failure is the
+    #: handler's decision, not a crash for Sentry). Spent retries stay JobFailed: ERROR.
+    throws = (JobRefused,)
 
     # Set per handler by CeleryLease.job():
     spec: JobKind
@@ -350,7 +354,7 @@ class LeaseTask(Task):
             parse_job_id(request.id)
         except ValueError:
             return "its task id is not a job id"
-        return None
+        return borne.malformed_lineage(request)
 
     def emit_progress(self, progress: Any) -> None:
         """Send progress as a Celery event so Flower's event stream carries it."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import time
 
+import sqlalchemy as sa
+
 from celery_lease import JobContext
 from tests.apps.app import _marker, app, effects, leases  # noqa: F401  (app: celery -A finds it here)
 
@@ -43,3 +45,17 @@ def chaos(ctx: JobContext, payload: dict) -> dict:
         ctx.save_checkpoint({"i": i + 1})
     ctx.effect(lambda conn: conn.execute(effects.insert().values(job_id=ctx.job_id, attempt=ctx.attempt, note="chaos")))
     return {"steps": payload["steps"], "resumed_from": start, "attempt": ctx.attempt}
+
+
+@leases.job(kind="pg_wait", max_attempts=3, lease_seconds=LEASE)
+def pg_wait(ctx: JobContext, payload: dict) -> dict:
+    """Its effect waits payload["seconds"] inside PostgreSQL (pg_sleep), in the success
+    transaction, and notes the time the wait ended: a green worker overlaps these only
+    if the driver yields to the hub."""
+    wait = sa.text(
+        "INSERT INTO test_effects (job_id, attempt, note) "
+        "SELECT :job_id, :attempt, clock_timestamp()::text FROM pg_sleep(:seconds)"  # (after the sleep)
+    )
+    params = {"job_id": ctx.job_id, "attempt": ctx.attempt, "seconds": payload["seconds"]}
+    ctx.effect(lambda conn: conn.execute(wait, params))
+    return {"attempt": ctx.attempt}

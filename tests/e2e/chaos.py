@@ -54,6 +54,9 @@ class Scenario:
     pg_crash_at: float | None = None
     #: attempts per job: high enough that no job may run out of them under the faults
     attempts: int = 20
+    #: inject these fault kinds in turn instead of drawing them (a short run then sees
+    #: each one); e.g. ("kill_worker", "restart_broker", "terminate_pg")
+    fault_cycle: tuple[str, ...] | None = None
 
     @classmethod
     def from_env(cls, **defaults) -> Scenario:
@@ -188,7 +191,8 @@ class Fleet:
 
 
 class FaultInjector:
-    """Injects one fault every ``scenario.fault_every`` seconds, chosen by a seeded RNG:
+    """Injects one fault every ``scenario.fault_every`` seconds, chosen by a seeded RNG
+    (or in turn from ``scenario.fault_cycle``):
     SIGKILL a whole worker and restart it, SIGKILL one pool child, restart Redis (its
     queues vanish: no persistence), terminate the workers' PostgreSQL backends."""
 
@@ -198,7 +202,7 @@ class FaultInjector:
         self.rng = random.Random(scenario.seed + 1)
         self.admin = sa.create_engine(sa.engine.make_url(db), isolation_level="AUTOCOMMIT", pool_pre_ping=True)
         self.app_name = app_name
-        self.counts = {kind: 0 for kind in FAULTS}
+        self.counts = {kind: 0 for kind in (scenario.fault_cycle or FAULTS)}
         #: A tests.harness.pgcluster.PrivateCluster to crash once (scenario.pg_crash_at).
         self.cluster = cluster
         #: Jobs read back as succeeded just before the crash: all must still be after it.
@@ -208,6 +212,7 @@ class FaultInjector:
         started = time.monotonic()
         deadline = started + seconds
         crash_at = None if self.scenario.pg_crash_at is None or self.cluster is None else started + self.scenario.pg_crash_at
+        injected = 0
         try:
             while time.monotonic() < deadline:
                 time.sleep(self.scenario.fault_every)
@@ -216,9 +221,13 @@ class FaultInjector:
                     self.crash_pg()
                     self.counts["crash_pg"] = 1
                     continue
-                kind = self.rng.choices(FAULTS, WEIGHTS)[0]
+                if self.scenario.fault_cycle:
+                    kind = self.scenario.fault_cycle[injected % len(self.scenario.fault_cycle)]
+                else:
+                    kind = self.rng.choices(FAULTS, WEIGHTS)[0]
+                injected += 1
                 if getattr(self, kind)():
-                    self.counts[kind] += 1
+                    self.counts[kind] = self.counts.get(kind, 0) + 1
         finally:
             self.admin.dispose()
         return self.counts
@@ -250,6 +259,11 @@ class FaultInjector:
         return True
 
     def restart_redis(self) -> bool:
+        return self.restart_broker()
+
+    def restart_broker(self) -> bool:
+        """The fleet's broker (a private Redis, or a private RabbitMQ node: SIGKILLed,
+        booted again on its data) goes down and comes back."""
         self.fleet.redis.restart(downtime=0.5)
         return True
 

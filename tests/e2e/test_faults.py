@@ -247,13 +247,13 @@ def test_cancel_running_job_stops_it_and_discards_its_later_writes(pg, broker, c
     _cancel_running_and_check(mod, w, db, job, mod.leases.cancel)
 
 
-def _cancel_waiter(pg, broker, client_app, workers, marker_dir, lease, cancel) -> None:
+def _cancel_waiter(pg, broker, client_app, workers, marker_dir, lease, cancel, pool: str = "prefork") -> None:
     import redis
 
     from celery_lease import cancel_notice
 
     mod = client_app(pg, broker, extra_env=lease, module="tests.apps.app_faults")
-    w = workers(pg, broker, extra_env=lease, module="tests.apps.app_faults")
+    w = workers(pg, broker, extra_env=lease, module="tests.apps.app_faults", pool=pool)
     job = mod.waiter.submit({"polls": 600, "marker_dir": str(marker_dir)})  # 60 s of polling
     pid_in(marker_dir / f"waiter-{job.id}")
     # The worker listens for notices once it runs a job: a notice published before it
@@ -340,9 +340,10 @@ def test_cancel_run_cancels_every_non_terminal_job(pg, broker, client_app, worke
 # --- 6. deploy handoff ------------------------------------------------------------------
 
 
-def test_warm_shutdown_hands_the_job_to_another_worker(pg, broker, client_app, workers, db, marker_dir):
+@pytest.mark.parametrize("pool", ["prefork", "gevent", "eventlet"])
+def test_warm_shutdown_hands_the_job_to_another_worker(pg, broker, client_app, workers, db, marker_dir, pool):
     mod = client_app(pg, broker, extra_env=LONG)
-    w1 = workers(pg, broker, name="w1", extra_env=LONG)
+    w1 = workers(pg, broker, name="w1", extra_env=LONG, pool=pool)
     run_id = new_run()
     job = mod.steps.submit({"steps": 40, "sleep": 0.2, "marker_dir": str(marker_dir)}, run_id=run_id)
     wait_for(lambda: checkpoint_reached(db, job.id, 3), timeout=30, what="checkpoint 3")
@@ -613,6 +614,12 @@ def test_terminated_database_backends_neither_corrupt_nor_hang(pg, broker, clien
 
 
 def test_beat_reaps_and_sweeps_end_to_end(pg, broker, client_app, workers, beats, db, make_job):
+    beat_reaps_and_sweeps(pg, broker, client_app, workers, beats, db, make_job)
+
+
+def beat_reaps_and_sweeps(pg, broker, client_app, workers, beats, db, make_job) -> None:
+    """A worker SIGKILLed mid-job and a job whose wakeup was never sent: only beat's
+    reaper and sweeper ticks can finish them (tests/e2e/test_rabbitmq.py on RabbitMQ)."""
     conf = {"lease_reap_interval": 1, "lease_sweep_interval": 1, "lease_sweep_stale_seconds": 2}
     mod = client_app(pg, broker, conf=conf, extra_env=SHORT)
     w1 = workers(pg, broker, name="w1", conf=conf, extra_env=SHORT)

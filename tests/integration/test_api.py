@@ -35,6 +35,9 @@ ACME = "acme-token-9b2e"  # tenant "acme" only
 GLOBEX = "globex-token-77aa"  # tenant "globex" only
 READER = "reader-token-1d0c"  # every tenant, read-only
 TOKENS = {ADMIN: None, ACME: "acme", GLOBEX: "globex", READER: {"tenant": None, "read_only": True}}
+SUMMARY_FIELDS = {"result_bytes", "result_omitted", "progress_bytes", "progress_omitted"}
+#: /metrics takes an unrestricted token whenever API tokens are configured.
+SCRAPER = {"Authorization": f"Bearer {ADMIN}"}
 
 JOB_FIELDS = {
     "id",
@@ -61,7 +64,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = logdir / f"api-{self.port}.log"
         # Metrics uncached unless a test asks: the tests compare scrapes around changes.
-        conf = {"lease_metrics_cache_seconds": 0, **(conf or {})}
+        # No request rate limit (the fuzzing sends hundreds a second); test_api_security
+        # tests it.
+        conf = {"lease_metrics_cache_seconds": 0, "lease_api_rate": 0, **(conf or {})}
         env = _env(db, broker, conf, extra={"CELERY_LEASE_API_TOKENS": json.dumps(tokens)})
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
@@ -145,9 +150,10 @@ def test_every_api_route_needs_a_valid_bearer_token(server, pg, make_job):
             assert r.status_code == 401, (headers, path, r.text)
             assert r.json()["error"] == "unauthorized"
     assert _row(pg, job)["status"] == "pending"  # the unauthenticated cancel changed nothing
-    # Probes and scrapes need no token.
+    # Probes need no token; with API tokens configured, scrapes do (an unrestricted one).
     assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
-    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    assert httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
 
 
 def test_tokens_come_from_app_conf_or_the_environment(monkeypatch):
@@ -263,7 +269,8 @@ def test_list_filters_by_status_and_kind(admin, pg, make_job):
     steps = make_job(pg, status="pending", kind="steps", task="tests.apps.app.steps")
     r = admin.get("/api/v1/jobs", params={"status": "failed"})
     assert {j["id"] for j in r.json()["jobs"]} == failed
-    assert all(set(j) == JOB_FIELDS for j in r.json()["jobs"])
+    # A list row is a summary: its result and progress bounded, with their sizes.
+    assert all(set(j) == JOB_FIELDS | SUMMARY_FIELDS for j in r.json()["jobs"])
     assert [j["id"] for j in admin.get("/api/v1/jobs", params={"kind": "steps"}).json()["jobs"]] == [steps]
     r = admin.get("/api/v1/jobs", params={"kind": "steps", "status": "failed"})
     assert r.json() == {"jobs": [], "next_cursor": None}
@@ -436,7 +443,7 @@ def test_a_tenants_page_walks_the_tenant_index(pg):
 
     from celery_lease.db import queries as q
 
-    stmt = q.list_job_views(tenant="acme", status="failed", limit=51)
+    stmt = q.list_job_summaries(max_value_bytes=1024, tenant="acme", status="failed", limit=51)
     sql = str(stmt.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
     engine = sa.create_engine(pg)
     try:
@@ -445,14 +452,15 @@ def test_a_tenants_page_walks_the_tenant_index(pg):
             plan = "\n".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {sql}"))
     finally:
         engine.dispose()
-    assert "celery_lease_jobs_tenant" in plan and "Sort" not in plan, plan
+    # The tenant's index, or (for a status without success) the one of those statuses.
+    assert ("celery_lease_jobs_tenant" in plan or "celery_lease_jobs_unsuccessful" in plan) and "Sort" not in plan, plan
 
 
 # --- health and metrics -----------------------------------------------------------------
 
 
 def _metrics(server) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=SCRAPER).text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -551,7 +559,7 @@ def test_health_and_api_report_an_unreachable_database(redis_server, tmp_path):
                 for path in ("/api/v1/jobs", f"/api/v1/jobs/{uuid.uuid4()}"):
                     r = c.get(path)
                     assert (r.status_code, r.json()["error"]) == (503, "database_unavailable")
-            assert httpx.get(srv.url + "/metrics").status_code == 503
+            assert httpx.get(srv.url + "/metrics", headers=SCRAPER).status_code == 503
             assert srv.proc.poll() is None
         finally:
             srv.stop()
@@ -565,7 +573,7 @@ def test_an_unmigrated_database_is_a_503_not_a_500(redis_server, tmp_path):
                 for path in ("/api/v1/jobs", f"/api/v1/jobs/{uuid.uuid4()}"):
                     r = c.get(path)
                     assert (r.status_code, r.json()["error"]) == (503, "schema_not_migrated")
-            assert httpx.get(srv.url + "/metrics").status_code == 503
+            assert httpx.get(srv.url + "/metrics", headers=SCRAPER).status_code == 503
         finally:
             srv.stop()
 

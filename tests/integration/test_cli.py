@@ -208,3 +208,24 @@ def test_an_unmigrated_database_says_to_migrate(cli):
             assert "lease migrate" in _one_line_error(cli(*args, db=db))
         assert cli("migrate", db=db).returncode == 0
         assert cli("list", db=db).returncode == 0
+
+
+def test_list_takes_celery_state_names_shows_progress_and_refuses_an_unknown_kind(cli, pg, make_job):
+    done = make_job(pg, status="succeeded", attempt=1, result={"rows": 10})
+    running = make_job(pg, status="running", attempt=1, progress={"rows": 5})
+    retired = make_job(pg, kind="retired_kind", status="failed", error="old")  # no handler declares it any more
+
+    def ids(*args: str) -> list[str]:
+        proc = cli("list", *args, "--json")
+        assert proc.returncode == 0, proc.stderr
+        return [j["id"] for j in json.loads(proc.stdout)["jobs"]]
+
+    assert ids("--status", "SUCCESS") == ids("--status", "Succeeded") == [done]
+    assert ids("--status", "STARTED") == [running]
+    assert ids("--status", "FAILURE") == [retired]
+    assert ids("--kind", "retired_kind") == [retired]  # its jobs are still listed
+    text = cli("list").stdout
+    assert "PROGRESS" in text.splitlines()[0]
+    assert [line for line in text.splitlines() if line.startswith(running)][0].count('{"rows":5}') == 1
+    line = _one_line_error(cli("list", "--kind", "no_such_kind"))
+    assert "no job handler for kind 'no_such_kind'" in line and "echo" in line

@@ -133,7 +133,8 @@ def test_metrics_show_flow_control_per_kind_key_and_state(pg, broker, client_app
 
     from celery_lease.ops import metrics
 
-    mod = client_app(pg, broker, module=MODULE)
+    # Concurrency keys are payload text: exported only when the operator opts in.
+    mod = client_app(pg, broker, module=MODULE, conf={"lease_metrics_key_labels": 10})
     families = {f.name: f for f in text_string_to_metric_families(metrics.render(mod.leases).decode())}
     flow = {(s.labels["kind"], s.labels["key"], s.labels["state"]): s.value for s in families["celery_lease_flow_jobs"].samples}
     assert flow[("limited2", "", "running")] == 2 and flow[("limited2", "", "waiting_limit")] == 3

@@ -215,6 +215,22 @@ def test_bad_database_url_fails_at_construction(url, message):
         CeleryLease(Celery("bad", broker="memory://"), url)
 
 
+def test_a_bare_postgresql_url_works_with_the_installed_driver(pg):
+    bare = sa.engine.make_url(pg).set(drivername="postgresql").render_as_string(hide_password=False)
+    assert bare.startswith("postgresql://")
+    leases = CeleryLease(Celery("bare_url", broker="memory://"), bare)
+
+    @leases.job(kind="bare_url_noop")
+    def noop(ctx, payload):
+        return None
+
+    try:
+        job = noop.submit({"n": 1})
+        assert leases.get(job.id).payload == {"n": 1}
+    finally:
+        leases.store.dispose()
+
+
 def test_submit_to_an_unreachable_database_raises_one_clear_error_without_driver_text():
     # A single submit on PostgreSQL runs as a prepared statement on a raw driver
     # connection; its failed connect must read like every other: DatabaseUnavailable,

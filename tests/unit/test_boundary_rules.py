@@ -223,8 +223,9 @@ def _selected(stmt) -> list[str]:
 
 def test_the_api_statements_read_only_the_columns_it_shows():
     assert _selected(q.get_job_view(ID)) == list(listing.API_FIELDS)
-    assert _selected(q.list_job_views(tenant="acme", limit=10)) == list(listing.API_FIELDS)
-    for stmt in (q.get_job_view(ID, tenant="acme"), q.list_job_views(tenant="acme", limit=10)):
+    summaries = q.list_job_summaries(max_value_bytes=1024, tenant="acme", limit=10)
+    assert set(_selected(summaries)) == set(listing.API_FIELDS) | {"result_bytes", "progress_bytes"}
+    for stmt in (q.get_job_view(ID, tenant="acme"), summaries):
         assert not {"payload", "checkpoint", "lease_owner"} & set(_selected(stmt))
     # The tenant is in the WHERE clause of a get: another tenant's job reads like a missing one.
     where = str(q.get_job_view(ID, tenant="acme").whereclause)
@@ -285,6 +286,24 @@ def test_a_malformed_database_url_never_shows_its_password(url):
         Database.parse_url(url, "CELERY_LEASE_DATABASE_URL")
     assert "hunter2" not in str(caught.value) and "CELERY_LEASE_DATABASE_URL" in str(caught.value)
     assert caught.value.__cause__ is None and (caught.value.__suppress_context__ or caught.value.__context__ is None)
+
+
+@pytest.mark.parametrize("scheme", ["postgresql", "postgres"])
+def test_a_bare_postgresql_url_uses_the_installed_driver(scheme):
+    # SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3, which is not installed.
+    url = Database.parse_url(f"{scheme}://shop:pw@db:5432/shop")
+    assert url.drivername == "postgresql+psycopg2"
+    assert (url.username, url.password, url.host, url.port, url.database) == ("shop", "pw", "db", 5432, "shop")
+    assert Database.parse_url("postgresql+psycopg2://db/shop").drivername == "postgresql+psycopg2"
+
+
+@pytest.mark.parametrize("url", ["postgresql+pg8000://user:hunter2-secret@db/shop", "postgresql+nosuch://db/shop"])
+def test_a_database_url_whose_driver_is_missing_names_the_fix(url):
+    with pytest.raises(ConfigurationError) as caught:
+        Database.parse_url(url, "CELERY_LEASE_DATABASE_URL")
+    message = str(caught.value)
+    assert "is not installed" in message and "postgresql+psycopg2://" in message and "CELERY_LEASE_DATABASE_URL" in message
+    assert "hunter2" not in message
 
 
 def test_api_fields_match_the_view_columns():

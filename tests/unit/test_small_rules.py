@@ -82,3 +82,14 @@ def test_job_ids_are_checked_at_the_boundary():
     assert parse_job_id("6F1C2C9E-0B0E-4A53-9D6A-3B1F7D2B8C11") == "6f1c2c9e-0b0e-4a53-9d6a-3b1f7d2b8c11"
     with pytest.raises(ValueError, match="not a job id"):
         parse_job_id("x" * 500)
+
+
+def test_quiet_ticks_filter_passes_a_record_whose_args_are_unhashable():
+    # Beat logs "Message Error: %s\n%s" with a list when the broker is down; a logging
+    # filter that raised there took beat down (seen with RabbitMQ restarted).
+    import logging
+
+    from celery_lease.beat.entries import QuietTicks
+
+    record = logging.LogRecord("celery.beat", logging.ERROR, __file__, 1, "Message Error: %s\n%s", ("x", ["tb"]), None)
+    assert QuietTicks().filter(record) is True

@@ -1,0 +1,84 @@
+"""Green pools (``celery worker -P gevent`` / ``-P eventlet``): the job database's driver
+made cooperative with the hub.
+
+Celery monkey-patches sockets, threads and sleeps for a green pool, but psycopg2 talks to
+PostgreSQL in C: without a wait callback every statement blocks the whole process, so
+a handler waiting 2.5 s in PostgreSQL stalls every other greenlet, the heartbeat among
+them, and the other jobs' leases lapse. :func:`cooperate` installs psycopg2's wait
+callback (the psycogreen recipe: poll the connection, park the greenlet on its socket
+until it is ready), so each statement yields to the hub while it waits.
+
+Why the heartbeat stays a greenlet rather than a real OS thread: once psycopg2 is green,
+the heartbeat's renewals are I/O like any other and run while a hundred handlers wait on
+theirs; and a real thread could not share the process's monkey-patched locks, queues
+and connection pool with the greenlets safely. The price is the one every green program
+pays: a handler that never yields (a CPU-bound loop, a C extension that blocks without
+releasing to the hub) stops every greenlet of its process, the heartbeat included. Its
+leases, and those of every job in that process, are then not renewed: each attempt
+counts its lease lost by its own clock, the reaper requeues the jobs once the leases
+elapse, and whatever the stalled handlers write afterwards is refused by the lease
+generation. Run such kinds on a prefork or threads worker (a queue of their own).
+
+eventlet's own ``monkey_patch()`` already makes psycopg2 green; an installed wait
+callback (eventlet's, psycogreen's, the application's) is left as it is. In green mode
+psycopg2 does not run COPY (a handler's own ``copy_expert`` in an effect fails there).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def hub() -> str | None:
+    """``"gevent"`` or ``"eventlet"`` when this process's sockets are monkey-patched by
+    it (as ``celery worker -P gevent|eventlet`` does before anything else), else None."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("socket"):
+        return "gevent"
+    patcher = sys.modules.get("eventlet.patcher")
+    if patcher is not None and patcher.is_monkey_patched("socket"):
+        return "eventlet"
+    return None
+
+
+def cooperate() -> str | None:
+    """Make psycopg2 yield to this process's green hub; returns the hub's name (None:
+    not a green process, nothing done). Idempotent."""
+    name = hub()
+    if name is None:
+        return None
+    try:
+        from psycopg2 import extensions
+    except ImportError:  # SQLite only: nothing to make green
+        return name
+    if extensions.get_wait_callback() is None:
+        extensions.set_wait_callback(_gevent_wait if name == "gevent" else _eventlet_wait)
+    return name
+
+
+def _gevent_wait(conn: Any, timeout: float | None = None) -> None:
+    from gevent.socket import wait_read, wait_write
+
+    _wait(conn, wait_read, wait_write)
+
+
+def _eventlet_wait(conn: Any, timeout: float | None = None) -> None:
+    from eventlet.hubs import trampoline
+
+    _wait(conn, lambda fd: trampoline(fd, read=True), lambda fd: trampoline(fd, write=True))
+
+
+def _wait(conn: Any, wait_read: Any, wait_write: Any) -> None:
+    from psycopg2 import OperationalError, extensions
+
+    while True:
+        state = conn.poll()
+        if state == extensions.POLL_OK:
+            return
+        if state == extensions.POLL_READ:
+            wait_read(conn.fileno())
+        elif state == extensions.POLL_WRITE:
+            wait_write(conn.fileno())
+        else:
+            raise OperationalError(f"unexpected poll state {state}")

@@ -1,0 +1,105 @@
+"""Cancel notices over an AMQP broker (RabbitMQ), where there is no Redis pub/sub.
+
+Same contract as the Redis notices of :mod:`celery_lease.cancel_notice` (best effort, a
+shortcut before the next heartbeat, untrusted input parsed and rate-limited by its
+``Listener``): ``cancel`` publishes the notice to a fanout exchange named after the app's
+notice channel, non-durable, so a notice nobody listens to is dropped at once; every
+worker process that holds a lease binds a private queue to it (exclusive, auto-deleted
+with its connection, no acks, no persistence) and wakes its heartbeat.
+
+Why a fanout exchange on the broker rather than PostgreSQL LISTEN/NOTIFY: a listener
+then costs each worker process one connection to the broker, which RabbitMQ is built to
+hold by the thousand, instead of one more to the job database, whose connections are
+the scarce resource of a fleet of prefork workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from amqp.exceptions import AMQPError
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.exceptions import KombuError
+
+log = logging.getLogger("celery_lease.cancel_notice")
+
+SCHEMES = ("amqp", "amqps", "pyamqp")
+#: AMQP heartbeats of a listener's connection: a broker that vanished without closing
+#: the socket (host down, network cut) is noticed within two of these.
+HEARTBEAT_SECONDS = 10
+
+
+def amqp_url(broker_url: Any) -> str | None:
+    """The broker URL when it is an AMQP server, else None."""
+    if isinstance(broker_url, str) and broker_url.split("://", 1)[0] in SCHEMES:
+        return broker_url
+    return None
+
+
+def _exchange(name: str) -> Exchange:
+    return Exchange(name, type="fanout", durable=False, delivery_mode="transient")
+
+
+def publish(url: str, name: str, notices: Iterable[str], timeout: float) -> bool:
+    """Send each notice (a JSON text) to the exchange ``name``; False when none could be."""
+    exchange = _exchange(name)
+    try:
+        with Connection(url, connect_timeout=timeout) as conn:
+            conn.connect()  # one try: the caller (leases.cancel) must not wait for a retry loop
+            with conn.channel() as channel:
+                producer = Producer(channel)
+                for notice in notices:
+                    producer.publish(
+                        notice.encode("utf-8"),
+                        exchange=exchange,
+                        routing_key="",
+                        declare=[exchange],
+                        content_type="application/json",
+                        content_encoding="binary",
+                        retry=False,
+                    )
+        return True
+    except (OSError, AMQPError, KombuError) as exc:
+        log.info("celery-lease: cancel notice not sent (%s); heartbeats will notice", type(exc).__name__)
+        return False
+
+
+def listen(url: str, name: str, handle: Callable[[bytes], Any], reconnect_seconds: float) -> None:
+    """Start this process's listener thread on the exchange ``name``; ``handle`` gets
+    each notice's body (cancel_notice.Listener.handle: it parses and rate-limits)."""
+    thread = threading.Thread(
+        target=_listen, args=(url, name, handle, reconnect_seconds), name="celery-lease-cancel-notice", daemon=True
+    )
+    thread.start()
+
+
+def _listen(url: str, name: str, handle: Callable[[bytes], Any], reconnect_seconds: float) -> None:
+    exchange = _exchange(name)
+    # One queue per process, gone with its connection: a restarted broker forgets it, and
+    # the next connection declares it again.
+    queue_name = f"{name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+
+    def on_message(message: Any) -> None:
+        handle(message.body)
+
+    while True:
+        try:
+            with Connection(url, heartbeat=HEARTBEAT_SECONDS) as conn:
+                conn.connect()
+                queue = Queue(queue_name, exchange, routing_key="", exclusive=True, auto_delete=True, durable=False)
+                with Consumer(conn.default_channel, [queue], on_message=on_message, no_ack=True):
+                    while True:
+                        try:
+                            conn.drain_events(timeout=HEARTBEAT_SECONDS / 2)
+                        except TimeoutError:
+                            conn.heartbeat_check()
+        except Exception:  # the broker restarting or unreachable: the heartbeat covers the gap
+            log.debug("celery-lease: cancel-notice listener reconnecting", exc_info=True)
+        time.sleep(reconnect_seconds)

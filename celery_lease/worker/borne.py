@@ -1,0 +1,79 @@
+"""What a delivered message carries besides its task: signatures (its chain, callbacks,
+errbacks and chord) and lineage headers.
+
+Celery applies them after the task's body, with the options the message gave them.
+For a leased job those options include ``tenant=`` and ``run_id=``, which decide which
+API tokens see the job and which run it joins; the broker is inside Celery's trust
+boundary, but a tenant is ours: a leased job created from a message-borne signature
+inherits its tenant and run from the job that created it, never from the message.
+
+A leased job's own message (a wakeup) carries no signatures at all (wakeups carrying
+any are refused before the claim; a leased job's canvas lives in its row, and the steps
+made from it inherit its tenant and run: canvas.Followup). What remains is a plain
+task's message: no leased job created the signatures it carries, so :func:`scrub`
+removes their ``tenant`` and ``run_id`` before Celery applies them. Code that calls
+``apply_async(tenant=...)`` itself (a handler, a plain task's body) is the shop's code
+and is honoured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+#: Options of a leased signature that must come from the job that created it.
+INHERITED = ("tenant", "run_id")
+#: Signatures nest (a chain in a group in a chord): deeper than this, nothing is kept.
+MAX_DEPTH = 32
+
+_FIELDS = ("chain", "callbacks", "errbacks", "chord")
+#: Headers the children of a job inherit from its wakeup (Celery's task lineage).
+LINEAGE_HEADERS = ("root_id", "parent_id", "group")
+#: Longer than any task id Celery makes (a UUID is 36).
+MAX_HEADER_CHARS = 255
+
+
+def malformed_lineage(request: Any) -> str | None:
+    """Why a lineage header of ``request`` is not a task id, or None. They are handed on
+    to the wakeups of the children the job creates: a wakeup with a malformed one is
+    refused before its claim."""
+    for header in LINEAGE_HEADERS:
+        value = getattr(request, header, None)
+        if value is not None and not (isinstance(value, str) and len(value) <= MAX_HEADER_CHARS and value.isprintable()):
+            return f"its {header} header is not a task id"
+    return None
+
+
+def scrub(request: Any, leased: Callable[[Any], bool]) -> int:
+    """Remove INHERITED options from every leased signature ``request`` carries
+    (``leased(task_name)`` tells); returns how many signatures were changed. A nesting
+    deeper than MAX_DEPTH drops the signatures (Celery then applies none)."""
+    changed = 0
+    for field in _FIELDS:
+        value = getattr(request, field, None)
+        if value:
+            try:
+                changed += _walk(value, leased, 0)
+            except RecursionError:
+                setattr(request, field, None)
+    return changed
+
+
+def _walk(value: Any, leased: Callable[[Any], bool], depth: int) -> int:
+    if depth > MAX_DEPTH:
+        raise RecursionError("signatures nested too deeply")
+    changed = 0
+    if isinstance(value, dict):
+        options = value.get("options")
+        if isinstance(options, dict) and leased(value.get("task")):
+            for name in INHERITED:
+                if options.pop(name, None) is not None:
+                    changed += 1
+        for item in value.values():
+            if isinstance(item, (dict, list)):
+                changed += _walk(item, leased, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, (dict, list)):
+                changed += _walk(item, leased, depth + 1)
+    return changed

@@ -1,0 +1,94 @@
+"""gevent and eventlet pools (``celery worker -P gevent|eventlet``): leases, cancel and
+the product's own database calls in one process of greenlets.
+
+The fault suite runs on these pools too: tests/e2e/test_chaos.py (a scenario per pool),
+tests/e2e/test_faults.py (warm shutdown, parametrized by pool) and the cancel notice below.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.db.schema import jobs
+from tests.apps.app import effects
+from tests.conftest import wait_for
+from tests.e2e.test_faults import LONG, SHORT, _cancel_waiter
+
+POOLS = ["gevent", "eventlet"]
+
+
+@pytest.fixture
+def db(pg):
+    engine = sa.create_engine(pg)
+    yield engine
+    engine.dispose()
+
+
+def _run_all(leases, db, ids: list[str], timeout: float) -> tuple[list[dict], dict]:
+    """Reap as eagerly as can be until every job is terminal; the rows and reap counts."""
+    reaped = {"requeued": 0, "expired": 0}
+
+    def finished() -> bool:
+        for key, value in leases.reap().items():
+            reaped[key] = reaped.get(key, 0) + value
+        with db.connect() as conn:
+            left = conn.execute(
+                sa.select(sa.func.count()).where(jobs.c.id.in_(ids), jobs.c.status.in_(["pending", "running"]))
+            ).scalar()
+        return left == 0
+
+    wait_for(finished, timeout=timeout, interval=0.3, what="every job to finish")
+    with db.connect() as conn:
+        rows = [dict(r) for r in conn.execute(sa.select(jobs).where(jobs.c.id.in_(ids))).mappings()]
+    return rows, reaped
+
+
+def _effects(db) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    with db.connect() as conn:
+        for job_id, attempt in conn.execute(sa.select(effects.c.job_id, effects.c.attempt)):
+            out.setdefault(job_id, []).append(attempt)
+    return out
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_effects_waiting_in_postgresql_overlap_and_keep_their_leases(pg, broker, client_app, workers, db, pool):
+    # Twelve success transactions each wait 2.5 s in PostgreSQL with 3 s leases. A
+    # driver that blocks the process runs them one after another (30 s, the heartbeat
+    # stalled meanwhile); a green one overlaps them.
+    mod = client_app(pg, broker, extra_env=SHORT, module="tests.apps.app_faults")
+    workers(pg, broker, pool=pool, concurrency=12, extra_env=SHORT, module="tests.apps.app_faults")
+    ids = [j.id for j in mod.pg_wait.submit_many([{"seconds": 2.5}] * 12)]
+    rows, reaped = _run_all(mod.leases, db, ids, timeout=90)
+    assert reaped == {"requeued": 0, "expired": 0}
+    assert [(r["status"], r["attempt"], r["lease_losses"]) for r in rows] == [("succeeded", 1, 0)] * 12
+    assert _effects(db) == {job_id: [1] for job_id in ids}
+    with db.connect() as conn:
+        waited = [datetime.fromisoformat(n) for n in conn.execute(sa.select(effects.c.note)).scalars()]
+    # All twelve were running at once, and the whole batch took little more than one wait.
+    assert max(r["started_at"] for r in rows) < min(waited)
+    span = (max(waited) - min(r["started_at"] for r in rows)).total_seconds()
+    assert span < 10, f"the twelve 2.5 s waits took {span:.1f} s: they did not overlap"
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_hundred_greenlets_blocked_on_io_keep_their_leases(pg, broker, client_app, workers, db, pool):
+    # 100 handlers sleep (on the hub) 6 s, two leases' worth: one heartbeat greenlet
+    # renews all their leases meanwhile, and none is reaped by the eager reaper.
+    mod = client_app(pg, broker, extra_env=SHORT)
+    workers(pg, broker, pool=pool, concurrency=100, extra_env=SHORT)
+    ids = [j.id for j in mod.sleepy.submit_many([{"sleep": 6}] * 100)]
+    rows, reaped = _run_all(mod.leases, db, ids, timeout=120)
+    assert reaped == {"requeued": 0, "expired": 0}
+    assert sorted((r["status"], r["attempt"], r["lease_losses"]) for r in rows) == [("succeeded", 1, 0)] * 100
+    assert _effects(db) == {job_id: [1] for job_id in ids}
+    assert max(r["started_at"] for r in rows) < min(r["finished_at"] for r in rows)  # all 100 at once
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_cancel_notice_stops_a_green_handler(pg, broker, client_app, workers, marker_dir, pool):
+    # A 300 s lease: only the notice (woken heartbeat greenlet) stops it this soon.
+    _cancel_waiter(pg, broker, client_app, workers, marker_dir, LONG, lambda mod, job_id: mod.leases.cancel(job_id), pool=pool)
