@@ -1,7 +1,7 @@
 """The tests' app plus the kinds of the history test (tests/e2e/test_history.py).
 
 Every body records what it did in a separate history database (``CL_HISTORY_DB``: on
-another server than the jobs, so neither a fault of the proxy in front of the jobs'
+another server than the jobs', so neither a fault of the proxy in front of the jobs'
 database nor a crash of that server touches the record, and the record's commits never
 flush that server's WAL): a ``bodies`` row when it starts and when it ends, a ``writes``
 row for each fenced write (``save_checkpoint``) that reported success. Its effect, one

@@ -76,6 +76,11 @@ class History:
     pid_kills: dict[int, float] = field(default_factory=dict)
 
 
+class HistoryViolated(AssertionError):
+    """The checker found violations (the test's failure; anything else that fails a
+    history run is a fault of the harness, not a finding)."""
+
+
 @dataclass
 class Violation:
     check: str
@@ -326,26 +331,42 @@ def _errbacks(h: History) -> list[Violation]:
 # --- showing a violation ------------------------------------------------------------------
 
 
-def excerpt(h: History, v: Violation, *, limit: int = 40) -> str:
-    """The history of the violation's job (and what happened around it), in time order."""
+def _related(h: History, job_id: str) -> list[str]:
+    """The job, and for a chord's body its header; with each, its errback jobs."""
+    ids = [job_id]
+    for op in h.ops:
+        if op.op == "chord" and op.job_id == job_id:
+            ids += op.detail["header"]
+    for other, job in h.jobs.items():
+        payload = job.get("payload")
+        if job["kind"] == "h_errback" and isinstance(payload, dict) and payload.get("job_id") in ids:
+            ids.append(other)
+    return ids
+
+
+def excerpt(h: History, v: Violation, *, limit: int = 60) -> str:
+    """The history of the violation's job (a chord's body: with its header; with its
+    errback jobs) and the faults around it, in time order."""
     if v.job_id is None:
         return str(v)
+    ids = _related(h, v.job_id)
+    tag = {j: "" if len(ids) == 1 else f"{j[:8]} " for j in ids}
     lines: list[tuple[float, str]] = []
-    job = h.jobs.get(v.job_id)
     for op in h.ops:
-        if op.job_id == v.job_id:
-            lines.append((op.at, f"op      {op.op} {op.detail}"))
+        if op.job_id in tag:
+            lines.append((op.at, f"{tag[op.job_id]}op      {op.op} {op.detail}"))
     for e in h.events:
-        if e["job_id"] == v.job_id:
-            lines.append((e["at"], f"event   {e['event']} attempt={e['attempt']} {e.get('detail') or ''}"))
+        if e["job_id"] in tag:
+            lines.append((e["at"], f"{tag[e['job_id']]}event   {e['event']} attempt={e['attempt']} {e.get('detail') or ''}"))
     for b in h.bodies:
-        if b["job_id"] == v.job_id:
-            lines.append((b["started_at"], f"body    start attempt={b['attempt']} gen={b['generation']} holder={b['holder']}"))
+        if b["job_id"] in tag:
+            t = tag[b["job_id"]]
+            lines.append((b["started_at"], f"{t}body    start attempt={b['attempt']} gen={b['generation']} holder={b['holder']}"))
             if b.get("ended_at") is not None:
-                lines.append((b["ended_at"], f"body    end   attempt={b['attempt']} gen={b['generation']} {b.get('outcome')}"))
+                lines.append((b["ended_at"], f"{t}body    end   attempt={b['attempt']} gen={b['generation']} {b.get('outcome')}"))
     for w in h.writes:
-        if w["job_id"] == v.job_id:
-            lines.append((w["at"], f"write   step={w['step']} gen={w['generation']} holder={w['holder']}"))
+        if w["job_id"] in tag:
+            lines.append((w["at"], f"{tag[w['job_id']]}write   step={w['step']} gen={w['generation']} holder={w['holder']}"))
     if lines:
         first, last = min(t for t, _ in lines) - 1.0, max(t for t, _ in lines) + 1.0
         for op in h.ops:
@@ -353,10 +374,14 @@ def excerpt(h: History, v: Violation, *, limit: int = 40) -> str:
                 lines.append((op.at, f"FAULT   {op.detail}"))
     lines.sort(key=lambda x: x[0])
     t0 = lines[0][0] if lines else 0.0
-    head = f"{v}\n  job: {job and {k: job.get(k) for k in ('kind', 'status', 'attempt', 'lease_generation', 'error')}}"
-    effects = [e for e in h.effects if e["job_id"] == v.job_id]
-    body = "\n".join(f"  +{t - t0:7.3f}s {text}" for t, text in lines[:limit])
-    return f"{head}\n  effects: {effects}\n{body}"
+    out = [str(v)]
+    for j in ids:
+        job = h.jobs.get(j)
+        shown = job and {k: job.get(k) for k in ("kind", "status", "attempt", "lease_generation", "error")}
+        effects = [(e["attempt"], e["generation"]) for e in h.effects if e["job_id"] == j]
+        out.append(f"  {tag[j]}job: {shown} effects (attempt, generation): {effects}")
+    out += [f"  +{t - t0:7.3f}s {text}" for t, text in lines[:limit]]
+    return "\n".join(out)
 
 
 def report(h: History, violations: list[Violation], *, seed: int, per_check: int = 3) -> str:

@@ -5,7 +5,7 @@ The jobs live on a private PostgreSQL cluster (``wal_writer_delay`` raised to 10
 commit made asynchronously is lost by the crash the run inflicts on it); the workers
 and beat reach it through a :class:`tests.harness.pgfaults.PgFaultProxy`; the test
 process submits, cancels and revokes directly. The handlers (tests/apps/app_history.py)
-record their bodies and fenced writes in a history database on the shared server.
+record their bodies and fenced writes in a history database on a second private cluster.
 
 Everything random comes from ``Workload.seed``: the mix of jobs, when they are
 submitted, which are cancelled or revoked, and the faults (worker and pool-child
@@ -35,7 +35,7 @@ from tests.e2e.chaos import LEASE_CONF, LEASE_QUEUES, Fleet, Scenario
 from tests.e2e.history import History, Op
 from tests.harness import pgcluster
 from tests.harness.pgfaults import PgFaultProxy
-from tests.harness.services import RedisServer, throwaway_database, wait_for
+from tests.harness.services import RedisServer, wait_for
 
 MODULE = "tests.apps.app_history"
 LEASE = 3
@@ -95,7 +95,9 @@ class Workload:
 
 @contextmanager
 def databases() -> Iterator[tuple[pgcluster.PrivateCluster, str, str]]:
-    """(cluster, jobs URL on it, history URL on the shared server), migrated."""
+    """(cluster, jobs URL on it, history URL), migrated. The history lives on a second
+    private cluster: its commits must not flush the jobs' WAL, it must survive the jobs'
+    crash, and the run must not depend on the shared server's connection slots."""
     from celery_lease.db import migrate
     from celery_lease.db.store import Store
     from tests.apps.app import test_metadata
@@ -104,18 +106,21 @@ def databases() -> Iterator[tuple[pgcluster.PrivateCluster, str, str]]:
     # A commit made with synchronous_commit=off reaches the disk only when the WAL
     # writer wakes (every 10 s here) or a synchronous commit flushes past it.
     settings = {"wal_writer_delay": "10s", "wal_writer_flush_after": 0}
-    with pgcluster.private_cluster(max_connections=200, settings=settings) as cluster:
+    with (
+        pgcluster.private_cluster(max_connections=200, settings=settings) as cluster,
+        pgcluster.private_cluster(settings={"synchronous_commit": "off", "fsync": "off"}) as recorder,
+    ):
         url = cluster.create_database("jobs")
         store = Store(url)
         migrate.upgrade(store)
         test_metadata.create_all(store.durable)
         effect_metadata.create_all(store.durable)
         store.dispose()
-        with throwaway_database("celery_lease_history") as history_url:
-            engine = sa.create_engine(history_url)
-            history_metadata.create_all(engine)
-            engine.dispose()
-            yield cluster, url, history_url
+        history_url = recorder.create_database("history")
+        engine = sa.create_engine(history_url)
+        history_metadata.create_all(engine)
+        engine.dispose()
+        yield cluster, url, history_url
 
 
 def worker_env(history_url: str) -> dict[str, str]:
@@ -317,12 +322,22 @@ class Run:
         self.node_kills[f"{worker.name}@testhost"].append(now)
         for pid in pids:
             self.pid_kills[pid] = now
+        worker.kill(signal.SIGKILL)
         self.op("fault", fault="kill_worker", node=worker.name, pids=pids)
         self._restarting.add(index)
 
         def restart() -> None:
+            # A worker refuses to boot while PostgreSQL is down (the crash): try again.
             try:
-                self.fleet.restart(index)
+                deadline = time.monotonic() + 90
+                while True:
+                    time.sleep(0.5)
+                    try:
+                        self.fleet.workers[index] = self.fleet._worker(worker.name)
+                        return
+                    except AssertionError:
+                        if time.monotonic() > deadline:
+                            raise
             finally:
                 self._restarting.discard(index)
 

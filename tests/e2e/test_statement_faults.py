@@ -14,6 +14,7 @@ from tests.conftest import wait_for
 from tests.harness.pgfaults import PgFaultProxy
 
 FLOW = "tests.apps.app_flow"
+NATIVE = "tests.apps.app_native"
 MODES = [pytest.param(True, id="prepared"), pytest.param(False, id="unprepared")]
 
 
@@ -88,3 +89,36 @@ def test_a_rated_claim_whose_reply_was_lost_is_adopted(pg, broker, client_app, w
     assert rule.wait(30), "no rated claim committed through the proxy"
     row = _ended(pg, job.id, timeout=10)
     assert (row["status"], row["attempt"], row["error"]) == ("succeeded", 1, None)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug (issue #18: each errback exactly once; pipeline): when the transaction that fails a chord "
+    "header job loses its connection at the errback's INSERT, the retried failure fires the body's errback twice",
+)
+@pytest.mark.parametrize("prepared", MODES)
+def test_a_chord_headers_failure_retried_after_a_dropped_connection_fires_the_errback_once(
+    pg, broker, client_app, workers, proxy, prepared
+):
+    """A chord header job fails; the statement creating the body's leased errback
+    meets a dropped connection (it never reaches the server) and the failure is written
+    again: one errback job, not two. (History seed 113299, threads pool: a failed
+    chord's body errback fired twice.)"""
+    from celery import chord
+
+    conf = {"lease_prepare_statements": prepared}
+    mod = client_app(pg, broker, conf=conf, module=NATIVE)
+    workers(proxy.url_for(pg), broker, conf=conf, module=NATIVE)
+    # The client submits directly: the only job INSERT through the proxy is the errback's.
+    rule = proxy.fail("INSERT INTO celery_lease_jobs")
+    header = [mod.inc.s({"n": 0}), mod.inc.s({"n": 1}), mod.inc.s({"n": 2, "fail_at": 2})]
+    chord(header, mod.total.s().on_error(mod.noted_error.s())).apply_async()
+    assert rule.wait(30), "the errback's INSERT never ran"
+
+    def errbacks() -> list:
+        done = [j for j in mod.leases.store.list_jobs(kind="noted_error") if j.status.value in ("succeeded", "failed")]
+        return done if done and all(j.status.value == "succeeded" for j in done) else []
+
+    wait_for(errbacks, timeout=30, what="the errback to run")
+    time.sleep(2)  # a second errback, if any, is created by then
+    assert len(mod.leases.store.list_jobs(kind="noted_error")) == 1
