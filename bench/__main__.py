@@ -1,4 +1,4 @@
-"""``python -m bench [run] [options]``, ``python -m bench scale | profile | cpu | flow``.
+"""``python -m bench [run] [options]``, ``python -m bench scale | profile | cpu | flow | dashboard | screenshot``.
 
 The default (``run``) measures every system and body side by side, then the scale
 figures, and writes bench/results/latest.md: the figures of issue #12 with their goals,
@@ -95,7 +95,24 @@ def main(argv: list[str] | None = None) -> int:
     flow_p.add_argument("--n", type=int, default=1000, help="no-op jobs per drain (default 1000)")
     flow_p.add_argument("--reps", type=int, default=2, help="interleaved drains per kind (default 2)")
     flow_p.add_argument("--results", type=Path, default=RESULTS)
+    dash_p = sub.add_parser("dashboard", help="every dashboard page's time with --rows jobs in the table (~3 min at 1M)")
+    dash_p.add_argument("--rows", type=int, default=1_000_000, help="finished jobs (default 1,000,000)")
+    dash_p.add_argument("--samples", type=int, default=15, help="timed requests per page (default 15)")
+    dash_p.add_argument("--database", help="a database a previous run seeded, kept (skips the fill; for re-measuring)")
+    dash_p.add_argument("--results", type=Path, default=RESULTS)
+    shot_p = sub.add_parser("screenshot", help="seed a demo database, serve it, save docs/img/jobs.png (headless chromium)")
+    shot_p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "img" / "jobs.png")
     args = parser.parse_args(argv)
+
+    if args.command == "dashboard":
+        from bench.dashboard import main as dashboard_main
+
+        return dashboard_main(args, log)
+
+    if args.command == "screenshot":
+        from bench.screenshot import main as screenshot_main
+
+        return screenshot_main(args, log)
 
     if args.command == "cpu":
         from bench.cpu import main as cpu_main

@@ -203,10 +203,10 @@ class Canvas:
             follow.chord_failed = str(canvas["chord"])
         return follow
 
-    def endings(self, error: str, *, run_cancelled: bool = False) -> Endings:
-        """For a transition that ends jobs outside their attempts, with ``error``;
+    def endings(self, error: str, *, run_cancelled: bool = False, eager: bool = False) -> Endings:
+        """For a transition that ends jobs otherwise than by success, with ``error``;
         ``run_cancelled``: the jobs' run was cancelled with them (see Endings)."""
-        return Endings(self, error, run_cancelled=run_cancelled)
+        return Endings(self, error, run_cancelled=run_cancelled, eager=eager)
 
 
 class Followup:
@@ -310,7 +310,7 @@ class Followup:
 
 
 class Endings:
-    """What jobs ended outside their attempts set off, as a failure would: a job
+    """What jobs ended otherwise than by success set off: an attempt failed, a job
     cancelled (``leases.cancel``, the API, revoke, a cancelled run) or ended by the
     reaper (lease expired, attempts spent) or by restart recovery. Its errbacks fire
     (the error is ours: "cancelled", "lease expired"...), and a chord it was a header
@@ -325,10 +325,11 @@ class Endings:
     errback is created outside any run, keeping the job as its parent.
     """
 
-    def __init__(self, canvas: Canvas, error: str, *, run_cancelled: bool = False) -> None:
+    def __init__(self, canvas: Canvas, error: str, *, run_cancelled: bool = False, eager: bool = False) -> None:
         self._canvas = canvas
         self._error = error
         self._run_cancelled = run_cancelled
+        self._eager = eager
         self._followups: list[Followup] = []
         self._created: list[Job] = []
 
@@ -340,7 +341,7 @@ class Endings:
                 origin = Origin.of(row)
                 if self._run_cancelled:
                     origin = dataclasses.replace(origin, run_id=None)
-                follow = self._canvas.after_failure(origin, self._error)
+                follow = self._canvas.after_failure(origin, self._error, eager=self._eager)
                 if follow is not None:
                     created = follow.write(conn)
                     self._followups.append(follow)

@@ -36,18 +36,17 @@ from celery_lease.flow.control import FlowControl
 from celery_lease.flow.limits import Limits
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind, Registry
+from celery_lease.lifecycle import transition as tr
+from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import Codec
 from celery_lease.producer import Producer
 from celery_lease.settings import Settings
-from celery_lease.worker import signals
+from celery_lease.worker import lost, signals
 from celery_lease.worker.eager import EagerRunner
 from celery_lease.worker.executor import WorkerState
 from celery_lease.worker.task import LeaseTask, run_leased
 
 log = logging.getLogger("celery_lease")
-
-#: The error an errback of a cancelled job gets.
-CANCELLED = "cancelled"
 
 
 class CeleryLease:
@@ -73,6 +72,7 @@ class CeleryLease:
         self._producer: Producer | None = None
         self._maintenance: Maintenance | None = None
         self._flow: FlowControl | None = None
+        self._lifecycle: Pipeline | None = None
         self.registry = Registry()
         self._tasks: dict[str, LeaseTask] = {}
         self._worker: WorkerState | None = None
@@ -88,8 +88,9 @@ class CeleryLease:
             size_pools=lambda concurrency: self.store.size_for_concurrency(concurrency),
             recover=self.recover,
             worker_state=lambda: self.worker,
-            cancel=self.cancel,
+            cancel_ids=self._revoke,
         )
+        lost.connect(app, self, store=lambda: self.store, reap=self.reap)  # a pool process killed mid-job
         results.install(app)  # AsyncResult(job_id) reads the row when the app has no result backend
         grouping.install(app)  # a group's leased members are one submit
         self.beat_schedule = entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
@@ -124,7 +125,7 @@ class CeleryLease:
     def maintenance(self) -> Maintenance:
         if self._maintenance is None:
             self._maintenance = Maintenance(
-                self.store, self.producer.publish_wakeups, self.settings, flow=self.flow, canvas=self.canvas
+                self.store, self.lifecycle, self.producer.publish_wakeups, self.settings, flow=self.flow
             )
         return self._maintenance
 
@@ -133,6 +134,16 @@ class CeleryLease:
         if self._flow is None:
             self._flow = FlowControl(self.store, self.app, self.producer.publish_wakeups, self.registry, lambda: self.settings)
         return self._flow
+
+    @property
+    def lifecycle(self) -> Pipeline:
+        """Executes the transitions that end jobs outside a worker's attempt (cancel,
+        reap, restart recovery); see celery_lease/lifecycle."""
+        if self._lifecycle is None:
+            self._lifecycle = Pipeline(
+                self.store, self.producer, canvas=self.canvas, flow=self.flow, notify=self._notify_cancelled
+            )
+        return self._lifecycle
 
     @property
     def worker(self) -> WorkerState:
@@ -306,23 +317,28 @@ class CeleryLease:
     def cancel(self, job_id: str) -> bool:
         """Cancel a pending or running job at once; False when it is already terminal
         or unknown. A running handler learns at its next heartbeat (sooner when the
-        broker can carry the notice) and its later writes are discarded."""
-        job_id = parse_job_id(job_id)
-        endings = self.canvas.endings(CANCELLED)  # its errbacks and chord, in the cancel's transaction
-        cancelled = self.store.cancel(job_id=job_id, ended=endings.write)
-        self._notify_cancelled([str(r["id"]) for r in cancelled])
-        endings.send()
-        self.flow.release(cancelled)  # a cancelled running job frees its slot at once
-        return bool(cancelled)
+        broker can carry the notice) and its later writes are discarded. Its errbacks
+        fire and a running job's slot is freed (the ``cancel`` transition)."""
+        return bool(self.lifecycle.execute(tr.CANCEL, build={"job_id": parse_job_id(job_id)}))
 
     def cancel_run(self, run_id: str) -> int:
         """Cancel every non-terminal job of a run; the run accepts no new jobs."""
-        endings = self.canvas.endings(CANCELLED, run_cancelled=True)
-        cancelled = self.store.cancel(run_id=parse_job_id(run_id), ended=endings.write)
-        self._notify_cancelled([str(r["id"]) for r in cancelled])
-        endings.send()
-        self.flow.release(cancelled)
-        return len(cancelled)
+        run_id = parse_job_id(run_id)
+        store = self.store
+
+        def mark_run(conn) -> None:
+            store.mark_run_cancelled(conn, run_id)
+
+        return len(self.lifecycle.execute(tr.CANCEL, build={"run_id": run_id}, before=mark_run, run_cancelled=True))
+
+    def _revoke(self, job_ids: list[str]) -> list[str]:
+        """A revoke broadcast's job ids (valid UUIDs): those of this app's leased tasks
+        are cancelled, in one statement. Returns the ids cancelled."""
+        tasks = [spec.task for spec in self.registry]
+        if not tasks:
+            return []
+        rows = self.lifecycle.execute(tr.REVOKE, build={"ids": job_ids, "tasks": tasks})
+        return [str(r["id"]) for r in rows]
 
     def _notify_cancelled(self, job_ids: list[str]) -> None:
         # Best-effort: the table already says cancelled; heartbeats enforce it.

@@ -5,7 +5,9 @@ makes it the app's result backend when the app has none (``result_backend`` unse
 ``app.AsyncResult(job_id)``, ``celery.result.AsyncResult(job_id)``, chains' and groups'
 results and chords all work with no other setting. An app with its own result backend
 keeps it for its plain tasks; leased tasks still answer through this one (each leased
-task's ``backend``), and ``leases.AsyncResult(job_id)`` reads a job from anywhere.
+task's ``backend``), ``leases.AsyncResult(job_id)`` reads a job from anywhere, and the
+app's own backend answers for job ids from their rows too (:class:`RowFallback`), so
+``app.AsyncResult(job_id)`` and groups mixing plain and leased tasks work with it.
 
 States, from the row:
 
@@ -26,11 +28,17 @@ the app a result backend of its own for those.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from celery import states
+from celery.app import backends
 from celery.backends.base import BaseBackend
-from celery.result import AsyncResult
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from celery.result import AsyncResult, ResultSet
 
 from celery_lease.errors import ConfigurationError
 from celery_lease.job import Job, parse_job_id
@@ -87,6 +95,23 @@ def _leases(app) -> Any:
     return leases
 
 
+#: Set on the thread running Celery's ``revoke`` control command (worker/revoke.py).
+#: Celery then reads each revoked id's state to decide whether to store REVOKED: this
+#: backend drops Celery's writes, so the reads (one job read per id, on the worker's
+#: consumer: a broadcast of 3,000 ids stalled ``ping`` for 15 s) decide nothing.
+_revoking = threading.local()
+
+
+@contextlib.contextmanager
+def reads_skipped() -> Iterator[None]:
+    """Inside: the backend answers PENDING for every id without reading its row."""
+    _revoking.active = True
+    try:
+        yield
+    finally:
+        _revoking.active = False
+
+
 class LeaseBackend(BaseBackend):
     """A result backend whose results are the job rows."""
 
@@ -100,6 +125,8 @@ class LeaseBackend(BaseBackend):
         pass  # eager jobs have rows too: their results are real
 
     def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
+        if getattr(_revoking, "active", False):
+            return meta_of(task_id, None)
         try:
             job_id = parse_job_id(task_id)
         except ValueError:
@@ -151,9 +178,94 @@ class LeaseResult(AsyncResult):
             super().revoke(connection, terminate=True, signal=signal, wait=wait, timeout=timeout)
 
 
+class RowFallback:
+    """Mixed into an app's own result backend (:func:`install`): a task id the backend
+    knows nothing of (PENDING) that is a job id answers from the job's row, wherever
+    Celery asks: ``app.AsyncResult(id)``, ``celery.result.AsyncResult(id)``, their
+    ``.get()``, and a group's ``join_native()`` / ``.get()`` with leased members (which
+    the backend's own native join would wait for forever: it never stores them)."""
+
+    app: Any
+
+    def _job_meta(self, task_id: str) -> dict[str, Any] | None:
+        try:
+            job_id = parse_job_id(task_id)
+        except ValueError:
+            return None
+        job = _leases(self.app).get(job_id)
+        return None if job is None else meta_of(task_id, job)
+
+    def _get_task_meta_for(self, task_id):
+        meta = super()._get_task_meta_for(task_id)  # type: ignore[misc]
+        if meta.get("status") == states.PENDING:
+            return self._job_meta(task_id) or meta
+        return meta
+
+    def _wait_for_row(self, task_id: str, timeout=None, interval: float = 0.5, on_interval=None) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            meta = self._job_meta(task_id) or meta_of(task_id, None)
+            if meta["status"] in states.READY_STATES:
+                return meta
+            if on_interval is not None:
+                on_interval()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CeleryTimeoutError("The operation timed out.")
+            time.sleep(interval)
+
+    def wait_for_pending(self, result, timeout=None, interval=0.5, on_interval=None, callback=None, propagate=True, **kwargs):
+        if self._job_meta(result.id) is None:
+            return super().wait_for_pending(  # type: ignore[misc]
+                result,
+                timeout=timeout,
+                interval=interval,
+                on_interval=on_interval,
+                callback=callback,
+                propagate=propagate,
+                **kwargs,
+            )
+        result._maybe_set_cache(self._wait_for_row(result.id, timeout, interval, on_interval))
+        return result.maybe_throw(propagate=propagate, callback=callback)
+
+    def iter_native(self, result, timeout=None, interval=0.5, on_interval=None, **kwargs):
+        leased = [r.id for r in result.results if isinstance(r, LeaseResult)]
+        others = [r for r in result.results if not isinstance(r, LeaseResult)]
+        native = super().iter_native  # type: ignore[misc]
+        if not leased:
+            yield from native(result, timeout=timeout, interval=interval, on_interval=on_interval, **kwargs)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if others:
+            yield from native(
+                ResultSet(others, app=self.app), timeout=timeout, interval=interval, on_interval=on_interval, **kwargs
+            )
+        for task_id in leased:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            yield task_id, self._wait_for_row(task_id, left, interval, on_interval)
+
+
+_WITH_ROWS: dict[type, type] = {}
+
+
+def _with_rows(cls: type) -> type:
+    """``cls`` with :class:`RowFallback` in front (one class per backend class)."""
+    if issubclass(cls, (LeaseBackend, RowFallback)):
+        return cls
+    if cls not in _WITH_ROWS:
+        _WITH_ROWS[cls] = type(cls.__name__, (RowFallback, cls), {"__module__": cls.__module__})
+    return _WITH_ROWS[cls]
+
+
 def install(app) -> None:
     """Make LeaseBackend the app's result backend if it has none, now and whenever the
-    configuration is (re)loaded."""
+    configuration is (re)loaded; an app's own backend answers for jobs too (RowFallback)."""
+
+    def backend_with_rows():
+        # Celery's own Celery._get_backend, with the backend class given RowFallback.
+        cls, url = backends.by_url(app.backend_cls or app.conf.result_backend, app.loader)
+        return _with_rows(cls)(app=app, url=url)
+
+    app._get_backend = backend_with_rows
 
     def install_if_none(sender=None, **_):
         if app.conf.result_backend in (None, "", "disabled"):

@@ -410,6 +410,22 @@ def marker_dir(tmp_path):
     return d
 
 
+def local_pipeline(store):
+    """The transition pipeline on ``store`` with no broker: the wakeups it sends are
+    kept in ``pipeline.woken``."""
+    from celery import Celery
+
+    from celery_lease.lifecycle.pipeline import Pipeline
+    from celery_lease.settings import Settings
+    from celery_lease.worker.eager import _LocalProducer
+
+    app = Celery("local", set_as_current=False)
+    producer = _LocalProducer(app, store, Settings.resolve(app.conf, {}))
+    pipeline = Pipeline(store, producer)
+    pipeline.woken = producer.woken  # type: ignore[attr-defined]
+    return pipeline
+
+
 def attempt_for(job_id: str, generation: int = 1, **fields: Any) -> Attempt:
     """A worker's Attempt of a claimed job as the tests need one; ``fields`` override
     the first-attempt defaults below."""

@@ -12,13 +12,14 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from celery_lease.lifecycle import transition as tr
 from celery_lease.status import Status
 from celery_lease.worker.attempt import BOOT_ID
 
 if TYPE_CHECKING:
-    from celery_lease.canvas import Canvas, Endings
     from celery_lease.db.store import Store
     from celery_lease.flow.control import FlowControl
+    from celery_lease.lifecycle.pipeline import Pipeline
     from celery_lease.settings import Settings
 
 log = logging.getLogger("celery_lease.maintenance")
@@ -41,27 +42,25 @@ class Maintenance:
     def __init__(
         self,
         store: Store,
+        lifecycle: Pipeline,
         publish_wakeups: Callable[[Sequence[dict]], int],
         settings: Settings,
         flow: FlowControl | None = None,
-        canvas: Canvas | None = None,
     ) -> None:
         self._store = store
-        #: The errbacks and chords of jobs the reaper or recovery ends (canvas.Endings).
-        self._canvas = canvas
-        #: Flow control: reaped and recovered jobs free their slots; the sweep also
-        #: recovers held jobs whose wakeup was missed.
+        #: Reap and restart recovery are transitions (celery_lease/lifecycle): requeued
+        #: jobs get their wakeups, ended ones their errbacks, limited ones free their
+        #: slots, once each.
+        self._lifecycle = lifecycle
+        #: Flow control: the sweep also recovers held jobs whose wakeup was missed.
         self._flow = flow
         self._publish = publish_wakeups
         self._settings = settings
 
-    def _requeue_counts(self, rows: list[dict], final: Status) -> dict[str, int]:
-        requeued = [r for r in rows if r["status"] == Status.PENDING.value]
-        self._publish(requeued)
-        if self._flow is not None:
-            # Their slots free at once (the statement told which kinds are limited).
-            self._flow.release(rows)
-        return {"requeued": len(requeued), final.value: len(rows) - len(requeued)}
+    @staticmethod
+    def _requeue_counts(rows: list[dict], final: Status) -> dict[str, int]:
+        requeued = sum(1 for r in rows if r["status"] == Status.PENDING.value)
+        return {"requeued": requeued, final.value: len(rows) - requeued}
 
     def reap(self) -> dict[str, int]:
         """Running jobs whose lease elapsed: back to pending with a wakeup while
@@ -69,10 +68,7 @@ class Maintenance:
         limit = self._settings.batch_size
 
         def step():
-            endings = self._endings("lease expired")
-            rows = self._store.reap(limit, None if endings is None else endings.write)
-            if endings is not None:
-                endings.send()
+            rows = self._lifecycle.execute(tr.REAP, {"limit": limit})
             return rows, len(rows) == limit
 
         counts = self._requeue_counts(_batches(step), Status.EXPIRED)
@@ -83,14 +79,8 @@ class Maintenance:
     def recover(self, node: str) -> dict[str, int]:
         """Jobs left running by an earlier boot of worker ``node``: requeued, or failed
         with "interrupted by restart" when no attempts remain."""
-        endings = self._endings("interrupted by restart")
-        rows = self._store.recover(node, BOOT_ID, None if endings is None else endings.write)
-        if endings is not None:
-            endings.send()
+        rows = self._lifecycle.execute(tr.RECOVER, build={"owner_prefix": f"{node}/", "owner_boot": f"/{BOOT_ID}"})
         return self._requeue_counts(rows, Status.FAILED)
-
-    def _endings(self, error: str) -> Endings | None:
-        return None if self._canvas is None else self._canvas.endings(error)
 
     def sweep(self) -> int:
         """Publish wakeups for due pending jobs whose last wakeup is stale or missing."""

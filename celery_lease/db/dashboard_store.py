@@ -17,6 +17,7 @@ from celery_lease.db import queries as q
 from celery_lease.db.reads import _view
 from celery_lease.db.statements import dashboard as dq
 from celery_lease.db.store import Store
+from celery_lease.flow import statements as fs
 from celery_lease.status import Event
 
 
@@ -25,7 +26,14 @@ class DashboardStore:
         self._store = store
 
     def _read(self, fn):
-        return self._store.transaction(self._store.durable, fn)
+        serial = self._store.dialect == "postgresql"
+
+        def work(conn: Connection):
+            if serial:
+                conn.execute(dq.serial_reads())
+            return fn(conn)
+
+        return self._store.transaction(self._store.durable, work)
 
     def _rows(self, stmt, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         return self._read(lambda c: [_view(r) for r in c.execute(stmt, params or {}).mappings()])
@@ -43,7 +51,7 @@ class DashboardStore:
             end = None
             if len(rows) <= limit:
                 last = conn.execute(dq.scan_end(f, after=after, scan=scan)).mappings().first()
-                if last is not None and last["n"] >= scan:
+                if last is not None:
                     view = _view(last)
                     end = (view["created_at"], view["id"])
             return rows, end
@@ -69,29 +77,39 @@ class DashboardStore:
     def counts(self, *, tenant: str | None, window: float) -> dict[str, list[dict[str, Any]]]:
         def work(conn: Connection):
             return {
-                "active": [dict(r) for r in conn.execute(dq.active_counts(tenant)).mappings()],
+                "active": [dict(zip(("kind", "key", "status", "held", "n"), r)) for r in conn.execute(fs.flow_counts(tenant))],
                 "terminal": [dict(r) for r in conn.execute(dq.terminal_counts(tenant), {"window": window}).mappings()],
             }
 
         return self._read(work)
 
     def live(self, *, tenant: str | None, window: float, cap: int) -> dict[str, Any]:
+        """The database's time and minute; (kind, minute, count) of recent submits;
+        (kind, status, minute, wait, run) of recent finishes: plain tuples, since
+        there may be thousands."""
+
         def work(conn: Connection):
             params = {"window": window, "cap": cap}
+            now, minute = conn.execute(dq.database_now()).one()
             return {
-                "now": _view({"now": conn.execute(dq.database_now()).scalar_one()})["now"],
-                "submits": [_view(r) for r in conn.execute(dq.recent_submits(tenant), params).mappings()],
-                "finishes": [_view(r) for r in conn.execute(dq.recent_finishes(tenant), params).mappings()],
+                "now": _view({"now": now})["now"],
+                "minute": minute,
+                "submits": [tuple(r) for r in conn.execute(dq.recent_submits(tenant), params)],
+                "finishes": [tuple(r) for r in conn.execute(dq.recent_finishes(tenant), params)],
             }
 
         return self._read(work)
+
+    def rate_budgets(self) -> dict[str, dict[str, Any]]:
+        """Kind -> its rate, window and the claims counted in the current window."""
+        return {r["kind"]: r for r in self._rows(dq.rate_budgets())}
 
     # --- workers, leases, reconciliation ------------------------------------------------------
 
     def leases(self, *, tenant: str | None, limit: int) -> dict[str, Any]:
         def work(conn: Connection):
             return {
-                "now": _view({"now": conn.execute(dq.database_now()).scalar_one()})["now"],
+                "now": _view({"now": conn.execute(dq.database_now()).one()[0]})["now"],
                 "running": [_view(r) for r in conn.execute(dq.running_leases(tenant, limit)).mappings()],
                 "owners": [_view(r) for r in conn.execute(dq.leases_by_owner(tenant)).mappings()],
             }

@@ -285,13 +285,19 @@ class Database:
                         on_retry()
                     time.sleep(0.05 * attempt)
                     continue
-                if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
-                    log.warning("celery-lease: database error: %s", exc.orig)
-                    raise DatabaseUnavailable(
-                        f"cannot reach the job database {self.display_url} ({self.source}): {type(exc.orig).__name__}"
-                    ) from None
-                raise
+                raise self.translate(exc) from None
         raise AssertionError("unreachable")
+
+    def translate(self, exc: sa_exc.DBAPIError) -> Exception:
+        """A database error as the caller sees it: DatabaseUnavailable, naming the
+        setting and never the driver's text, for a lost or refusing server (a lock
+        timeout included); the error itself otherwise."""
+        if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+            log.warning("celery-lease: database error: %s", exc.orig)
+            return DatabaseUnavailable(
+                f"cannot reach the job database {self.display_url} ({self.source}): {type(exc.orig).__name__}"
+            )
+        return exc
 
     def execute_prepared(
         self, stmt: Prepared, params: dict[str, Any], *, fast: bool = False, on_retry: Callable[[], None] | None = None

@@ -120,6 +120,21 @@ _RUNNING: sa.ColumnElement[str] = sa.literal_column(f"'{Status.RUNNING.value}'")
 
 #: What is needed to (re)publish a job's wakeup.
 WAKEUP_COLUMNS = (_c.id, _c.task, _c.queue)
+#: What a transition that moves a job out of running or pending returns: the wakeup, the
+#: run event, an ended job's canvas (its errbacks) and its flow-control group
+#: (celery_lease/lifecycle).
+ENDED_COLUMNS = (
+    _c.id,
+    _c.status,
+    _c.run_id,
+    _c.attempt,
+    _c.task,
+    _c.queue,
+    _c.tenant,
+    _c.canvas,
+    _c.kind,
+    _c.concurrency_key,
+)
 #: What FlowControl.release needs of a job that left running (or pending): its kind,
 #: its concurrency key, and ``limited``: its kind has a limits row (only those can
 #: hold jobs for a free slot). A statement that ends jobs returns these.
@@ -522,6 +537,7 @@ def complete_job() -> sa.Update:
             updated_at=db_now(),
             **_lease_cleared,
         )
+        .returning(*ENDED_COLUMNS)
     )
 
 
@@ -585,6 +601,7 @@ def fail_job() -> sa.Update:
             updated_at=db_now(),
             **_lease_cleared,
         )
+        .returning(*ENDED_COLUMNS)
     )
 
 
@@ -601,6 +618,7 @@ def retry_job() -> sa.Update:
             updated_at=db_now(),
             **_lease_cleared,
         )
+        .returning(*ENDED_COLUMNS)
     )
 
 
@@ -622,7 +640,7 @@ def hand_off_job() -> sa.Update:
             updated_at=db_now(),
             **_lease_cleared,
         )
-        .returning(*WAKEUP_COLUMNS)
+        .returning(*ENDED_COLUMNS)
     )
 
 
@@ -647,16 +665,26 @@ def snooze_job() -> sa.Update:
             updated_at=db_now(),
             **_lease_cleared,
         )
-        .returning(*WAKEUP_COLUMNS)
+        .returning(*ENDED_COLUMNS)
     )
 
 
 # --- revoking statements (producer, beat, worker start) -------------------------------
 
 
-def cancel_jobs(*, job_id: str | None = None, run_id: str | None = None) -> sa.Update:
-    """cancel_jobs: pending/running -> cancelled at once; revokes any lease."""
-    where = _c.id == job_id if job_id is not None else _c.run_id == run_id
+def cancel_jobs(
+    *, job_id: str | None = None, run_id: str | None = None, ids: Sequence[str] = (), tasks: Sequence[str] = ()
+) -> sa.Update:
+    """cancel_jobs: pending/running -> cancelled at once; revokes any lease. One job, a
+    run's jobs, or (a revoke broadcast) the jobs among ``ids`` whose task is one of
+    ``tasks``: one statement whatever the number of ids, an id that is no job costs an
+    index probe. Returns, per cancelled job, what its follow-ups need (REQUEUED_COLUMNS)."""
+    if job_id is not None:
+        where = _c.id == job_id
+    elif run_id is not None:
+        where = _c.run_id == run_id
+    else:
+        where = sa.and_(_c.id.in_(list(ids)), _c.task.in_(list(tasks)))
     return (
         sa.update(jobs)
         .where(where, _c.status.in_(_ACTIVE))
@@ -667,7 +695,7 @@ def cancel_jobs(*, job_id: str | None = None, run_id: str | None = None) -> sa.U
             updated_at=db_now(),
             **_lease_cleared,
         )
-        .returning(_c.id, _c.run_id, _c.attempt, _c.tenant, _c.canvas, *RELEASE_COLUMNS)
+        .returning(*REQUEUED_COLUMNS)
     )
 
 
@@ -732,15 +760,8 @@ def _picked(batch: sa.CTE, dialect: str) -> sa.ColumnElement[bool]:
 #: job's canvas (its errbacks), and what FlowControl.release needs (RELEASE_COLUMNS),
 #: so the caller frees slots without reading the jobs again.
 REQUEUED_COLUMNS = (
-    _c.id,
-    _c.status,
-    _c.run_id,
-    _c.attempt,
-    _c.task,
-    _c.queue,
-    _c.tenant,
-    _c.canvas,
-    *RELEASE_COLUMNS,
+    *ENDED_COLUMNS,
+    RELEASE_COLUMNS[-1],
 )
 
 
@@ -937,3 +958,35 @@ def job_results(ids: Sequence[str]) -> sa.Select:
 def make_due() -> sa.Update:
     """make_due: a pending job may be claimed now (eager mode runs retries at once)."""
     return sa.update(jobs).where(_c.id == sa.bindparam("job_id"), _c.status == Status.PENDING.value).values(run_after=None)
+
+
+# --- a transaction's fate after a lost reply (celery_lease/db/landing.py) -------------
+
+
+@functools.cache
+def transaction_mark(lock_timeout: bool) -> sa.Select:
+    """The current transaction's id (as text: an xid8) and its server process, taken
+    before COMMIT so a lost reply can be settled by asking the server; with
+    ``lock_timeout``, also ``SET LOCAL lock_timeout = :lock_timeout_ms`` in the same
+    round trip (background transitions never wait on a row lock for long)."""
+    columns: list[Any] = [sa.cast(sa.func.pg_current_xact_id(), sa.Text), sa.func.pg_backend_pid()]
+    if lock_timeout:
+        columns.append(sa.func.set_config("lock_timeout", sa.cast(sa.bindparam("lock_timeout_ms"), sa.Text), True))
+    return sa.select(*columns)
+
+
+@functools.cache
+def transaction_status() -> sa.TextClause:
+    """'committed', 'aborted' or 'in progress' of transaction :xid (NULL: too old to know)."""
+    return sa.text("SELECT pg_xact_status(CAST(:xid AS xid8))")
+
+
+@functools.cache
+def end_stranded_transaction() -> sa.TextClause:
+    """Terminate server process :pid if it still runs transaction :xid (its client lost
+    the connection before COMMIT was sent or answered, and the server has not noticed):
+    the transaction then aborts, so its fate is known. A role may end its own sessions."""
+    return sa.text(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+        " WHERE pid = :pid AND backend_xid IS NOT NULL AND backend_xid::text = :xid32"
+    )

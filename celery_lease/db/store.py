@@ -4,7 +4,8 @@ It runs them on a :class:`~celery_lease.db.engine.Database` (engines, transactio
 prepared statements) and turns rows into :class:`~celery_lease.job.Job` values. Run
 events are built here, in :meth:`Store.log_events`, and nowhere else, but by the
 PostgreSQL statements that write their own (claim.claim_job_logged,
-queries.reap_expired_logged: the same rows, in the same statement).
+queries.reap_expired_logged: the same rows, in the same statement). The transitions
+that end attempts or jobs are executed by celery_lease/lifecycle, not here.
 """
 
 from __future__ import annotations
@@ -29,10 +30,6 @@ from celery_lease.job import Job
 from celery_lease.status import Event, Status
 
 log = logging.getLogger("celery_lease")
-
-
-#: Called inside a transition's transaction with the rows of the jobs it ended.
-Ended = Callable[[Connection, Sequence[Any]], None]
 
 
 def _event_source(job: Any) -> tuple[Any, Any, int]:
@@ -290,9 +287,13 @@ class Store(Reads, Chords, Database):
         """Run one guarded write; False when its guard matched no row. Alone (committed
         by itself, asynchronously: progress and checkpoints) unless a ``connection`` is
         given."""
-        return self.transaction(
-            self.engine(fast=True, single=True), lambda conn: conn.execute(stmt, params).rowcount == 1, connection=connection
-        )
+
+        def work(conn: Connection) -> bool:
+            result = conn.execute(stmt, params)
+            # (A statement with RETURNING: SQLite counts its rows only once read.)
+            return (len(result.all()) if result.returns_rows else result.rowcount) == 1
+
+        return self.transaction(self.engine(fast=True, single=True), work, connection=connection)
 
     def log_events(self, conn: Connection | None, entries: Iterable[tuple[Any, Event, str | None]]) -> None:
         """Append run events for jobs that belong to a run; the one place events are built.
@@ -308,48 +309,12 @@ class Store(Reads, Chords, Database):
         if rows:
             self.transaction(self.durable, lambda c: c.execute(q.append_events(), rows), connection=conn)
 
-    # --- revoking statements ---------------------------------------------------------
+    # --- revoking statements (executed by celery_lease/lifecycle) -------------------
 
-    def cancel(self, *, job_id: str | None = None, run_id: str | None = None, ended: Ended | None = None) -> list[dict]:
-        """Cancel a job, or a run and its jobs; ``ended`` gets the cancelled rows in the
-        same transaction (their errbacks and chords: canvas.Endings). Returns the rows
-        cancelled (q.cancel_jobs: ids, and what FlowControl.release needs)."""
-
-        def work(conn):
-            if run_id is not None:
-                conn.execute(q.upsert_run(self.dialect, run_id))
-                conn.execute(q.cancel_run(), {"run_id": run_id})
-            rows = [dict(r) for r in conn.execute(q.cancel_jobs(job_id=job_id, run_id=run_id)).mappings()]
-            self.log_events(conn, [(r, Event.CANCELLED, None) for r in rows])
-            if ended is not None and rows:
-                ended(conn, rows)
-            return rows
-
-        return self.transaction(self.durable, work)
-
-    def _requeue(self, stmt, params: dict, event: Event, cause: str, final: Status, ended: Ended | None) -> list[dict]:
-        def work(conn):
-            rows = [dict(r) for r in conn.execute(stmt, params).mappings()]
-            self.log_events(conn, [(r, event, f"{cause}: {r['status']}") for r in rows])
-            if ended is not None:
-                ended(conn, [r for r in rows if r["status"] == final.value])
-            return rows
-
-        return self.transaction(self.durable, work)
-
-    def reap(self, limit: int, ended: Ended | None = None) -> list[dict]:
-        """Expired leases: requeued, or expired when no attempt is left (``ended``
-        gets those, in the same transaction)."""
-        params = {"limit": limit}
-        if self.dialect != "postgresql":
-            return self._requeue(q.reap_expired(self.dialect), params, Event.REAPED, q.LEASE_EXPIRED, Status.EXPIRED, ended)
-        # One statement that also appends the run events: one round trip per batch
-        # (prepared: a backlog is reaped in many; see queries.reap_expired_logged).
-        return self._maintain("reap", q.reap_expired_logged(), params, ended=ended, final=Status.EXPIRED)
-
-    def recover(self, node: str, boot: str, ended: Ended | None = None) -> list[dict]:
-        stmt = q.recover_restarted(owner_prefix=f"{node}/", owner_boot=f"/{boot}")
-        return self._requeue(stmt, {}, Event.REQUEUED, "interrupted by restart", Status.FAILED, ended)
+    def mark_run_cancelled(self, conn: Connection, run_id: str) -> None:
+        """The run takes no new job (in the transaction that cancels its jobs)."""
+        conn.execute(q.upsert_run(self.dialect, run_id))
+        conn.execute(q.cancel_run(), {"run_id": run_id})
 
     def claim_due_wakeups(self, stale_seconds: float, limit: int) -> list[dict]:
         params = {"stale_seconds": stale_seconds, "limit": limit}
@@ -360,31 +325,13 @@ class Store(Reads, Chords, Database):
             return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
         return self._maintain("sweep", stmt, params)
 
-    def _maintain(
-        self, name: str, stmt, params: dict[str, Any], *, ended: Ended | None = None, final: Status | None = None
-    ) -> list[dict]:
-        """A maintenance statement on PostgreSQL, prepared unless prepare_statements is
-        off: alone in its transaction (autocommit), or, with ``ended``, in one that also
-        runs ``ended`` with the rows that reached ``final`` (their errbacks)."""
+    def _maintain(self, name: str, stmt, params: dict[str, Any]) -> list[dict]:
+        """A maintenance statement on PostgreSQL alone in its transaction (autocommit),
+        prepared unless prepare_statements is off."""
         if self._prepared is None:
-
-            def run(c: Connection) -> list[dict]:
-                return [dict(r) for r in c.execute(stmt, params).mappings()]
-        else:
-            prepared = self._prepared.get(name) or self._prepared.setdefault(name, Prepared(stmt))
-
-            def run(c: Connection) -> list[dict]:
-                return prepared.run(c, params)
-
-        if ended is None:
-            return self.transaction(self.engine(single=True), run)
-
-        def work(c: Connection) -> list[dict]:
-            rows = run(c)
-            ended(c, [r for r in rows if final is not None and r["status"] == final.value])
-            return rows
-
-        return self.transaction(self.durable, work)
+            return self.transaction(self.engine(single=True), lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
+        prepared = self._prepared.get(name) or self._prepared.setdefault(name, Prepared(stmt))
+        return self.transaction(self.engine(single=True), lambda c: prepared.run(c, params))
 
     def prune(self, older_than_seconds: float, limit: int) -> int:
         def work(conn):

@@ -1,4 +1,8 @@
-"""Plain successes written in batches: one fenced statement for many attempts.
+"""Where a plain success (nothing else to commit) is written: a :class:`Completer`.
+
+:class:`InlineCompleter` (SQLite: a local file, no round trip to save) writes each at
+once through the pipeline's ``succeed`` transition. :class:`BatchCompleter`
+(PostgreSQL) writes them in batches, one fenced statement for many attempts:
 
 A success with nothing else to commit (no effects, children or run events) does not
 need the handler to wait: the attempt's outcome is final once the body has returned,
@@ -11,7 +15,7 @@ the success waits here, at most LINGER seconds, for one of two rides:
 * else this thread, which writes every success gathered in one ``complete_jobs``.
 
 Either way the write is synchronous (durable) and fenced, and a success missing from
-its statement's result is re-checked alone (:meth:`Completer._confirm`). If the
+its statement's result is re-checked alone (:meth:`BatchCompleter._confirm`). If the
 process dies before the write, the job is still running under its lease and the
 reaper requeues it, exactly as if it had died a moment earlier inside the body. Warm
 exits flush (``worker_process_shutdown``).
@@ -24,16 +28,18 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_lease.db import queries as q
 from celery_lease.db.store import RidingSuccesses
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
+from celery_lease.lifecycle import transition as tr
+from celery_lease.lifecycle.transition import Transition
 from celery_lease.producer import refused_value
 from celery_lease.worker.attempt import BLIP_WAITS
 
 if TYPE_CHECKING:
     from celery_lease.db.store import Store
+    from celery_lease.lifecycle.pipeline import Pipeline
     from celery_lease.worker.attempt import Attempt
 
 log = logging.getLogger("celery_lease.worker")
@@ -48,11 +54,60 @@ class Riding(RidingSuccesses):
     """Successes taken for a claim to carry (see Store.claim)."""
 
     def __init__(self, items: list[Item]) -> None:
-        super().__init__(Completer._params(items), len(items))
+        super().__init__(BatchCompleter._params(items), len(items))
         self.items = items
 
 
-class Completer:
+class Completer(Protocol):
+    """Takes plain successes; ``on_written(attempt)`` is called once each is written or
+    given up on, and ``attempt.pending_write`` cleared."""
+
+    def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
+        """Hand over a success; the inline completer writes it before returning (and
+        raises LeaseLost or DatabaseUnavailable as the write did)."""
+
+    def take(self) -> Riding | None:
+        """Waiting successes for a claim to carry (Store.claim), or None."""
+
+    def settle(self, riding: Riding) -> None:
+        """After the claim that carried ``riding`` ran, whatever happened."""
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Write every waiting success now (warm exit)."""
+
+
+def completer_for(store: Store, pipeline: Pipeline, on_written: Callable[[Attempt], None] | None = None) -> Completer:
+    if store.dialect == "postgresql":
+        return BatchCompleter(store, pipeline, on_written)
+    return InlineCompleter(pipeline, on_written)
+
+
+class InlineCompleter:
+    """Each success written at once, in its own durable transaction."""
+
+    def __init__(self, pipeline: Pipeline, on_written: Callable[[Attempt], None] | None = None) -> None:
+        self._pipeline = pipeline
+        self._on_written = on_written
+
+    def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
+        try:
+            self._pipeline.execute(tr.SUCCEED, {"new_result": result, "new_progress": progress}, attempt=attempt)
+        finally:
+            attempt.pending_write = False
+            if self._on_written is not None:
+                self._on_written(attempt)
+
+    def take(self) -> Riding | None:
+        return None
+
+    def settle(self, riding: Riding) -> None:
+        raise AssertionError("an inline completer lends no success to a claim")
+
+    def flush(self, timeout: float = 10.0) -> None:
+        pass
+
+
+class BatchCompleter:
     #: Seconds a success waits for a ride when no claim is expected sooner.
     LINGER = 0.002
     #: When this process claims a job every few milliseconds, a success waits for the
@@ -60,8 +115,9 @@ class Completer:
     MAX_LINGER = 0.010
     MAX_BATCH = 64
 
-    def __init__(self, store: Store, on_written: Callable[[Attempt], None] | None = None) -> None:
+    def __init__(self, store: Store, pipeline: Pipeline, on_written: Callable[[Attempt], None] | None = None) -> None:
         self._store = store
+        self._pipeline = pipeline
         #: Called for each attempt once its success is written (or given up on).
         self._on_written = on_written
         self._cond = threading.Condition()
@@ -226,14 +282,14 @@ class Completer:
             # Missing from the batch's result: lost, or a row the batch statement did
             # not re-qualify after a concurrent update (a renewal) changed it. The single
             # fenced statement decides which, so no success is discarded by a race.
-            if self._fenced_alone(attempt, q.complete_job(), new_result=result, new_progress=progress):
+            if self._fenced_alone(attempt, tr.SUCCEED, {"new_result": result, "new_progress": progress}):
                 continue
             log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
 
-    def _fenced_alone(self, attempt: Attempt, stmt, **params: Any) -> bool:
-        """One fenced outcome in its own durable transaction; False when the lease is lost."""
+    def _fenced_alone(self, attempt: Attempt, t: Transition, params: dict[str, Any]) -> bool:
+        """One outcome as its own transition; False when the lease is lost."""
         try:
-            self._store.transaction(self._store.durable, lambda conn: attempt.fenced(self._store, conn, stmt, **params))
+            self._pipeline.execute(t, params, attempt=attempt)
             return True
         except LeaseLost:
             return False
@@ -242,7 +298,7 @@ class Completer:
         """The database refused this success's values: the job ends failed (fenced),
         never stuck running nor silently dropped."""
         try:
-            if not self._fenced_alone(attempt, q.fail_job(), new_error=UNSTORABLE_RESULT):
+            if not self._fenced_alone(attempt, tr.FAIL, {"new_error": UNSTORABLE_RESULT}):
                 log.warning("celery-lease: job %s: lease lost; refused success discarded", attempt.job_id)
             else:
                 log.error("celery-lease: job %s: %s", attempt.job_id, UNSTORABLE_RESULT)

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Retry
 
-from celery_lease.db import queries as q
 from celery_lease.errors import (
     DatabaseUnavailable,
     Failure,
@@ -27,14 +26,17 @@ from celery_lease.errors import (
     LeaseError,
     LeaseLost,
 )
+from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import UnstorableValue, cap_error
-from celery_lease.status import Event, Status
+from celery_lease.status import Status
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import Attempt, owner_of
-from celery_lease.worker.completion import Completer
+from celery_lease.worker.completion import Completer, completer_for
 from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
-from celery_lease.worker.outcome import INTERNAL_ERROR, TIMED_OUT, Outcome, backoff
+from celery_lease.worker.outcome import INTERNAL_ERROR, Outcome, backoff
+from celery_lease.worker.record import Recorder
+from celery_lease.worker.timeouts import Timeouts
 
 if TYPE_CHECKING:
     from celery_lease.canvas import Canvas
@@ -76,9 +78,14 @@ class WorkerState:
         self.producer = producer
         self.registry = registry
         self.settings = settings
-        self.heartbeat = Heartbeat(store, broker_url, notice_channel, on_timeout=self._time_out)
-        #: Batches plain successes on PostgreSQL, where each statement is a round trip.
-        self.completer = Completer(store, on_written=self._release) if store.dialect == "postgresql" else None
+        #: Every end of an attempt, as a named transition (worker/record.py).
+        self.pipeline = Pipeline(store, producer, canvas=canvas, flow=flow, eager=eager)
+        self.record = Recorder(store, producer, registry, self.pipeline, canvas=canvas, flow=flow, eager=eager)
+        self.timeouts = Timeouts(self.record.time_out)
+        self.heartbeat = Heartbeat(store, broker_url, notice_channel, on_timeout=self.timeouts.submit)
+        #: Plain successes: batched on PostgreSQL, where each statement is a round trip;
+        #: written at once on SQLite.
+        self.completer: Completer = completer_for(store, self.pipeline, on_written=self._release)
         #: What a claim whose reply was lost needs to know before it adopts a job found
         #: running under this process (Store.claim): claims in progress here per job,
         #: and the attempts that live here until their outcome is written.
@@ -117,7 +124,7 @@ class WorkerState:
             return self._may_adopt(job_id, generation)
 
         # This process's waiting successes ride on the claim (Completer.take).
-        riding = self.completer.take() if self.completer is not None else None
+        riding = self.completer.take()
         try:
             if self.flow is not None:
                 row = self.flow.claim(job_id, spec, owner, queue, may_adopt=may_adopt, successes=riding)
@@ -132,7 +139,7 @@ class WorkerState:
                 if not self._claiming[job_id]:
                     del self._claiming[job_id]
             if riding is not None:
-                self.completer.settle(riding)  # type: ignore[union-attr]  # riding comes from it
+                self.completer.settle(riding)
         if row is None or row.get("status") == _CANCELLED:
             if row is None:
                 log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
@@ -149,14 +156,13 @@ class WorkerState:
     def end(self, attempt: Attempt | None) -> None:
         if attempt is not None:
             self.heartbeat.remove(attempt)
-            if self.flow is not None:  # its outcome is written: a held job may take its slot
-                self.flow.release([{"kind": attempt.kind, "concurrency_key": attempt.concurrency_key}])
+            # (Its slot, if its kind is limited, was freed by the transition that moved
+            # it out of running, once: its outcome's, or the cancel's or reap's.)
             if not attempt.pending_write:  # else the completer releases it once written
                 self._release(attempt)
 
     def flush(self) -> None:
-        if self.completer is not None:
-            self.completer.flush()
+        self.completer.flush()
 
     # --- the body --------------------------------------------------------------------
 
@@ -213,9 +219,9 @@ class WorkerState:
         try:
             if status is Outcome.SUCCEEDED:
                 try:
-                    stored = self._succeed(ctx, attempt, value)
+                    self.record.succeed(ctx, attempt, value, self.completer)
                     attempt.outcome = Outcome.SUCCEEDED
-                    return stored
+                    return value
                 except (LeaseLost, DatabaseUnavailable):
                     raise
                 except Exception:
@@ -231,18 +237,18 @@ class WorkerState:
                     status = Outcome.ERROR
             attempt.outcome = status
             if status is Outcome.SUSPENDED:
-                self._hand_off(attempt)
+                self.record.hand_off(attempt)
             elif status is Outcome.SNOOZED:
-                self._snooze(attempt, value)  # type: ignore[arg-type]  # the snooze's seconds
+                self.record.snooze(attempt, value)  # type: ignore[arg-type]  # the snooze's seconds
             elif status is Outcome.CANCELLED:
                 log.info("celery-lease: job %s: stopped after cancel or lease loss", attempt.job_id)
             elif status is Outcome.ERROR and attempt.attempt < attempt.max_attempts:
                 delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
-                self._retry(attempt, delay)
+                self.record.retry(attempt, delay)
                 signal = Retry(f"attempt {attempt.attempt} of {attempt.max_attempts} failed; retrying in {delay:.1f}s")
             else:
                 error = str(value) if status is Outcome.FAILED else INTERNAL_ERROR
-                self._fail(attempt, error)
+                self.record.fail(attempt, error)
                 # A Failure is an outcome the handler chose: Celery logs it without a traceback.
                 signal = JobRefused(error) if status is Outcome.FAILED else JobFailed(error)
         except LeaseLost:
@@ -252,148 +258,3 @@ class WorkerState:
         if signal is not None:
             raise signal
         return None
-
-    def _succeed(self, ctx: JobContext, attempt: Attempt, result: Any) -> Any:
-        staged = ctx.staged
-        if attempt.is_lost:  # by its own clock too: write nothing more
-            raise LeaseLost()
-        followup = self.canvas.after_success(attempt, result, eager=self.eager) if self.canvas and attempt.canvas else None
-        # (Not batched for a limited kind: its slot is freed once the success is written.)
-        limited = self.flow is not None and self.flow.holds_slot(attempt.kind)
-        if self.completer is not None and not (staged.effects or staged.children or attempt.run_id or followup or limited):
-            attempt.pending_write = True
-            self.completer.add(attempt, result, ctx.pending_progress)
-            return result
-        children_rows = [self.producer.job_row(child, payload, options) for child, payload, options in staged.children]
-
-        def work(conn):
-            # The fenced update goes first: on PostgreSQL it locks the row, so a cancel
-            # or reap waits for this transaction, and if the lease is already lost
-            # nothing below runs and the whole transaction rolls back.
-            attempt.fenced(self.store, conn, q.complete_job(), new_result=result, new_progress=ctx.pending_progress)
-            for fn in staged.effects:
-                fn(conn)
-            # A child placed in another run than this job's must respect that run as a
-            # submit would: the run is created if new, and a cancelled one takes no job.
-            # (This job's own run cannot be cancelled here: cancel_run would have
-            # revoked this lease and the fenced update above would have failed.)
-            refused = {
-                run
-                for run in {r["run_id"] for r in children_rows} - {attempt.run_id, None}
-                if not self.store.ensure_run(run, connection=conn)
-            }
-            for row in [r for r in children_rows if r["run_id"] in refused]:
-                log.warning(
-                    "celery-lease: job %s: child %s not created: run %s is cancelled", attempt.job_id, row["kind"], row["run_id"]
-                )
-            rows = [r for r in children_rows if r["run_id"] not in refused]
-            # keyed: a child submitted with an idempotency key that already exists is that
-            # job, as with submit; only the children actually inserted are returned.
-            children = self.store.insert_jobs(rows, keyed=True, connection=conn) if rows else []
-            if followup is not None:  # the next chain step, callbacks, a chord's body
-                children += followup.write(conn)
-            self.store.log_events(
-                conn, [(attempt, Event.SUCCEEDED, None)] + [(c, Event.DISPATCHED, f"child of {attempt.job_id}") for c in children]
-            )
-            return children
-
-        alone = not (staged.effects or children_rows or attempt.run_id or followup)  # SQLite: nothing to batch
-        retried: list[bool] = []
-
-        def note_retry() -> None:
-            retried.append(True)
-
-        try:
-            # Durable: once this commits, wait() and the API may report the success.
-            children = attempt.ride_out(
-                lambda: self.store.transaction(self.store.engine(single=alone), work, on_retry=note_retry), note_retry
-            )
-        except LeaseLost:
-            # Retried after a dropped connection: the first try may have committed
-            # before its reply was lost (its children are then woken by the sweeper).
-            if retried and self.store.landed_successes([attempt.key]):
-                log.warning("celery-lease: job %s: success had landed before the reply was lost", attempt.job_id)
-                return result
-            raise
-        self.producer.publish_wakeups(children)
-        if followup is not None:
-            followup.send()
-        return result
-
-    def _time_out(self, attempt: Attempt) -> None:
-        """The heartbeat found ``attempt`` past its kind's timeout: record a retry (or,
-        with no attempt left, a failure) now; the heartbeat then marks it lost, so the
-        handler stops at its next check and nothing it writes afterwards lands."""
-        spec = self.registry.resolve(attempt.kind)
-        log.warning(
-            "celery-lease: job %s (%s) attempt %d timed out after %ss; stopping it",
-            attempt.job_id,
-            spec.kind,
-            attempt.attempt,
-            spec.timeout,
-        )
-        try:
-            if attempt.attempt < attempt.max_attempts:
-                delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
-                self._retry(attempt, delay, why="timed out")
-            else:
-                self._fail(attempt, TIMED_OUT)
-        except LeaseLost:
-            log.info("celery-lease: job %s: lease already lost at its timeout", attempt.job_id)
-
-    def _fail(self, attempt: Attempt, error: str) -> None:
-        followup = self.canvas.after_failure(attempt, error, eager=self.eager) if self.canvas and attempt.canvas else None
-
-        def work(conn):
-            attempt.fenced(self.store, conn, q.fail_job(), new_error=error)
-            created = followup.write(conn) if followup is not None else []  # link_error jobs
-            self.store.log_events(
-                conn, [(attempt, Event.FAILED, error)] + [(c, Event.DISPATCHED, f"errback of {attempt.job_id}") for c in created]
-            )
-            return created
-
-        created = attempt.ride_out(lambda: self.store.transaction(self.store.durable, work))
-        if followup is not None:
-            self.producer.publish_wakeups(created)
-            followup.send()
-
-    def _retry(self, attempt: Attempt, delay: float, why: str | None = None) -> None:
-        def work(conn):
-            attempt.fenced(self.store, conn, q.retry_job(), delay=delay)
-            detail = f"in {delay:.1f}s" if why is None else f"{why}; in {delay:.1f}s"
-            self.store.log_events(conn, [(attempt, Event.RETRIED, detail)])
-
-        attempt.ride_out(lambda: self.store.transaction(self.store.durable, work))
-
-    def _hand_off(self, attempt: Attempt) -> None:
-        """Warm shutdown: back to pending at once, attempt not spent, wakeup sent."""
-
-        def work(conn):
-            if attempt.is_lost:
-                raise LeaseLost()
-            row = conn.execute(q.hand_off_job(), attempt.fence).mappings().first()
-            if row is None:
-                attempt.mark_lost()
-                raise LeaseLost()
-            self.store.log_events(conn, [(attempt, Event.REQUEUED, "shutdown handoff")])
-            return dict(row)
-
-        row = attempt.ride_out(lambda: self.store.transaction(self.store.durable, work))
-        log.info("celery-lease: job %s: handed off on shutdown", attempt.job_id)
-        self.producer.publish_wakeups([row])
-
-    def _snooze(self, attempt: Attempt, seconds: float) -> None:
-        """ctx.snooze(): back to pending, due in ``seconds``, attempt not spent."""
-
-        def work(conn):
-            row = conn.execute(q.snooze_job(), {**attempt.fence, "delay": seconds}).mappings().first()
-            if row is None:
-                attempt.mark_lost()
-                raise LeaseLost()
-            self.store.log_events(conn, [(attempt, Event.REQUEUED, f"snoozed for {seconds:g}s")])
-            return dict(row)
-
-        row = self.store.transaction(self.store.fast, work)
-        log.info("celery-lease: job %s: snoozed for %gs", attempt.job_id, seconds)
-        if seconds <= 0:
-            self.producer.publish_wakeups([row])

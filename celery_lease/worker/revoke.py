@@ -1,46 +1,125 @@
 """Celery's revoke, on a leased job, is a durable cancel of the job.
 
 Celery's worker keeps revoked task ids in memory only: a revoked leased job would stay
-``pending`` in its row, and every later wakeup would be discarded, forever. So:
+``pending`` in its row, and every later wakeup would be discarded, forever. So the
+worker's ``revoke`` control command (``celery control revoke ID``,
+``app.control.revoke``, ``AsyncResult.revoke``) also cancels the jobs it names in their
+rows (the ``revoke`` transition: errbacks, slot release and cancel notices as for
+``leases.cancel``), then does what Celery does (with ``terminate=True``, kill the process
+running it). A pending job is cancelled at once; a running one's handler learns at its
+next heartbeat (sooner through the cancel notice) and its later writes are discarded.
 
-* the worker's ``revoke`` control command (``celery control revoke ID``,
-  ``app.control.revoke``, ``AsyncResult.revoke``) first cancels the job in its row, then
-  does what Celery does (with ``terminate=True``, kill the process running it). A pending
-  job is cancelled at once; a running one's handler learns at its next heartbeat (sooner
-  through the cancel notice) and its later writes are discarded;
-* ``task_revoked`` (a revoked wakeup discarded, a terminated task) cancels the job too,
-  which covers revokes a worker kept from before (``--statedb``).
+Only a revoke by id cancels, and only a job whose task is one of this app's leased
+tasks. Celery's ``task_revoked`` signal cancels nothing: Celery also sends it when it
+discards an *expired* message, and a message's ``expires`` is whatever its sender wrote
+(``send_task(<leased task>, task_id=<any job>, expires=...)``, or
+``task_annotations = {"*": {"expires": 30}}`` with a backlog), so acting on it would let
+any message cancel any job. Celery also adds an expired message's id to the worker's
+in-memory revoked ids, which would discard every later wakeup of that job on this
+worker: for a leased task's message, that id is taken out again (unless a revoke
+command named it), so the job's next wakeup (the sweeper's) runs it.
 
-Cancelling a job that is already terminal, or an id that is no job, changes nothing. A
-revoke broadcast while no worker runs reaches nobody, as in Celery: ``leases.cancel(id)``
-or ``LeaseResult.revoke()`` cancel in the database directly.
+The control command runs on the worker's consumer, which also answers ``ping`` and
+receives every job: it only queues the ids (and Celery's own part of the command does
+not read a job row per id either: results.reads_skipped). A :class:`Revoker` thread cancels them,
+one statement for everything queued (a broadcast of thousands of ids included), with a
+lock timeout; an id that is not a job id (not a UUID) costs nothing, one that names no
+job an index probe. Cancelling a terminal job changes nothing. A revoke broadcast while
+no worker runs reaches nobody, as in Celery: ``leases.cancel(id)`` or
+``LeaseResult.revoke()`` cancel in the database directly.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 from collections.abc import Callable
 
 from celery import Celery, signals
+from celery.utils.collections import LimitedSet
 from celery.utils.functional import maybe_list
 from celery.worker import control
+from celery.worker import state as worker_state
 
+from celery_lease import results
 from celery_lease.errors import LeaseError
+from celery_lease.job import parse_job_id
 
 log = logging.getLogger("celery_lease")
 
 _MARK = "_celery_lease_revoke"
 
 
-def _cancel_each(cancel: Callable[[str], bool], task_ids) -> None:
-    for task_id in maybe_list(task_ids) or []:
-        try:
-            if cancel(str(task_id)):
-                log.info("celery-lease: job %s cancelled by revoke", task_id)
-        except ValueError:
-            pass  # not a job id: a plain task's
-        except LeaseError as exc:
-            log.warning("celery-lease: revoke of %s not recorded in the job table: %s", task_id, exc)
+class Revoker:
+    """Cancels revoked job ids on its own thread, all queued ids in one statement."""
+
+    #: Ids per statement (SQLite binds each id as one parameter).
+    BATCH = 5000
+    #: Seconds between tries while the database refuses (down, or a row lock held past
+    #: the transition's lock timeout); an id is given up after GIVE_UP seconds.
+    RETRY = 1.0
+    GIVE_UP = 120.0
+
+    def __init__(self, cancel: Callable[[list[str]], list[str]]) -> None:
+        #: cancel(ids) -> the ids cancelled.
+        self._cancel = cancel
+        #: Ids a revoke command named (as long as Celery remembers revoked ids).
+        self.named = LimitedSet(maxlen=50_000, expires=3 * 3600)
+        self._ids: dict[str, float] = {}  # id -> monotonic time first queued
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def submit(self, task_ids: object) -> None:
+        """Queue the job ids among ``task_ids``; returns at once (the consumer's thread)."""
+        ids = []
+        for task_id in maybe_list(task_ids) or []:
+            self.named.add(str(task_id))
+            try:
+                ids.append(parse_job_id(str(task_id)))
+            except ValueError:
+                pass  # not a job id: a plain task's
+        if not ids:
+            return
+        now = time.monotonic()
+        with self._cond:
+            if self._thread is None or self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._loop, name="celery-lease-revoke", daemon=True)
+                self._thread.start()
+            for job_id in ids:
+                self._ids.setdefault(job_id, now)
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._ids:
+                    self._cond.wait()
+                batch = dict(list(self._ids.items())[: self.BATCH])
+                for job_id in batch:
+                    del self._ids[job_id]
+            try:
+                done = self._cancel(list(batch))
+                if done:
+                    log.info("celery-lease: %d job(s) cancelled by revoke", len(done))
+            except LeaseError as exc:
+                now = time.monotonic()
+                kept = {i: t for i, t in batch.items() if now - t < self.GIVE_UP}
+                log.warning(
+                    "celery-lease: revoke of %d id(s) not recorded in the job table yet (%s); %d kept",
+                    len(batch),
+                    type(exc).__name__,
+                    len(kept),
+                )
+                with self._cond:
+                    for job_id, since in kept.items():
+                        self._ids.setdefault(job_id, since)
+                time.sleep(self.RETRY)
+            except Exception:
+                log.exception("celery-lease: revoke of %d id(s) not recorded in the job table", len(batch))
 
 
 def _install_control_command() -> None:
@@ -49,24 +128,29 @@ def _install_control_command() -> None:
         return
 
     def revoke(state, task_id, terminate=False, signal=None, **kwargs):
-        cancel = getattr(getattr(state, "app", None), "_celery_lease_cancel", None)
-        if cancel is not None:
-            _cancel_each(cancel, task_id)  # durable first, then Celery's (maybe kill)
-        return original(state, task_id, terminate=terminate, signal=signal, **kwargs)
+        revoker = getattr(getattr(state, "app", None), "_celery_lease_revoker", None)
+        if revoker is None:
+            return original(state, task_id, terminate=terminate, signal=signal, **kwargs)
+        revoker.submit(task_id)  # queued: the consumer never waits on the database
+        with results.reads_skipped():
+            return original(state, task_id, terminate=terminate, signal=signal, **kwargs)
 
     setattr(revoke, _MARK, True)
     revoke.__doc__ = original.__doc__
     control.Panel.data["revoke"] = revoke
 
 
-def connect(app: Celery, *, ours: Callable[[object], bool], cancel: Callable[[str], bool]) -> None:
-    """Make revokes of ``app``'s leased jobs cancel them (``cancel(job_id) -> bool``)."""
-    app._celery_lease_cancel = cancel
+def connect(app: Celery, *, ours: Callable[[object], bool], cancel_ids: Callable[[list[str]], list[str]]) -> None:
+    """Make revokes of ``app``'s leased jobs cancel them (``cancel_ids(ids) -> ids cancelled``:
+    only jobs of the app's leased tasks)."""
+    revoker = app._celery_lease_revoker = Revoker(cancel_ids)
     _install_control_command()
 
     @signals.task_revoked.connect(weak=False)
-    def on_revoked(sender=None, request=None, **_):
-        if ours(sender) and request is not None:
-            _cancel_each(cancel, [request.id])
+    def on_expired(sender=None, request=None, expired=False, **_):
+        # Never a cancel (see above): only forget the id Celery's expiry check added.
+        if expired and request is not None and ours(sender) and request.id not in revoker.named:
+            worker_state.revoked.discard(request.id)
+            log.info("celery-lease: expired wakeup of job %s discarded; the job is left as it is", request.id)
 
-    app._celery_lease_revoke_handlers = (on_revoked,)
+    app._celery_lease_revoke_handlers = (on_expired,)

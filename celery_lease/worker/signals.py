@@ -11,7 +11,7 @@
 - ``worker_shutting_down``: warm shutdown; handlers stop at their next
   ``raise_if_cancelled()`` and hand their job off.
 - ``worker_process_shutdown`` / ``worker_shutdown``: write batched successes before exit.
-- revoke control command / ``task_revoked``: cancel the job (worker/revoke.py).
+- revoke control command: cancel the jobs, off the consumer (worker/revoke.py).
 
 Celery signals are process-global, so every handler first checks that the sender
 belongs to this CeleryLease's app.
@@ -46,7 +46,7 @@ def connect(
     size_pools: Callable[[int], None],
     recover: Callable[[str], dict[str, int]],
     worker_state: Callable[[], WorkerState],
-    cancel: Callable[[str], bool],
+    cancel_ids: Callable[[list[str]], list[str]],
 ) -> None:
     """Connect the handlers for ``app``'s leased tasks (those whose ``owner`` is ``owner``)."""
 
@@ -130,6 +130,6 @@ def connect(
         worker_state().flush()
 
     app._celery_lease_signal_handlers = (check_database, recover_interrupted, claim, release, suspend, flush)
-    # `celery control revoke` / task_revoked cancel the job; -E reaches the pool processes.
-    revoke.connect(app, ours=ours, cancel=cancel)
+    # `celery control revoke` cancels the job (never a discarded or expired message).
+    revoke.connect(app, ours=ours, cancel_ids=cancel_ids)
     events.connect(app)

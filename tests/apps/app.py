@@ -31,9 +31,9 @@ leases = CeleryLease(app, os.environ.get("CL_TEST_DB"))
 
 if os.environ.get("CL_TEST_COMPLETION_LINGER"):
     # Hold plain successes in the completer's batch this long (tests of its flush).
-    from celery_lease.worker.completion import Completer
+    from celery_lease.worker.completion import BatchCompleter
 
-    Completer.LINGER = float(os.environ["CL_TEST_COMPLETION_LINGER"])
+    BatchCompleter.LINGER = float(os.environ["CL_TEST_COMPLETION_LINGER"])
 
 # The handler's own rows: written through ctx.effect, in the success transaction.
 test_metadata = sa.MetaData()

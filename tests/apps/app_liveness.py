@@ -133,3 +133,40 @@ def chaos_long(ctx: JobContext, payload: dict) -> dict:
     from tests.apps.app_faults import chaos as short
 
     return short.spec.fn(ctx, payload)
+
+
+@leases.job(kind="slow_timeout", max_attempts=2, lease_seconds=30, timeout=1)
+def slow_timeout(ctx: JobContext, payload: dict) -> dict:
+    """Returns at once; its success transaction then holds the job's row lock for
+    payload["sleep"] seconds (a slow effect), past the kind's 1 s timeout."""
+    attempt = ctx.attempt
+
+    def slow(conn):
+        time.sleep(payload.get("sleep", 4))
+        conn.execute(effects.insert().values(job_id=ctx.job_id, attempt=attempt, note="slow_timeout"))
+
+    ctx.effect(slow)
+    return {"attempt": attempt}
+
+
+@leases.job(kind="hung_limited", max_attempts=2, lease_seconds=30, timeout=1, concurrency=1, retry_backoff=0.1)
+def hung_limited(ctx: JobContext, payload: dict) -> dict:
+    """One at a time; attempt 1 sleeps payload["hang"] seconds (not cooperating) past its
+    1 s timeout, then marks that it woke."""
+    _marker(payload, f"hl-{ctx.job_id}-{ctx.attempt}")
+    if ctx.attempt == 1 and payload.get("hang"):
+        time.sleep(payload["hang"])
+        _marker(payload, f"hl-late-{ctx.job_id}")
+    return {"attempt": ctx.attempt}
+
+
+@leases.job(kind="snooze_gate", max_attempts=1, lease_seconds=30)
+def snooze_gate(ctx: JobContext, payload: dict) -> dict:
+    """Attempt 1 waits for payload["gate"], then snoozes 0.5 s once (a marker file says
+    it did); the next run returns."""
+    snoozed = os.path.join(payload["marker_dir"], f"snoozed-{ctx.job_id}")
+    if not os.path.exists(snoozed):
+        _gate(payload, ctx)
+        open(snoozed, "w").close()
+        ctx.snooze(0.5)
+    return {"attempt": ctx.attempt}

@@ -40,3 +40,56 @@ def test_logs_say_what_matters_and_nothing_more(pg, broker, client_app, workers,
     assert "Traceback" not in log.split(refused.id, 1)[1].split("\n[", 1)[0]
     # Maintenance ticks are DEBUG: nothing about them at INFO.
     assert "maintenance tick" not in log and "swept" not in log
+
+
+def test_an_apps_own_result_backend_answers_for_leased_jobs(pg, broker, client_app, workers):
+    """A shop keeps Redis as its result backend: plain tasks store there, leased jobs in
+    their rows, and Celery's generic result API reads both."""
+    from celery import group
+    from celery.result import AsyncResult
+
+    own = {"result_backend": broker.rsplit("/", 1)[0] + "/1"}
+    mod = client_app(pg, broker, module="tests.apps.app_native", conf=own)
+    workers(pg, broker, module="tests.apps.app_native", conf=own)
+    job = mod.inc.submit({"n": 1})
+    assert mod.app.AsyncResult(job.id).get(timeout=30) == {"n": 2}
+    assert AsyncResult(job.id, app=mod.app).state == "SUCCESS"
+    assert mod.app.AsyncResult(job.id).result == {"n": 2}
+    # Plain members are joined natively through Redis, the leased one through its row.
+    members = group(mod.plain_add.s(1, 2), mod.plain_add.s(3, 4), mod.inc.s({"n": 10}))
+    result = members.apply_async()
+    assert result.get(timeout=30) == [3, 7, {"n": 11}]
+    assert result.join_native(timeout=5) == [3, 7, {"n": 11}]
+    assert mod.app.AsyncResult(str(uuid.uuid4())).state == "PENDING"  # an unknown id stays PENDING
+
+
+def test_a_pool_process_killed_mid_job_releases_its_lease_at_once(pg, broker, client_app, workers, marker_dir):
+    """The OOM killer takes a prefork child: Celery reports WorkerLostError at once, and the
+    job is requeued (then, on its last attempt, expired) at once, not after its 60 s lease.
+    No beat runs: nothing else could reap it in time."""
+    import os
+    import signal
+    import time
+
+    long_lease = {"CL_TEST_LEASE": "60"}
+    mod = client_app(pg, broker, extra_env=long_lease)
+    worker = workers(pg, broker, extra_env=long_lease, concurrency=2)
+    job = mod.sleepy.submit({"sleep": 600, "marker_dir": str(marker_dir)})
+
+    def kill_attempt(n: int) -> float:
+        marker = marker_dir / f"sleepy-{job.id}-{n}"
+        wait_for(marker.exists, timeout=30, what=f"attempt {n} to start")
+        running = wait_for(lambda: (j := mod.leases.get(job.id)).status is Status.RUNNING and j.attempt == n and j, timeout=30)
+        pid = int(running.lease_owner.split("/")[1])
+        assert pid in worker.children() and pid == int(marker.read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        return time.monotonic()
+
+    killed = kill_attempt(1)
+    second = wait_for(lambda: marker_dir.joinpath(f"sleepy-{job.id}-2").exists(), timeout=20, what="attempt 2 to start")
+    assert second and time.monotonic() - killed < 20  # far less than the 60 s lease
+    assert mod.leases.get(job.id).lease_losses == 1
+    killed = kill_attempt(2)
+    ended = wait_for(lambda: (j := mod.leases.get(job.id)).terminal and j, timeout=20, what="the last attempt to expire")
+    assert ended.status is Status.EXPIRED and ended.error == "lease expired" and ended.lease_losses == 2
+    assert "its worker process" in worker.log() and "lease released" in worker.log()

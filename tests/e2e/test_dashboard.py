@@ -4,6 +4,7 @@ subprocess on a free port against the test database, headless chromium in front
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 
@@ -17,6 +18,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from celery_lease.db.schema import jobs, pauses
 from tests.e2e.browser import chrome
+from tests.harness.services import wait_for
 from tests.integration.test_api import Server
 
 ADMIN = "dash-admin-5e1f"
@@ -165,6 +167,18 @@ def test_a_tenant_token_sees_only_its_tenant(browser, server, pg, make_job):
         assert browser.find_element(By.TAG_NAME, "h1").text == "no such job"
     browser.get(f"{server.url}/dashboard/jobs/{mine}")
     assert browser.find_element(By.ID, "job-status").text == "pending"
+    # Kinds and the broker are shared by every tenant: a tenant's token steers neither.
+    browser.get(server.url + "/dashboard/kinds")
+    assert not browser.find_elements(By.CLASS_NAME, "kind-action")
+    with _session(server, ACME) as http:
+        token = _csrf(http)
+        assert http.post("/dashboard/kinds/echo/pause", data={"csrf": token}).status_code == 403
+        assert http.post("/dashboard/reconcile/sweep", data={"csrf": token}).status_code == 403
+        assert http.post(f"/dashboard/jobs/{other}/cancel", data={"csrf": token}).status_code == 404
+        assert http.get("/dashboard/bulk?action=cancel&tenant=globex").text.count('data-count="1"') == 1  # its own job only
+    assert _row(pg, other)["status"] == "pending"
+    with sa.create_engine(pg).connect() as conn:
+        assert conn.execute(sa.select(pauses.c.kind)).scalars().all() == []
 
 
 def test_nothing_is_served_without_signing_in(server, pg, make_job):
@@ -183,3 +197,190 @@ def test_nothing_is_served_without_signing_in(server, pg, make_job):
         assert http.get("/dashboard/jobs").status_code == 303
         assert http.post("/dashboard/login", data={"token": "not-a-token"}).status_code == 401
     assert _status(pg, job) == "pending"
+
+
+# --- through HTTP with a signed-in session: what real workers leave, and the actions --------
+
+
+@contextlib.contextmanager
+def _session(server, token: str = ADMIN):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        assert client.post("/dashboard/login", data={"token": token}).status_code == 303
+        yield client
+
+
+def _csrf(client: httpx.Client) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', client.get("/dashboard/jobs").text).group(1)
+
+
+def _row(db: str, job_id: str) -> dict | None:
+    with sa.create_engine(db).connect() as conn:
+        row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().first()
+        return None if row is None else dict(row)
+
+
+def _queued(broker: str, queue: str = "celery") -> list[str]:
+    """The job ids of the wakeups waiting in a Redis queue."""
+    import json
+
+    import redis
+
+    client = redis.Redis.from_url(broker)
+    try:
+        return [json.loads(m)["headers"]["id"] for m in client.lrange(queue, 0, -1)]
+    finally:
+        client.close()
+
+
+def test_a_job_run_by_a_worker_shows_its_attempts_and_live_figures(server, pg, broker, client_app, workers):
+    mod = client_app(pg, broker)
+    run = str(uuid.uuid4())
+    job = mod.flaky.submit({"ok_at": 2}, run_id=run)  # attempt 1 raises (retried), attempt 2 succeeds
+    workers(pg, broker, name="dash")
+
+    def finished() -> bool:
+        mod.leases.sweep()  # what beat does: wakes the retry when its backoff is over
+        return mod.leases.get(job.id).terminal
+
+    wait_for(finished, timeout=60, interval=0.3, what="the flaky job to finish")
+    assert mod.leases.get(job.id).status.value == "succeeded"
+    with _session(server) as http:
+        page = http.get(f"/dashboard/jobs/{job.id}").text
+        attempts = re.search(r'<table id="attempts">(.*?)</table>', page, re.S).group(1)
+        rows = re.findall(r'data-outcome="(\w+)"><td>(\d+)</td><td class="mono worker">([^<]*)</td>', attempts)
+        assert [(n, outcome) for outcome, n, _ in rows] == [("1", "retried"), ("2", "succeeded")]
+        assert all(worker.startswith("dash@testhost/") for _, _, worker in rows)
+        assert "hunter2" not in page  # the exception's text never reaches the table, nor the page
+        assert page.count('<tr class="this">') >= 4  # dispatched, claimed, retried, claimed, succeeded
+        live = http.get("/dashboard/live.json").json()
+        (flaky,) = [k for k in live["kinds"] if k["kind"] == "flaky"]
+        assert sum(flaky["submitted"]) == 1 and sum(flaky["succeeded"]) == 1 and sum(flaky["failed"]) == 0
+        assert flaky["run_p50"] is not None and flaky["wait_p50"] >= 0
+        counts = re.search(r'<table id="counts">(.*?)</table>', http.get("/dashboard/jobs").text, re.S).group(1)
+        assert re.search(r"flaky</a></td>.*?s-succeeded\"><a [^>]*>1</a>", counts, re.S)
+
+
+def test_retry_makes_a_new_job_and_delete_removes_a_finished_one(server, pg, broker, make_job):
+    run = str(uuid.uuid4())
+    failed = make_job(
+        pg, status="failed", attempt=3, error="boom", payload={"table": "t1"}, run_id=run, finished_at=sa.func.now()
+    )
+    pending = make_job(pg, status="pending")
+    with _session(server) as http:
+        token = _csrf(http)
+        r = http.post(f"/dashboard/jobs/{failed}/retry", data={"csrf": token})
+        assert r.status_code == 303
+        new = r.headers["location"].rsplit("/", 1)[1]
+        assert new != failed
+        row = _row(pg, new)
+        assert (row["status"], row["attempt"], row["parent_id"], row["run_id"]) == ("pending", 0, failed, run)
+        assert (row["payload"], row["kind"], row["max_attempts"]) == ({"table": "t1"}, "echo", 3)
+        assert _row(pg, failed)["status"] == "failed"  # a finished job never changes
+        assert new in _queued(broker)  # woken at once
+        assert "retry of" in http.get(f"/dashboard/jobs/{new}").text  # its dispatched event
+        # Only a failed, expired or cancelled job is retried.
+        assert http.post(f"/dashboard/jobs/{pending}/retry", data={"csrf": token}).status_code == 409
+        # Delete: a finished job and its events; a pending one must be cancelled first.
+        assert http.post(f"/dashboard/jobs/{failed}/delete", data={"csrf": token}).status_code == 303
+        assert _row(pg, failed) is None
+        with sa.create_engine(pg).connect() as conn:
+            assert (
+                conn.execute(sa.text("SELECT count(*) FROM celery_lease_events WHERE job_id = :j"), {"j": failed}).scalar() == 0
+            )
+        assert http.post(f"/dashboard/jobs/{pending}/delete", data={"csrf": token}).status_code == 409
+        assert _row(pg, pending)["status"] == "pending"
+        # Without the session's CSRF token (or with another session's), nothing happens.
+        with _session(server) as other:
+            stolen = _csrf(other)
+        for data in ({"other": "1"}, {"csrf": ""}, {"csrf": stolen}):
+            assert http.post(f"/dashboard/jobs/{pending}/cancel", data=data).status_code == 403
+        assert _row(pg, pending)["status"] == "pending"
+
+
+def test_bulk_cancel_confirms_the_count_then_cancels_what_the_filter_matches(server, pg, make_job):
+    echo = [make_job(pg, kind="echo") for _ in range(3)]
+    steps = [make_job(pg, kind="steps", task="tests.apps.app.steps") for _ in range(2)]
+    done = make_job(pg, kind="echo", status="succeeded", finished_at=sa.func.now())
+    with _session(server) as http:
+        confirm = http.get("/dashboard/bulk?action=cancel&kind=echo").text
+        assert 'data-count="3"' in confirm
+        assert all(_row(pg, j)["status"] == "pending" for j in echo)  # confirming changes nothing
+        token = _csrf(http)
+        r = http.post("/dashboard/bulk", data={"csrf": token, "action": "cancel", "kind": "echo"})
+        assert 'data-done="3"' in r.text
+    assert [_row(pg, j)["status"] for j in echo] == ["cancelled"] * 3
+    assert [_row(pg, j)["status"] for j in steps] == ["pending"] * 2
+    assert _row(pg, done)["status"] == "succeeded"
+
+
+def test_reconciliation_shows_the_broker_beside_the_table_and_resends_wakeups(server, pg, broker, client_app, make_job):
+    mod = client_app(pg, broker)
+    waiting = mod.echo.submit({})
+    gone = mod.echo.submit({})
+    mod.leases.cancel(gone.id)  # its wakeup stays in Redis: it wakes a finished job
+    assert set(_queued(broker)) == {waiting.id, gone.id}
+    lost = make_job(pg, kind="echo", woken_at=None)  # committed, but its wakeup never sent
+    with _session(server) as http:
+        page = http.get("/dashboard/reconcile").text
+        queue = re.search(r"<tr><td>celery</td>(.*?)</tr>", page, re.S).group(1)
+        cells = re.findall(r'<td class="num">([^<]*)</td>', queue)
+        assert cells == ["2", "0", "2", "1 of 2"]  # pending rows, held rows, in Redis, waking a finished job
+        stale = re.search(r'<table id="stale">(.*?)</table>', page, re.S).group(1)
+        assert lost[:8] in stale and waiting.id[:8] not in stale
+        r = http.post("/dashboard/reconcile/sweep", data={"csrf": _csrf(http)})
+        assert r.status_code == 303 and "sent=" in r.headers["location"]
+    assert lost in _queued(broker)
+    assert _row(pg, lost)["woken_at"] is not None
+
+
+def test_the_live_page_updates_without_a_reload(browser, server, pg, make_job):
+    make_job(pg, kind="echo", status="succeeded", attempt=1, started_at=sa.func.now(), finished_at=sa.func.now())
+    sign_in(browser, server, ADMIN)
+    browser.get(server.url + "/dashboard/live")
+    row = "#live tr[data-kind='echo']"
+    _wait(browser, ec.presence_of_element_located((By.CSS_SELECTOR, row)))
+    cells = browser.find_elements(By.CSS_SELECTOR, f"{row} td")
+    assert cells[2].text.endswith(" 1")  # succeeded in the window
+    browser.execute_script("window.notReloaded = true")
+    make_job(pg, kind="echo", status="succeeded", attempt=1, started_at=sa.func.now(), finished_at=sa.func.now())
+    # The script polls live.json every 5 s and redraws the table in place.
+    _wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, f"{row} td")[2].text.endswith(" 2"), timeout=15)
+    assert browser.execute_script("return window.notReloaded") is True
+
+
+def test_the_workers_page_shows_leases_about_to_lapse(server, pg, make_job):
+    def lease(owner: str, seconds_left: int) -> str:
+        expires = sa.func.now() + sa.text(f"interval '{seconds_left} seconds'")
+        return make_job(
+            pg,
+            status="running",
+            attempt=1,
+            lease_owner=owner,
+            lease_seconds=30,
+            lease_expires_at=expires,
+            started_at=sa.func.now(),
+        )
+
+    fresh, lapsing, lapsed = lease("w1@h/10/b", 28), lease("w1@h/10/b", 5), lease("w2@h/20/b", -3)
+    with _session(server) as http:
+        page = http.get("/dashboard/workers").text
+    owners = re.search(r'<table id="owners">(.*?)</table>', page, re.S).group(1)
+    assert re.search(r"<td>w1@h</td><td>10</td>.*?<td class=\"num\">2</td>", owners, re.S)
+    assert re.search(r"<td>w2@h</td><td>20</td>.*?<td class=\"num\">1</td>", owners, re.S)
+    found = re.findall(r'<tr class="lease-(\w+)"><td class="id"><a href="/dashboard/jobs/([0-9a-f-]+)"', page)
+    # Soonest to lapse first.
+    assert [(job, state) for state, job in found] == [(lapsed, "lapsed"), (lapsing, "lapsing"), (fresh, "ok")]
+
+
+def test_the_kinds_page_shows_a_rate_budget(server, pg):
+    from celery_lease.db.schema import limits
+
+    with sa.create_engine(pg).begin() as conn:
+        window = conn.execute(sa.text("SELECT floor(extract(epoch from now()) / 3600)::bigint")).scalar_one()
+        row = {"kind": "echo", "rate": 20, "per_seconds": 3600, "rate_claims": 7, "updated_at": sa.func.now()}
+        conn.execute(limits.insert().values(**row, rate_window=window))
+        conn.execute(limits.insert().values(**{**row, "kind": "steps"}, rate_window=window - 1))  # an older window
+    with _session(server) as http:
+        page = http.get("/dashboard/kinds").text
+    budgets = dict(re.findall(r'<tr data-kind="(\w+)">.*?rate-budget">([^<]*)<', page, re.S))
+    assert budgets == {"echo": "7 of 20 used this window", "steps": "0 of 20 used this window"}

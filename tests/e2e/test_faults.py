@@ -20,8 +20,9 @@ import sqlalchemy as sa
 
 from celery_lease import Status
 from celery_lease.db.schema import events, jobs
+from celery_lease.lifecycle import transition as tr
 from tests.apps.app import effects
-from tests.conftest import wait_for
+from tests.conftest import local_pipeline, wait_for
 
 SHORT = {"CL_TEST_LEASE": "3"}  # heartbeats every second
 MEDIUM = {"CL_TEST_LEASE": "6"}  # heartbeats every two seconds
@@ -273,9 +274,12 @@ def _cancel_waiter(pg, broker, client_app, workers, marker_dir, lease, cancel, p
 
 
 def test_cancel_is_noticed_by_the_heartbeat_alone(pg, broker, client_app, workers, marker_dir):
-    # The handler writes nothing, and the store's cancel sends no notice on Redis:
-    # only the heartbeat (every second with a 3 s lease) can tell it.
-    _cancel_waiter(pg, broker, client_app, workers, marker_dir, SHORT, lambda mod, job_id: mod.leases.store.cancel(job_id=job_id))
+    # The handler writes nothing, and a pipeline with no notifier sends no notice on
+    # Redis: only the heartbeat (every second with a 3 s lease) can tell it.
+    def cancel(mod, job_id):
+        local_pipeline(mod.leases.store).execute(tr.CANCEL, build={"job_id": job_id})
+
+    _cancel_waiter(pg, broker, client_app, workers, marker_dir, SHORT, cancel)
 
 
 def test_cancel_notice_reaches_the_worker_before_its_next_heartbeat(pg, broker, client_app, workers, marker_dir):

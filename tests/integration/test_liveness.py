@@ -16,7 +16,8 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
-from tests.conftest import ROOT, SUMMARY_LINES, _env
+from celery_lease.lifecycle import transition as tr
+from tests.conftest import ROOT, SUMMARY_LINES, _env, local_pipeline
 from tests.harness import faketime
 from tests.harness.services import wait_for
 
@@ -118,9 +119,10 @@ def test_mass_backlog_is_worked_off_in_bounded_statements_at_linear_cost(pg, cli
 
     mod = client_app(pg, "memory://")
     store = mod.leases.store
+    lifecycle = local_pipeline(store)
     _insert_mass(db, kind)
     statement = {
-        "reap": lambda: len(store.reap(BATCH)),
+        "reap": lambda: len(lifecycle.execute(tr.REAP, {"limit": BATCH})),
         "sweep": lambda: len(store.claim_due_wakeups(30, BATCH)),
         "prune": lambda: store.prune(7 * 86400, BATCH),
     }[kind]

@@ -11,8 +11,8 @@ import sqlalchemy as sa
 from celery_lease.db.schema import jobs
 from celery_lease.db.store import Store
 from celery_lease.worker.attempt import Attempt
-from celery_lease.worker.completion import UNSTORABLE_RESULT, Completer
-from tests.conftest import attempt_for
+from celery_lease.worker.completion import UNSTORABLE_RESULT, BatchCompleter
+from tests.conftest import attempt_for, local_pipeline
 
 TASK = "tests.apps.app.echo"
 
@@ -43,7 +43,7 @@ def test_a_claim_writes_the_waiting_successes_each_fenced(pg, make_job):
     try:
         done, stale = _running(pg, make_job), _running(pg, make_job, generation=2)
         pending = make_job(pg)
-        completer = Completer(store)
+        completer = BatchCompleter(store, local_pipeline(store))
         completer.LINGER = 60.0  # the thread never writes them: only the claim can
         completer.add(attempt_for(done), {"ok": 1}, {"step": 9})
         completer.add(attempt_for(stale, generation=1), {"ok": 2}, None)  # a reap took generation 2
@@ -67,7 +67,7 @@ def test_the_successes_ride_even_when_nothing_is_claimed(pg, make_job):
     try:
         done = _running(pg, make_job)
         duplicate = _running(pg, make_job)  # its delivery is a duplicate: running already
-        completer = Completer(store)
+        completer = BatchCompleter(store, local_pipeline(store))
         completer.LINGER = 60.0
         completer.add(attempt_for(done), {"ok": 1}, None)
         riding = completer.take()
@@ -87,7 +87,7 @@ def test_a_refused_success_does_not_cost_the_claim(pg, make_job):
     try:
         good, bad = _running(pg, make_job), _running(pg, make_job)
         pending = make_job(pg)
-        completer = Completer(store)
+        completer = BatchCompleter(store, local_pipeline(store))
         completer.LINGER = 60.0
         completer.add(attempt_for(good), {"note": "fine"}, None)
         completer.add(attempt_for(bad), {"note": "a\x00b"}, None)  # jsonb refuses NUL
@@ -116,7 +116,7 @@ def test_a_success_whose_lease_lapsed_by_its_own_clock_does_not_ride(pg, make_jo
         attempt = attempt_for(lapsed)
         attempt.renewed_at = time.monotonic() - attempt.lease_seconds
         written: list[Attempt] = []
-        completer = Completer(store, on_written=written.append)
+        completer = BatchCompleter(store, local_pipeline(store), on_written=written.append)
         completer.LINGER = 60.0
         completer.add(attempt, {"ok": 1}, None)
         assert completer.take() is None

@@ -30,6 +30,14 @@ def _sqlite_time(delta: float) -> datetime:
 
 
 @pytest.fixture
+def lifecycle(store):
+    """The transition pipeline on the unit store (wakeups kept in ``lifecycle.woken``)."""
+    from tests.conftest import local_pipeline
+
+    return local_pipeline(store)
+
+
+@pytest.fixture
 def add_job(store):
     """Insert a job in any state: add_job(status=..., expires_in=..., **columns) -> id."""
 

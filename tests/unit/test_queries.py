@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from celery_lease.db import queries as q
+from celery_lease.lifecycle import transition as tr
 from celery_lease.status import TERMINAL, Status
 from tests.conftest import attempt_for
 
@@ -79,9 +80,9 @@ def test_attempt_writes_are_fenced(store, add_job, row, stmt, params, final, sta
 
 
 @pytest.mark.parametrize("status", ALL)
-def test_cancel_revokes_active_jobs_and_leaves_terminal_ones(store, add_job, row, status):
+def test_cancel_revokes_active_jobs_and_leaves_terminal_ones(lifecycle, add_job, row, status):
     job_id = add_job(status=status, lease_generation=2)
-    cancelled = [str(r["id"]) for r in store.cancel(job_id=job_id)]
+    cancelled = [str(r["id"]) for r in lifecycle.execute(tr.CANCEL, build={"job_id": job_id})]
     if status in ("pending", "running"):
         assert cancelled == [job_id]
         r = row(job_id)
@@ -91,32 +92,32 @@ def test_cancel_revokes_active_jobs_and_leaves_terminal_ones(store, add_job, row
         assert row(job_id)["status"] == status
 
 
-def test_reap_requeues_expired_leases_and_expires_spent_ones(store, add_job, row):
+def test_reap_requeues_expired_leases_and_expires_spent_ones(lifecycle, add_job, row):
     retry = add_job(status="running", attempt=1, expires_in=-1, lease_generation=1)
     spent = add_job(status="running", attempt=3, expires_in=-1, lease_generation=1)
     live = add_job(status="running", attempt=1, expires_in=60, lease_generation=1)
     done = add_job(status="succeeded", attempt=1, expires_in=-1)
-    reaped = {r["id"]: r["status"] for r in store.reap(limit=100)}
+    reaped = {r["id"]: r["status"] for r in lifecycle.execute(tr.REAP, {"limit": 100})}
     assert reaped == {retry: "pending", spent: "expired"}
+    assert lifecycle.woken == [retry]  # the requeued job's wakeup, once
     assert row(spent)["error"] == "lease expired"
     assert row(retry)["lease_generation"] == 2 and row(retry)["lease_losses"] == 1
     assert row(live)["status"] == "running" and row(done)["status"] == "succeeded"
 
 
-def test_reap_takes_at_most_its_batch(store, add_job):
+def test_reap_takes_at_most_its_batch(lifecycle, add_job):
     for _ in range(5):
         add_job(status="running", attempt=1, expires_in=-1)
-    assert len(store.reap(limit=2)) == 2
-    assert len(store.reap(limit=10)) == 3
-    assert store.reap(limit=10) == []
+    assert [len(lifecycle.execute(tr.REAP, {"limit": n})) for n in (2, 10, 10)] == [2, 3, 0]
 
 
-def test_recover_requeues_only_this_nodes_earlier_boots(store, add_job, row):
+def test_recover_requeues_only_this_nodes_earlier_boots(lifecycle, add_job, row):
     old = add_job(status="running", attempt=1, lease_owner="w1@h/10/oldboot")
     spent = add_job(status="running", attempt=3, lease_owner="w1@h/11/oldboot")
     now = add_job(status="running", attempt=1, lease_owner="w1@h/12/thisboot")
     other = add_job(status="running", attempt=1, lease_owner="w2@h/13/oldboot")
-    rows = {r["id"]: r["status"] for r in store.recover("w1@h", "thisboot")}
+    owner = {"owner_prefix": "w1@h/", "owner_boot": "/thisboot"}
+    rows = {r["id"]: r["status"] for r in lifecycle.execute(tr.RECOVER, build=owner)}
     assert rows == {old: "pending", spent: "failed"}
     assert row(spent)["error"] == "interrupted by restart"
     assert row(now)["status"] == row(other)["status"] == "running"
@@ -162,12 +163,12 @@ def test_prune_deletes_only_old_terminal_jobs(store, add_job, row, status):
         assert row(old)["status"] == status
 
 
-def test_run_events_are_logged_with_the_transition(store, add_job):
+def test_run_events_are_logged_with_the_transition(store, lifecycle, add_job):
     run_id = "00000000-0000-4000-8000-000000000001"
     store.ensure_run(run_id)
     job_id = add_job(run_id=run_id)
     store.claim(job_id, "n/1/b", "tests.echo")
-    store.cancel(run_id=run_id)
+    lifecycle.execute(tr.CANCEL, build={"run_id": run_id}, before=lambda conn: store.mark_run_cancelled(conn, run_id))
     events = [(e["event"], e["attempt"]) for e in store.run_events(run_id)]
     assert events == [("claimed", 1), ("cancelled", 1)]
     assert store.ensure_run(run_id) is False  # a cancelled run accepts no new jobs

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from celery_lease.errors import DatabaseUnavailable
@@ -69,6 +70,12 @@ def create_dashboard(leases: CeleryLease, tokens: dict[str, Grant]) -> FastAPI:
     @app.exception_handler(DatabaseUnavailable)
     async def on_db_down(request: Request, exc: DatabaseUnavailable) -> Response:
         return error_page(request, 503, "the job database does not answer")
+
+    @app.exception_handler(sa_exc.ProgrammingError)
+    async def on_schema_mismatch(request: Request, exc: sa_exc.ProgrammingError) -> Response:
+        # Our statements are fixed: one the database refuses means it is not migrated
+        # (the API's handler logs the driver's text; the page never shows it).
+        return error_page(request, 503, "the job database lacks celery-lease's tables (run: celery -A <app> lease migrate)")
 
     pages.register(app, board)
     actions.register(app, board)

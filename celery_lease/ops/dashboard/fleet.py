@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +24,7 @@ log = logging.getLogger("celery_lease.dashboard")
 
 #: The live page's window, and the rows of each kind it reads at most.
 LIVE_MINUTES = 15
-LIVE_CAP = 50_000
+LIVE_CAP = 20_000
 LEASES_SHOWN = 500
 STALE_SHOWN = 100
 #: Unswept jobs are counted up to this many ("10,000+").
@@ -38,7 +39,7 @@ def percentile(values: list[float], p: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
 
 
 def spark(values: list[int]) -> str:
@@ -50,9 +51,9 @@ def live_figures(data: dict[str, Any], minutes: int = LIVE_MINUTES) -> dict[str,
     """Per kind: submitted / succeeded / failed in each of the last ``minutes``
     minutes, and p50/p95 of queue wait (submit to start of the last attempt) and run
     time (that start to finish) over the window."""
-    now = data["now"]
-    first = now.replace(second=0, microsecond=0) - timedelta(minutes=minutes - 1)
-    labels = [(first + timedelta(minutes=i)).strftime("%H:%M") for i in range(minutes)]
+    first = data["minute"] - minutes + 1
+    start = data["now"].replace(second=0, microsecond=0) - timedelta(minutes=minutes - 1)
+    labels = [(start + timedelta(minutes=i)).strftime("%H:%M") for i in range(minutes)]
     kinds: dict[str, dict[str, Any]] = {}
 
     def of(kind: str) -> dict[str, Any]:
@@ -60,21 +61,16 @@ def live_figures(data: dict[str, Any], minutes: int = LIVE_MINUTES) -> dict[str,
             kinds[kind] = {"kind": kind, **{k: [0] * minutes for k in ("submitted", "succeeded", "failed")}, "w": [], "r": []}
         return kinds[kind]
 
-    def slot(when) -> int | None:
-        i = int((when - first).total_seconds() // 60)
-        return i if 0 <= i < minutes else None
-
-    for r in data["submits"]:
-        i = slot(r["created_at"])
-        if i is not None:
-            of(r["kind"])["submitted"][i] += 1
-    for r in data["finishes"]:
-        k, i = of(r["kind"]), slot(r["finished_at"])
-        if i is not None and r["status"] in ("succeeded", "failed"):
-            k[r["status"]][i] += 1
-        if r["started_at"] is not None:
-            k["w"].append((r["started_at"] - r["created_at"]).total_seconds())
-            k["r"].append((r["finished_at"] - r["started_at"]).total_seconds())
+    for kind, minute, count in data["submits"]:
+        if 0 <= minute - first < minutes:
+            of(kind)["submitted"][minute - first] += count
+    for kind, status, minute, wait, run in data["finishes"]:
+        k = of(kind)
+        if status in ("succeeded", "failed") and 0 <= minute - first < minutes:
+            k[status][minute - first] += 1
+        if wait is not None:
+            k["w"].append(wait)
+            k["r"].append(run)
     out = []
     for k in sorted(kinds.values(), key=lambda k: k["kind"]):
         waits, runs = k.pop("w"), k.pop("r")
@@ -86,8 +82,8 @@ def live_figures(data: dict[str, Any], minutes: int = LIVE_MINUTES) -> dict[str,
             spark={name: spark(k[name]) for name in ("submitted", "succeeded", "failed")},
         )
         out.append(k)
-    capped = len(data["submits"]) >= LIVE_CAP or len(data["finishes"]) >= LIVE_CAP
-    return {"now": now.isoformat(), "minutes": labels, "kinds": out, "capped": capped}
+    capped = sum(c for _, _, c in data["submits"]) >= LIVE_CAP or len(data["finishes"]) >= LIVE_CAP
+    return {"now": data["now"].isoformat(), "minutes": labels, "kinds": out, "capped": capped}
 
 
 def broker_queues(board: Board, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -123,8 +119,10 @@ def register(app: FastAPI, board: Board) -> None:
     @app.get("/kinds", response_class=HTMLResponse)
     def kinds(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:
         rows = leases.limits(tenant=viewer.tenant)
+        budgets = board.store.rate_budgets()
         for i, r in enumerate(rows):  # the kind's pause button goes on its first row
             r["first"] = i == 0 or rows[i - 1]["kind"] != r["kind"]
+            r["budget"] = budgets.get(r["kind"]) if r["rate_limit"] and r["first"] else None
         return board.render(request, "kinds.html", viewer, rows=rows)
 
     async def flow(request: Request, viewer: Viewer, kind: str, pause: bool) -> Response:

@@ -24,7 +24,7 @@ from celery_lease.status import TERMINAL, Event, Status
 
 PAGE = 50
 #: Jobs one page of the list reads at most.
-SCAN = 20_000
+SCAN = 10_000
 #: Characters of a payload or result shown on a job's page.
 SHOW_CHARS = 20_000
 MAX_EVENTS = 500
@@ -33,6 +33,8 @@ COUNT_WINDOW = 3600
 RETRYABLE = (Status.FAILED.value, Status.EXPIRED.value, Status.CANCELLED.value)
 #: Events that end an attempt by taking its lease away.
 LEASE_LOSSES = (Event.REAPED.value, Event.REQUEUED.value)
+#: Events that end an attempt (``dispatched`` and ``claimed`` do not).
+ENDINGS = frozenset(e.value for e in Event) - {Event.DISPATCHED.value, Event.CLAIMED.value}
 
 
 def kind_counts(data: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -78,7 +80,7 @@ def attempts_of(job: dict[str, Any], events: list[dict[str, Any]], *, show_worke
             out.append(opened)
             continue
         entry = by_attempt.get(e["attempt"])
-        if entry is None or entry["end"] is not None:
+        if entry is None or entry["end"] is not None or e["event"] not in ENDINGS:
             continue
         entry.update(end=e["created_at"], outcome=e["event"], detail=e["detail"])
         entry["lease_losses"] += e["event"] in LEASE_LOSSES

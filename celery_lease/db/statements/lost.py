@@ -1,0 +1,26 @@
+"""Statements about attempts whose worker process is known to be gone."""
+
+from __future__ import annotations
+
+import functools
+
+import sqlalchemy as sa
+
+from celery_lease.db.queries import _c, db_now, db_now_plus
+from celery_lease.db.schema import jobs
+from celery_lease.status import Status
+
+
+@functools.cache
+def expire_lost_lease() -> sa.Update:
+    """expire_lost_lease: the lease of one attempt whose process died (Celery reported
+    WorkerLostError: a pool process the OOM killer took) elapses now, so the reaper
+    requeues or expires the job at once instead of after ``lease_seconds``. Guarded by
+    the attempt's owner and fencing generation: no other attempt's lease is touched."""
+    guard = sa.and_(
+        _c.id == sa.bindparam("job_id"),
+        _c.status == Status.RUNNING.value,
+        _c.lease_owner == sa.bindparam("owner"),
+        _c.lease_generation == sa.bindparam("generation"),
+    )
+    return sa.update(jobs).where(guard).values(lease_expires_at=db_now_plus(sa.literal(-1.0)), updated_at=db_now())

@@ -1,0 +1,176 @@
+"""The one function that changes a job's state (but the claim): :meth:`Pipeline.execute`.
+
+For any :class:`~celery_lease.lifecycle.transition.Transition`, one transaction runs:
+
+1. its statement (fenced by the attempt's lease generation when the transition is an
+   attempt's: zero rows -> LeaseLost, nothing below runs, the transaction rolls back);
+2. the run events of the rows it moved (unless the statement appends them itself);
+3. the caller's own writes (a success's effects, children and next chain steps);
+4. the errbacks of the rows that ended their job, and their chord's removal.
+
+It commits durably (the transition declares it), through a :class:`Landing`: after a
+dropped connection the server is asked whether that commit landed, so the transaction
+is never applied twice and never silently skipped. While the database is unreachable,
+an attempt's write is tried again until its lease lapses by its own clock; any other
+transition, for a few seconds. Then, after the one commit that counts, its follow-ups
+run exactly once: the wakeups of jobs it created or requeued, plain errbacks and
+callbacks, cancel notices, and the release of flow-control slots.
+
+The claim (celery_lease/flow.py, db/store.py) is not here yet: its retry adopts what
+landed in its own way. Claims can join by becoming transitions whose rows are the
+claimed job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from celery_lease.db.landing import Landing
+from celery_lease.errors import DatabaseUnavailable, LeaseLost
+from celery_lease.worker.attempt import BLIP_WAITS
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from celery_lease.canvas import Canvas, Endings
+    from celery_lease.db.store import Store
+    from celery_lease.flow.control import FlowControl
+    from celery_lease.job import Job
+    from celery_lease.lifecycle.transition import Transition
+    from celery_lease.producer import Producer
+    from celery_lease.worker.attempt import Attempt
+
+log = logging.getLogger("celery_lease")
+
+T = TypeVar("T")
+
+
+class During(Protocol):
+    """A caller's own part of a transition: ``write`` inside its transaction, after the
+    statement matched (returns the jobs it created, to be woken); ``send`` after the
+    commit, once."""
+
+    def write(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> list[Job]: ...
+
+    def send(self) -> None: ...
+
+
+def ride_briefly(write: Callable[[], T]) -> T:
+    """A transition outside any attempt (a cancel, maintenance): tried again through a
+    short database blip, then DatabaseUnavailable reaches the caller."""
+    for wait in BLIP_WAITS:
+        try:
+            return write()
+        except DatabaseUnavailable:
+            log.warning("celery-lease: database unavailable; trying the transition again in %ss", wait)
+            time.sleep(wait)
+    return write()
+
+
+class Pipeline:
+    def __init__(
+        self,
+        store: Store,
+        producer: Producer,
+        *,
+        canvas: Canvas | None = None,
+        flow: FlowControl | None = None,
+        notify: Callable[[list[str]], None] | None = None,
+        eager: bool = False,
+    ) -> None:
+        self._store = store
+        self._producer = producer
+        self._canvas = canvas
+        #: Frees the slots of limited kinds' jobs (None: eager mode, no limits).
+        self._flow = flow
+        #: Tells workers that jobs they hold were cancelled (cancel_notice).
+        self._notify = notify
+        self._eager = eager
+
+    def execute(
+        self,
+        t: Transition,
+        params: Mapping[str, Any] | None = None,
+        *,
+        attempt: Attempt | None = None,
+        build: Mapping[str, Any] | None = None,
+        before: Callable[[Connection], Any] | None = None,
+        during: During | None = None,
+        error: str | None = None,
+        run_cancelled: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Execute ``t``; return the rows it moved. ``attempt``: the attempt whose write
+        this is (fenced transitions); ``build``: the statement's build arguments;
+        ``before(conn)``: runs first in the transaction (a cancelled run is marked);
+        ``error``: what errbacks get (default: the transition's). Raises LeaseLost when a
+        fenced transition finds its lease lost (nothing done), DatabaseUnavailable when
+        the database stays unreachable (nothing known to be done)."""
+        store = self._store
+        stmt = t.statement(store.dialect, **(build or {}))
+        args = {**(attempt.fence if attempt is not None else {}), **(params or {})}
+        endings: Endings | None = None
+        if t.ends and self._canvas is not None:
+            endings = self._canvas.endings(error or t.error or "", run_cancelled=run_cancelled, eager=self._eager)
+        logged = store.dialect in t.self_logged
+
+        def work(conn: Connection) -> tuple[list[dict[str, Any]], list[Job]]:
+            if attempt is not None and attempt.is_lost:
+                raise LeaseLost()
+            if before is not None:
+                before(conn)
+            rows = [dict(r) for r in conn.execute(stmt, args).mappings()]
+            if t.fenced and not rows:
+                assert attempt is not None
+                attempt.mark_lost()
+                raise LeaseLost()
+            if rows and not logged:
+                store.log_events(conn, [(r, t.event, t.detail(r, args)) for r in rows])
+            created = during.write(conn, rows) if during is not None else []
+            if endings is not None:
+                endings.write(conn, [r for r in rows if r["status"] in t.ends])
+            return rows, created
+
+        landing: Landing[tuple[list[dict[str, Any]], list[Job]]] = Landing(
+            store, store.durable if t.durable else store.fast, lock_timeout=t.lock_timeout
+        )
+        ride = attempt.ride_out if attempt is not None else ride_briefly
+        rows, created = ride(lambda: landing.run(work))
+        self._after(t, args, rows, created, endings, during, attempt)
+        return rows
+
+    def _after(
+        self,
+        t: Transition,
+        args: Mapping[str, Any],
+        rows: list[dict[str, Any]],
+        created: list[Job],
+        endings: Endings | None,
+        during: During | None,
+        attempt: Attempt | None,
+    ) -> None:
+        """The follow-ups of one committed transition; each is best-effort (the commit
+        stands: the sweeper re-sends a lost wakeup, a held job's slot is recovered by
+        flow control's sweep) and none is skipped because another failed."""
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            ("wakeups", lambda: self._producer.publish_wakeups([*created, *(r for r in rows if t.wakes(r, args))])),
+        ]
+        if during is not None:
+            steps.append(("callbacks", during.send))
+        if endings is not None:
+            steps.append(("errbacks", endings.send))
+        if t.notifies and rows and self._notify is not None:
+            steps.append(("cancel notices", lambda: self._notify([str(r["id"]) for r in rows])))  # type: ignore[misc]
+        if t.releases and self._flow is not None:
+            steps.append(("slot release", lambda: self._release(rows)))
+        for what, step in steps:
+            try:
+                step()
+            except Exception:
+                log.exception("celery-lease: %s after %s of %d job(s) failed", what, t.name, len(rows))
+
+    def _release(self, rows: list[dict[str, Any]]) -> None:
+        assert self._flow is not None
+        self._flow.release(rows)  # the rows carry kind, concurrency_key (and limited)

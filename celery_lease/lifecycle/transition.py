@@ -1,0 +1,164 @@
+"""Every way a job leaves ``running`` or ``pending`` (but the claim), named once.
+
+A :class:`Transition` is a value: its statement (from the catalogue), the run event it
+logs for each job it moves, its durability, and the follow-ups its rows set off after
+the commit. :class:`celery_lease.lifecycle.pipeline.Pipeline` executes any of them the
+same way, so no call site chooses a commit mode, forgets an errback or frees a slot
+twice.
+
+Durability is declared here, never at a call site: each transition below ends an
+attempt or bumps a lease generation, so each commits durably (``synchronous_commit``
+on) in every mode, prepared statements or not. A fast (asynchronous) commit could be
+lost in a PostgreSQL crash while its follow-ups (an errback, a wakeup, a freed slot)
+were already sent.
+
+Follow-ups, after the commit, exactly once (also when the first try's reply was lost:
+celery_lease/db/landing.py):
+
+* ``ends``: rows that reach one of these statuses end their job otherwise than by success:
+  their errbacks fire and a chord they were a header job of is removed (canvas.Endings,
+  in the transaction; plain errbacks and wakeups after it);
+* ``wakes``: rows the statement left pending and marked woken get their wakeup;
+* ``releases``: rows leaving ``running`` free their flow-control slot;
+* ``notifies``: the workers holding the rows are told (cancel notice), sooner than
+  their next heartbeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from celery_lease.db import queries as q
+from celery_lease.status import Event, Status
+
+Row = Mapping[str, Any]
+
+_FAILED, _CANCELLED, _EXPIRED = Status.FAILED.value, Status.CANCELLED.value, Status.EXPIRED.value
+_PENDING = Status.PENDING.value
+
+
+@dataclass(frozen=True)
+class Transition:
+    #: Its name in logs and docs (docs/lifecycle.md).
+    name: str
+    #: Builds the statement: ``statement(dialect, **build)`` (Pipeline.execute's ``build``).
+    statement: Callable[..., Any]
+    #: The run event logged for each row it moves (jobs of a run only).
+    event: Event
+    #: The event's detail for a row, given the statement's parameters.
+    detail: Callable[[Row, Mapping[str, Any]], str | None] = lambda row, params: None
+    #: One attempt's write, guarded by its lease generation: zero rows = the lease is
+    #: lost, the transaction rolls back and nothing follows.
+    fenced: bool = False
+    #: Commits with synchronous_commit on. Every transition here does (see above).
+    durable: bool = True
+    #: Rows reaching these statuses end their job otherwise than by success.
+    ends: frozenset[str] = frozenset()
+    #: Whether a row was left pending and marked woken: its wakeup is published.
+    wakes: Callable[[Row, Mapping[str, Any]], bool] = lambda row, params: False
+    releases: bool = True
+    notifies: bool = False
+    #: Seconds a row lock may be waited for (transitions run off a request path: the
+    #: worker's timeouts and revokes, maintenance); None: the connection's setting.
+    lock_timeout: float | None = None
+    #: The error errbacks get, when the caller gives none.
+    error: str | None = None
+    #: Dialects on which the statement appends its own run events (one round trip).
+    self_logged: frozenset[str] = frozenset()
+
+
+def _requeued(row: Row, params: Mapping[str, Any]) -> bool:
+    return row["status"] == _PENDING
+
+
+def _retried(row: Row, params: Mapping[str, Any]) -> str:
+    why = params.get("why")
+    return f"in {params['delay']:.1f}s" if why is None else f"{why}; in {params['delay']:.1f}s"
+
+
+#: Background writes never wait long on a row lock: a job's own success transaction
+#: may hold it, and the worker's timeouts and revokes must not queue behind it.
+BACKGROUND_LOCK_TIMEOUT = 2.0
+
+SUCCEED = Transition("succeed", lambda dialect: q.complete_job(), Event.SUCCEEDED, fenced=True)
+FAIL = Transition(
+    "fail", lambda dialect: q.fail_job(), Event.FAILED, detail=lambda r, p: p["new_error"], fenced=True, ends=frozenset({_FAILED})
+)
+RETRY = Transition("retry", lambda dialect: q.retry_job(), Event.RETRIED, detail=_retried, fenced=True)
+#: A kind's timeout, written off the heartbeat thread (worker/timeouts.py).
+TIME_OUT_RETRY = Transition(
+    "time out (retry)",
+    lambda dialect: q.retry_job(),
+    Event.RETRIED,
+    detail=_retried,
+    fenced=True,
+    lock_timeout=BACKGROUND_LOCK_TIMEOUT,
+)
+TIME_OUT_FAIL = Transition(
+    "time out (fail)",
+    lambda dialect: q.fail_job(),
+    Event.FAILED,
+    detail=lambda r, p: p["new_error"],
+    fenced=True,
+    ends=frozenset({_FAILED}),
+    lock_timeout=BACKGROUND_LOCK_TIMEOUT,
+)
+SNOOZE = Transition(
+    "snooze",
+    lambda dialect: q.snooze_job(),
+    Event.REQUEUED,
+    detail=lambda r, p: f"snoozed for {p['delay']:g}s",
+    fenced=True,
+    wakes=lambda r, p: p["delay"] <= 0,
+)
+HAND_OFF = Transition(
+    "hand off",
+    lambda dialect: q.hand_off_job(),
+    Event.REQUEUED,
+    detail=lambda r, p: "shutdown handoff",
+    fenced=True,
+    wakes=_requeued,
+)
+CANCEL = Transition(
+    "cancel",
+    lambda dialect, **which: q.cancel_jobs(**which),
+    Event.CANCELLED,
+    ends=frozenset({_CANCELLED}),
+    notifies=True,
+    error="cancelled",
+)
+#: A revoke broadcast's ids, cancelled off the worker's consumer (worker/revoke.py).
+REVOKE = Transition(
+    "revoke",
+    lambda dialect, **which: q.cancel_jobs(**which),
+    Event.CANCELLED,
+    ends=frozenset({_CANCELLED}),
+    notifies=True,
+    error="cancelled",
+    lock_timeout=BACKGROUND_LOCK_TIMEOUT,
+)
+REAP = Transition(
+    "reap",
+    lambda dialect: q.reap_expired_logged() if dialect == "postgresql" else q.reap_expired(dialect),
+    Event.REAPED,
+    detail=lambda r, p: f"{q.LEASE_EXPIRED}: {r['status']}",
+    ends=frozenset({_EXPIRED}),
+    wakes=_requeued,
+    error=q.LEASE_EXPIRED,
+    lock_timeout=BACKGROUND_LOCK_TIMEOUT,
+    self_logged=frozenset({"postgresql"}),
+)
+RECOVER = Transition(
+    "restart recovery",
+    lambda dialect, **owner: q.recover_restarted(**owner),
+    Event.REQUEUED,
+    detail=lambda r, p: f"interrupted by restart: {r['status']}",
+    ends=frozenset({_FAILED}),
+    wakes=_requeued,
+    error="interrupted by restart",
+)
+
+#: Every transition, for docs/lifecycle.md and the tests that hold them to the rules above.
+ALL = (SUCCEED, FAIL, RETRY, TIME_OUT_RETRY, TIME_OUT_FAIL, SNOOZE, HAND_OFF, CANCEL, REVOKE, REAP, RECOVER)

@@ -1,0 +1,80 @@
+"""A pool process that died mid-job (SIGKILL: the OOM killer, ``kill -9``): Celery's
+main process reports ``WorkerLostError`` for the job at once (``task_failure``). The
+process that held the lease is gone, so its lease is released now, the way the reaper
+would on expiry (requeued, or expired with ``"lease expired"`` on its last attempt), not
+after the whole ``lease_seconds``.
+
+Only a lease this worker's boot took (``node/pid/boot`` with this boot's id) from a
+process that no longer runs is released, guarded by its fencing generation; anything
+else (the job finished, was reaped or cancelled, or the pid runs again) is left alone
+for the heartbeat rules and the reaper.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from billiard.exceptions import WorkerLostError
+from celery import Celery, signals
+
+from celery_lease.db.statements.lost import expire_lost_lease
+from celery_lease.errors import LeaseError
+from celery_lease.job import parse_job_id
+from celery_lease.status import Status
+from celery_lease.worker.attempt import BOOT_ID
+from celery_lease.worker.task import LeaseTask
+
+if TYPE_CHECKING:
+    from celery_lease.db.store import Store
+
+log = logging.getLogger("celery_lease")
+
+
+def process_gone(pid: int) -> bool:
+    """True when no process ``pid`` runs (none, or a zombie not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def release(store: Store, reap: Callable[[], Any], job_id: str) -> bool:
+    """Release the lease of ``job_id`` if a dead process of this worker boot holds it;
+    returns whether it did."""
+    job = store.get(parse_job_id(job_id))
+    if job is None or job.status is not Status.RUNNING or not job.lease_owner:
+        return False
+    _node, pid, boot = job.lease_owner.rsplit("/", 2)
+    if boot != BOOT_ID or not pid.isdigit() or not process_gone(int(pid)):
+        return False
+    params = {"job_id": job.id, "owner": job.lease_owner, "generation": job.lease_generation}
+    if not store.guarded(expire_lost_lease(), params):
+        return False
+    log.warning("celery-lease: job %s: its worker process %s died; lease released", job.id, pid)
+    reap()
+    return True
+
+
+def connect(app: Celery, owner: object, *, store: Callable[[], Store], reap: Callable[[], Any]) -> None:
+    """On ``WorkerLostError`` for one of ``owner``'s leased tasks, release its lease."""
+
+    @signals.task_failure.connect(weak=False)
+    def worker_lost(sender=None, task_id=None, exception=None, **_):
+        if not (isinstance(sender, LeaseTask) and sender.owner is owner and isinstance(exception, WorkerLostError)):
+            return
+        try:
+            release(store(), reap, str(task_id))
+        except (LeaseError, ValueError):
+            log.warning("celery-lease: job %s: its worker process died; the reaper will release it", task_id, exc_info=True)
+
+    app._celery_lease_lost_handlers = (worker_lost,)

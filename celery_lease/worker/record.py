@@ -1,0 +1,154 @@
+"""Recording how an attempt ended, each outcome as its named transition.
+
+Succeed, fail, retry, snooze, hand-off and a kind's timeout are
+:mod:`celery_lease.lifecycle.transition` values run by the one
+:class:`~celery_lease.lifecycle.pipeline.Pipeline`: fenced by the attempt's lease
+generation, durable, ridden through a database blip within the lease, settled by
+asking the server after a lost reply, and followed (errbacks, chain steps, wakeups,
+the slot's release) exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery_lease.errors import LeaseLost
+from celery_lease.lifecycle import transition as tr
+from celery_lease.status import Event
+from celery_lease.worker.outcome import TIMED_OUT, backoff
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from celery_lease.canvas import Canvas, Followup
+    from celery_lease.db.store import Store
+    from celery_lease.flow.control import FlowControl
+    from celery_lease.job import Job
+    from celery_lease.kinds import Registry
+    from celery_lease.lifecycle.pipeline import Pipeline
+    from celery_lease.producer import Producer
+    from celery_lease.worker.attempt import Attempt
+    from celery_lease.worker.completion import Completer
+    from celery_lease.worker.context import JobContext
+
+log = logging.getLogger("celery_lease.worker")
+
+
+class _SuccessWrites:
+    """A success's own part of its transaction: the handler's effects, its children and
+    the next chain steps (created with it, atomically), then the chain's plain steps."""
+
+    def __init__(self, record: Recorder, attempt: Attempt, ctx: JobContext, followup: Followup | None) -> None:
+        self._record = record
+        self._attempt = attempt
+        self._staged = ctx.staged
+        self._followup = followup
+        producer = record.producer
+        self._children = [producer.job_row(child, payload, options) for child, payload, options in ctx.staged.children]
+
+    def write(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> list[Job]:
+        store, attempt = self._record.store, self._attempt
+        for fn in self._staged.effects:
+            fn(conn)
+        # A child placed in another run than this job's must respect that run as a
+        # submit would: the run is created if new, and a cancelled one takes no job.
+        # (This job's own run cannot be cancelled here: cancel_run would have revoked
+        # this lease and the fenced update would have matched nothing.)
+        runs = {r["run_id"] for r in self._children} - {attempt.run_id, None}
+        refused = {run for run in runs if not store.ensure_run(run, connection=conn)}
+        for row in [r for r in self._children if r["run_id"] in refused]:
+            log.warning(
+                "celery-lease: job %s: child %s not created: run %s is cancelled", attempt.job_id, row["kind"], row["run_id"]
+            )
+        rows_ok = [r for r in self._children if r["run_id"] not in refused]
+        # keyed: a child submitted with an idempotency key that already exists is that
+        # job, as with submit; only the children actually inserted are returned.
+        children = store.insert_jobs(rows_ok, keyed=True, connection=conn) if rows_ok else []
+        if self._followup is not None:  # the next chain step, callbacks, a chord's body
+            children += self._followup.write(conn)
+        store.log_events(conn, [(c, Event.DISPATCHED, f"child of {attempt.job_id}") for c in children])
+        return children
+
+    def send(self) -> None:
+        if self._followup is not None:
+            self._followup.send()
+
+
+class Recorder:
+    """The transitions of one worker process's attempts."""
+
+    def __init__(
+        self,
+        store: Store,
+        producer: Producer,
+        registry: Registry,
+        pipeline: Pipeline,
+        *,
+        canvas: Canvas | None,
+        flow: FlowControl | None,
+        eager: bool,
+    ) -> None:
+        self.store = store
+        self.producer = producer
+        self.registry = registry
+        self.pipeline = pipeline
+        self._canvas = canvas
+        self._flow = flow
+        self._eager = eager
+
+    def succeed(self, ctx: JobContext, attempt: Attempt, result: Any, completer: Completer) -> None:
+        """Record a success: a plain one (nothing else to commit) through ``completer``,
+        the others in one transaction with their effects, children and chain steps."""
+        staged = ctx.staged
+        if attempt.is_lost:  # by its own clock too: write nothing more
+            raise LeaseLost()
+        followup = self._canvas.after_success(attempt, result, eager=self._eager) if self._canvas and attempt.canvas else None
+        # (Not batched for a limited kind: its slot is freed once the success is written.)
+        limited = self._flow is not None and self._flow.holds_slot(attempt.kind)
+        if not (staged.effects or staged.children or attempt.run_id or followup or limited):
+            attempt.pending_write = True
+            completer.add(attempt, result, ctx.pending_progress)
+            return
+        params = {"new_result": result, "new_progress": ctx.pending_progress}
+        self.pipeline.execute(tr.SUCCEED, params, attempt=attempt, during=_SuccessWrites(self, attempt, ctx, followup))
+
+    def fail(self, attempt: Attempt, error: str, *, timed_out: bool = False) -> None:
+        t = tr.TIME_OUT_FAIL if timed_out else tr.FAIL
+        self.pipeline.execute(t, {"new_error": error}, attempt=attempt, error=error)
+
+    def retry(self, attempt: Attempt, delay: float, *, timed_out: bool = False) -> None:
+        t = tr.TIME_OUT_RETRY if timed_out else tr.RETRY
+        self.pipeline.execute(t, {"delay": delay, "why": "timed out" if timed_out else None}, attempt=attempt)
+
+    def hand_off(self, attempt: Attempt) -> None:
+        """Warm shutdown: back to pending at once, attempt not spent, wakeup sent."""
+        self.pipeline.execute(tr.HAND_OFF, attempt=attempt)
+        log.info("celery-lease: job %s: handed off on shutdown", attempt.job_id)
+
+    def snooze(self, attempt: Attempt, seconds: float) -> None:
+        """ctx.snooze(): back to pending, due in ``seconds``, attempt not spent. Durable
+        and ridden through a blip like any end of an attempt: a snooze lost to a crash
+        or a blip would leave the job to the reaper, which spends an attempt."""
+        self.pipeline.execute(tr.SNOOZE, {"delay": seconds}, attempt=attempt)
+        log.info("celery-lease: job %s: snoozed for %gs", attempt.job_id, seconds)
+
+    def time_out(self, attempt: Attempt) -> None:
+        """``attempt`` ran past its kind's timeout: a retry (or, with no attempt left, a
+        failure), written by the worker's timeout thread (worker/timeouts.py)."""
+        spec = self.registry.resolve(attempt.kind)
+        log.warning(
+            "celery-lease: job %s (%s) attempt %d timed out after %ss; stopping it",
+            attempt.job_id,
+            spec.kind,
+            attempt.attempt,
+            spec.timeout,
+        )
+        try:
+            if attempt.attempt < attempt.max_attempts:
+                self.retry(attempt, backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max), timed_out=True)
+            else:
+                self.fail(attempt, TIMED_OUT, timed_out=True)
+        except LeaseLost:
+            log.info("celery-lease: job %s: lease already lost at its timeout", attempt.job_id)

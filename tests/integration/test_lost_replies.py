@@ -1,0 +1,101 @@
+"""A transition whose COMMIT landed but whose reply was lost (#18, reasoned items).
+
+The connection drops right after the server committed: the client cannot tell. Before,
+the transaction was simply run again, matched nothing (the job had already moved), and
+everything the first try set off after its commit was skipped: the cancel reported
+False, the plain errback was never applied, the leased errback never woken, the slot
+never freed. Now the server is asked (celery_lease/db/landing.py) and the follow-ups of
+the try that landed run exactly once.
+
+The fault is injected in this process's driver: the real COMMIT runs on the real
+server, then the connection is closed and the driver raises as on a dropped socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import psycopg2
+
+from celery_lease.db.schema import jobs
+from tests.integration.test_native_canvas import NATIVE, _expire, _queued, _rows
+
+
+@contextlib.contextmanager
+def reply_lost_once(engine) -> Iterator[list[int]]:
+    """The next COMMIT on ``engine`` lands, and its reply is lost. Yields a list that
+    counts the commits that lost their reply."""
+    dialect = engine.dialect
+    original = dialect.do_commit
+    lost: list[int] = []
+
+    def do_commit(dbapi_connection):
+        original(dbapi_connection)
+        if not lost:
+            lost.append(1)
+            dbapi_connection.close()
+            raise psycopg2.OperationalError("server closed the connection unexpectedly")
+
+    dialect.do_commit = do_commit
+    try:
+        yield lost
+    finally:
+        dialect.do_commit = original
+
+
+def test_a_cancel_and_a_reap_whose_reply_was_lost_fire_their_errbacks_once(pg, broker, client_app, tmp_path):
+    mod = client_app(pg, broker, module=NATIVE)
+
+    def with_errbacks(n: int, **options):
+        return mod.inc.apply_async(({"n": n},), link_error=[mod.noted_error.s(), mod.plain_errback.s(str(tmp_path))], **options)
+
+    def errbacks_of(job_id: str) -> list[dict]:
+        return _rows(pg, jobs.c.kind == "noted_error", jobs.c.parent_id == job_id)
+
+    def woken(messages: list[dict]) -> list[str]:
+        return [m["headers"]["id"] for m in messages if m["headers"]["task"] == mod.noted_error.name]
+
+    # A cancel: reported done, its errbacks applied and woken once.
+    pending = with_errbacks(1, countdown=600)
+    _queued(broker)
+    with reply_lost_once(mod.leases.store.durable) as lost:
+        assert mod.leases.cancel(pending.id) is True
+    assert lost == [1]
+    (errback,) = errbacks_of(pending.id)
+    messages = _queued(broker)
+    assert woken(messages) == [str(errback["id"])]
+    plain = [m for m in messages if m["headers"]["task"] == "tests.plain_errback"]
+    assert len(plain) == 1
+
+    # A reap of a job with no attempt left: expired, errbacks once, counted once.
+    running = with_errbacks(2)
+    _expire(pg, running.id)
+    _queued(broker)
+    with reply_lost_once(mod.leases.store.durable) as lost:
+        assert mod.leases.reap() == {"requeued": 0, "expired": 1}
+    assert lost == [1]
+    (errback,) = errbacks_of(running.id)
+    assert errback["payload"] == {"job_id": running.id, "error": "lease expired"}
+    messages = _queued(broker)
+    assert woken(messages) == [str(errback["id"])]
+    assert len([m for m in messages if m["headers"]["task"] == "tests.plain_errback"]) == 1
+
+
+def test_a_cancel_whose_reply_was_lost_frees_the_slot_of_its_limited_job(pg, broker, client_app):
+    """``concurrency=1``: A runs, B is held by the limit. A's cancel lands, its reply is
+    lost: B is woken, once (before: the retry matched nothing, freed nothing, and B
+    waited for the sweeper's recovery)."""
+    mod = client_app(pg, broker, module="tests.apps.app_flow")
+    spec = mod.leases.registry.resolve("one_slot")
+    a, b = (mod.one_slot.submit({"n": n}) for n in (1, 2))
+    assert mod.leases.flow.claim(a.id, spec, "test/1/boot", None) is not None
+    assert mod.leases.flow.claim(b.id, spec, "test/1/boot", None) is None  # held by the limit
+    assert _rows(pg, jobs.c.id == b.id)[0]["held"] == "limit"
+    _queued(broker)
+    with reply_lost_once(mod.leases.store.durable) as lost:
+        assert mod.leases.cancel(a.id) is True
+    assert lost == [1]
+    woken = [m["headers"]["id"] for m in _queued(broker) if m["headers"]["task"] == mod.one_slot.name]
+    assert woken == [b.id]
+    assert _rows(pg, jobs.c.id == b.id)[0]["held"] is None

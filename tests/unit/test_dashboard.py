@@ -1,0 +1,153 @@
+"""The dashboard's pure parts: sessions and CSRF tokens, filters, the live figures and
+a job's attempts (no services; the pages are tested in tests/e2e/test_dashboard.py)."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from celery_lease.ops.dashboard import filters
+from celery_lease.ops.dashboard.access import Sessions, csrf_ok
+from celery_lease.ops.dashboard.fleet import live_figures, percentile
+from celery_lease.ops.dashboard.pages import attempts_of
+from celery_lease.ops.tokens import Grant
+
+TOKENS = {"admin-tok": Grant(None), "acme-tok": Grant("acme"), "ro-tok": Grant(None, read_only=True)}
+
+
+def test_a_session_names_its_token_grant_and_nothing_forged_passes(monkeypatch):
+    sessions = Sessions(TOKENS, b"k" * 32)
+    assert sessions.sign_in("nope") is None
+    assert sessions.sign_in("") is None
+    cookie = sessions.sign_in("acme-tok")
+    assert cookie is not None and "acme-tok" not in cookie  # the cookie never carries the token
+    viewer = sessions.viewer(cookie)
+    assert viewer is not None and viewer.tenant == "acme" and viewer.can_act
+    assert not sessions.viewer(sessions.sign_in("ro-tok")).can_act
+    data, signature = cookie.split(".")
+    for forged in (f"{data}.{signature[:-2]}xx", f"{data[:-2]}AA.{signature}", data, "", "a.b.c", "x" * 1000):
+        assert sessions.viewer(forged) is None
+    # Another key (another server without the shared secret) does not accept it.
+    assert Sessions(TOKENS, b"j" * 32).viewer(cookie) is None
+    # A token removed from the configuration ends its sessions.
+    assert Sessions({"admin-tok": Grant(None)}, b"k" * 32).viewer(cookie) is None
+    # Sessions expire.
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + 13 * 3600)
+    assert sessions.viewer(cookie) is None
+
+
+def test_csrf_tokens_belong_to_one_session():
+    sessions = Sessions(TOKENS, b"k" * 32)
+    one, two = sessions.viewer(sessions.sign_in("admin-tok")), sessions.viewer(sessions.sign_in("admin-tok"))
+    assert one.csrf != two.csrf
+    assert csrf_ok(one, one.csrf)
+    assert not csrf_ok(one, two.csrf)
+    assert not csrf_ok(one, None)
+    assert not csrf_ok(one, "")
+
+
+def test_filters_are_checked_where_they_enter():
+    f = filters.parse(
+        {"status": "failed", "kind": "load", "since": "2026-12-01T13:05", "field": "table", "value": "t7"}, tenant=None
+    )
+    assert (f.status, f.kind, f.field, f.value) == ("failed", "load", "table", "t7")
+    assert f.since == datetime(2026, 12, 1, 13, 5, tzinfo=timezone.utc)
+    # Empty fields (an HTML form sends them all) are absent.
+    assert filters.parse({"status": "", "kind": "", "run": ""}, tenant=None) == filters.Filter()
+    # A tenant viewer's filter is its own tenant, whatever it asks for.
+    assert filters.parse({"tenant": "globex"}, tenant="acme").tenant == "acme"
+    for bad, message in (
+        ({"stauts": "failed"}, "unknown filter"),
+        ({"status": "done"}, "unknown status"),
+        ({"run": "not-a-uuid"}, "run"),
+        ({"since": "yesterday"}, "not a time"),
+        ({"field": "a b", "value": "1"}, "payload field"),
+        ({"field": "table"}, "both a field and a value"),
+        ({"kind": "x\x00"}, "NUL"),
+        ({"queue": "q" * 500}, "at most"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            filters.parse(bad, tenant=None)
+    # Links rebuild the filter with its values escaped: an & in a kind stays data.
+    f = filters.parse({"kind": "a&b=c", "status": "failed"}, tenant=None)
+    assert "kind=a%26b%3Dc" in filters.query_string(f)
+
+
+def test_percentiles_are_nearest_rank():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 95) == 3.0
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 95) == 95.0
+    assert percentile(list(reversed(values)), 95) == 95.0
+
+
+def test_live_figures_count_each_minute_and_the_window_latencies():
+    now = datetime(2026, 12, 1, 14, 0, 30, tzinfo=timezone.utc)
+    minute = int(now.timestamp() // 60)
+    data = {
+        "now": now,
+        "minute": minute,
+        "submits": [("load", minute, 4), ("load", minute - 2, 1), ("load", minute - 99, 7)],  # the last: out of the window
+        "finishes": [
+            ("load", "succeeded", minute, 1.0, 10.0),
+            ("load", "succeeded", minute, 3.0, 30.0),
+            ("load", "failed", minute - 1, 2.0, 20.0),
+            ("load", "cancelled", minute, None, None),  # never started: no latency
+        ],
+    }
+    out = live_figures(data, minutes=3)
+    assert out["minutes"] == ["13:58", "13:59", "14:00"]
+    (load,) = out["kinds"]
+    assert (load["submitted"], load["succeeded"], load["failed"]) == ([1, 0, 4], [0, 0, 2], [0, 1, 0])
+    assert (load["wait_p50"], load["wait_p95"], load["run_p50"], load["run_p95"]) == (2.0, 3.0, 20.0, 30.0)
+    assert not out["capped"]
+
+
+def _event(event: str, attempt: int, detail=None, at: int = 0) -> dict:
+    return {"event": event, "attempt": attempt, "detail": detail, "created_at": datetime(2026, 1, 1) + timedelta(seconds=at)}
+
+
+def test_attempts_come_from_the_run_events():
+    job = {"attempt": 3, "status": "succeeded", "lease_owner": None, "started_at": None, "finished_at": None, "lease_losses": 1}
+    events = [
+        _event("dispatched", 0),
+        _event("claimed", 1, "w1/10/b1", 1),
+        _event("dispatched", 1, None, 1),  # not an ending, whatever its attempt
+        _event("retried", 1, "internal error", 2),
+        _event("claimed", 2, "w2/20/b2", 3),
+        _event("reaped", 2, "lease expired: pending", 9),
+        _event("claimed", 3, "w1/11/b1", 10),
+        _event("succeeded", 3, None, 12),
+    ]
+    attempts = attempts_of(job, events, show_worker=True)
+    assert [(a["attempt"], a["worker"], a["outcome"], a["lease_losses"]) for a in attempts] == [
+        (1, "w1/10/b1", "retried", 0),
+        (2, "w2/20/b2", "reaped", 1),
+        (3, "w1/11/b1", "succeeded", 0),
+    ]
+    assert all(a["worker"] is None for a in attempts_of(job, events, show_worker=False))
+    # A job outside a run has no events: its row tells the current attempt.
+    row = {**job, "lease_owner": "w3/1/b", "status": "running"}
+    assert [(a["attempt"], a["worker"], a["outcome"]) for a in attempts_of(row, [], show_worker=True)] == [
+        (3, "w3/1/b", "running")
+    ]
+
+
+def test_the_signing_key_comes_from_the_settings_or_is_drawn_per_process(monkeypatch):
+    from celery_lease.errors import ConfigurationError
+    from celery_lease.ops.dashboard.access import load_secret
+
+    monkeypatch.delenv("CELERY_LEASE_DASHBOARD_SECRET", raising=False)
+    assert load_secret({"lease_dashboard_secret": "s" * 16}) == b"s" * 16
+    monkeypatch.setenv("CELERY_LEASE_DASHBOARD_SECRET", "e" * 20)
+    assert load_secret({}) == b"e" * 20
+    monkeypatch.delenv("CELERY_LEASE_DASHBOARD_SECRET")
+    drawn = load_secret({})
+    assert len(drawn) == 32 and drawn != load_secret({})  # random: sessions end with the process
+    for bad in ("short", 12345):
+        with pytest.raises(ConfigurationError, match="lease_dashboard_secret"):
+            load_secret({"lease_dashboard_secret": bad})
