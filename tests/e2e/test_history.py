@@ -27,8 +27,8 @@ from tests.harness import pgcluster
 KNOWN = pytest.mark.xfail(
     strict=False,
     raises=history.HistoryViolated,  # a harness error still fails
-    reason="issue #18: a lost claim reply of a limited kind is not adopted (item 3), and a snooze does not ride out "
-    "a database blip: both spend an attempt without a body",
+    reason="issue #18 item 3 (flow): a lost claim reply of a limited kind is not adopted: the job sits running with "
+    "no body until reaped, an attempt spent without a body (pinned: test_statement_faults.py)",
 )
 MODES = [
     pytest.param(True, "prefork", id="prepared", marks=KNOWN),

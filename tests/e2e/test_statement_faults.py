@@ -44,11 +44,6 @@ def _ended(pg: str, job_id: str, timeout: float) -> dict:
     return _row(pg, job_id)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug (issue #18, reasoned item; pipeline): Executor._snooze commits on the fast engine without "
-    "Attempt.ride_out, so a snooze that meets a database blip leaves the job running until reaped and spends its attempt",
-)
 @pytest.mark.parametrize("prepared", MODES)
 def test_a_snooze_rides_out_a_database_blip(pg, broker, client_app, workers, proxy, prepared):
     """A snooze never spends an attempt, also when its write meets a database that is
@@ -91,11 +86,6 @@ def test_a_rated_claim_whose_reply_was_lost_is_adopted(pg, broker, client_app, w
     assert (row["status"], row["attempt"], row["error"]) == ("succeeded", 1, None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug (issue #18: each errback exactly once; pipeline): when the transaction that fails a chord "
-    "header job loses its connection at the errback's INSERT, the retried failure fires the body's errback twice",
-)
 @pytest.mark.parametrize("prepared", MODES)
 def test_a_chord_headers_failure_retried_after_a_dropped_connection_fires_the_errback_once(
     pg, broker, client_app, workers, proxy, prepared
