@@ -52,7 +52,7 @@ def publish(url: str, name: str, notices: Iterable[str], timeout: float) -> bool
     exchange = _exchange(name)
     try:
         with Connection(url, connect_timeout=timeout) as conn:
-            conn.connect()  # one try: the caller (leases.cancel) must not wait for a retry loop
+            conn.ensure_connection(max_retries=0)  # one try: leases.cancel must not wait for a retry loop
             with conn.channel() as channel:
                 producer = Producer(channel)
                 for notice in notices:

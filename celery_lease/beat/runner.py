@@ -72,7 +72,12 @@ class TickRunner:
         with self._app.connection_for_read() as conn:
             conn.ensure_connection(max_retries=1)
             consumer = Consumer(
-                conn, queues=[queue], callbacks=[self._on_message], accept=self._app.conf.accept_content, prefetch_count=1
+                conn,
+                queues=[queue],
+                callbacks=[self._on_message],
+                accept=self._app.conf.accept_content,
+                on_decode_error=self._on_undecodable,
+                prefetch_count=1,
             )
             with consumer:
                 while not self._stop.is_set():
@@ -80,6 +85,14 @@ class TickRunner:
                         conn.drain_events(timeout=self.POLL)
                     except TimeoutError:
                         conn.heartbeat_check()
+
+    def _on_undecodable(self, message: Any, exc: Exception) -> None:
+        # A message of a content type the app does not accept (unsigned where
+        # task_serializer="auth", pickle...) or that does not decode: dropped. Raised,
+        # it would end the consumer, and the unacked message would come back first on
+        # every reconnect: no tick would ever run again.
+        log.warning("celery-lease: dropped an undecodable message from the maintenance queue: %s", type(exc).__name__)
+        message.ack()
 
     def _on_message(self, body: Any, message: Any) -> None:
         headers = message.headers or {}

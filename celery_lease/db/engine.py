@@ -95,6 +95,8 @@ class Timeouts:
 #: its concurrency (Database.size_for_concurrency).
 DEFAULT_POOL_SIZE = 4
 DEFAULT_MAX_OVERFLOW = 8
+#: A green worker's pools hold at most this many connections each, whatever its -c.
+GREEN_POOL_SIZE = 12
 #: Every connection: TCP keepalives find a peer that vanished (host down, network cut)
 #: while the connection is idle, tcp_user_timeout while a request is unanswered.
 KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
@@ -129,12 +131,20 @@ class Database:
         """A worker running ``concurrency`` handlers at once (threads pool: in this
         process): each may hold a pinned connection for its claim and a pooled one for
         its success transaction, besides the completer and maintenance. Replaces the
-        engines made so far (e.g. by the startup ping)."""
-        self._pool_size = max(DEFAULT_POOL_SIZE, concurrency + 4)
-        self._max_overflow = max(DEFAULT_MAX_OVERFLOW, concurrency + 8)
-        # A green pool runs each task in a new greenlet: a connection pinned to one would
-        # be dropped with it, unreturned. There each statement borrows from the pool.
-        self._pin = green.hub() is None
+        engines made so far (e.g. by the startup ping).
+
+        A green pool (gevent, eventlet) gets at most GREEN_POOL_SIZE connections per
+        engine, no overflow: its greenlets queue (cooperatively) for a pooled connection,
+        so ``-c 100`` does not open a hundred connections per worker; and it pins none:
+        each task runs in a new greenlet, and a connection pinned to one would be
+        dropped with it, unreturned."""
+        is_green = green.hub() is not None
+        if is_green:
+            self._pool_size, self._max_overflow = max(DEFAULT_POOL_SIZE, min(concurrency, GREEN_POOL_SIZE)), 0
+        else:
+            self._pool_size = max(DEFAULT_POOL_SIZE, concurrency + 4)
+            self._max_overflow = max(DEFAULT_MAX_OVERFLOW, concurrency + 8)
+        self._pin = not is_green
         self.dispose()
 
     @staticmethod

@@ -70,7 +70,8 @@ class Heartbeat:
         self._idle_gap: float | None = None
         #: Seconds the last renewal statement took (for metrics).
         self.last_latency = 0.0
-        #: This process's cancel-notice listener (None until started, or without Redis).
+        #: This process's cancel-notice listener (None until started, or on a broker without
+        #: notices: neither Redis nor AMQP).
         self.notices: cancel_notice.Listener | None = None
 
     def add(self, attempt: Attempt) -> None:

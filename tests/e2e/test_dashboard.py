@@ -196,6 +196,11 @@ def test_nothing_is_served_without_signing_in(server, pg, make_job):
         http.cookies.set("celery_lease_session", "e30.AAAA", path="/dashboard")
         assert http.get("/dashboard/jobs").status_code == 303
         assert http.post("/dashboard/login", data={"token": "not-a-token"}).status_code == 401
+        # Guessing tokens on the form is throttled per address (5 a second, bursts of 10).
+        answers = [http.post("/dashboard/login", data={"token": f"guess-{i}"}) for i in range(30)]
+        assert {r.status_code for r in answers} == {401, 429}
+        assert int(next(r for r in answers if r.status_code == 429).headers["Retry-After"]) >= 1
+        wait_for(lambda: http.post("/dashboard/login", data={"token": "x"}).status_code == 401, what="the throttle to refill")
     assert _status(pg, job) == "pending"
 
 

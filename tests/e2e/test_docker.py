@@ -47,6 +47,9 @@ IMAGE_APP_DIR = "/app"
 #: What an operator puts in docker/.env, for the tests that run the services here.
 SECRETS = {
     "POSTGRES_PASSWORD": "compose-test-password",
+    "CELERY_LEASE_OWNER_PASSWORD": "compose-test-owner-password",
+    "CELERY_LEASE_APP_PASSWORD": "compose-test-app-password",
+    "REDIS_PASSWORD": "compose-test-redis-password",
     "FLOWER_BASIC_AUTH": "ops:compose-test-login",
     "CELERY_LEASE_API_TOKENS": '{"compose-test-token": null}',
 }
@@ -161,7 +164,8 @@ def test_compose_has_every_service_wired_in_order(compose):
         assert service["command"][:3] == ["celery", "-A", "tasks.app"], name
         env = service["environment"]
         assert "@postgres:5432/" in env["CELERY_LEASE_DATABASE_URL"], name
-        assert env["CELERY_BROKER_URL"].startswith("redis://redis:6379/"), name
+        assert env["CELERY_BROKER_URL"].startswith("redis://:${REDIS_PASSWORD:?"), name
+        assert env["CELERY_BROKER_URL"].endswith("@redis:6379/0"), name
     assert services["migrate"]["command"][3:] == ["lease", "migrate"]
     assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
     assert services["migrate"]["restart"] == "no"
@@ -180,7 +184,7 @@ def test_compose_has_every_service_wired_in_order(compose):
     assert "/healthz" in " ".join(services["api"]["healthcheck"]["test"])
     assert "CELERY_LEASE_API_TOKENS" in services["api"]["environment"]
     assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
-    assert services["redis"]["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
+    assert "redis-cli ping" in " ".join(services["redis"]["healthcheck"]["test"])
 
 
 def test_compose_requires_an_api_token(compose):
@@ -197,12 +201,13 @@ def test_compose_refuses_a_default_database_password(compose):
     for env in ({k: v for k, v in SECRETS.items() if k != "POSTGRES_PASSWORD"}, {**SECRETS, "POSTGRES_PASSWORD": ""}):
         with pytest.raises(MissingVariable, match="POSTGRES_PASSWORD"):
             resolve(compose, env)
-    # Set, it is the one password of the server and of every client.
+    # Set, it is the superuser's, which only the init script uses: the migrations run as
+    # the owner role, every other service as the app role (test_compose_runs_...).
     services = resolve(compose, SECRETS)["services"]
     assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == SECRETS["POSTGRES_PASSWORD"]
     for name in APP_SERVICES:
         url = sa.engine.make_url(services[name]["environment"]["CELERY_LEASE_DATABASE_URL"])
-        assert (url.username, url.password) == ("celery", SECRETS["POSTGRES_PASSWORD"]), name
+        assert url.password != SECRETS["POSTGRES_PASSWORD"] and url.username != "postgres", name
 
 
 def test_compose_refuses_flower_without_a_login(compose):
@@ -629,3 +634,152 @@ def test_api_command_serves_health_and_jobs(run_service, healthcheck, pg, broker
     assert ok.status_code == 200
     client.close()
     assert healthcheck("api", pg, broker, port=port) == 0
+
+
+# --- least privilege: the roles and the passwords (issue 19) ----------------------------
+
+
+def test_compose_runs_the_migrations_as_the_owner_and_the_rest_as_the_app_role(compose):
+    """Before: every service connected as the superuser the image creates, and Redis took
+    anyone. Now the superuser is the init script's alone, migrate connects as the owner
+    role, every other service as the app role, and Redis requires its password."""
+    assert variables(compose)["REDIS_PASSWORD"] == {":?"}
+    for name in ("CELERY_LEASE_OWNER_PASSWORD", "CELERY_LEASE_APP_PASSWORD", "REDIS_PASSWORD"):
+        with pytest.raises(MissingVariable, match=name):
+            resolve(compose, {k: v for k, v in SECRETS.items() if k != name})
+    services = resolve(compose, SECRETS)["services"]
+    roles = {}
+    for name in APP_SERVICES:
+        env = services[name]["environment"]
+        url = sa.engine.make_url(env["CELERY_LEASE_DATABASE_URL"])
+        roles[name] = (url.username, url.password)
+        broker = redis.connection.parse_url(env["CELERY_BROKER_URL"])
+        assert broker["password"] == SECRETS["REDIS_PASSWORD"], name
+    owner = ("celery_lease_owner", SECRETS["CELERY_LEASE_OWNER_PASSWORD"])
+    app = ("celery_lease_app", SECRETS["CELERY_LEASE_APP_PASSWORD"])
+    assert roles == {"migrate": owner, **{name: app for name in LONG_RUNNING}}
+    redis_command = services["redis"]["command"]
+    assert redis_command[redis_command.index("--requirepass") + 1] == SECRETS["REDIS_PASSWORD"]
+    postgres = services["postgres"]
+    assert postgres["environment"]["POSTGRES_USER"] == "postgres"
+    assert "./postgres-init.sh:/docker-entrypoint-initdb.d/10-celery-lease-roles.sh:ro" in postgres["volumes"]
+    assert (DOCKER / "postgres-init.sh").stat().st_mode & 0o111  # the image runs it as a program
+
+
+@pytest.fixture
+def private_servers(compose, tmp_path):
+    """What compose's postgres and redis services set up, here: a private PostgreSQL
+    cluster where docker/postgres-init.sh created the roles (passwords checked over
+    TCP), and compose's own redis command on a free port. Yields a function mapping a
+    compose URL (host `postgres` or `redis`) to these servers."""
+    from tests.harness import pgcluster
+
+    if not pgcluster.available():
+        pytest.skip("no PostgreSQL server binaries for a private cluster")
+    services = resolve(compose, SECRETS)["services"]
+    redis_port = free_port()
+    command = [*services["redis"]["command"], "--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+    redis_proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with pgcluster.private_cluster() as cluster:
+            database = services["postgres"]["environment"]["POSTGRES_DB"]
+            cluster.create_database(database)
+            # Like the image: the script runs once, as the bootstrap superuser, in the database.
+            env = {
+                **os.environ,
+                **services["postgres"]["environment"],
+                "POSTGRES_USER": cluster.user,
+                "PGHOST": str(cluster.dir),
+                "PGPORT": str(cluster.port),
+                "PATH": os.pathsep.join([str(cluster.bindir), os.environ.get("PATH", "")]),
+            }
+            init = subprocess.run(["sh", str(DOCKER / "postgres-init.sh")], env=env, capture_output=True, text=True, timeout=60)
+            assert init.returncode == 0, init.stderr
+            # From here on only the bootstrap superuser (this test) logs in without a password.
+            cluster.set_hba(
+                f"local all all trust\nhost all {cluster.user} 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
+            )
+
+            def here(url: str) -> str:
+                url = url.replace("@postgres:5432/", f"@127.0.0.1:{cluster.port}/")
+                return url.replace("@redis:6379/", f"@127.0.0.1:{redis_port}/")
+
+            wait_for(lambda: redis_proc.poll() is not None or _answers(redis_port), timeout=10, what="redis")
+            assert redis_proc.poll() is None
+            yield here
+    finally:
+        os.killpg(redis_proc.pid, signal.SIGKILL)
+        redis_proc.wait()
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def test_compose_roles_and_passwords_work_against_real_servers(compose, private_servers, run_service, healthcheck, pipeline):  # noqa: F811
+    """The services' own URLs and commands against a PostgreSQL set up by the init
+    script and a Redis started by compose's command: migrate creates the schema as the
+    owner, a worker runs a job and the API answers as the app role, which cannot change
+    the schema; nobody gets in without the right password."""
+    here = private_servers
+    services = resolve(compose, SECRETS)["services"]
+    url = {name: here(services[name]["environment"]["CELERY_LEASE_DATABASE_URL"]) for name in APP_SERVICES}
+    broker = here(services["worker"]["environment"]["CELERY_BROKER_URL"])
+
+    proc, log, _ = run_service("migrate", url["migrate"], broker)
+    assert proc.wait(timeout=120) == 0, _log(log)
+
+    # The broker: the password, or nothing.
+    assert redis.Redis.from_url(broker).ping()
+    for wrong in (broker.replace(SECRETS["REDIS_PASSWORD"], "guess"), re.sub(r"//:[^@]*@", "//", broker)):
+        with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ResponseError), match="(?i)auth|password"):
+            redis.Redis.from_url(wrong).ping()
+
+    # The database: each role with its own password only; the app role has rows, not DDL.
+    for role_url in (url["migrate"], url["worker"]):
+        wrong = sa.engine.make_url(role_url).set(password="guess")
+        engine = sa.create_engine(wrong)
+        with pytest.raises(sa.exc.OperationalError, match="password authentication failed"):
+            engine.connect()
+        engine.dispose()
+    app_engine = sa.create_engine(url["worker"])
+    try:
+        with app_engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM celery_lease_jobs").scalar() == 0
+            for ddl in ("DROP TABLE celery_lease_jobs", "CREATE TABLE intruder (x int)", "TRUNCATE celery_lease_events"):
+                with pytest.raises(sa.exc.ProgrammingError, match="permission denied|must be owner"):
+                    conn.exec_driver_sql(ddl)
+                conn.rollback()
+            powers = "SELECT rolsuper OR rolcreaterole OR rolcreatedb FROM pg_roles WHERE rolname = current_user"
+            assert conn.exec_driver_sql(powers).scalar() is False
+    finally:
+        app_engine.dispose()
+
+    # The worker and the API as the app role, on the password-protected broker.
+    proc, log, _ = run_service("worker", url["worker"], broker)
+    wait_for(lambda: "ready." in _log(log) or proc.poll() is not None, timeout=60, what="the worker")
+    assert proc.poll() is None, _log(log)[-3000:]
+    p = pipeline(url["worker"], broker)
+    job = p.check_source.submit({"source": url["worker"]})
+    done = p.leases.wait(job.id, timeout=30)
+    assert done.status is Status.SUCCEEDED, (done, _log(log)[-3000:])
+    assert "permission denied" not in _log(log)
+
+    api, api_log, port = run_service("api", url["api"], broker)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
+
+    def healthz():
+        assert api.poll() is None, _log(api_log)[-3000:]
+        try:
+            return client.get("/healthz")
+        except httpx.TransportError:
+            return None
+
+    assert wait_for(healthz, timeout=60, interval=0.2, what="the API to answer").status_code == 200
+    jobs = client.get("/api/v1/jobs", headers={"Authorization": "Bearer compose-test-token"})
+    assert jobs.status_code == 200 and [j["id"] for j in jobs.json()["jobs"]] == [job.id]
+    client.close()

@@ -18,6 +18,11 @@ from tests.conftest import wait_for
 from tests.e2e.test_faults import LONG, SHORT, _cancel_waiter
 
 POOLS = ["gevent", "eventlet"]
+#: The connections to this test's database that celery-lease holds (the workers', and
+#: this process's for its reaps: at most a couple).
+WORKER_CONNECTIONS = sa.text(
+    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'celery-lease'"
+)
 
 
 @pytest.fixture
@@ -27,11 +32,15 @@ def db(pg):
     engine.dispose()
 
 
-def _run_all(leases, db, ids: list[str], timeout: float) -> tuple[list[dict], dict]:
-    """Reap as eagerly as can be until every job is terminal; the rows and reap counts."""
+def _run_all(leases, db, ids: list[str], timeout: float, connections: list[int] | None = None) -> tuple[list[dict], dict]:
+    """Reap as eagerly as can be until every job is terminal; the rows and reap counts.
+    ``connections`` collects, at each poll, how many connections the workers hold."""
     reaped = {"requeued": 0, "expired": 0}
 
     def finished() -> bool:
+        if connections is not None:
+            with db.connect() as conn:
+                connections.append(conn.execute(WORKER_CONNECTIONS).scalar())
         for key, value in leases.reap().items():
             reaped[key] = reaped.get(key, 0) + value
         with db.connect() as conn:
@@ -77,11 +86,16 @@ def test_effects_waiting_in_postgresql_overlap_and_keep_their_leases(pg, broker,
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_hundred_greenlets_blocked_on_io_keep_their_leases(pg, broker, client_app, workers, db, pool):
     # 100 handlers sleep (on the hub) 6 s, two leases' worth: one heartbeat greenlet
-    # renews all their leases meanwhile, and none is reaped by the eager reaper.
+    # renews all their leases meanwhile, none is reaped by the eager reaper, and the
+    # worker does not open a database connection per greenlet.
     mod = client_app(pg, broker, extra_env=SHORT)
     workers(pg, broker, pool=pool, concurrency=100, extra_env=SHORT)
     ids = [j.id for j in mod.sleepy.submit_many([{"sleep": 6}] * 100)]
-    rows, reaped = _run_all(mod.leases, db, ids, timeout=120)
+    connections: list[int] = []
+    rows, reaped = _run_all(mod.leases, db, ids, timeout=120, connections=connections)
+    # Greenlets queue for pooled connections (GREEN_POOL_SIZE per engine): far fewer
+    # than one per greenlet (43 and 64 at peak when sized like threads).
+    assert max(connections) <= 30, connections
     assert reaped == {"requeued": 0, "expired": 0}
     assert sorted((r["status"], r["attempt"], r["lease_losses"]) for r in rows) == [("succeeded", 1, 0)] * 100
     assert _effects(db) == {job_id: [1] for job_id in ids}

@@ -223,3 +223,30 @@ def test_the_cancel_notice_listener_outlives_hostile_notices(pg, broker, client_
     delay = float((marker_dir / f"noticed-{job}").read_text()) - cancelled_at
     assert delay < 3.0, f"the cancel took {delay:.1f}s to reach the handler (the heartbeat's 10 s, not the notice)"
     assert "RecursionError" not in w.log(), w.log()[-3000:]
+
+
+# --- the maintenance queue -----------------------------------------------------------------
+
+
+def test_an_undecodable_message_on_the_maintenance_queue_is_dropped(pg, broker, client_app, workers, make_job):
+    """Found with finding 2 (signed messages): before, a message the app does not accept
+    (pickle here; an unsigned one under task_serializer="auth") raised in the maintenance
+    consumer, which reconnected and got the same unacked message back first, for ever:
+    no reap, sweep or prune ran again on that worker."""
+    from kombu import Connection, Exchange, Producer, Queue
+
+    mod = client_app(pg, broker, module=SEC_APP)
+    w = workers(pg, broker, module=SEC_APP)
+    queue = Queue("celery_lease", Exchange("celery_lease"), routing_key="celery_lease")
+    with Connection(broker) as conn:
+        producer = Producer(conn)
+        producer.publish({"x": 1}, serializer="pickle", exchange=queue.exchange, routing_key="celery_lease", declare=[queue])
+    wait_for(lambda: "undecodable message" in w.log() or "reconnecting" in w.log(), timeout=30, what="the message consumed")
+    # A lease that elapsed: only a reap tick (no beat runs here) takes it back.
+    job = make_job(
+        pg, status="running", attempt=1, lease_owner="gone@host/1/boot", lease_expires_at=sa.text("now() - interval '1 minute'")
+    )
+    mod.app.send_task("celery_lease.reap", queue="celery_lease")
+    wait_for(lambda: _rows(pg)[0]["status"] != "running", timeout=30, what="a reap tick to run after it")
+    assert [r["id"] for r in _rows(pg)] == [job]
+    assert "reconnecting" not in w.log()

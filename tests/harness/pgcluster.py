@@ -250,6 +250,12 @@ class PrivateCluster:
     def drop_database(self, name: str) -> None:
         self._admin_sql(f'DROP DATABASE IF EXISTS "{_ident(name)}" WITH (FORCE)')
 
+    def set_hba(self, hba: str) -> None:
+        """Replace pg_hba.conf (e.g. to make some roles log in with a password) and
+        reload the running server."""
+        self._run(["sh", "-c", 'cat > "$1"', "sh", str(self.data_dir / "pg_hba.conf")], input=hba, what="write pg_hba.conf")
+        self._pg_ctl("reload", timeout=30)
+
     def log(self) -> str:
         """The server log so far (all starts, including crash recovery)."""
         try:

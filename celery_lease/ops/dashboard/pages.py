@@ -20,6 +20,7 @@ from celery_lease.ops import listing
 from celery_lease.ops.dashboard import filters
 from celery_lease.ops.dashboard.access import COOKIE, SESSION_SECONDS, Viewer, csrf_ok
 from celery_lease.ops.dashboard.web import Board, PageError, form, job_id, redirect
+from celery_lease.ops.throttle import Throttle, retry_after
 from celery_lease.status import TERMINAL, Event, Status
 
 PAGE = 50
@@ -30,6 +31,8 @@ SHOW_CHARS = 20_000
 MAX_EVENTS = 500
 #: Finished jobs are counted over this window (the finished index; never the history).
 COUNT_WINDOW = 3600
+#: Sign-ins a second per client address (bursts of twice as many).
+SIGN_IN_RATE = 5.0
 RETRYABLE = (Status.FAILED.value, Status.EXPIRED.value, Status.CANCELLED.value)
 #: Events that end an attempt by taking its lease away.
 LEASE_LOSSES = (Event.REAPED.value, Event.REQUEUED.value)
@@ -112,8 +115,16 @@ def register(app: FastAPI, board: Board) -> None:
     def login_form(request: Request):
         return board.render(request, "login.html", None, error=None)
 
+    # Guessing tokens on the form is held to SIGN_IN_RATE tries a second per address.
+    sign_ins = Throttle(SIGN_IN_RATE)
+
     @app.post("/login")
     async def login(request: Request):
+        wait = sign_ins.wait(request.client.host if request.client else "")
+        if wait:
+            refused = board.render(request, "login.html", None, status=429, error="Too many sign-ins: wait a moment.")
+            refused.headers["Retry-After"] = retry_after(wait)
+            return refused
         fields = await form(request, None, action=False)
         cookie = board.sessions.sign_in(fields.get("token", ""))
         if cookie is None:
