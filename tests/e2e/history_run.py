@@ -74,15 +74,15 @@ MIX = {
 @dataclass
 class Workload:
     seed: int
-    items: int = 50  # a canvas item makes several jobs
-    seconds: float = 15.0  # submits and faults happen for this long
+    items: int = 40  # a canvas item makes several jobs
+    seconds: float = 12.0  # submits and faults happen for this long
     drain_seconds: float = 90.0
     workers: int = 2
     concurrency: int = 2
     pool: str = "prefork"
     prepared: bool = True
     fault_every: float = 0.8
-    pg_crash_at: float | None = 7.0
+    pg_crash_at: float | None = 6.0
     cancel_share: float = 0.08
     revoke_share: float = 0.04
 
