@@ -4,9 +4,11 @@ none stuck, none failed or expired: the chaos kinds have attempts to spare).
 
 Production configurations (issue #9) run as variants: ``--pool threads``, two lease
 lengths in the same workers, beat on a skewed clock, PostgreSQL crashing (a private
-cluster, ``pg_ctl stop -m immediate``) in the middle. The default run has the classic
-scenario and one short variant that combines them all; the full-size variants are
-``slow``::
+cluster, ``pg_ctl stop -m immediate``) in the middle. gevent and eventlet workers
+(issue #20) see each fault but a child kill in turn; with RabbitMQ as the broker (a
+private node) the broker node itself is SIGKILLed and booted again. The default run has
+the classic scenario, one short variant that combines the production configurations,
+and short gevent, eventlet and RabbitMQ runs; the full-size variants are ``slow``::
 
     bash dev.sh test tests/e2e/test_chaos.py -m slow -s
     CHAOS_SECONDS=600 CHAOS_JOBS=2000 bash dev.sh test tests/e2e/test_chaos.py -m slow -k long -s
