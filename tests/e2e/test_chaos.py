@@ -107,7 +107,7 @@ def test_chaos_production_mix_short(crashable_db, broker, redis_server, client_a
 
 
 #: A green worker has no pool children: each of the other faults in turn.
-GREEN_FAULTS = ("kill_worker", "restart_broker", "terminate_pg")
+GREEN_FAULTS = ("kill_worker", "terminate_pg", "restart_broker")
 
 
 @pytest.mark.timeout(300)
@@ -115,7 +115,7 @@ GREEN_FAULTS = ("kill_worker", "restart_broker", "terminate_pg")
 def test_chaos_green_pool_short(pg, broker, redis_server, client_app, tmp_path, request, pool):
     """The classic faults on a gevent / eventlet worker (no pool children to kill: the
     whole worker is the SIGKILL target), short."""
-    scenario = Scenario(jobs=80, seconds=12.0, pool=pool, concurrency=8, fault_cycle=GREEN_FAULTS)
+    scenario = Scenario(jobs=80, seconds=9.0, pool=pool, concurrency=8, fault_cycle=GREEN_FAULTS)
     _run(pg, broker, redis_server, client_app, tmp_path, request, scenario, name=f"chaos ({pool}, short)")
 
 
@@ -128,14 +128,14 @@ def test_chaos_green_pool(pg, broker, redis_server, client_app, tmp_path, reques
 
 
 #: Every broker restart is a SIGKILL of the node and a boot (5-15 s here).
-RABBITMQ_FAULTS = ("kill_worker", "terminate_pg", "restart_broker", "kill_child", "kill_worker", "terminate_pg")
+RABBITMQ_FAULTS = ("kill_worker", "terminate_pg", "kill_child", "restart_broker")
 
 
 @pytest.mark.timeout(400)
 def test_chaos_rabbitmq_short(pg, amqp_broker, client_app, tmp_path, request):
     """RabbitMQ as the broker: workers and pool children SIGKILLed, PostgreSQL backends
     terminated, and the broker node itself SIGKILLed and restarted mid-run."""
-    scenario = Scenario(jobs=80, seconds=15.0, fault_cycle=RABBITMQ_FAULTS)
+    scenario = Scenario(jobs=80, seconds=12.0, fault_cycle=RABBITMQ_FAULTS)
     _run(pg, amqp_broker.url, amqp_broker, client_app, tmp_path, request, scenario, name="chaos (rabbitmq, short)")
 
 
