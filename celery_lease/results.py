@@ -243,6 +243,17 @@ class RowFallback:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             yield task_id, self._wait_for_row(task_id, left, interval, on_interval)
 
+    def apply_chord(self, header_result_args, body, **kwargs):
+        """A chord whose header is leased counts down in celery-lease's counter row (as
+        with LeaseBackend): this backend never sees those members' results."""
+        group_id, members = header_result_args[0], list(header_result_args[1])
+        leased = [r for r in members if isinstance(r, LeaseResult)]
+        if not leased:
+            return super().apply_chord(header_result_args, body, **kwargs)  # type: ignore[misc]
+        if len(leased) != len(members):
+            raise TypeError("a chord's header must be all leased tasks or all plain ones (put the plain ones in a chain)")
+        _leases(self.app).canvas.create_chord(group_id, [r.id for r in leased], body)
+
 
 _WITH_ROWS: dict[type, type] = {}
 

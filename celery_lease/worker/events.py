@@ -9,6 +9,14 @@ execution ends however the job did; these fill in the job's truth:
 * when an attempt stops because the job was cancelled (``leases.cancel``, ``revoke``), or
   a wakeup arrives for a cancelled job: ``task-revoked``, so Flower shows REVOKED; the
   body then raises Celery's ``Ignore`` so no ``task-succeeded`` follows.
+* when a wakeup finds its job held (a pause, a concurrency or rate limit) or not yet
+  due: ``task-held``, so Flower shows HELD instead of the STARTED Celery announced.
+
+Celery's event state (which Flower uses) ranks states: after a custom one (PROGRESS from
+``task-progress``, HELD) only SUCCESS or FAILURE would replace it, and a REVOKED or
+STARTED event would merely be merged into it. Such an event's fields are merged whole,
+though, so ``task-revoked`` and the attempt's ``task-started`` carry ``state`` explicitly:
+a job cancelled after publishing progress shows REVOKED, a held job that runs STARTED.
 
 Sent only when the worker sends task events (``-E`` / ``worker_send_task_events``).
 """
@@ -18,7 +26,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from celery import Celery, signals
+from celery import Celery, signals, states
 from celery.utils.saferepr import saferepr
 
 if TYPE_CHECKING:
@@ -46,6 +54,7 @@ def attempt_started(task: Task, attempt: Attempt) -> None:
     argsrepr = (attempt.canvas or {}).get("argsrepr")
     task.send_event(
         "task-started",
+        state=states.STARTED,
         retries=max(attempt.attempt - 1, 0),
         args=argsrepr if isinstance(argsrepr, str) else saferepr([attempt.payload], MAX_REPR),
         kwargs=saferepr({"attempt": attempt.attempt, "max_attempts": attempt.max_attempts}),
@@ -54,7 +63,12 @@ def attempt_started(task: Task, attempt: Attempt) -> None:
 
 def revoked(task: Task) -> None:
     if enabled(task):
-        task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+        task.send_event("task-revoked", terminated=False, signum=None, expired=False, state=states.REVOKED)
+
+
+def held(task: Task) -> None:
+    if enabled(task):
+        task.send_event("task-held")
 
 
 def connect(app: Celery) -> None:

@@ -22,7 +22,7 @@ from celery_lease import grouping, tracing
 from celery_lease.errors import JobRefused
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
-from celery_lease.results import LeaseBackend, LeaseResult
+from celery_lease.results import LeaseBackend, LeaseResult, RowFallback
 from celery_lease.status import Status
 from celery_lease.worker import borne, events
 from celery_lease.worker.outcome import Outcome
@@ -273,11 +273,11 @@ class LeaseTask(Task):
             # Flow control orders claims by it; canvas.pack keeps Celery's copy too.
             "priority": options.get("priority"),
         }
-        if options.get("chord") is not None and not isinstance(self.app.backend, LeaseBackend):
+        if options.get("chord") is not None and not isinstance(self.app.backend, (LeaseBackend, RowFallback)):
             raise TypeError(
-                f"{self.name}: chords of leased tasks need celery-lease's result backend, which is installed "
-                "when the app has no result_backend; with your own backend, chain a leased step that submits "
-                "the header with submit_many and collects with ctx.submit"
+                f"{self.name}: chords of leased tasks need celery-lease's counter rows: LeaseBackend, or the app's "
+                "own backend as CeleryLease(app) wraps it; this app's backend was replaced after CeleryLease(app) "
+                "(docs/converting.md#chords has the workaround)"
             )
         submit["canvas"] = self.canvas.pack(options)
         return submit
@@ -375,18 +375,19 @@ def run_leased(self: LeaseTask, *args: Any, **kwargs: Any) -> Any:
         return self.eager_runner().run(self.spec, one_payload(self.name, args, kwargs)).bind(self.owner)
     attempt = getattr(self.request, "lease_attempt", None)
     if attempt is None:
-        _announce_if_cancelled(self)
+        _announce_skipped(self)
         raise Ignore()
     events.attempt_started(self, attempt)
     with tracing.current(attempt):  # the handler's spans and the jobs it creates are the attempt's
         value = self.worker_state().execute(self.spec, attempt, self.emit_progress)
     if attempt.outcome is not Outcome.SUCCEEDED:
-        _announce_if_cancelled(self)
+        _announce_skipped(self)
         raise Ignore()
     return value
 
 
-def _announce_if_cancelled(task: LeaseTask) -> None:
+def _announce_skipped(task: LeaseTask) -> None:
+    """Tell Flower why a delivery ran nothing: cancelled, or pending (held, not yet due)."""
     if not events.enabled(task):
         return
     try:
@@ -395,3 +396,5 @@ def _announce_if_cancelled(task: LeaseTask) -> None:
         return
     if job is not None and job.status is Status.CANCELLED:
         events.revoked(task)
+    elif job is not None and job.status is Status.PENDING:
+        events.held(task)

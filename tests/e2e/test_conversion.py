@@ -45,7 +45,7 @@ def test_logs_say_what_matters_and_nothing_more(pg, broker, client_app, workers,
 def test_an_apps_own_result_backend_answers_for_leased_jobs(pg, broker, client_app, workers):
     """A shop keeps Redis as its result backend: plain tasks store there, leased jobs in
     their rows, and Celery's generic result API reads both."""
-    from celery import group
+    from celery import chord, group
     from celery.result import AsyncResult
 
     own = {"result_backend": broker.rsplit("/", 1)[0] + "/1"}
@@ -61,6 +61,9 @@ def test_an_apps_own_result_backend_answers_for_leased_jobs(pg, broker, client_a
     assert result.get(timeout=30) == [3, 7, {"n": 11}]
     assert result.join_native(timeout=5) == [3, 7, {"n": 11}]
     assert mod.app.AsyncResult(str(uuid.uuid4())).state == "PENDING"  # an unknown id stays PENDING
+    # A chord with a leased header counts down in celery-lease's row, not in Redis.
+    counted = chord([mod.inc.s({"n": 1}), mod.inc.s({"n": 2})], mod.total.s()).apply_async()
+    assert counted.get(timeout=30) == 5
 
 
 def test_a_pool_process_killed_mid_job_releases_its_lease_at_once(pg, broker, client_app, workers, marker_dir):

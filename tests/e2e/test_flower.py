@@ -107,3 +107,23 @@ def test_flower_shows_a_failed_job_with_its_stored_error_only(pg, broker, client
     assert mod.leases.wait(job.id, 30).status is Status.FAILED
     shown = _state_in_flower(flower, job.id, "FAILURE")
     assert "source table is empty" in shown["exception"]
+
+
+def test_flower_shows_revoked_after_progress_and_held_instead_of_started(pg, broker, client_app, workers, flower):
+    mod = client_app(pg, broker, conf=EVENTS)
+    workers(pg, broker, conf=EVENTS)
+    # Cancelled after it published progress: REVOKED, not PROGRESS forever.
+    job = mod.steps.submit({"steps": 2000, "sleep": 0.05})
+    wait_for(lambda: ((mod.leases.get(job.id).progress or {}).get("done") or 0) >= 3, timeout=30, what="progress")
+    _state_in_flower(flower, job.id, "PROGRESS")
+    assert mod.leases.cancel(job.id)
+    _state_in_flower(flower, job.id, "REVOKED")
+    # Held by a pause: HELD, not the STARTED Celery announced for its wakeup; STARTED and
+    # then SUCCESS once it runs.
+    mod.leases.pause("echo")
+    held = mod.echo.submit({"value": 1})
+    _state_in_flower(flower, held.id, "HELD")
+    assert mod.leases.get(held.id).status is Status.PENDING
+    mod.leases.resume("echo")
+    assert mod.leases.wait(held.id, 30).status is Status.SUCCEEDED
+    _state_in_flower(flower, held.id, "SUCCESS")
