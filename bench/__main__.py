@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     flow_p.add_argument("--samples", type=int, default=500, help="timed claims per variant (default 500)")
     flow_p.add_argument("--n", type=int, default=1000, help="no-op jobs per drain (default 1000)")
     flow_p.add_argument("--reps", type=int, default=2, help="interleaved drains per kind (default 2)")
+    flow_p.add_argument("--handover", type=int, default=120, help="jobs of a concurrency=1 kind for the handover (default 120)")
+    flow_p.add_argument("--only", choices=["all", "handover"], default="all", help="run only the handover part")
     flow_p.add_argument("--results", type=Path, default=RESULTS)
     dash_p = sub.add_parser("dashboard", help="every dashboard page's time with --rows jobs in the table (~3 min at 1M)")
     dash_p.add_argument("--rows", type=int, default=1_000_000, help="finished jobs (default 1,000,000)")

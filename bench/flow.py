@@ -5,17 +5,21 @@
 
    * ``claim_job`` as it was before flow control (the prepared claim + run-event CTE
      built on the unchanged ``claim_job``): the baseline;
-   * the claim of an unlimited kind now (``claim_job_flow``: + pause guard + priority
+   * the claim of an unlimited kind now (``claim.claim``: + pause guard + priority
      probe), through ``FlowControl.claim`` as a worker calls it;
    * the claim of a ``concurrency=64`` kind and of a ``rate_limit="100000/s"`` kind (one
      transaction under the kind's limits row lock; limits never reached);
-   * the release of a limited job's slot (``FlowControl.release``: one transaction that
+   * the release of a limited job's slot (``FlowControl.release(rows)``: one transaction that
      locks the row, counts running jobs and wakes nobody).
 
    Each claimed job is completed (untimed) before the next sample.
 2. End to end: one ``celery worker -c 2`` drains N no-op jobs of each kind (unlimited,
    concurrency=64, rate 100000/s), interleaved, repeated; jobs/s from the rows' own
    first claim and last completion.
+3. Handover: two workers drain ``--handover`` (120) no-op jobs of a ``concurrency=1``
+   kind, submitted at once: every job but the first waits for the previous one's
+   release to wake it. Seconds from submit to the last completion.
+   ``python -m bench flow --only handover`` runs this part alone.
 
 Output: ``bench/results/flow.{json,md}``.
 """
@@ -40,35 +44,16 @@ KINDS = ("noop", "noop_limited", "noop_rated")
 
 
 def _claim_before_flow_control():
-    """The worker's claim statement as it was before flow control: claim_job (which
-    flow control leaves untouched) and the run's 'claimed' event, as one CTE."""
-    from celery_lease.db import queries as q
-    from celery_lease.db.schema import events
-    from celery_lease.status import Event
+    """The worker's claim statement as it was before flow control: the claim of the
+    delivered job (no pause guard, no priority swap) and its run event, as one CTE."""
+    from celery_lease.db.statements import claim
 
-    claimed = q.claim_job().cte("claimed")
-    logged = (
-        sa.insert(events)
-        .from_select(
-            ["run_id", "job_id", "event", "attempt", "detail", "created_at"],
-            sa.select(
-                claimed.c.run_id,
-                claimed.c.id,
-                sa.literal(Event.CLAIMED.value),
-                claimed.c.attempt,
-                sa.bindparam("owner", type_=sa.Text),
-                q.db_now(),
-            ).where(claimed.c.run_id.is_not(None)),
-        )
-        .cte("logged")
-    )
-    return sa.select(claimed).add_cte(logged)
+    return claim.claim(swap=False)
 
 
 def statements(leases, tasks, samples: int) -> dict:
     from celery_lease.db import queries as q
     from celery_lease.db.prepared import Prepared
-    from celery_lease.worker.attempt import Attempt
 
     store, flow = leases.store, leases.flow
     before = Prepared(_claim_before_flow_control())
@@ -90,14 +75,13 @@ def statements(leases, tasks, samples: int) -> dict:
             if name == "before":
                 row = store.execute_prepared(before, {"job_id": job_id, "owner": OWNER, "wakeup_task": specs["noop"].task})[0]
             else:
-                row = flow.claim(job_id, specs[name], OWNER, None)
+                row = flow.claim(job_id, specs[name], OWNER)
             elapsed = time.perf_counter() - started
             assert row is not None, f"{name}: claim refused"
             complete(row)
             if name in ("noop_limited", "noop_rated"):
-                attempt = Attempt.from_claim(str(row["id"]), row)
                 started = time.perf_counter()
-                flow.release(attempt)
+                flow.release([row])
                 if name == "noop_limited" and i >= 5:
                     timings["release"].append((time.perf_counter() - started) * 1e6)
             if i >= 5:
@@ -123,6 +107,23 @@ def drain(leases, tasks, kind: str, n: int, timeout: float = 120) -> float:
     return n / (last - first).total_seconds()
 
 
+def handover(leases, tasks, n: int, timeout: float = 900) -> float:
+    """Seconds for n jobs of a concurrency=1 kind, submitted at once, to all succeed."""
+    count = sa.text("SELECT count(*) FROM celery_lease_jobs WHERE kind = 'noop_one' AND status = 'succeeded'")
+    started = time.monotonic()
+    tasks["noop_one"].submit_many([{}] * n)
+
+    def done() -> bool:
+        with leases.store.durable.connect() as conn:
+            return conn.execute(count).scalar() >= n
+
+    harness.wait_for(done, timeout=timeout, interval=0.05, what=f"{n} noop_one jobs")
+    elapsed = time.monotonic() - started
+    with leases.store.durable.begin() as conn:
+        conn.execute(sa.text("DELETE FROM celery_lease_jobs WHERE kind = 'noop_one'"))
+    return elapsed
+
+
 def main(args, log) -> int:
     from bench.apps.lease import make_app
 
@@ -137,10 +138,11 @@ def main(args, log) -> int:
             url = dbs.create("flow")
             app, leases, tasks = make_app(url, redis.url)
             leases.create_schema()
-            results["statements"] = statements(leases, tasks, args.samples)
-            log(f"statements: {results['statements']}")
-            with leases.store.durable.begin() as conn:
-                conn.execute(sa.text("DELETE FROM celery_lease_jobs"))
+            if args.only != "handover":
+                results["statements"] = statements(leases, tasks, args.samples)
+                log(f"statements: {results['statements']}")
+                with leases.store.durable.begin() as conn:
+                    conn.execute(sa.text("DELETE FROM celery_lease_jobs"))
             env = {
                 **os.environ,
                 "BENCH_BROKER": redis.url,
@@ -152,19 +154,36 @@ def main(args, log) -> int:
                 [harness.celery(), "-A", "bench.apps.lease", *CELERY_WORKER, "-n", "flow@bench"], env, out
             )
             worker.start()
-            rates: dict[str, list[float]] = {k: [] for k in KINDS}
-            for rep in range(args.reps):
-                for kind in KINDS:
-                    rates[kind].append(drain(leases, tasks, kind, args.n))
-                log(f"rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:.0f}/s" for k, v in rates.items()))
-            results["drain_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
-            results["drain_all"] = rates
+            if args.only != "handover":
+                rates: dict[str, list[float]] = {k: [] for k in KINDS}
+                for rep in range(args.reps):
+                    for kind in KINDS:
+                        rates[kind].append(drain(leases, tasks, kind, args.n))
+                    log(f"rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:.0f}/s" for k, v in rates.items()))
+                results["drain_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
+                results["drain_all"] = rates
+            (out / "second").mkdir()
+            second = harness.WorkerProcess(
+                [harness.celery(), "-A", "bench.apps.lease", *CELERY_WORKER, "-n", "flow2@bench"],
+                {**env, "BENCH_OUT": str(out / "second")},
+                out / "second",
+            )
+            second.start()
+            try:
+                results["handover_s"] = handover(leases, tasks, args.handover)
+            finally:
+                second.kill()
+            log(f"handover: {args.handover} jobs of a concurrency=1 kind on 2 workers in {results['handover_s']:.1f} s")
             leases.store.dispose()
         finally:
             if worker is not None:
                 worker.kill()
             redis.stop()
             dbs.close()
+    handover_line = f"handover: {args.handover} no-op jobs of a concurrency=1 kind, 2 workers -c 2: {results['handover_s']:.1f} s"
+    if args.only == "handover":
+        print(handover_line)
+        return 0
     st, dr = results["statements"], results["drain_per_s"]
     base = st["before"]["median_us"]
     lines = [
@@ -176,7 +195,7 @@ def main(args, log) -> int:
             + " |"
             for k, label in (
                 ("before", "claim_job before flow control (baseline)"),
-                ("noop", "unlimited kind (claim_job_flow)"),
+                ("noop", "unlimited kind (claim.claim)"),
                 ("noop_limited", "concurrency=64"),
                 ("noop_rated", 'rate_limit="100000/s"'),
                 ("release", "release of a concurrency slot (after the outcome)"),
@@ -186,6 +205,8 @@ def main(args, log) -> int:
         f"| drain, 1 worker -c 2, {args.n} no-op jobs, median of {args.reps} | jobs/s | vs. unlimited |",
         "|---|---|---|",
         *(f"| {k} | {dr[k]:.0f} | {dr[k] / dr['noop'] - 1:+.0%} |" for k in KINDS),
+        "",
+        handover_line,
     ]
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "flow.json").write_text(json.dumps(results, indent=2))

@@ -404,6 +404,17 @@ def make_job():
 
 
 @pytest.fixture
+def pg_proxy():
+    """A TcpProxy to the test PostgreSQL (tests/harness/tcpproxy.py): ``url_for(db)``."""
+    from tests.harness.tcpproxy import TcpProxy
+
+    url = sa.engine.make_url(PG_ADMIN)
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432).start()
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
 def marker_dir(tmp_path):
     d = tmp_path / "markers"
     d.mkdir()

@@ -49,6 +49,8 @@ def make_app(db: str | None, broker: str | None, job_options: dict | None = None
     # so what differs from noop is only the cost of the limit at claim and release.
     tasks["noop_limited"] = _job(leases, "noop_limited", {"concurrency": 64}, body_name="noop")
     tasks["noop_rated"] = _job(leases, "noop_rated", {"rate_limit": "100000/s"}, body_name="noop")
+    # The handover of one slot: each job waits for the previous one's release.
+    tasks["noop_one"] = _job(leases, "noop_one", {"concurrency": 1}, body_name="noop")
     return app, leases, tasks
 
 

@@ -10,7 +10,9 @@ Two kinds of commit share one database:
   survives a crash of PostgreSQL. Batched successes share one flush (Completer).
 * fast: progress and checkpoint writes only. On PostgreSQL they commit with
   ``synchronous_commit = off``: a crash can lose the last few hundred milliseconds of
-  them, which only repeats work from an earlier checkpoint.
+  them, which only repeats work from an earlier checkpoint. A statement marked
+  durable in the catalogue (:mod:`celery_lease.db.durability`) commits synchronously
+  even there.
 
 Database errors never carry the driver's text outward (it can hold host names or
 credentials): they surface as DatabaseUnavailable naming the setting.
@@ -31,6 +33,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine, make_url
 
 from celery_lease import green
+from celery_lease.db import durability
 from celery_lease.db.prepared import Prepared
 from celery_lease.errors import ConfigurationError, DatabaseUnavailable
 
@@ -220,6 +223,8 @@ class Database:
         if self.dialect == "sqlite":
             sa.event.listen(engine, "connect", _on_sqlite_connect)
             sa.event.listen(engine, "begin", _on_sqlite_begin)
+        else:
+            sa.event.listen(engine, "before_cursor_execute", durability.on_cursor_execute, retval=True)
         return engine
 
     def engine(self, *, fast: bool = False, single: bool = False, heartbeat: bool = False) -> Engine:

@@ -24,6 +24,8 @@ from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import BinaryExpression
 
+from celery_lease.db import durability
+
 # Compiles with $1, $2 ... placeholders (what PREPARE takes) and their order.
 _DOLLAR = PGDialect_psycopg2(paramstyle="numeric_dollar")
 _names = (f"celery_lease_{n}" for n in itertools.count())
@@ -84,6 +86,10 @@ class Prepared:
         self.prepare_sql = f"PREPARE {self.name} ({', '.join(types)}) AS {compiled.string}"
         placeholders = ", ".join(["%s"] * len(self._order))
         self.execute_sql = f"EXECUTE {self.name} ({placeholders})" if self._order else f"EXECUTE {self.name}"
+        #: Declared on the statement (durability.durable): commits synchronously.
+        self.durable = durability.is_durable(stmt)
+        if self.durable:
+            self.execute_sql = durability.SYNC_ON + self.execute_sql
 
     def values(self, params: dict[str, Any]) -> list[Any]:
         merged = {**self._defaults, **params}
@@ -125,7 +131,9 @@ class PreparedScript(Prepared):
     def __init__(self, *parts: Prepared) -> None:
         self.parts = parts
         self.name = "+".join(p.name for p in parts)
+        # A durable part carries SYNC_ON: its SET LOCAL holds for the whole script.
         self.execute_sql = "; ".join(p.execute_sql for p in parts)
+        self.durable = any(p.durable for p in parts)
 
     def values(self, params: dict[str, Any]) -> list[Any]:
         return [value for part in self.parts for value in part.values(params)]

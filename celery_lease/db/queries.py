@@ -7,7 +7,8 @@ Statements are SQLAlchemy Core constructs with bound parameters; statuses come f
   ``id``, ``status = 'running'`` and the ``lease_generation`` the attempt claimed;
   zero rows means the lease is lost and the caller discards the write;
 * revoking statements (cancel, reap, recovery) bump ``lease_generation``, so any
-  attempt still running holds a stale token from that moment on;
+  attempt still running holds a stale token from that moment on; like the claims,
+  they are marked durable (celery_lease.db.durability);
 * nothing ever matches a terminal status, so a finished job never changes again.
 
 Statements with no arguments are built once (``functools.cache``): a construct is
@@ -30,6 +31,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.dml import ReturningDelete
 from sqlalchemy.sql.functions import FunctionElement
 
+from celery_lease.db.durability import durable
 from celery_lease.db.schema import ID, chords, events, jobs, limits, runs
 from celery_lease.status import TERMINAL, Event, Status
 
@@ -100,12 +102,13 @@ def _due(t) -> sa.ColumnElement:
     return sa.or_(t.run_after.is_(None), t.run_after <= db_now())
 
 
-def _delivered() -> sa.ColumnElement[bool]:
-    """The job a wakeup names (:job_id), pending and due. Guarded by the job's own task
-    too: a wakeup is untrusted input, and a message for kind B's task carrying kind A's
-    job id must match nothing (it would run B's handler on A's payload)."""
+def _delivered(job_id: Any = None) -> sa.ColumnElement[bool]:
+    """The job a wakeup names (:job_id, or ``job_id``: the claim's target), pending and
+    due. Guarded by the job's own task too: a wakeup is untrusted input, and a message
+    for kind B's task carrying kind A's job id must match nothing (it would run B's
+    handler on A's payload)."""
     return sa.and_(
-        _c.id == sa.bindparam("job_id"),
+        _c.id == (sa.bindparam("job_id") if job_id is None else job_id),
         _c.task == sa.bindparam("wakeup_task", type_=_c.task.type),
         _c.status == Status.PENDING.value,
         _due(_c),
@@ -685,7 +688,7 @@ def cancel_jobs(
         where = _c.run_id == run_id
     else:
         where = sa.and_(_c.id.in_(list(ids)), _c.task.in_(list(tasks)))
-    return (
+    return durable(
         sa.update(jobs)
         .where(where, _c.status.in_(_ACTIVE))
         .values(
@@ -777,7 +780,7 @@ def reap_expired(dialect: str) -> sa.Update:
     values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal(LEASE_EXPIRED)), else_=_c.error)
     batch = _batch("expired", _lease_elapsed, _c.lease_expires_at, "limit")
     # Locked by this statement: still running and expired.
-    return sa.update(jobs).where(_picked(batch, dialect)).values(**values).returning(*REQUEUED_COLUMNS)
+    return durable(sa.update(jobs).where(_picked(batch, dialect)).values(**values).returning(*REQUEUED_COLUMNS))
 
 
 @functools.cache
@@ -788,7 +791,7 @@ def reap_expired_logged() -> sa.Select:
     The events are those Store.log_events would append (detail "lease expired: <status>")."""
     reaped = reap_expired("postgresql").cte("reaped")
     logged = _events_of(reaped, sa.literal(Event.REAPED.value), sa.literal(f"{LEASE_EXPIRED}: ") + reaped.c.status, "logged")
-    return sa.select(reaped).add_cte(logged)
+    return durable(sa.select(reaped).add_cte(logged))
 
 
 def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
@@ -805,7 +808,7 @@ def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
     )
     values = _requeue_or(Status.FAILED)
     values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal("interrupted by restart")), else_=_c.error)
-    return sa.update(jobs).where(where).values(**values).returning(*REQUEUED_COLUMNS)
+    return durable(sa.update(jobs).where(where).values(**values).returning(*REQUEUED_COLUMNS))
 
 
 def _count(batch: sa.CTE) -> sa.ScalarSelect:

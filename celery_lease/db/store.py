@@ -3,7 +3,7 @@
 It runs them on a :class:`~celery_lease.db.engine.Database` (engines, transactions,
 prepared statements) and turns rows into :class:`~celery_lease.job.Job` values. Run
 events are built here, in :meth:`Store.log_events`, and nowhere else, but by the
-PostgreSQL statements that write their own (claim.claim_job_logged,
+PostgreSQL statements that write their own (statements.claim.claim,
 queries.reap_expired_logged: the same rows, in the same statement). The transitions
 that end attempts or jobs are executed by celery_lease/lifecycle, not here.
 """
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -21,13 +20,13 @@ from sqlalchemy.engine import Connection
 
 from celery_lease.db import queries as q
 from celery_lease.db.chords import Chords
+from celery_lease.db.claims import Claims
 from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.prepared import Prepared
 from celery_lease.db.reads import Reads
 from celery_lease.db.statements import claim
-from celery_lease.errors import DatabaseUnavailable
 from celery_lease.job import Job
-from celery_lease.status import Event, Status
+from celery_lease.status import Event
 
 log = logging.getLogger("celery_lease")
 
@@ -38,17 +37,7 @@ def _event_source(job: Any) -> tuple[Any, Any, int]:
     return job.run_id, getattr(job, "job_id", None) or job.id, job.attempt
 
 
-@dataclass(eq=False)
-class RidingSuccesses:
-    """complete_jobs parameters for ``count`` attempts, sent with a claim. ``done``: the ids
-    completed (those that landed before a lost reply too), or None if sent without them."""
-
-    params: dict[str, Any]
-    count: int
-    done: set[str] | None = None
-
-
-class Store(Reads, Chords, Database):
+class Store(Reads, Chords, Claims, Database):
     def __init__(
         self, url: str, *, source: str = "database_url", prepare_statements: bool = True, timeouts: Timeouts | None = None
     ) -> None:
@@ -57,7 +46,7 @@ class Store(Reads, Chords, Database):
         self._prepared: dict[str, Prepared] | None = None
         if self.dialect == "postgresql" and prepare_statements:
             self._prepared = {
-                "claim": Prepared(claim.claim_job_logged()),
+                "claim": Prepared(claim.claim()),
                 "insert_batch": Prepared(q.insert_job_batch(on_key_conflict_nothing=False)),
             }
 
@@ -155,94 +144,6 @@ class Store(Reads, Chords, Database):
         return self.transaction(self.durable, work, connection=connection)
 
     # --- lease life ------------------------------------------------------------------
-
-    def claim(
-        self,
-        job_id: str,
-        owner: str,
-        task: str,
-        *,
-        may_adopt: Callable[[int], bool] | None = None,
-        successes: RidingSuccesses | None = None,
-    ) -> dict[str, Any] | None:
-        """Claim a job for one attempt; None when the delivery is a duplicate, names a
-        job of another task than the one it was delivered to, or flow control refuses
-        it (celery_lease.flow tells which). The row's id is the job claimed: a
-        higher-priority job of the same kind may be claimed instead. A row whose
-        ``status`` is ``cancelled`` is a job the claim found in a cancelled run (and
-        cancelled): it must not start.
-
-        A claim retried after a dropped connection may have landed before its reply was
-        lost; then the retry matches nothing (the job is running) and the job is
-        adopted if it runs under this ``owner`` and ``may_adopt(its generation)`` (no
-        other attempt of it lives in this process; see queries.adopt_claim), instead of
-        being left running with no body until its lease expires.
-
-        With ``successes`` (PostgreSQL, prepared statements), they are written by the
-        same statement; see :class:`RidingSuccesses` for what the caller learns.
-        """
-        params = {"job_id": job_id, "owner": owner, "wakeup_task": task}
-        retried: list[bool] = []
-
-        def note_retry() -> None:
-            retried.append(True)
-
-        row: Any
-        if self._prepared is not None:
-            rows = None if successes is None else self._claim_completing(params, successes, retried)
-            if rows is None:
-                rows = self.execute_prepared(self._prepared["claim"], params, on_retry=note_retry)
-            row = rows[0] if rows else None
-        elif self.dialect == "postgresql":
-            row = self.transaction(
-                self.engine(single=True),
-                lambda conn: conn.execute(claim.claim_job_logged(), params).mappings().first(),
-                on_retry=note_retry,
-            )
-        else:
-
-            def work(conn):
-                # The job claimed may be another than job_id: see claim.claim_job_flow.
-                claimed = conn.execute(claim.claim_job_flow(), params).mappings().first()
-                if claimed is not None:
-                    run_cancelled = claimed["status"] == Status.CANCELLED.value
-                    event, detail = (Event.CANCELLED, claim.RUN_CANCELLED) if run_cancelled else (Event.CLAIMED, owner)
-                    self.log_events(conn, [(claimed, event, detail)])
-                return claimed
-
-            row = self.transaction(self.durable, work, on_retry=note_retry)
-        if row is None and retried and may_adopt is not None:
-            adopt = claim.adopt_claim()
-            row = self.transaction(self.engine(single=True), lambda conn: conn.execute(adopt, params).mappings().first())
-            if row is not None and not may_adopt(row["lease_generation"]):
-                row = None  # an attempt of this process holds it: a duplicate after all
-            if row is not None:
-                log.warning("celery-lease: job %s: its claim had landed before the reply was lost; adopted", job_id)
-        return None if row is None else dict(row)
-
-    def _claim_completing(self, params: dict[str, Any], successes: RidingSuccesses, retried: list[bool]) -> list[dict] | None:
-        """The claim with ``successes`` riding on it; None when the statement failed on
-        something else than a lost database (a value it refused): the claim is then sent
-        alone, and ``successes.done`` stays None."""
-        assert self._prepared is not None
-        key = f"claim_complete_{successes.count}"
-        stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(claim.claim_job_completing(successes.count)))
-        try:
-            (row,) = self.execute_prepared(stmt, {**params, **successes.params}, on_retry=lambda: retried.append(True))
-        except DatabaseUnavailable:
-            raise
-        except Exception:
-            log.warning("celery-lease: a claim carrying %d success(es) failed; claiming alone", successes.count, exc_info=True)
-            return None
-        done = set(row.pop("completed") or ())
-        if retried and len(done) < successes.count:
-            keys = [(str(successes.params[f"job_id_{i}"]), successes.params[f"generation_{i}"]) for i in range(successes.count)]
-            try:
-                done |= self.landed_successes([k for k in keys if k[0] not in done])
-            except DatabaseUnavailable:
-                pass  # the caller re-checks each missing one (fenced), which settles it
-        successes.done = done
-        return [] if row["id"] is None else [row]
 
     def renew(self, leases: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bool]:
         """Renew many (job, generation) leases in one statement, on the heartbeat's own

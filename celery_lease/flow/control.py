@@ -32,18 +32,22 @@ from typing import TYPE_CHECKING, Any
 
 from celery_lease.flow.limits import Rate
 from celery_lease.flow.store import ClaimResult, FlowStore
-from celery_lease.status import Held
+from celery_lease.status import Held, Status
 from celery_lease.wakeups import RETRY_POLICY
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from celery_lease.db.store import RidingSuccesses, Store
+    from celery_lease.db.claims import RidingSuccesses
+    from celery_lease.db.store import Store
     from celery_lease.kinds import JobKind, Registry
     from celery_lease.settings import Settings
 
 log = logging.getLogger("celery_lease.flow")
 
+#: Seconds: the least countdown of a rate window's wakeup sent again because it came
+#: early, so hosts whose clocks disagree never send it back and forth in a tight loop.
+MIN_COUNTDOWN = 0.05
 #: What a view of flow control shows per (kind, key).
 STATES = ("running", "waiting_limit", "waiting_rate", "waiting_pause", "pending")
 _WAITING = {Held.LIMIT.value: "waiting_limit", Held.RATE.value: "waiting_rate", Held.PAUSE.value: "waiting_pause"}
@@ -75,15 +79,16 @@ class FlowControl:
         job_id: str,
         spec: JobKind,
         owner: str,
-        queue: str | None,
         *,
-        may_adopt: Callable[[int], bool] | None = None,
+        may_adopt: Callable[[str, int], bool] | None = None,
         successes: RidingSuccesses | None = None,
     ) -> dict[str, Any] | None:
         """Claim the job a delivery names (or a better one); None when nothing is
-        claimed. Held jobs are marked; whatever must be woken is published.
-        ``may_adopt``, ``successes``: see Store.claim (a limited kind's claim carries
-        no successes: ``successes.done`` stays None)."""
+        claimed. Held jobs are marked; whatever must be woken is published, always to
+        the queue stored in the job's row (never the delivery's routing key: a
+        message is untrusted input).
+        ``may_adopt``, ``successes``: see Store.claim (a limited kind's claim, which
+        may wait for its kind's lock, carries none: the caller keeps them out of it)."""
         limits = spec.limits
         for _ in range(2):  # a second time only when nothing held a claimable job
             if limits is None:
@@ -91,43 +96,55 @@ class FlowControl:
                 successes = None  # written (or not) by the first claim
                 result = ClaimResult(row=row) if row is not None else self._db.hold(job_id, spec.task)
             else:
-                result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits)
+                assert successes is None, "successes must not wait for a limited kind's lock"
+                result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits, may_adopt=may_adopt)
             if not result.retry:
                 break
-        self._publish_result(result, spec, queue)
+        if result.wake:
+            self._publish(result.wake)
+        if result.later is not None:
+            self._publish_later(*result.later)
         row = result.row
         if row is None:
             if result.held is not None:
                 log.info("celery-lease: job %s (%s): held by its %s", job_id, spec.kind, result.held)
             elif limits is not None:
-                # A spent or duplicate delivery of a limited kind (its job was claimed
-                # by a higher-priority swap, cancelled, ...): if it carried a rate
-                # window's wakeup, make sure the window's capacity is used.
-                target = self._db.claim_target(job_id)
-                if target is not None:
-                    self._publish(self._db.top_up(*target))
+                self._spent(job_id)
             return None
         if str(row["id"]) != job_id:
             log.info("celery-lease: job %s (%s): claimed higher-priority job %s in its place", job_id, spec.kind, row["id"])
-            self._publish([{"id": job_id, "task": spec.task, "queue": queue}])
+            # The swap never leaves the kind and queue: the claimed row's queue is the delivered job's.
+            self._publish([{"id": job_id, "task": spec.task, "queue": row["queue"]}])
         return row
 
-    def _publish_result(self, result: ClaimResult, spec: JobKind, queue: str | None) -> None:
-        if result.wake:
-            self._publish(result.wake)
-        if result.later is not None:
-            seconds, wakeup = result.later
-            try:
-                self._app.send_task(
-                    spec.task,
-                    task_id=wakeup["id"],
-                    queue=queue or spec.queue,
-                    countdown=seconds,
-                    add_to_parent=False,
-                    retry_policy=RETRY_POLICY,
-                )
-            except Exception as exc:
-                log.warning("celery-lease: cannot schedule the next rate window's wakeup (%s)", type(exc).__name__)
+    def _spent(self, job_id: str) -> None:
+        """A delivery of a limited kind that claimed nothing and held nothing."""
+        target = self._db.claim_target(job_id)
+        if target is None:
+            return
+        if target["status"] == Status.PENDING.value and target["held"] == Held.RATE.value and target["wait"]:
+            # A rate window's wakeup delivered early (the publishing host's clock is
+            # behind the database's): sent again for the time left, by the database clock.
+            self._publish_later(max(MIN_COUNTDOWN, float(target["wait"])), target)
+        else:
+            # Spent or duplicate (its job was claimed by a higher-priority swap,
+            # cancelled, ...): if it carried a rate window's wakeup, make sure the
+            # window's capacity is used.
+            self._publish(self._db.top_up(target["kind"], target["concurrency_key"]))
+
+    def _publish_later(self, seconds: float, wakeup: dict) -> None:
+        """A rate window's wakeup, due in ``seconds`` (database clock) on its job's queue."""
+        try:
+            self._app.send_task(
+                wakeup["task"],
+                task_id=str(wakeup["id"]),
+                queue=wakeup["queue"],
+                countdown=seconds,
+                add_to_parent=False,
+                retry_policy=RETRY_POLICY,
+            )
+        except Exception as exc:
+            log.warning("celery-lease: cannot schedule the next rate window's wakeup (%s)", type(exc).__name__)
 
     def holds_slot(self, kind: str) -> bool:
         """True for a kind with a concurrency limit: its jobs' ends must free their slot

@@ -20,9 +20,10 @@ from celery_lease.db.queries import (
     _PENDING,
     _RUNNING,
     WAKEUP_COLUMNS,
+    _batch,
     _c,
     _delivered,
-    _due,
+    _picked,
     _seconds,
     db_now,
     db_now_plus,
@@ -32,16 +33,16 @@ from celery_lease.db.schema import jobs, limits, pauses
 from celery_lease.status import Held, Status
 
 
-def _running_like(t) -> sa.ScalarSelect:
-    """How many jobs of t's kind and concurrency key are running."""
+def _running_like(kind, key) -> sa.ScalarSelect:
+    """How many jobs of ``kind`` and concurrency key ``key`` are running."""
     slots = jobs.alias("slots")
     return (
         sa.select(sa.func.count())
         .select_from(slots)
         .where(
             slots.c.status == _RUNNING,
-            slots.c.kind == t.kind,
-            slots.c.concurrency_key.is_not_distinct_from(t.concurrency_key),
+            slots.c.kind == kind,
+            slots.c.concurrency_key.is_not_distinct_from(key),
         )
         .scalar_subquery()
     )
@@ -74,6 +75,22 @@ def _rate_window_sqlite(element, compiler, **kw):
     return f"CAST({epoch} / {per} AS INTEGER)"
 
 
+#: Seconds: a database clock this far behind the start of the stored rate window has
+#: stepped back (NTP, a failover to another host). Far more than any claim's lock wait
+#: (pooled connections have a lock_timeout): a claim whose transaction began a moment
+#: before the stored window is a lock wait across the boundary, not a step back.
+STEP_BACK_SECONDS = 60
+
+
+def _new_window(row) -> sa.ColumnElement[bool]:
+    """The database clock is past the stored rate window, or stepped back behind it:
+    the current window is a new one (its count starts again). Without the step back, a
+    clock set back an hour froze a rate-limited kind for an hour."""
+    now = rate_window_now(row.per_seconds)
+    stepped_back = epoch_seconds(db_now()) < row.rate_window * row.per_seconds - STEP_BACK_SECONDS
+    return sa.or_(now > row.rate_window, stepped_back)
+
+
 def _rate_open(row) -> sa.ColumnElement:
     """A limits row's rate window still takes a claim. A claim whose transaction began
     in an older window than the one stored (it waited for the lock across the
@@ -82,7 +99,7 @@ def _rate_open(row) -> sa.ColumnElement:
     now = rate_window_now(row.per_seconds)
     return sa.case(
         (row.rate.is_(None), sa.true()),
-        (now > row.rate_window, sa.true()),
+        (_new_window(row), sa.true()),
         (now == row.rate_window, row.rate_claims < row.rate),
         else_=sa.false(),
     )
@@ -103,7 +120,7 @@ def count_rate_claim() -> sa.Update:
         .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None))
         .values(
             rate_window=now,
-            rate_claims=sa.case((limits.c.rate_window == now, limits.c.rate_claims + 1), else_=1),
+            rate_claims=sa.case((_new_window(limits.c), 1), else_=limits.c.rate_claims + 1),
         )
         .returning(limits.c.rate_claims)
     )
@@ -113,7 +130,7 @@ def count_rate_claim() -> sa.Update:
 def hold_job() -> sa.Update:
     """hold_job: a delivery flow control refused leaves its job pending, marked with
     why: 'pause' (its kind is paused), and for a :limited kind 'rate' (its rate
-    window is spent) or 'limit' (:concurrency jobs of its kind and key run). held NULL
+    window is spent) or 'limit' (:slots jobs of its kind and key run). held NULL
     in the result means nothing holds it now: the caller claims again. Run under the
     kind's limits row lock (after lock_limits_row) for a limited kind, so the reason is
     decided on the same state a release sees.
@@ -125,10 +142,11 @@ def hold_job() -> sa.Update:
     """
     paused = sa.exists(sa.select(pauses.c.kind).where(pauses.c.kind == _c.kind).with_for_update(read=True))
     limited = sa.bindparam("limited", type_=sa.Boolean)
+    full = _running_like(_c.kind, _c.concurrency_key) >= sa.bindparam("slots", type_=sa.Integer)
     reason = sa.case(
         (paused, Held.PAUSE.value),
         (sa.and_(limited, sa.not_(sa.func.coalesce(_rate_open_for(_c.kind), sa.true()))), Held.RATE.value),
-        (sa.and_(limited, _running_like(_c) >= sa.bindparam("concurrency", type_=sa.Integer)), Held.LIMIT.value),
+        (sa.and_(limited, full), Held.LIMIT.value),
         else_=None,
     )
     return (
@@ -141,7 +159,13 @@ def hold_job() -> sa.Update:
 
 @functools.cache
 def get_claim_target() -> sa.Select:
-    return sa.select(_c.kind, _c.concurrency_key, _c.status).where(_c.id == sa.bindparam("job_id"))
+    """What a delivery that claimed nothing names: the job's kind, key, status, held
+    reason, wakeup (task, queue) and ``wait``: seconds until it is due, by the database
+    clock (NULL when due)."""
+    wait = sa.case((_c.run_after > db_now(), epoch_seconds(_c.run_after) - epoch_seconds(db_now())), else_=sa.null())
+    return sa.select(*WAKEUP_COLUMNS, _c.kind, _c.concurrency_key, _c.status, _c.held, wait.label("wait")).where(
+        _c.id == sa.bindparam("job_id")
+    )
 
 
 @functools.cache
@@ -157,12 +181,24 @@ def lock_limits(dialect: str) -> sa.Insert:
         per_seconds=sa.bindparam("new_per_seconds"),
         updated_at=db_now(),
     )
+    # A new window length ("5/s" redeployed as "300/m"): the stored window numbers
+    # count windows of the old length; re-based to the new one (the window that holds
+    # the same instant), so a window's claims still count, and the next window's wakeup
+    # may be scheduled again. (Kept as they were, every claim was refused for good.)
+    old, new = limits.c.per_seconds, stmt.excluded.per_seconds
+    resized = sa.and_(old.is_not(None), new.is_not(None), old != new)
+
+    def rebased(window: sa.ColumnElement) -> sa.ColumnElement:
+        return sa.case((resized, (window * old) // new), else_=window)
+
     return stmt.on_conflict_do_update(
         index_elements=[limits.c.kind],
         set_={
             "concurrency": stmt.excluded.concurrency,
             "rate": stmt.excluded.rate,
-            "per_seconds": stmt.excluded.per_seconds,
+            "per_seconds": new,
+            "rate_window": rebased(limits.c.rate_window),
+            "woken_window": sa.case((resized, 0), else_=limits.c.woken_window),
             "updated_at": db_now(),
         },
     )
@@ -175,7 +211,7 @@ def lock_limits_row() -> sa.Select:
     now = rate_window_now(limits.c.per_seconds)
     budget = sa.case(
         (limits.c.rate.is_(None), sa.null()),
-        (now > limits.c.rate_window, limits.c.rate),
+        (_new_window(limits.c), limits.c.rate),
         (sa.and_(now == limits.c.rate_window, limits.c.rate > limits.c.rate_claims), limits.c.rate - limits.c.rate_claims),
         else_=0,
     )
@@ -188,91 +224,95 @@ def schedule_window_wakeup() -> sa.Update:
     returns the seconds until then, or no row when one is already scheduled (one
     wakeup per window and kind)."""
     now = rate_window_now(limits.c.per_seconds)
-    following = sa.case((now > limits.c.rate_window, now), else_=limits.c.rate_window) + 1
+    following = sa.case((_new_window(limits.c), now), else_=limits.c.rate_window) + 1
     return (
         sa.update(limits)
-        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None), limits.c.woken_window < following)
+        # (woken_window != following, not <: after the clock stepped back, the window
+        # recorded lies ahead of the next one, and must not block its wakeup.)
+        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None), limits.c.woken_window != following)
         .values(woken_window=following)
         .returning((following * limits.c.per_seconds - epoch_seconds(db_now())).label("seconds"))
     )
 
 
 @functools.cache
-def wake_for_slot() -> sa.Update:
+def await_window() -> sa.Update:
+    """await_window: the job that carries a rate window's wakeup (:job_id, or with
+    :job_id NULL the first due job of :of_kind still held for the rate) is due only at
+    the window's start, :seconds from now by the database clock. A wakeup that a
+    host's clock delivers early then finds it not due yet, and is sent again for the
+    time left (FlowControl.claim), instead of being spent on a refused claim."""
+    first = (
+        sa.select(_c.id)
+        .where(_c.status == _PENDING, *_held_for(Held.RATE, by_key=False))
+        .order_by(_c.priority.desc(), _c.created_at)
+        .limit(1)
+        .scalar_subquery()
+    )
+    target = sa.func.coalesce(sa.bindparam("job_id", type_=_c.id.type), first)
+    return (
+        sa.update(jobs)
+        .where(_c.id == target, _c.status == Status.PENDING.value, _c.held == Held.RATE.value)
+        .values(run_after=db_now_plus(_seconds("seconds")))
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
+def _wake(where: list[sa.ColumnElement], limit: sa.ColumnElement, dialect: str) -> sa.Update:
+    """Up to ``limit`` held jobs matching ``where``, best priority first, then oldest:
+    no longer held, woken now. Returns what their wakeups need.
+
+    The jobs are picked by queries._batch (a MATERIALIZED CTE, locked, skipping rows
+    another wake holds) and changed by primary key (queries._picked). As an ``id IN
+    (SELECT ... LIMIT ... FOR UPDATE SKIP LOCKED)`` subquery the planner may rescan the
+    pick once per outer row, each rescan skipping the rows just woken and taking more:
+    one freed slot of a ``concurrency=1`` kind woke all 200 of its held jobs."""
+    picked = _batch("woken", sa.and_(_c.status == _PENDING, *where), (_c.priority.desc(), _c.created_at), limit)
+    return (
+        sa.update(jobs)
+        .where(_picked(picked, dialect), _c.status == Status.PENDING.value)
+        .values(held=sa.null(), woken_at=db_now(), run_after=sa.null())
+        .returning(*WAKEUP_COLUMNS)
+    )
+
+
+def _held_for(reason: Held, *, by_key: bool) -> list[sa.ColumnElement]:
+    """Jobs of :of_kind held for ``reason`` (with ``by_key``, of concurrency key :key).
+    The reason is literal SQL: a generic plan then uses the held index too. (A job is
+    held only when due; one that carries a rate window's wakeup is due only at the
+    window's start (await_window), but a wake that picks it sends it now.)"""
+    where = [_c.held == sa.literal_column(f"'{reason.value}'"), _c.kind == sa.bindparam("of_kind")]
+    if by_key:
+        where.append(_c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)))
+    return where
+
+
+@functools.cache
+def wake_for_slot(dialect: str) -> sa.Update:
     """wake_for_slot: after a limited job left running, the jobs of its kind and key
     :key held by the limit, as many as slots are free now (the kind's declared
     concurrency minus its running jobs of that key), best priority first. Run after
     lock_limits_row in the same transaction."""
-    row, slots = limits.alias("lim"), jobs.alias("slots")
-    running = (
-        sa.select(sa.func.count())
-        .select_from(slots)
-        .where(
-            slots.c.status == _RUNNING,
-            slots.c.kind == sa.bindparam("of_kind"),
-            slots.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
-        )
-        .scalar_subquery()
-    )
+    row = limits.alias("lim")
+    running = _running_like(sa.bindparam("of_kind"), sa.bindparam("key", type_=sa.String))
     free = (
         sa.select(sa.case((row.c.concurrency > running, row.c.concurrency - running), else_=0))
         .where(row.c.kind == sa.bindparam("of_kind"))
         .scalar_subquery()
     )
-    held = jobs.alias("held")
-    pick = (
-        sa.select(held.c.id)
-        .where(
-            held.c.status == _PENDING,
-            held.c.held == sa.literal_column(f"'{Held.LIMIT.value}'"),
-            held.c.kind == sa.bindparam("of_kind"),
-            held.c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
-            _due(held.c),
-        )
-        .order_by(held.c.priority.desc(), held.c.created_at)
-        .limit(free)
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    return (
-        sa.update(jobs)
-        .where(_c.id.in_(pick), _c.status == Status.PENDING.value)
-        .values(held=sa.null(), woken_at=db_now())
-        .returning(*WAKEUP_COLUMNS)
-    )
+    return _wake(_held_for(Held.LIMIT, by_key=True), sa.func.coalesce(free, 0), dialect)
 
 
 @functools.cache
 def running_count() -> sa.Select:
-    return sa.select(sa.func.count()).where(
-        _c.status == _RUNNING,
-        _c.kind == sa.bindparam("of_kind"),
-        _c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)),
-    )
+    return sa.select(_running_like(sa.bindparam("of_kind"), sa.bindparam("key", type_=sa.String)))
 
 
 @functools.cache
-def wake_held(by_key: bool) -> sa.Update:
-    """wake_held: up to :limit jobs of :of_kind held for :reason (with ``by_key``, of
-    concurrency key :key only), best priority first, then oldest: no longer held,
-    woken now. Returns what their wakeups need."""
-    where = [_c.status == _PENDING, _c.held == sa.bindparam("reason"), _c.kind == sa.bindparam("of_kind"), _due(_c)]
-    if by_key:
-        where.append(_c.concurrency_key.is_not_distinct_from(sa.bindparam("key", type_=sa.String)))
-    pick = (
-        sa.select(_c.id)
-        .where(*where)
-        .order_by(_c.priority.desc(), _c.created_at)
-        .limit(sa.bindparam("limit"))
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    return (
-        sa.update(jobs)
-        .where(_c.id.in_(pick), _c.status == Status.PENDING.value, _c.held == sa.bindparam("reason"))
-        .values(held=sa.null(), woken_at=db_now())
-        .returning(*WAKEUP_COLUMNS)
-    )
+def wake_held(reason: Held, by_key: bool, dialect: str) -> sa.Update:
+    """wake_held: up to :limit jobs of :of_kind held for ``reason`` (with ``by_key``, of
+    concurrency key :key only), best priority first, then oldest."""
+    return _wake(_held_for(reason, by_key=by_key), sa.bindparam("limit", type_=sa.Integer), dialect)
 
 
 def limited_kinds(kinds: Sequence[str]) -> sa.Select:

@@ -13,19 +13,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from celery_lease.db.claims import ClaimLanded
 from celery_lease.db.prepared import Prepared, PreparedScript
 from celery_lease.db.statements import claim
 from celery_lease.flow import statements as fs
-from celery_lease.status import Event, Held
+from celery_lease.status import Event, Held, Status
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
     from celery_lease.db.store import Store
     from celery_lease.flow.limits import Limits
+
+
+class _NoWakeup(Exception):
+    """No wakeup for the next rate window: its transaction is rolled back."""
 
 
 @dataclasses.dataclass
@@ -64,10 +69,20 @@ class FlowStore:
 
     # --- claims ----------------------------------------------------------------------
 
-    def claim_limited(self, job_id: str, owner: str, kind: str, task: str, limits: Limits) -> ClaimResult:
-        """The claim of a limited kind: lock_limits, then claim_job_limited (with its
-        run event and the rate window's count) in one transaction; refused, hold_job
-        under the lock again (the reason is decided on what a release would see)."""
+    def claim_limited(
+        self,
+        job_id: str,
+        owner: str,
+        kind: str,
+        task: str,
+        limits: Limits,
+        *,
+        may_adopt: Callable[[str, int], bool] | None = None,
+    ) -> ClaimResult:
+        """The claim of a limited kind: lock_limits, then the limited claim (with its run
+        event and the rate window's count) in one transaction; refused, hold_job under
+        the lock again (the reason is decided on what a release would see). A lost
+        reply is settled as Store.claim settles it (``may_adopt``: see LandedClaim)."""
         rate = limits.rate
         concurrency, rated = limits.concurrency is not None, rate is not None
         params = {
@@ -78,43 +93,73 @@ class FlowStore:
             "new_concurrency": limits.concurrency,
             "new_rate": rate and rate.count,
             "new_per_seconds": rate and rate.per_seconds,
-            "concurrency": limits.concurrency,
+            "slots": limits.concurrency,  # (a column name would be taken for a SET of the rate count)
         }
+        postgres = self._store.dialect == "postgresql"
+        stmt = claim.claim(logged=postgres, concurrency=concurrency, rate=rated)
+        check = self._store.landed_claim(job_id, owner, may_adopt)
         row: dict[str, Any] | None
-        if self._prepare:
-            script = self._script(fs.lock_limits("postgresql"), claim.claim_job_limited_logged(concurrency, rated))
-            rows = self._store.execute_prepared(script, params)
-            row = rows[0] if rows else None
-        else:
+        try:
+            if self._prepare:
+                rows = self._store.execute_prepared(self._script(fs.lock_limits("postgresql"), stmt), params, on_retry=check)
+                row = rows[0] if rows else None
+            else:
 
-            def work(conn: Connection) -> dict[str, Any] | None:
-                conn.execute(fs.lock_limits(self._store.dialect), params)
-                found = conn.execute(claim.claim_job_limited(concurrency, rated), params).mappings().first()
-                if found is None:
-                    return None
-                claimed = dict(found)
-                self._store.log_events(conn, [(claimed, Event.CLAIMED, owner)])
-                claimed["window_claims"] = conn.execute(fs.count_rate_claim(), params).scalar() if rated else None
-                return claimed
+                def work(conn: Connection) -> dict[str, Any] | None:
+                    conn.execute(fs.lock_limits(self._store.dialect), params)
+                    found = conn.execute(stmt, params).mappings().first()
+                    if found is None or postgres:  # the PostgreSQL statement logged and counted
+                        return None if found is None else dict(found)
+                    claimed = dict(found)
+                    cancelled = claimed["status"] == Status.CANCELLED.value
+                    event, detail = (Event.CANCELLED, claim.RUN_CANCELLED) if cancelled else (Event.CLAIMED, owner)
+                    self._store.log_events(conn, [(claimed, event, detail)])
+                    counted = rated and not cancelled
+                    claimed["window_claims"] = conn.execute(fs.count_rate_claim(), params).scalar() if counted else None
+                    return claimed
 
-            row = self._tx(work)
+                row = self._store.transaction(self._store.durable, work, on_retry=check)
+            if row is None and check.retried:
+                check()  # the retry claimed nothing: the first try may have
+        except ClaimLanded as landed:
+            row = landed.row
         if row is not None:
             result = ClaimResult(row=row)
-            if rate is not None and row["window_claims"] == 1 and rate.count > 1:
-                # This claim opened a rate window: wake the jobs held for it.
+            if rate is not None and row.get("window_claims") == 1:
+                # This claim opened a rate window: wake the jobs held for it, and if
+                # that may not be all, one of those left carries the next window's wakeup.
                 result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, None, rate.count - 1))
+                if len(result.wake) == rate.count - 1:
+                    result.later = self._window_wakeup(kind, None)
             return result
         result = self._hold(job_id, task, kind, limits.concurrency)
         if result.held == Held.RATE:
-            seconds = self._store.transaction(
-                self._store.engine(fast=True, single=True),
-                lambda c: c.execute(fs.schedule_window_wakeup(), {"of_kind": kind}).scalar(),
-            )
-            if seconds is not None:
-                # One wakeup for the next window's start (the first claim there wakes
-                # the rest); the sweeper recovers it if it is lost.
-                result.later = (max(0.0, float(seconds)), {"id": job_id})
+            result.later = self._window_wakeup(kind, job_id)
         return result
+
+    def _window_wakeup(self, kind: str, job_id: str | None) -> tuple[float, dict] | None:
+        """(seconds, wakeup): the one wakeup of the kind's next rate window (the first
+        claim there wakes the rest), carried by ``job_id`` (None: a job still held for
+        the rate), due at the window's start by the database clock (await_window). None
+        when that window's wakeup is sent already, or no job is held to carry it: the
+        window is then left unscheduled, for the next refused claim. The sweeper
+        recovers a lost one."""
+
+        def work(conn: Connection) -> tuple[float, dict]:
+            seconds = conn.execute(fs.schedule_window_wakeup(), {"of_kind": kind}).scalar()
+            if seconds is None:
+                raise _NoWakeup()
+            seconds = max(0.0, float(seconds))
+            params = {"job_id": job_id, "of_kind": kind, "seconds": seconds}
+            carrier = conn.execute(fs.await_window(), params).mappings().first()
+            if carrier is None:
+                raise _NoWakeup()  # rolls the schedule back
+            return seconds, dict(carrier)
+
+        try:
+            return self._tx(work)
+        except _NoWakeup:
+            return None
 
     def hold(self, job_id: str, task: str) -> ClaimResult:
         """After a refused claim of an unlimited kind: held for a pause, or (retry) not
@@ -122,7 +167,7 @@ class FlowStore:
         return self._hold(job_id, task, None, None)
 
     def _hold(self, job_id: str, task: str, kind: str | None, concurrency: int | None) -> ClaimResult:
-        params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None, "concurrency": concurrency}
+        params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None, "slots": concurrency}
         if self._prepare:
             stmts = (fs.lock_limits_row(), fs.hold_job()) if kind is not None else (fs.hold_job(),)
             rows = self._store.execute_prepared(self._script(*stmts), params)
@@ -141,29 +186,30 @@ class FlowStore:
             return ClaimResult()  # not pending or not due: a duplicate delivery
         return ClaimResult(held=held, retry=held is None)
 
-    def claim_target(self, job_id: str) -> tuple[str, str | None] | None:
-        """(kind, concurrency key) of a job, if it exists."""
-        row = self._store.transaction(self._store.durable, lambda c: c.execute(fs.get_claim_target(), {"job_id": job_id}).first())
-        return None if row is None else (row.kind, row.concurrency_key)
+    def claim_target(self, job_id: str) -> dict[str, Any] | None:
+        """What get_claim_target reads of a job, if it exists."""
+        stmt = fs.get_claim_target()
+        row = self._store.transaction(self._store.durable, lambda c: c.execute(stmt, {"job_id": job_id}).mappings().first())
+        return None if row is None else dict(row)
 
     # --- waking held jobs --------------------------------------------------------------
 
     def _wake(self, conn: Connection, reason: str, kind: str, key: Any, limit: float, by_key: bool = False) -> list[dict]:
         if limit <= 0:
             return []
-        params = {"reason": Held(reason).value, "of_kind": kind, "key": key, "limit": int(min(limit, 2**31 - 1))}
-        return [dict(r) for r in conn.execute(fs.wake_held(by_key), params).mappings()]
+        params = {"of_kind": kind, "key": key, "limit": int(min(limit, 2**31 - 1))}
+        return [dict(r) for r in conn.execute(fs.wake_held(Held(reason), by_key, self._store.dialect), params).mappings()]
 
     def wake_for_slot(self, kind: str, key: str | None) -> list[dict]:
         """A limited job of (kind, key) left running: under the kind's lock, wake the
         jobs held by its limit into the free slots (wake_for_slot). Returns wakeups."""
         params = {"of_kind": kind, "key": key}
         if self._prepare:
-            return self._store.execute_prepared(self._script(fs.lock_limits_row(), fs.wake_for_slot()), params)
+            return self._store.execute_prepared(self._script(fs.lock_limits_row(), fs.wake_for_slot(self._store.dialect)), params)
 
         def work(conn: Connection) -> list[dict]:
             conn.execute(fs.lock_limits_row(), params)
-            return [dict(r) for r in conn.execute(fs.wake_for_slot(), params).mappings()]
+            return [dict(r) for r in conn.execute(fs.wake_for_slot(self._store.dialect), params).mappings()]
 
         return self._tx(work)
 

@@ -10,7 +10,7 @@ and its write stays fenced by the lease generation. So the body returns at once 
 the success waits here, at most LINGER seconds, for one of two rides:
 
 * the process's next claim (:meth:`Completer.take`): the claim statement writes every
-  waiting success too (claim.claim_job_completing), one round trip and one durable
+  waiting success too (statements.claim.claim, riding=), one round trip and one durable
   commit for both; a steady stream of jobs pays no completion statement of its own;
 * else this thread, which writes every success gathered in one ``complete_jobs``.
 
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_lease.db.store import RidingSuccesses
+from celery_lease.db.claims import RidingSuccesses
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.transition import Transition

@@ -81,7 +81,7 @@ class EagerRunner:
             self._store.make_due(job_id)  # a retry's backoff or run_after: now
             spec = self._registry.resolve(job.kind)
             started = tracing.clock()
-            attempt = self._worker.begin(job_id, spec, self._hostname, job.queue)
+            attempt = self._worker.begin(job_id, spec, self._hostname)
             if attempt is None:
                 return  # running elsewhere: not ours to finish
             if started is not None:

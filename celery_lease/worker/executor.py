@@ -87,9 +87,9 @@ class WorkerState:
         #: written at once on SQLite.
         self.completer: Completer = completer_for(store, self.pipeline, on_written=self._release)
         #: What a claim whose reply was lost needs to know before it adopts a job found
-        #: running under this process (Store.claim): claims in progress here per job,
-        #: and the attempts that live here until their outcome is written.
-        self._claiming: dict[str, int] = {}
+        #: running under this process (db.store.LandedClaim): the claims in progress
+        #: here, and the attempts that live here until their outcome is written.
+        self._claiming = 0
         self._live: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
 
@@ -98,12 +98,15 @@ class WorkerState:
             self._live.discard(attempt.key)
 
     def _may_adopt(self, job_id: str, generation: int) -> bool:
+        """A row running under this process's owner is the lost claim's when no attempt
+        of it lives here and no other claim is in progress here (whose reply, not yet
+        recorded in _live, could be that row)."""
         with self._lock:
-            return self._claiming.get(job_id) == 1 and (job_id, generation) not in self._live
+            return self._claiming == 1 and (job_id, generation) not in self._live
 
     # --- task_prerun / task_postrun ------------------------------------------------
 
-    def begin(self, job_id: str, spec: JobKind, hostname: str | None, queue: str | None) -> Attempt | None:
+    def begin(self, job_id: str, spec: JobKind, hostname: str | None) -> Attempt | None:
         """Claim the job named by the delivery; None when it is not claimable."""
         if shutdown.requested():
             # Warm shutdown: leave the job pending, and since this (early-acked)
@@ -116,28 +119,24 @@ class WorkerState:
                 log.warning("celery-lease: job %s: not re-woken at shutdown; the sweeper will", job_id)
             return None
         with self._lock:
-            self._claiming[job_id] = self._claiming.get(job_id, 0) + 1
+            self._claiming += 1
         sent_at = time.monotonic()
         owner = owner_of(hostname)
-
-        def may_adopt(generation: int) -> bool:
-            return self._may_adopt(job_id, generation)
-
-        # This process's waiting successes ride on the claim (Completer.take).
-        riding = self.completer.take()
+        # This process's waiting successes ride on the claim (Completer.take), but not
+        # on a limited kind's, which may wait for its kind's lock: they would wait too,
+        # unrenewed (the completer's thread writes them meanwhile).
+        riding = self.completer.take() if spec.limits is None else None
         try:
             if self.flow is not None:
-                row = self.flow.claim(job_id, spec, owner, queue, may_adopt=may_adopt, successes=riding)
+                row = self.flow.claim(job_id, spec, owner, may_adopt=self._may_adopt, successes=riding)
             else:
-                row = self.store.claim(job_id, owner, spec.task, may_adopt=may_adopt, successes=riding)
+                row = self.store.claim(job_id, owner, spec.task, may_adopt=self._may_adopt, successes=riding)
             if row is not None and row.get("status", _RUNNING) == _RUNNING:
                 with self._lock:
                     self._live.add((str(row["id"]), row["lease_generation"]))
         finally:
             with self._lock:
-                self._claiming[job_id] -= 1
-                if not self._claiming[job_id]:
-                    del self._claiming[job_id]
+                self._claiming -= 1
             if riding is not None:
                 self.completer.settle(riding)
         if row is None or row.get("status") == _CANCELLED:

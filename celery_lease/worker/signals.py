@@ -97,7 +97,7 @@ def connect(
                 return
             queue = (request.delivery_info or {}).get("routing_key")
             started = tracing.clock()  # the attempt's span starts with its claim
-            attempt = worker_state().begin(request.id, task.spec, request.hostname, queue)
+            attempt = worker_state().begin(request.id, task.spec, request.hostname)
             if started is not None and attempt is not None:
                 tracing.start_attempt(attempt, queue, started, request)
             request.lease_attempt = attempt

@@ -315,15 +315,9 @@ def test_threads_pool_of_16_keeps_every_lease_while_one_success_holds_its_row_lo
 
 
 @pytest.fixture
-def proxy():
+def proxy(pg_proxy):
     """A TCP proxy in front of the shared PostgreSQL, that the test may freeze or cut."""
-    from tests.harness.services import PG_ADMIN
-    from tests.harness.tcpproxy import TcpProxy
-
-    url = sa.engine.make_url(PG_ADMIN)
-    p = TcpProxy(url.host or "127.0.0.1", url.port or 5432).start()
-    yield p
-    p.close()
+    return pg_proxy
 
 
 def test_a_heartbeat_stuck_on_a_silent_connection_stops_the_handler_by_its_own_clock(pg, broker, client_app, workers, db, proxy):

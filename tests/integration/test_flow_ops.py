@@ -149,8 +149,8 @@ def _fill_one_slot(mod) -> tuple[str, str]:
     """one_slot (concurrency=1): one job claimed, one held by the limit."""
     spec = mod.leases.registry.resolve("one_slot")
     first, second = (j.id for j in mod.one_slot.submit_many([{}, {}]))
-    assert mod.leases.flow.claim(first, spec, "w9@host/1/boot", None) is not None
-    assert mod.leases.flow.claim(second, spec, "w9@host/1/boot", None) is None
+    assert mod.leases.flow.claim(first, spec, "w9@host/1/boot") is not None
+    assert mod.leases.flow.claim(second, spec, "w9@host/1/boot") is None
     return first, second
 
 

@@ -209,14 +209,9 @@ def test_a_web_app_submitting_from_many_threads_does_not_exhaust_the_pool(pg, br
 
 
 @pytest.fixture
-def proxy():
-    from tests.harness.services import PG_ADMIN
-    from tests.harness.tcpproxy import TcpProxy
-
-    url = sa.engine.make_url(PG_ADMIN)
-    p = TcpProxy(url.host or "127.0.0.1", url.port or 5432).start()
-    yield p
-    p.close()
+def proxy(pg_proxy):
+    """A TCP proxy in front of the shared PostgreSQL, that the test may freeze or cut."""
+    return pg_proxy
 
 
 def _jobs_with_payload(db, value: str) -> list[str]:
@@ -304,8 +299,8 @@ def test_a_wakeup_delivered_during_warm_shutdown_is_republished_to_the_jobs_own_
     redis_server.flush()  # their wakeups were delivered (and spent)
     shutdown.request()
     try:
-        assert mod.leases.worker.begin(job.id, mod.echo.spec, "w@host", "special.key") is None
-        assert mod.leases.worker.begin(running.id, mod.echo.spec, "w@host", "celery") is None
+        assert mod.leases.worker.begin(job.id, mod.echo.spec, "w@host") is None
+        assert mod.leases.worker.begin(running.id, mod.echo.spec, "w@host") is None
     finally:
         shutdown.reset()
     assert r.llen("special") == 1 and r.llen("special.key") == 0 and r.llen("celery") == 0

@@ -1,4 +1,4 @@
-"""Batched successes riding on the process's next claim (db.statements.claim.claim_job_completing),
+"""Batched successes riding on the process's next claim (db.statements.claim.claim with riding=N),
 against real PostgreSQL: one statement claims the next job and writes the waiting
 successes, each still fenced by its own lease generation."""
 

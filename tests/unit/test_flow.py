@@ -149,10 +149,13 @@ def test_rate_limit_counts_claims_per_window_and_schedules_one_wakeup_for_the_ne
     assert row(jobs[3])["attempt"] == 0
     # The window is spent: a release wakes nothing held for the rate.
     assert flow.top_up("r", None) == []
+    # The third job carries the next window's wakeup: due only at that window's start.
+    assert row(jobs[2])["run_after"] is not None
     # A new window (simulated: the stored one is moved back) lets two more through.
     with store.durable.begin() as conn:
         conn.execute(sa.update(limits_table).values(rate_window=limits_table.c.rate_window - 1))
-    assert len(flow.top_up("r", None)) == 2
+    assert {str(w["id"]) for w in flow.top_up("r", None)} == {jobs[2], jobs[3]}
+    assert row(jobs[2])["run_after"] is None  # woken: due now
 
 
 def test_pause_holds_claims_of_that_kind_only_and_resume_wakes_them(flow, store, add_job, row):
