@@ -80,7 +80,8 @@ def _run_user_suite(tmp_path, pg_admin: str | None) -> subprocess.CompletedProce
     )
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+# The PostgreSQL variant (a throwaway database per test) costs another pytest start-up: slow tier.
+@pytest.mark.parametrize("database", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def test_a_user_test_module_needs_no_conftest(tmp_path, database):
     proc = _run_user_suite(tmp_path, PG_ADMIN if database == "postgresql" else None)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
