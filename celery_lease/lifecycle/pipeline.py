@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from celery_lease.db import durability
 from celery_lease.db.landing import Landing
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
 from celery_lease.worker.attempt import BLIP_WAITS
@@ -110,6 +111,8 @@ class Pipeline:
         the database stays unreachable (nothing known to be done)."""
         store = self._store
         stmt = t.statement(store.dialect, **(build or {}))
+        if t.durable:  # synchronous commit whatever the server's or the engine's default
+            stmt = durability.durable(stmt)
         args = {**(attempt.fence if attempt is not None else {}), **(params or {})}
         endings: Endings | None = None
         if t.ends and self._canvas is not None:

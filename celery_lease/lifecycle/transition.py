@@ -7,8 +7,9 @@ same way, so no call site chooses a commit mode, forgets an errback or frees a s
 twice.
 
 Durability is declared here, never at a call site: each transition below ends an
-attempt or bumps a lease generation, so each commits durably (``synchronous_commit``
-on) in every mode, prepared statements or not. A fast (asynchronous) commit could be
+attempt or bumps a lease generation, so each commits durably in every mode, prepared
+statements or not (the pipeline marks its statement with db/durability.py's
+``durable``: ``SET LOCAL synchronous_commit = on`` goes with it). A fast (asynchronous) commit could be
 lost in a PostgreSQL crash while its follow-ups (an errback, a wakeup, a freed slot)
 were already sent.
 

@@ -1,7 +1,7 @@
 """One claimed attempt of a job: its fencing token and the lease's local state.
 
-Every write an attempt makes goes through :meth:`Attempt.write` (or, inside a larger
-transaction, :meth:`Attempt.fenced`): a guarded statement matching the job's id,
+Every write an attempt makes goes through :meth:`Attempt.write` (progress, checkpoints)
+or a fenced transition (its outcome: celery_lease/lifecycle): a guarded statement matching the job's id,
 ``running`` and this attempt's ``lease_generation``. Zero rows means the lease is lost
 (cancelled, reaped, taken by a newer attempt); :meth:`mark_lost` records that once, and
 the handler sees it as ``ctx.cancelled``.
@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection
-
     from celery_lease.db.store import Store
 
 #: Identifies this boot of the worker. Set at import in the worker's main process and
@@ -170,12 +168,3 @@ class Attempt:
             return False
         self.mark_lost()
         return False
-
-    def fenced(self, store: Store, conn: Connection, stmt, **params: Any) -> None:
-        """A fenced statement inside ``conn``'s transaction; raises LeaseLost (so the
-        transaction rolls back whole) when the lease is lost, now or before."""
-        if self.is_lost:
-            raise LeaseLost()
-        if not store.guarded(stmt, {**self.fence, **params}, connection=conn):
-            self.mark_lost()
-            raise LeaseLost()

@@ -50,11 +50,11 @@ def chaos(ctx: JobContext, payload: dict) -> dict:
 @leases.job(kind="pg_wait", max_attempts=3, lease_seconds=LEASE)
 def pg_wait(ctx: JobContext, payload: dict) -> dict:
     """Its effect waits payload["seconds"] inside PostgreSQL (pg_sleep), in the success
-    transaction, and notes the time the wait ended: a green worker overlaps these only
+    transaction, and notes the time the wait ended (epoch seconds): a green worker overlaps these only
     if the driver yields to the hub."""
     wait = sa.text(
         "INSERT INTO test_effects (job_id, attempt, note) "
-        "SELECT :job_id, :attempt, clock_timestamp()::text FROM pg_sleep(:seconds)"  # (after the sleep)
+        "SELECT :job_id, :attempt, extract(epoch FROM clock_timestamp())::text FROM pg_sleep(:seconds)"  # (after the sleep)
     )
     params = {"job_id": ctx.job_id, "attempt": ctx.attempt, "seconds": payload["seconds"]}
     ctx.effect(lambda conn: conn.execute(wait, params))

@@ -214,15 +214,17 @@ class FaultInjector:
         crash_at = None if self.scenario.pg_crash_at is None or self.cluster is None else started + self.scenario.pg_crash_at
         injected = 0
         try:
-            while time.monotonic() < deadline:
+            cycle = self.scenario.fault_cycle or ()
+            # A fault cycle is always gone through once, however slowly the faults go.
+            while time.monotonic() < deadline or injected < len(cycle):
                 time.sleep(self.scenario.fault_every)
                 if crash_at is not None and time.monotonic() >= crash_at:
                     crash_at = None
                     self.crash_pg()
                     self.counts["crash_pg"] = 1
                     continue
-                if self.scenario.fault_cycle:
-                    kind = self.scenario.fault_cycle[injected % len(self.scenario.fault_cycle)]
+                if cycle:
+                    kind = cycle[injected % len(cycle)]
                 else:
                     kind = self.rng.choices(FAULTS, WEIGHTS)[0]
                 injected += 1

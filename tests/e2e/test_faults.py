@@ -344,7 +344,7 @@ def test_cancel_run_cancels_every_non_terminal_job(pg, broker, client_app, worke
 # --- 6. deploy handoff ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pool", ["prefork", "gevent", "eventlet"])
+@pytest.mark.parametrize("pool", ["prefork", "gevent", pytest.param("eventlet", marks=pytest.mark.slow)])
 def test_warm_shutdown_hands_the_job_to_another_worker(pg, broker, client_app, workers, db, marker_dir, pool):
     mod = client_app(pg, broker, extra_env=LONG)
     w1 = workers(pg, broker, name="w1", extra_env=LONG, pool=pool)

@@ -57,7 +57,8 @@ FAIL, LOSE_REPLY, DELAY, HOLD = "fail", "lose_reply", "delay", "hold"
 #: Startup-phase request codes (untyped messages).
 _SSL_REQUEST, _GSSENC_REQUEST, _CANCEL_REQUEST = 80877103, 80877104, 80877102
 
-_PREPARE = re.compile(r"^\s*PREPARE\s+(\w+)\s*(?:\([^)]*\))?\s+AS\s+(.*)$", re.IGNORECASE | re.DOTALL)
+# PREPARE name [(types, which may have their own parentheses: VARCHAR(255))] AS statement
+_PREPARE = re.compile(r"^\s*PREPARE\s+(\w+)\s*(?:\((?:[^()]|\([^()]*\))*\))?\s*AS\s+(.*)$", re.IGNORECASE | re.DOTALL)
 _EXECUTE = re.compile(r"\bEXECUTE\s+(\w+)", re.IGNORECASE)
 _DEALLOCATE = re.compile(r"^\s*DEALLOCATE\s+(?:PREPARE\s+)?(\w+)", re.IGNORECASE)
 _COMMIT = re.compile(r"^\s*(COMMIT|END)\b", re.IGNORECASE)

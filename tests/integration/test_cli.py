@@ -79,7 +79,7 @@ def test_list_filters_and_renders_an_aligned_table(cli, pg, make_job):
     proc = cli("list")
     assert proc.returncode == 0, proc.stderr
     header, *rows = proc.stdout.splitlines()
-    assert header.split() == ["ID", "KIND", "STATUS", "ATTEMPT", "CREATED", "FINISHED", "ERROR"]
+    assert header.split() == ["ID", "KIND", "STATUS", "ATTEMPT", "PROGRESS", "CREATED", "FINISHED", "ERROR"]
     assert len(rows) == 4
     status_col = header.index("STATUS")
     assert all(row[status_col:].split()[0] in ("failed", "pending") for row in rows)  # aligned

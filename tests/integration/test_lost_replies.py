@@ -89,8 +89,8 @@ def test_a_cancel_whose_reply_was_lost_frees_the_slot_of_its_limited_job(pg, bro
     mod = client_app(pg, broker, module="tests.apps.app_flow")
     spec = mod.leases.registry.resolve("one_slot")
     a, b = (mod.one_slot.submit({"n": n}) for n in (1, 2))
-    assert mod.leases.flow.claim(a.id, spec, "test/1/boot", None) is not None
-    assert mod.leases.flow.claim(b.id, spec, "test/1/boot", None) is None  # held by the limit
+    assert mod.leases.flow.claim(a.id, spec, "test/1/boot") is not None
+    assert mod.leases.flow.claim(b.id, spec, "test/1/boot") is None  # held by the limit
     assert _rows(pg, jobs.c.id == b.id)[0]["held"] == "limit"
     _queued(broker)
     with reply_lost_once(mod.leases.store.durable) as lost:

@@ -133,10 +133,11 @@ def test_prepared_statements_match_by_text_or_name(proxy, cluster, by):
     rule = proxy.lose_reply("SET v = v + $1" if by == "sql" else "bump_it")
     conn = through(proxy, cluster, autocommit=True)
     with conn.cursor() as cur:
-        cur.execute("PREPARE bump_it (int) AS UPDATE t SET v = v + $1 WHERE id = 1")
+        # Typed as the product types them (db/prepared.py): parentheses inside the list.
+        cur.execute("PREPARE bump_it (INTEGER, VARCHAR(255)) AS UPDATE t SET v = v + $1 WHERE id = 1 AND $2 IS NOT NULL")
         assert rule.hits == 0  # preparing runs nothing
         with pytest.raises(psycopg2.OperationalError):
-            cur.execute("EXECUTE bump_it (%s)", (5,))
+            cur.execute("EXECUTE bump_it (%s, %s)", (5, "x"))
     assert rule.hits == 1 and value(cluster) == 5
     assert "EXECUTE bump_it" in proxy.events[0].statement
 

@@ -60,12 +60,36 @@ def test_eager_too(lease_eager, celery_lease):
     assert double({"n": 2}).result == {"n": 4}
 """
 
+#: A test module composing with Celery's celery_app fixture (installed by pytest-celery):
+#: its jobs are declared on the test's app, still no conftest.
+CELERY_APP_TESTS = """
+import pytest
+
+from celery_lease import CeleryLease
+
+
+@pytest.fixture
+def lease_app(celery_app):
+    leases = CeleryLease(celery_app)
+
+    @leases.job(kind="square")
+    def square(ctx, payload):
+        return payload * payload
+
+    return celery_app
+
+
+def test_jobs_of_celerys_own_test_app(lease_worker):
+    assert lease_worker.task_for("square").delay(7).get(timeout=20) == 49
+"""
+
 
 def _run_user_suite(tmp_path, pg_admin: str | None) -> subprocess.CompletedProcess:
     (tmp_path / "shopapp").mkdir()
     (tmp_path / "shopapp" / "__init__.py").write_text("")
     (tmp_path / "shopapp" / "celery.py").write_text(PROJECT)
     (tmp_path / "test_shop.py").write_text(USER_TESTS)
+    (tmp_path / "test_celery_app.py").write_text(CELERY_APP_TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\npythonpath = .\ncelery_lease_app = shopapp.celery:app\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_LEASE", "CL_TEST", "PYTEST_"))}
     if pg_admin:
@@ -80,9 +104,10 @@ def _run_user_suite(tmp_path, pg_admin: str | None) -> subprocess.CompletedProce
     )
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+# The PostgreSQL variant (a throwaway database per test) costs another pytest start-up: slow tier.
+@pytest.mark.parametrize("database", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def test_a_user_test_module_needs_no_conftest(tmp_path, database):
     proc = _run_user_suite(tmp_path, PG_ADMIN if database == "postgresql" else None)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "3 passed" in proc.stdout
+    assert "4 passed" in proc.stdout
     assert not list(tmp_path.glob("*.sqlite3"))  # nothing written outside the tests' tmp_path

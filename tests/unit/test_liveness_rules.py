@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-from celery_lease.errors import LeaseLost
 from celery_lease.worker.attempt import LAPSE_SHARE, Attempt
 from tests.conftest import attempt_for
 
@@ -32,8 +29,6 @@ def test_an_attempt_with_no_confirmed_renewal_for_most_of_its_lease_is_lost():
 def test_a_lapsed_attempt_writes_nothing():
     lapsed = _attempt(3, renewed_ago=3)
     assert lapsed.write(_NoStore(), object()) is False
-    with pytest.raises(LeaseLost):
-        lapsed.fenced(_NoStore(), None, object())
 
 
 def test_the_lapse_counts_from_when_the_claim_was_sent():

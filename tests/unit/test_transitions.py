@@ -5,8 +5,12 @@ from __future__ import annotations
 import threading
 import uuid
 
+import pytest
+
+from celery_lease.errors import LeaseLost
 from celery_lease.lifecycle import transition as tr
 from celery_lease.worker.revoke import Revoker
+from tests.conftest import attempt_for
 
 
 def test_every_transition_commits_durably_and_only_background_ones_bound_their_lock_waits():
@@ -15,6 +19,20 @@ def test_every_transition_commits_durably_and_only_background_ones_bound_their_l
     assert all(t.durable for t in tr.ALL)
     assert {t.name for t in tr.ALL if t.lock_timeout is not None} == {"time out (retry)", "time out (fail)", "revoke", "reap"}
     assert len({t.name for t in tr.ALL}) == len(tr.ALL)  # each named once
+
+
+def test_a_fenced_transition_of_a_lost_attempt_changes_nothing_and_follows_up_nothing(lifecycle, add_job, row):
+    job_id = add_job(status="running", attempt=1, lease_generation=1, expires_in=30)
+    stale = attempt_for(job_id, 1)
+    stale.mark_lost()
+    with pytest.raises(LeaseLost):
+        lifecycle.execute(tr.HAND_OFF, attempt=stale)
+    other = attempt_for(job_id, 2)  # a generation the row does not hold
+    with pytest.raises(LeaseLost):
+        lifecycle.execute(tr.HAND_OFF, attempt=other)
+    assert other.lost.is_set() and row(job_id)["status"] == "running" and lifecycle.woken == []
+    lifecycle.execute(tr.HAND_OFF, attempt=attempt_for(job_id, 1))
+    assert row(job_id)["status"] == "pending" and lifecycle.woken == [job_id]  # woken once
 
 
 def test_a_revoke_broadcast_is_one_cancel_and_ids_that_are_not_jobs_cost_nothing():

@@ -1,0 +1,262 @@
+"""The history checker (tests/e2e/history.py) on hand-made histories: a clean history
+passes, and each kind of violation is found and shown."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.history import History, Op, check, excerpt, report
+
+T0 = 1_000_000.0
+OWNER = "w1@testhost/100/boot"
+
+
+def job(job_id: str, kind: str = "h_plain", status: str = "succeeded", attempt: int = 1, generation: int = 1, **extra) -> dict:
+    return {
+        "id": job_id,
+        "kind": kind,
+        "status": status,
+        "attempt": attempt,
+        "lease_generation": generation,
+        "error": None,
+        "parent_id": None,
+        "canvas": None,
+        "payload": {},
+        "created_at": T0,
+        "finished_at": T0 + 10,
+        **extra,
+    }
+
+
+def body(
+    job_id: str,
+    attempt: int = 1,
+    generation: int = 1,
+    holder: str = "100-a",
+    start: float = 1.0,
+    end: float | None = 2.0,
+    **extra,
+):
+    return {
+        "job_id": job_id,
+        "kind": extra.pop("kind", "h_plain"),
+        "attempt": attempt,
+        "generation": generation,
+        "holder": holder,
+        "pid": int(holder.split("-")[0]),
+        "started_at": T0 + start,
+        "ended_at": None if end is None else T0 + end,
+        "outcome": extra.pop("outcome", "returned"),
+    }
+
+
+def claimed(job_id: str, attempt: int = 1, at: float = 0.9, owner: str = OWNER) -> dict:
+    return {"job_id": job_id, "event": "claimed", "attempt": attempt, "detail": owner, "at": T0 + at}
+
+
+def effect(job_id: str, attempt: int = 1, generation: int = 1) -> dict:
+    return {"job_id": job_id, "kind": "h_plain", "attempt": attempt, "generation": generation, "note": None}
+
+
+def clean() -> History:
+    return History(
+        ops=[Op(T0, "submit", "a"), Op(T0, "submit", "b")],
+        jobs={"a": job("a"), "b": job("b", attempt=2, generation=2)},
+        events=[claimed("a"), claimed("b", 1), claimed("b", 2, at=5.0)],
+        bodies=[body("a"), body("b", 1, 1, end=None), body("b", 2, 2, holder="200-b", start=5.1, end=6.0)],
+        writes=[{"job_id": "b", "generation": 1, "holder": "100-a", "step": 1, "at": T0 + 1.5}],
+        effects=[effect("a"), effect("b", 2, 2)],
+        concurrency={"h_limited": 1},
+        rates={"h_rated": (2, 1)},
+        effect_kinds=frozenset({"h_plain", "h_limited", "h_rated", "h_errback", "h_sum"}),
+        pid_kills={100: T0 + 3.0},
+        node_kills={"w1@testhost": [T0 + 3.0]},
+    )
+
+
+def checks(h: History) -> list[str]:
+    return sorted({v.check for v in check(h)})
+
+
+def test_a_clean_history_passes():
+    assert check(clean()) == []
+
+
+def test_a_submitted_job_without_a_row_is_lost():
+    h = clean()
+    h.ops.append(Op(T0, "submit", "gone"))
+    assert checks(h) == ["lost"]
+
+
+def test_a_job_left_running_is_not_terminal():
+    h = clean()
+    h.jobs["a"]["status"] = "running"
+    h.effects = [e for e in h.effects if e["job_id"] != "a"]
+    assert checks(h) == ["terminal"]
+
+
+def test_an_expired_job_nobody_cancelled_is_a_wrong_outcome():
+    h = clean()
+    h.jobs["a"]["status"] = "expired"
+    h.effects = [e for e in h.effects if e["job_id"] != "a"]
+    assert checks(h) == ["outcome"]
+
+
+def test_a_cancel_that_returned_true_must_end_cancelled():
+    h = clean()
+    h.ops.append(Op(T0 + 0.5, "cancel", "a", {"returned": True}))
+    assert checks(h) == ["outcome"]
+
+
+@pytest.mark.parametrize("case", ["twice", "none", "stale", "not_succeeded"])
+def test_effects_exactly_once_and_of_the_final_attempt(case):
+    h = clean()
+    if case == "twice":
+        h.effects.append(effect("a"))
+    elif case == "none":
+        h.effects = [e for e in h.effects if e["job_id"] != "a"]
+    elif case == "stale":
+        h.effects = [effect("a"), effect("b", 1, 1)]
+    else:
+        h.jobs["a"]["status"] = "cancelled"
+        h.ops.append(Op(T0, "revoke", "a"))
+    assert checks(h) == ["effect"]
+
+
+def test_two_holders_of_one_generation():
+    h = clean()
+    # After a crash the row went back to generation 0, and the job was claimed again.
+    h.bodies.append(body("b", 1, 1, holder="300-c", start=3.5, end=4.0))
+    h.writes.append({"job_id": "b", "generation": 1, "holder": "300-c", "step": 1, "at": T0 + 3.6})
+    h.events.append(claimed("b", 1, at=3.4, owner="w2@testhost/300/boot"))
+    found = check(h)
+    assert {v.check for v in found} == {"fencing"}
+    assert any("fenced write" in v.message for v in found) and any("ran a body" in v.message for v in found)
+
+
+def test_an_attempt_spent_without_a_body():
+    h = clean()
+    h.jobs["a"].update(attempt=2, lease_generation=2)
+    h.events.append(claimed("a", 2, at=3.5, owner="w2@testhost/300/boot"))
+    h.effects = [effect("a", 2, 2), effect("b", 2, 2)]
+    h.bodies.append(body("a", 2, 2, holder="300-c", start=3.6, end=4.0))
+    h.events.append(claimed("a", 1, at=2.5, owner="w2@testhost/300/boot"))  # a second claim of attempt 1...
+    assert check(h) == []  # ...still has a body (attempt 1 ran)
+    h.bodies = [b for b in h.bodies if not (b["job_id"] == "a" and b["attempt"] == 1)]
+    assert checks(h) == ["attempt"]
+
+
+def test_a_claim_whose_owner_was_killed_is_excused():
+    h = clean()
+    h.jobs["a"].update(attempt=2, lease_generation=2)
+    h.effects = [effect("a", 2, 2), effect("b", 2, 2)]
+    h.bodies = [b for b in h.bodies if b["job_id"] != "a"] + [body("a", 2, 2, holder="300-c", start=6, end=7)]
+    h.events = [claimed("a", 1, at=2.9), claimed("a", 2, at=6.0), *[e for e in h.events if e["job_id"] != "a"]]
+    assert check(h) == []  # w1 was killed at +3.0, right after claiming attempt 1
+    h.events[0] = claimed("a", 1, at=2.9, owner="w2@testhost/300/boot")
+    assert checks(h) == ["attempt"]
+    # A claim delayed in flight commits after its process died: excused as well.
+    h.events[0] = claimed("a", 1, at=4.0)
+    assert check(h) == []
+
+
+def test_a_snooze_that_spent_an_attempt():
+    h = clean()
+    h.jobs["s"] = job("s", kind="h_snooze", attempt=2, generation=2)
+    h.effects.append(effect("s", 2, 2))
+    h.bodies += [body("s", 1, 1, outcome="snoozed", start=1, end=1.1), body("s", 2, 2, start=2, end=2.1)]
+    h.events += [claimed("s", 1, at=0.95), claimed("s", 2, at=1.9)]
+    assert checks(h) == ["attempt"]
+    h.jobs["s"]["attempt"] = 1
+    h.bodies[-1]["attempt"] = 1
+    h.effects[-1]["attempt"] = 1
+    assert check(h) == []
+
+
+def test_concurrency_exceeded_by_overlapping_bodies():
+    h = clean()
+    for name, start in (("l1", 1.0), ("l2", 1.5)):
+        h.jobs[name] = job(name, kind="h_limited")
+        h.effects.append(effect(name))
+        h.bodies.append(body(name, start=start, end=start + 2, kind="h_limited", holder=f"{int(start * 10)}-x"))
+        h.events.append(claimed(name, at=start - 0.05))
+    assert checks(h) == ["concurrency"]
+    h.bodies[-1]["started_at"] = T0 + 2.8  # begins 0.2 s before the other ends: grace
+    assert check(h) == []
+
+
+def test_a_killed_body_ends_at_its_kill():
+    h = clean()
+    for name, start, end, holder in (("l1", 1.0, None, "100-a"), ("l2", 3.2, 4.0, "200-z")):
+        h.jobs[name] = job(name, kind="h_limited")
+        h.effects.append(effect(name))
+        h.bodies.append(body(name, start=start, end=end, kind="h_limited", holder=holder))
+        h.events.append(claimed(name, at=start - 0.05))
+    assert check(h) == []  # l1's process died at +3.0
+    del h.pid_kills[100]
+    assert checks(h) == ["concurrency"]
+
+
+def test_rate_exceeded_in_one_window():
+    h = clean()
+    for n in range(3):
+        name = f"r{n}"
+        h.jobs[name] = job(name, kind="h_rated")
+        h.effects.append(effect(name))
+        h.bodies.append(body(name, start=0.2 + n * 0.1, end=0.25 + n * 0.1, kind="h_rated"))
+        h.events.append(claimed(name, at=0.1 + n * 0.1))
+    assert checks(h) == ["rate"]
+    h.events[-1]["at"] = T0 + 1.05
+    h.bodies[-1].update(started_at=T0 + 1.1, ended_at=T0 + 1.2)
+    assert check(h) == []
+
+
+def test_errbacks_exactly_once():
+    h = clean()
+    h.jobs["f"] = job("f", status="failed", canvas={"link_error": [{"task": "h_errback"}]}, payload={"fail": True})
+    h.bodies.append(body("f", start=1, end=1.2, outcome="failed"))
+    h.events.append(claimed("f"))
+    assert checks(h) == ["errback"]  # none fired
+    for n in range(2):
+        h.jobs[f"e{n}"] = job(f"e{n}", kind="h_errback", payload={"job_id": "f", "error": "asked"}, parent_id="f")
+        h.effects.append(effect(f"e{n}"))
+        h.bodies.append(body(f"e{n}", start=2 + n, end=2.5 + n))
+    assert checks(h) == ["errback"]  # fired twice
+    del h.jobs["e1"]
+    h.effects.pop()
+    h.bodies.pop()
+    assert check(h) == []
+
+
+def test_a_chord_body_only_after_its_whole_header():
+    h = clean()
+    h.ops.append(Op(T0, "chord", "body", {"header": ["a", "b"]}))
+    assert checks(h) == ["errback"]  # header succeeded, no body
+    h.jobs["body"] = job("body", kind="h_sum")
+    h.effects.append(effect("body"))
+    h.bodies.append(body("body", start=7, end=7.1))
+    assert check(h) == []
+
+
+def test_the_report_shows_the_seed_and_the_jobs_history():
+    h = clean()
+    h.effects.append(effect("a"))
+    h.ops.append(Op(T0 + 1.5, "fault", None, {"fault": "lose_reply", "match": "COMMIT"}))
+    violations = check(h)
+    text = report(h, violations, seed=4242)
+    assert "HISTORY_SEED=4242" in text and "[effect] a succeeded with 2 effects" in text
+    shown = excerpt(h, violations[0])
+    assert "body    start attempt=1 gen=1" in shown and "FAULT" in shown and "lose_reply" in shown
+
+
+def test_a_snoozed_body_whose_process_died_before_the_snooze_was_written_spent_its_attempt():
+    h = clean()
+    h.jobs["s"] = job("s", kind="h_snooze", attempt=2, generation=2)
+    h.effects.append(effect("s", 2, 2))
+    # Its process (pid 100) was killed at +3.0, 0.2 s after the body snoozed.
+    h.bodies += [body("s", 1, 1, outcome="snoozed", start=2.5, end=2.8), body("s", 2, 2, holder="200-b", start=5, end=5.1)]
+    h.events += [claimed("s", 1, at=2.45), claimed("s", 2, at=4.9, owner="w2@testhost/200/boot")]
+    assert check(h) == []
+    h.pid_kills[100] = T0 + 4.5  # killed long after: the snooze's own write was lost
+    h.node_kills = {}
+    assert checks(h) == ["attempt"]
