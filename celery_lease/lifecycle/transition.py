@@ -118,7 +118,7 @@ HAND_OFF = Transition(
     "hand off",
     lambda dialect: q.hand_off_job(),
     Event.REQUEUED,
-    detail=lambda r, p: "shutdown handoff",
+    detail=lambda r, p: p.get("why") or "shutdown handoff",
     fenced=True,
     wakes=_requeued,
 )

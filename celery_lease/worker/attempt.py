@@ -46,6 +46,11 @@ T = TypeVar("T")
 #: Share of its lease after which an attempt with no confirmed renewal counts as lost:
 #: the margin covers a process paused by the scheduler and the clocks' drift.
 LAPSE_SHARE = 0.8
+#: Share of its lease after which a claim's reply comes too late for its body to start
+#: (a long wait for its kind's lock, a reply delayed in flight): the lease, counted from
+#: before the claim was sent, is nearly lapsed and the job may soon be another
+#: worker's. The rest of the lease leaves time to hand the job back.
+START_SHARE = 0.5
 
 
 def owner_of(node: str | None) -> str:

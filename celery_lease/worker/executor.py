@@ -31,7 +31,7 @@ from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import UnstorableValue, cap_error
 from celery_lease.status import Status
 from celery_lease.worker import shutdown
-from celery_lease.worker.attempt import Attempt, owner_of
+from celery_lease.worker.attempt import START_SHARE, Attempt, owner_of
 from celery_lease.worker.completion import Completer, completer_for
 from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     from celery_lease.settings import Settings
 
 log = logging.getLogger("celery_lease.worker")
+
+#: The run event detail of a job handed back by a claim whose reply came too late.
+CLAIMED_LATE = "claimed too late in its lease"
 
 _RUNNING, _CANCELLED = Status.RUNNING.value, Status.CANCELLED.value  # (an enum's .value is a slow lookup)
 
@@ -149,10 +152,29 @@ class WorkerState:
             return None
         # A higher-priority job may be claimed in place of the delivered one.
         attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
+        if time.monotonic() - sent_at > attempt.lease_seconds * START_SHARE:
+            self._hand_back(attempt)
+            return None
         if spec.timeout is not None:
             attempt.deadline = sent_at + spec.timeout
         self.heartbeat.add(attempt)
         return attempt
+
+    def _hand_back(self, attempt: Attempt) -> None:
+        """The claim's reply came when its lease, counted from before it was sent, was
+        nearly lapsed (a long wait for the kind's lock): the body must not start, since
+        the reaper and another worker may take the job any moment. Handed back (fenced),
+        its attempt not spent; if that cannot be written, the reaper requeues it."""
+        # Unlike a body's outcome, the hand-back is right whenever it lands (it is fenced
+        # by the generation and writes nothing of a body): this clock must not refuse it.
+        attempt.renewed_at = time.monotonic()
+        log.warning("celery-lease: job %s: claimed too late in its lease; handed back, not started", attempt.job_id)
+        try:
+            self.record.hand_off(attempt, why=CLAIMED_LATE)
+        except (LeaseLost, DatabaseUnavailable):
+            log.warning("celery-lease: job %s: its late claim not handed back; the reaper will", attempt.job_id)
+        finally:
+            self._release(attempt)
 
     def _cancelled_by_claim(self, row: dict[str, Any]) -> None:
         """The claim found the job's run cancelled and cancelled the job: what a cancel

@@ -122,10 +122,11 @@ class Recorder:
         t = tr.TIME_OUT_RETRY if timed_out else tr.RETRY
         self.pipeline.execute(t, {"delay": delay, "why": "timed out" if timed_out else None}, attempt=attempt)
 
-    def hand_off(self, attempt: Attempt) -> None:
-        """Warm shutdown: back to pending at once, attempt not spent, wakeup sent."""
-        self.pipeline.execute(tr.HAND_OFF, attempt=attempt)
-        log.info("celery-lease: job %s: handed off on shutdown", attempt.job_id)
+    def hand_off(self, attempt: Attempt, why: str | None = None) -> None:
+        """Warm shutdown (or ``why`` else): back to pending at once, attempt not spent,
+        wakeup sent."""
+        self.pipeline.execute(tr.HAND_OFF, {"why": why}, attempt=attempt)
+        log.info("celery-lease: job %s: handed off %s", attempt.job_id, why or "on shutdown")
 
     def snooze(self, attempt: Attempt, seconds: float) -> None:
         """ctx.snooze(): back to pending, due in ``seconds``, attempt not spent. Durable

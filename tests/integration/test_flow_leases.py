@@ -97,3 +97,25 @@ def test_a_finished_success_is_not_held_hostage_by_a_limited_claims_lock_wait(pg
     worker.flush()
     row = _row(pg, done)
     assert (row.status, row.attempt, row.lease_generation, row.result) == ("succeeded", 1, 1, {"ok": 1})
+
+
+@pytest.mark.timeout(60)
+def test_a_claim_whose_lease_lapsed_during_its_lock_wait_does_not_start_its_body(pg, broker, client_app):
+    """A limited kind with a 2 s lease whose claim waits 2.5 s on its kind's lock: the
+    claim commits, but its lease (counted from before it was sent) has lapsed, and the
+    reaper and another worker may take the job any moment. The body must not start:
+    the job is handed back, its attempt not spent, and the next claim runs it."""
+    mod, _, limited = _app(client_app, pg, broker, limited_lease=2)
+    worker = mod.leases.worker
+    job = _submit(mod, limited)
+    with _kind_locked(pg, "fl_limited", 2.5):
+        late = worker.begin(job, limited, HOST)
+    assert late is None  # not started
+    row = _row(pg, job)
+    assert (row.status, row.attempt, row.lease_generation) == ("pending", 0, 1)
+    again = worker.begin(job, limited, HOST)  # (the hand-back's wakeup, delivered)
+    assert again is not None and (again.attempt, again.generation) == (1, 2)
+    assert worker.execute(limited, again) == {"ran": True}
+    worker.end(again)
+    worker.flush()
+    assert _row(pg, job).status == "succeeded"
