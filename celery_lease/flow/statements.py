@@ -1,5 +1,5 @@
 """The flow-control statements (run by :mod:`celery_lease.flow.store`): the limits
-and pause rows, holding a refused job, waking held jobs, the rate window, the view.
+row (the pause row's own: flow.pause_statements), holding a refused job, waking held jobs, the rate window, the view.
 
 The claims themselves (a limited kind's included) are the claim family of
 :mod:`celery_lease.db.statements.claim`; the guards it shares with these (the running
@@ -204,17 +204,23 @@ def lock_limits(dialect: str) -> sa.Insert:
     )
 
 
+def _rate_budget(row) -> sa.ColumnElement:
+    """The claims the rate window of a limits row (``row``: the table or an alias)
+    still takes; NULL without a rate."""
+    now = rate_window_now(row.c.per_seconds)
+    return sa.case(
+        (row.c.rate.is_(None), sa.null()),
+        (_new_window(row.c), row.c.rate),
+        (sa.and_(now == row.c.rate_window, row.c.rate > row.c.rate_claims), row.c.rate - row.c.rate_claims),
+        else_=0,
+    )
+
+
 @functools.cache
 def lock_limits_row() -> sa.Select:
     """A kind's limits row, locked (a release of a slot: the limits stay as declared),
     with the claims its rate window still takes (NULL without a rate)."""
-    now = rate_window_now(limits.c.per_seconds)
-    budget = sa.case(
-        (limits.c.rate.is_(None), sa.null()),
-        (_new_window(limits.c), limits.c.rate),
-        (sa.and_(now == limits.c.rate_window, limits.c.rate > limits.c.rate_claims), limits.c.rate - limits.c.rate_claims),
-        else_=0,
-    )
+    budget = _rate_budget(limits)
     return sa.select(limits, budget.label("rate_budget")).where(limits.c.kind == sa.bindparam("of_kind")).with_for_update()
 
 
@@ -268,9 +274,14 @@ def _wake(where: list[sa.ColumnElement], limit: sa.ColumnElement, dialect: str) 
     pick once per outer row, each rescan skipping the rows just woken and taking more:
     one freed slot of a ``concurrency=1`` kind woke all 200 of its held jobs."""
     picked = _batch("woken", sa.and_(_c.status == _PENDING, *where), (_c.priority.desc(), _c.created_at), limit)
+    return _woken(_picked(picked, dialect))
+
+
+def _woken(picked: sa.ColumnElement[bool]) -> sa.Update:
+    """The pending jobs ``picked`` no longer held, woken now; what their wakeups need."""
     return (
         sa.update(jobs)
-        .where(_picked(picked, dialect), _c.status == Status.PENDING.value)
+        .where(picked, _c.status == Status.PENDING.value)
         .values(held=sa.null(), woken_at=db_now(), run_after=sa.null())
         .returning(*WAKEUP_COLUMNS)
     )
@@ -304,15 +315,31 @@ def wake_for_slot(dialect: str) -> sa.Update:
 
 
 @functools.cache
-def running_count() -> sa.Select:
-    return sa.select(_running_like(sa.bindparam("of_kind"), sa.bindparam("key", type_=sa.String)))
+def top_up(dialect: str) -> sa.Update:
+    """top_up, after lock_limits_row in its transaction (the one statement under the
+    lock): wake the jobs of :of_kind held by its limit (key :key) up to its free slots
+    and its rate budget, then those held for its rate up to the budget left. An
+    undeclared limit bounds nothing; no limits row, nothing is woken."""
+    row, most = limits.alias("lim"), sa.literal(2**31 - 1)
+    running = _running_like(sa.bindparam("of_kind"), sa.bindparam("key", type_=sa.String))
+    undeclared = sa.func.coalesce(row.c.concurrency, 0) == 0
+    free = sa.case((undeclared, most), (row.c.concurrency > running, row.c.concurrency - running), else_=0)
+    budget = sa.func.coalesce(_rate_budget(row), most)
+    cap = sa.select(free.label("free"), budget.label("budget")).where(row.c.kind == sa.bindparam("of_kind")).cte("capacity")
+    order = (_c.priority.desc(), _c.created_at)
+    slots = sa.select(sa.case((cap.c.free < cap.c.budget, cap.c.free), else_=cap.c.budget)).scalar_subquery()
+    by_limit = _batch("woken_limit", sa.and_(_c.status == _PENDING, *_held_for(Held.LIMIT, by_key=True)), order, slots)
+    left = cap.c.budget - sa.select(sa.func.count()).select_from(by_limit).scalar_subquery()
+    rest = sa.select(sa.case((left > 0, left), else_=0)).scalar_subquery()
+    by_rate = _batch("woken_rate", sa.and_(_c.status == _PENDING, *_held_for(Held.RATE, by_key=False)), order, rest)
+    woken = sa.or_(_picked(by_limit, dialect), _picked(by_rate, dialect))
+    return _woken(woken)
 
 
 @functools.cache
-def wake_held(reason: Held, by_key: bool, dialect: str) -> sa.Update:
-    """wake_held: up to :limit jobs of :of_kind held for ``reason`` (with ``by_key``, of
-    concurrency key :key only), best priority first, then oldest."""
-    return _wake(_held_for(reason, by_key=by_key), sa.bindparam("limit", type_=sa.Integer), dialect)
+def wake_held(reason: Held, dialect: str) -> sa.Update:
+    """wake_held: up to :limit jobs of :of_kind held for ``reason``, best priority first."""
+    return _wake(_held_for(reason, by_key=False), sa.bindparam("limit", type_=sa.Integer), dialect)
 
 
 def limited_kinds(kinds: Sequence[str]) -> sa.Select:
@@ -335,31 +362,6 @@ def stale_held_groups() -> sa.Select:
         )
         .limit(sa.bindparam("limit"))
     )
-
-
-@functools.cache
-def pause_kind(dialect: str) -> sa.Insert:
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    return (
-        insert(pauses)
-        .values(kind=sa.bindparam("of_kind"), paused_at=db_now())
-        .on_conflict_do_nothing(index_elements=[pauses.c.kind])
-    )
-
-
-@functools.cache
-def resume_kind() -> sa.Delete:
-    return sa.delete(pauses).where(pauses.c.kind == sa.bindparam("of_kind"))
-
-
-@functools.cache
-def is_paused() -> sa.Select:
-    return sa.select(pauses.c.kind).where(pauses.c.kind == sa.bindparam("of_kind"))
-
-
-@functools.cache
-def list_pauses() -> sa.Select:
-    return sa.select(pauses).order_by(pauses.c.kind)
 
 
 @functools.cache

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db.claims import ClaimLanded
 from celery_lease.db.prepared import Prepared, PreparedScript
 from celery_lease.db.statements import claim
+from celery_lease.flow import pause_statements as ps
 from celery_lease.flow import statements as fs
 from celery_lease.status import Event, Held, Status
 
@@ -135,7 +135,7 @@ class FlowStore:
                 # This claim opened a rate window: wake the jobs held for it, and if
                 # that may not be all, one of those left carries the next window's wakeup.
                 try:
-                    result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, None, rate.count - 1))
+                    result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, rate.count - 1))
                     if len(result.wake) == rate.count - 1:
                         result.later = self._window_wakeup(kind, None)
                 except Exception:
@@ -207,11 +207,11 @@ class FlowStore:
 
     # --- waking held jobs --------------------------------------------------------------
 
-    def _wake(self, conn: Connection, reason: str, kind: str, key: Any, limit: float, by_key: bool = False) -> list[dict]:
+    def _wake(self, conn: Connection, reason: str, kind: str, limit: float) -> list[dict]:
         if limit <= 0:
             return []
-        params = {"of_kind": kind, "key": key, "limit": int(min(limit, 2**31 - 1))}
-        return [dict(r) for r in conn.execute(fs.wake_held(Held(reason), by_key, self._store.dialect), params).mappings()]
+        params = {"of_kind": kind, "limit": int(min(limit, 2**31 - 1))}
+        return [dict(r) for r in conn.execute(fs.wake_held(Held(reason), self._store.dialect), params).mappings()]
 
     def wake_for_slot(self, kind: str, key: str | None) -> list[dict]:
         """A limited job of (kind, key) left running: under the kind's lock, wake the
@@ -229,23 +229,16 @@ class FlowStore:
     def top_up(self, kind: str, key: str | None) -> list[dict]:
         """Under the kind's limits row lock: wake as many jobs held for its limit (of
         ``key``) and for its rate as there is capacity now (the sweeper's recovery, and
-        a spent delivery of a limited kind). Returns the wakeups to publish."""
+        a spent delivery of a limited kind), in one statement after the lock (one
+        round trip with the lock, prepared). Returns the wakeups to publish."""
+        params = {"of_kind": kind, "key": key}
+        stmt = fs.top_up(self._store.dialect)
+        if self._prepare:
+            return self._store.execute_prepared(self._script(fs.lock_limits_row(), stmt), params)
 
         def work(conn: Connection) -> list[dict]:
-            state = conn.execute(fs.lock_limits_row(), {"of_kind": kind}).mappings().first()
-            if state is None:
-                return []
-            budget: float = math.inf if state["rate_budget"] is None else state["rate_budget"]
-            woken: list[dict] = []
-            if state["concurrency"]:
-                running = conn.execute(fs.running_count(), {"of_kind": kind, "key": key}).scalar_one()
-                free = state["concurrency"] - running
-            else:
-                free = math.inf  # the kind no longer declares a concurrency: nothing holds its jobs
-            woken += self._wake(conn, Held.LIMIT, kind, key, min(free, budget), by_key=True)
-            # (Without a rate, budget is unbounded: jobs held by a dropped rate are all woken.)
-            woken += self._wake(conn, Held.RATE, kind, None, budget - len(woken))
-            return woken
+            conn.execute(fs.lock_limits_row(), params)
+            return [dict(r) for r in conn.execute(stmt, params).mappings()]
 
         return self._tx(work)
 
@@ -253,7 +246,7 @@ class FlowStore:
         """Wake every job of ``kind`` held for ``reason`` (a resume), in batches."""
         out: list[dict] = []
         while True:
-            rows = self._store.transaction(self._store.durable, lambda c: self._wake(c, reason, kind, None, batch))
+            rows = self._store.transaction(self._store.durable, lambda c: self._wake(c, reason, kind, batch))
             out += rows
             if len(rows) < batch:
                 return out
@@ -272,15 +265,15 @@ class FlowStore:
 
     def pause(self, kind: str) -> bool:
         """True when this call paused the kind (False: it already was)."""
-        stmt = fs.pause_kind(self._store.dialect)
+        stmt = ps.pause_kind(self._store.dialect)
         return self._store.transaction(self._store.durable, lambda c: c.execute(stmt, {"of_kind": kind}).rowcount == 1)
 
     def resume(self, kind: str) -> bool:
-        stmt = fs.resume_kind()
+        stmt = ps.resume_kind()
         return self._store.transaction(self._store.durable, lambda c: c.execute(stmt, {"of_kind": kind}).rowcount == 1)
 
     def is_paused(self, kind: str) -> bool:
-        row = self._store.transaction(self._store.durable, lambda c: c.execute(fs.is_paused(), {"of_kind": kind}).first())
+        row = self._store.transaction(self._store.durable, lambda c: c.execute(ps.is_paused(), {"of_kind": kind}).first())
         return row is not None
 
     # --- what operators see --------------------------------------------------------
@@ -291,7 +284,7 @@ class FlowStore:
         def work(conn: Connection) -> dict[str, Any]:
             return {
                 "limits": [dict(r) for r in conn.execute(fs.list_limits()).mappings()],
-                "pauses": [dict(r) for r in conn.execute(fs.list_pauses()).mappings()],
+                "pauses": [dict(r) for r in conn.execute(ps.list_pauses()).mappings()],
                 "counts": [tuple(r) for r in conn.execute(fs.flow_counts(tenant))],
             }
 

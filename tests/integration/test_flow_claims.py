@@ -341,3 +341,43 @@ def _swallow(fn) -> None:
         fn()
     except Exception:
         pass  # the partitioned client's transaction was ended by the server
+
+
+# --- #18 item 11: a top-up holds the kind's lock for one statement -----------------------------
+
+
+def test_a_top_up_holds_the_kinds_lock_for_one_statement(pg, make_job):
+    """The sweeper's top-up (and a spent delivery's) wakes what a kind has room for under
+    its limits row lock: one statement after the lock (prepared: one round trip with
+    it), not a count and two wakes, each a round trip with the kind's claims waiting.
+    Counted at the driver (unprepared mode, where each statement is sent on its own)."""
+    from celery_lease.db.store import Store
+    from celery_lease.flow.store import FlowStore
+
+    store = Store(pg, prepare_statements=False)
+    flow = FlowStore(store, prepare=False)
+    try:
+        declared = Limits(concurrency=2, rate=Rate(3, 3600))
+        first = make_job(pg, kind="k", task="t")
+        assert flow.claim_limited(first, OWNER, "k", "t", declared).row is not None  # 1 of 2 slots, 1 of 3 claims
+        by_limit = [make_job(pg, kind="k", task="t", held=Held.LIMIT.value, priority=p) for p in (1, 5, 3)]
+        by_rate = [make_job(pg, kind="k", task="t", held=Held.RATE.value) for _ in range(3)]
+        sent: list[str] = []
+
+        def count(conn, cursor, statement, parameters, context, executemany) -> None:
+            sent.append(statement)
+
+        sa.event.listen(sa.engine.Engine, "before_cursor_execute", count)
+        try:
+            woken = {str(w["id"]) for w in flow.top_up("k", None)}
+        finally:
+            sa.event.remove(sa.engine.Engine, "before_cursor_execute", count)
+        locked = next(i for i, s in enumerate(sent) if "FOR UPDATE" in s and "celery_lease_limits" in s)
+        assert len(sent[locked + 1 :]) == 1, sent[locked + 1 :]
+        # One free slot: the best-priority job held by the limit; the rate budget's second
+        # claim left: one job held for the rate.
+        assert by_limit[1] in woken and len(woken & set(by_limit)) == 1
+        assert len(woken & set(by_rate)) == 1 and len(woken) == 2
+        assert all(statuses(pg, woken)[w] == ("pending", None) for w in woken)
+    finally:
+        store.dispose()
