@@ -41,7 +41,7 @@ from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import Codec
 from celery_lease.producer import Producer
 from celery_lease.settings import Settings
-from celery_lease.worker import lost, signals
+from celery_lease.worker import events, lost, signals
 from celery_lease.worker.eager import EagerRunner
 from celery_lease.worker.executor import WorkerState
 from celery_lease.worker.task import LeaseTask, run_leased
@@ -346,6 +346,7 @@ class CeleryLease:
             log.info("celery-lease: cancelled %d job(s)", len(job_ids))
             broker = self.app.conf.broker_url
             cancel_notice.publish(broker, job_ids, cancel_notice.channel(broker, self.app.main))
+            events.announce_revoked(self.app, job_ids)  # Flower: REVOKED, also for a job no worker holds
 
     # --- flow control ----------------------------------------------------------------
 

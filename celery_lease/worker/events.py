@@ -23,6 +23,7 @@ Sent only when the worker sends task events (``-E`` / ``worker_send_task_events`
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from celery import Task
 
     from celery_lease.worker.attempt import Attempt
+
+log = logging.getLogger("celery_lease")
 
 #: Longest payload repr put in an event, as Celery's argsrepr.
 MAX_REPR = 1024
@@ -64,6 +67,25 @@ def attempt_started(task: Task, attempt: Attempt) -> None:
 def revoked(task: Task) -> None:
     if enabled(task):
         task.send_event("task-revoked", terminated=False, signum=None, expired=False, state=states.REVOKED)
+
+
+#: At most this many ids are announced per cancel (a cancelled run may hold many more).
+MAX_ANNOUNCED = 1000
+
+
+def announce_revoked(app: Celery, job_ids: list[str]) -> None:
+    """From the process that cancelled the jobs: ``task-revoked`` for each, when this app
+    sends task events (``worker_send_task_events``, e.g. Django settings shared by web and
+    workers), so Flower shows REVOKED for a job no worker holds (pending, held by a
+    pause). Best-effort: the row is the truth."""
+    if not job_ids or not app.conf.worker_send_task_events:
+        return
+    try:
+        with app.events.default_dispatcher() as dispatcher:
+            for job_id in job_ids[:MAX_ANNOUNCED]:
+                dispatcher.send("task-revoked", uuid=job_id, terminated=False, signum=None, expired=False, state=states.REVOKED)
+    except Exception as exc:  # the broker is down: nothing else depends on this event
+        log.warning("celery-lease: cannot announce %d cancelled job(s) to task events (%s)", len(job_ids), type(exc).__name__)
 
 
 def held(task: Task) -> None:

@@ -110,6 +110,10 @@ def _steps(ctx: JobContext, payload: dict):
     """Checkpointed steps: each a fenced write, recorded when the product accepted it."""
 
     def work(generation: int, holder: str) -> dict:
+        gate = payload.get("gate")  # a test holds the body here until the file exists
+        while gate and not os.path.exists(gate):
+            ctx.raise_if_cancelled()
+            time.sleep(0.02)
         start = (ctx.checkpoint or {}).get("i", 0)
         for i in range(start, payload.get("steps", 2)):
             ctx.raise_if_cancelled()

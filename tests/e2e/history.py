@@ -211,8 +211,8 @@ KILL_EXCUSE = 1.5
 
 
 def _killed(h: History, owner: str | None, at: float) -> bool:
-    """Whether the process (or node) named by a claim's owner ("node/pid/boot") was
-    killed right after the claim at ``at``."""
+    """Whether the process named by a claim's owner ("node/pid/boot") was killed before
+    or right after the claim at ``at`` (or its node right after)."""
     if not owner:
         return False
     node, _, rest = owner.partition("/")
@@ -220,8 +220,10 @@ def _killed(h: History, owner: str | None, at: float) -> bool:
     window = (at - 0.5, at + KILL_EXCUSE)
     if any(window[0] <= t <= window[1] for t in h.node_kills.get(node, [])):
         return True
+    # Killed before the claim landed counts too: a claim delayed in flight (the proxy's
+    # delay or hold) can commit after the process that sent it died.
     killed = h.pid_kills.get(int(pid_text)) if pid_text.isdigit() else None
-    return killed is not None and window[0] <= killed <= window[1]
+    return killed is not None and killed <= window[1]
 
 
 def _attempts(h: History) -> list[Violation]:

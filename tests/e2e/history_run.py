@@ -74,15 +74,15 @@ MIX = {
 @dataclass
 class Workload:
     seed: int
-    items: int = 50  # a canvas item makes several jobs
-    seconds: float = 15.0  # submits and faults happen for this long
+    items: int = 40  # a canvas item makes several jobs
+    seconds: float = 12.0  # submits and faults happen for this long
     drain_seconds: float = 90.0
     workers: int = 2
     concurrency: int = 2
     pool: str = "prefork"
     prepared: bool = True
     fault_every: float = 0.8
-    pg_crash_at: float | None = 7.0
+    pg_crash_at: float | None = 6.0
     cancel_share: float = 0.08
     revoke_share: float = 0.04
 
@@ -154,6 +154,8 @@ class Run:
         self.run_id = str(uuid.uuid4())
         self.submitted: list[str] = []
         self._restarting: set[int] = set()
+        #: Held across the crash: the client's one non-idempotent call (a chord) waits.
+        self._client_lock = threading.Lock()
         self._restarts: list[threading.Thread] = []
 
     def op(self, op: str, job_id: str | None = None, **detail) -> None:
@@ -271,7 +273,9 @@ class Run:
             header = [m.h_plain.s(p).set(task_id=i) for p, i in zip(payloads, ids)]
             body_id = str(uuid.uuid4())
             body = m.h_sum.s().set(task_id=body_id).on_error(m.h_errback.s())
-            chord(header, body).apply_async()  # not retried: a second apply writes a second counter
+            # Not retried (a second apply would write a second counter): kept out of the crash.
+            with self._client_lock:
+                chord(header, body).apply_async()
             for member in ids:
                 self._record_submit(member, item)
             self.op("chord", body_id, header=ids)
@@ -287,10 +291,11 @@ class Run:
             time.sleep(rng.uniform(0.5, 1.5) * self.w.fault_every)
             if crash_at is not None and time.monotonic() >= crash_at:
                 crash_at = None
-                self.op("fault", fault="pg_crash")
-                self.cluster.crash()
-                time.sleep(0.5)
-                self.cluster.start()
+                with self._client_lock:
+                    self.op("fault", fault="pg_crash")
+                    self.cluster.crash()
+                    time.sleep(0.5)
+                    self.cluster.start()
                 continue
             kind = rng.choices(kinds, weights)[0]
             target = rng.choice(TARGETS)

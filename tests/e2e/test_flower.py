@@ -124,6 +124,11 @@ def test_flower_shows_revoked_after_progress_and_held_instead_of_started(pg, bro
     held = mod.echo.submit({"value": 1})
     _state_in_flower(flower, held.id, "HELD")
     assert mod.leases.get(held.id).status is Status.PENDING
+    # Cancelled while held (no worker holds it): the canceller announces REVOKED.
+    cancelled = mod.echo.submit({"value": 2})
+    _state_in_flower(flower, cancelled.id, "HELD")
+    assert mod.leases.cancel(cancelled.id)
+    _state_in_flower(flower, cancelled.id, "REVOKED")
     mod.leases.resume("echo")
     assert mod.leases.wait(held.id, 30).status is Status.SUCCEEDED
     _state_in_flower(flower, held.id, "SUCCESS")

@@ -22,18 +22,10 @@ from tests.e2e import history
 from tests.e2e.history_run import MODULE, Run, Workload, databases, worker_env
 from tests.harness import pgcluster
 
-#: Product bugs the history finds today (pinned by tests/e2e/test_statement_faults.py);
-#: whether a given run meets one depends on where the faults land, so not strict.
-KNOWN = pytest.mark.xfail(
-    strict=False,
-    raises=history.HistoryViolated,  # a harness error still fails
-    reason="issue #18 item 3 (flow): a lost claim reply of a limited kind is not adopted: the job sits running with "
-    "no body until reaped, an attempt spent without a body (pinned: test_statement_faults.py)",
-)
 MODES = [
-    pytest.param(True, "prefork", id="prepared", marks=KNOWN),
-    pytest.param(False, "prefork", id="unprepared", marks=KNOWN),
-    pytest.param(True, "threads", id="threads", marks=KNOWN),
+    pytest.param(True, "prefork", id="prepared"),
+    pytest.param(False, "prefork", id="unprepared"),
+    pytest.param(True, "threads", id="threads"),
 ]
 
 

@@ -65,11 +65,6 @@ def test_a_snooze_rides_out_a_database_blip(pg, broker, client_app, workers, pro
     assert row["result"] == {"snoozed": 1, "attempt": 1}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug (issue #18 item 3; flow): a limited kind's claim whose reply was lost is not adopted: the retry "
-    "reports a duplicate delivery and the job stays running with no body until its lease expires",
-)
 @pytest.mark.parametrize("prepared", MODES)
 def test_a_rated_claim_whose_reply_was_lost_is_adopted(pg, broker, client_app, workers, proxy, prepared):
     """A rated kind's claim commits and its reply is lost: the worker's retry finds its

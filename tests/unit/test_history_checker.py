@@ -155,6 +155,9 @@ def test_a_claim_whose_owner_was_killed_is_excused():
     assert check(h) == []  # w1 was killed at +3.0, right after claiming attempt 1
     h.events[0] = claimed("a", 1, at=2.9, owner="w2@testhost/300/boot")
     assert checks(h) == ["attempt"]
+    # A claim delayed in flight commits after its process died: excused as well.
+    h.events[0] = claimed("a", 1, at=4.0)
+    assert check(h) == []
 
 
 def test_a_snooze_that_spent_an_attempt():
