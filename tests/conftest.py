@@ -217,6 +217,7 @@ class Worker:
         extra_env: dict | None = None,
         queues: str | None = None,
         module: str = "tests.apps.app",
+        loglevel: str = "INFO",
     ) -> None:
         self.name = name
         self.log_path = logdir / f"{name}-{uuid.uuid4().hex[:6]}.log"
@@ -232,7 +233,7 @@ class Worker:
             "-c",
             str(concurrency),
             "-l",
-            "INFO",
+            loglevel,
             "--without-mingle",
             "--without-gossip",
             "--without-heartbeat",

@@ -153,7 +153,7 @@ def hold_job() -> sa.Update:
         sa.update(jobs)
         .where(_delivered())  # as claim_job's: an untrusted wakeup for another task writes nothing
         .values(held=reason, woken_at=db_now())
-        .returning(_c.held, _c.kind, _c.concurrency_key)
+        .returning(_c.held, *WAKEUP_COLUMNS)
     )
 
 

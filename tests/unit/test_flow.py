@@ -281,3 +281,16 @@ def test_jobs_held_by_limits_the_kind_no_longer_declares_are_recovered(flow, add
     other = add_job(kind="k")
     assert flow.claim_limited(other, OWNER, "k", TASK, declared).row is not None
     assert {str(w["id"]) for w in flow.top_up("k", None)} == {by_limit, by_rate}
+
+
+def test_the_wakeup_route_cache_is_bounded_whatever_queue_names_reach_it():
+    """#19 item 10: routes are cached per (task, queue); queue names that keep changing
+    (forged, or many tenants' queues) must not grow a worker's memory without end."""
+    from celery import Celery
+
+    from celery_lease.wakeups import MAX_ROUTES, Publisher
+
+    publisher = Publisher(Celery("bounded", broker="memory://"))
+    for i in range(3 * MAX_ROUTES):
+        publisher._route("tests.echo", f"forged-{i}")
+    assert len(publisher._routes) <= MAX_ROUTES
