@@ -18,7 +18,8 @@
    first claim and last completion.
 3. Handover: two workers drain ``--handover`` (120) no-op jobs of a ``concurrency=1``
    kind, submitted at once: every job but the first waits for the previous one's
-   release to wake it. Seconds from submit to the last completion.
+   release to wake it. Seconds from submit to the last completion, with the sweeper
+   running every 5 s as beat would.
    ``python -m bench flow --only handover`` runs this part alone.
 
 Output: ``bench/results/flow.{json,md}``.
@@ -52,8 +53,8 @@ def _claim_before_flow_control():
 
 
 def statements(leases, tasks, samples: int) -> dict:
-    from celery_lease.db import queries as q
     from celery_lease.db.prepared import Prepared
+    from celery_lease.db.statements import attempt
 
     store, flow = leases.store, leases.flow
     before = Prepared(_claim_before_flow_control())
@@ -64,7 +65,7 @@ def statements(leases, tasks, samples: int) -> dict:
 
     def complete(row) -> None:
         store.guarded(
-            q.complete_job(),
+            attempt.complete_job(),
             {"job_id": str(row["id"]), "generation": row["lease_generation"], "new_result": None, "new_progress": None},
         )
 
@@ -108,16 +109,32 @@ def drain(leases, tasks, kind: str, n: int, timeout: float = 120) -> float:
 
 
 def handover(leases, tasks, n: int, timeout: float = 900) -> float:
-    """Seconds for n jobs of a concurrency=1 kind, submitted at once, to all succeed."""
+    """Seconds for n jobs of a concurrency=1 kind, submitted at once, to all succeed.
+    The sweeper runs every 5 s meanwhile, as beat would: a job flow control left
+    pending without a wakeup is recovered after sweep_stale_seconds (30 s)."""
+    import threading
+
     count = sa.text("SELECT count(*) FROM celery_lease_jobs WHERE kind = 'noop_one' AND status = 'succeeded'")
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(5.0):
+            leases.sweep()
+
+    sweeper = threading.Thread(target=beat, daemon=True)
     started = time.monotonic()
     tasks["noop_one"].submit_many([{}] * n)
+    sweeper.start()
 
     def done() -> bool:
         with leases.store.durable.connect() as conn:
             return conn.execute(count).scalar() >= n
 
-    harness.wait_for(done, timeout=timeout, interval=0.05, what=f"{n} noop_one jobs")
+    try:
+        harness.wait_for(done, timeout=timeout, interval=0.05, what=f"{n} noop_one jobs")
+    finally:
+        stop.set()
+        sweeper.join()
     elapsed = time.monotonic() - started
     with leases.store.durable.begin() as conn:
         conn.execute(sa.text("DELETE FROM celery_lease_jobs WHERE kind = 'noop_one'"))

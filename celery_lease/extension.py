@@ -111,7 +111,13 @@ class CeleryLease:
         if self._store is None:
             url, source = resolve_database_url(self._database_url, self.app.conf)
             s = self.settings
-            timeouts = Timeouts(connect=s.connect_timeout, statement=s.statement_timeout, heartbeat=s.heartbeat_timeout)
+            timeouts = Timeouts(
+                connect=s.connect_timeout,
+                statement=s.statement_timeout,
+                heartbeat=s.heartbeat_timeout,
+                lock=s.lock_timeout,
+                idle_in_transaction=s.idle_in_transaction_timeout,
+            )
             self._store = Store(url, source=source, prepare_statements=s.prepare_statements, timeouts=timeouts)
         return self._store
 

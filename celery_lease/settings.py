@@ -48,6 +48,11 @@ class Settings:
     statement_timeout: float = 0.0
     #: PostgreSQL: statement and lock timeout of the heartbeat's own connection
     heartbeat_timeout: float = 5.0
+    #: PostgreSQL: the longest a statement of the pooled connections waits for a lock (0: no limit)
+    lock_timeout: float = 30.0
+    #: PostgreSQL: a transaction idle this long (its client partitioned) is ended by the
+    #: server, releasing its locks (0: never); above the slowest ctx.effect
+    idle_in_transaction_timeout: float = 120.0
     max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     #: a handler's return value over this fails the job (without retry)

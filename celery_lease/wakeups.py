@@ -65,6 +65,10 @@ class _Route:
     retry_policy: dict[str, Any]
 
 
+#: Routes (task, queue) a Publisher keeps; more distinct ones start the cache afresh.
+MAX_ROUTES = 256
+
+
 class Publisher:
     """Publishes wakeups for one Celery app; routes and templates are built once per
     process (the template's ``origin`` header names the process)."""
@@ -178,6 +182,10 @@ class Publisher:
     def _route(self, task: str, queue: str | None) -> _Route | None:
         key = (task, queue)
         if key not in self._routes:
+            if len(self._routes) >= MAX_ROUTES:
+                # Bounded whatever queue names reach it (they come from job rows, set at
+                # submit; a flood of distinct ones must not grow a worker without end).
+                self._routes.clear()
             self._routes[key] = _build_route(self._app, task, queue)
         return self._routes[key]
 

@@ -92,6 +92,14 @@ class Timeouts:
     statement: float = 0.0
     #: the heartbeat's own connection: statement and lock timeout of a renewal
     heartbeat: float = 5.0
+    #: the longest any statement of the pooled connections waits for a lock: a claim,
+    #: a release, maintenance never queue behind a stuck holder for longer
+    lock: float = 30.0
+    #: a transaction of any connection idle this long (its client gone, partitioned
+    #: mid-transaction) is ended by the server, and the locks it held are released;
+    #: TCP keepalives alone took minutes. (Effects run in the success transaction: one
+    #: that keeps it idle longer fails the attempt, which is retried.)
+    idle_in_transaction: float = 120.0
 
 
 #: Pool size outside a worker (a web app, beat, the CLI); a worker sizes its pools from
@@ -210,9 +218,13 @@ class Database:
                 kwargs.update(pool_size=self._pool_size, max_overflow=self._max_overflow)
                 if self.timeouts.statement:
                     options.append(f"-c statement_timeout={int(self.timeouts.statement * 1000)}")
+                if self.timeouts.lock:
+                    options.append(f"-c lock_timeout={int(self.timeouts.lock * 1000)}")
                 connect_args["tcp_user_timeout"] = TCP_USER_TIMEOUT_MS
                 if self.timeouts.connect:
                     connect_args["connect_timeout"] = max(1, round(self.timeouts.connect))
+            if self.timeouts.idle_in_transaction:
+                options.append(f"-c idle_in_transaction_session_timeout={int(self.timeouts.idle_in_transaction * 1000)}")
             if options:
                 connect_args["options"] = " ".join(options)
             kwargs["connect_args"] = connect_args

@@ -90,7 +90,7 @@ class FlowControl:
         ``may_adopt``, ``successes``: see Store.claim (a limited kind's claim, which
         may wait for its kind's lock, carries none: the caller keeps them out of it)."""
         limits = spec.limits
-        for _ in range(2):  # a second time only when nothing held a claimable job
+        for _ in range(3):  # again only when nothing held a claimable job (a slot freed meanwhile)
             if limits is None:
                 row = self._store.claim(job_id, owner, spec.task, may_adopt=may_adopt, successes=successes)
                 successes = None  # written (or not) by the first claim
@@ -100,22 +100,36 @@ class FlowControl:
                 result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits, may_adopt=may_adopt)
             if not result.retry:
                 break
+        row = result.row
+        try:
+            self._follow_up(job_id, spec, result)
+        except Exception:
+            # Never fail a delivery whose claim committed (its job would stay running
+            # with no body): what was not woken is the sweeper's to recover.
+            log.warning("celery-lease: job %s (%s): wakeups after the claim not sent; the sweeper will", job_id, spec.kind)
+        return row
+
+    def _follow_up(self, job_id: str, spec: JobKind, result: ClaimResult) -> None:
+        """What a claim's outcome asks to publish: woken jobs, the next window's wakeup,
+        a swapped delivery's job, an early window wakeup again."""
         if result.wake:
             self._publish(result.wake)
+        if result.retry and result.again is not None and spec.limits is not None:
+            # Refused, yet held by nothing each time (others took the slots that kept
+            # freeing): its delivery goes round again rather than wait for the sweeper.
+            self._publish([result.again])
         if result.later is not None:
             self._publish_later(*result.later)
         row = result.row
         if row is None:
             if result.held is not None:
                 log.info("celery-lease: job %s (%s): held by its %s", job_id, spec.kind, result.held)
-            elif limits is not None:
+            elif spec.limits is not None and not result.retry:
                 self._spent(job_id)
-            return None
-        if str(row["id"]) != job_id:
+        elif str(row["id"]) != job_id:
             log.info("celery-lease: job %s (%s): claimed higher-priority job %s in its place", job_id, spec.kind, row["id"])
             # The swap never leaves the kind and queue: the claimed row's queue is the delivered job's.
             self._publish([{"id": job_id, "task": spec.task, "queue": row["queue"]}])
-        return row
 
     def _spent(self, job_id: str) -> None:
         """A delivery of a limited kind that claimed nothing and held nothing."""
@@ -164,7 +178,7 @@ class FlowControl:
 
         ``rows``: mappings with the job's ``kind`` and ``concurrency_key``, and
         optionally ``limited`` (its kind has a limits row: a statement that returns
-        ``queries.RELEASE_COLUMNS`` tells it, so nothing is read again). Without
+        ``statements.common.RELEASE_COLUMNS`` tells it, so nothing is read again). Without
         ``limited``, a kind this process declares is limited when it declares a
         concurrency; an unknown kind is looked up. Rows of unlimited kinds cost nothing.
 

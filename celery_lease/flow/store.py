@@ -12,6 +12,7 @@ transactions cannot deadlock with each other or with cancel and reap (job rows o
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 
     from celery_lease.db.store import Store
     from celery_lease.flow.limits import Limits
+
+
+log = logging.getLogger("celery_lease.flow")
 
 
 class _NoWakeup(Exception):
@@ -45,6 +49,8 @@ class ClaimResult:
     wake: list[dict] = dataclasses.field(default_factory=list)
     #: (seconds, wakeup): the wakeup to publish at the start of the next rate window.
     later: tuple[float, dict] | None = None
+    #: With ``retry``: the delivered job's wakeup, to send again if it stays unclaimed.
+    again: dict | None = None
 
 
 class FlowStore:
@@ -128,9 +134,14 @@ class FlowStore:
             if rate is not None and row.get("window_claims") == 1:
                 # This claim opened a rate window: wake the jobs held for it, and if
                 # that may not be all, one of those left carries the next window's wakeup.
-                result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, None, rate.count - 1))
-                if len(result.wake) == rate.count - 1:
-                    result.later = self._window_wakeup(kind, None)
+                try:
+                    result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, None, rate.count - 1))
+                    if len(result.wake) == rate.count - 1:
+                        result.later = self._window_wakeup(kind, None)
+                except Exception:
+                    # The claim is committed: its job must run. The held jobs wait for
+                    # the sweeper's recovery (stale_held_groups).
+                    log.warning("celery-lease: cannot wake the jobs held for %s's new rate window; the sweeper will", kind)
             return result
         result = self._hold(job_id, task, kind, limits.concurrency)
         if result.held == Held.RATE:
@@ -168,23 +179,25 @@ class FlowStore:
 
     def _hold(self, job_id: str, task: str, kind: str | None, concurrency: int | None) -> ClaimResult:
         params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None, "slots": concurrency}
+        row: dict[str, Any] | None
         if self._prepare:
             stmts = (fs.lock_limits_row(), fs.hold_job()) if kind is not None else (fs.hold_job(),)
             rows = self._store.execute_prepared(self._script(*stmts), params)
-            held = rows[0]["held"] if rows else None
-            found = bool(rows)
+            row = rows[0] if rows else None
         else:
 
-            def work(conn: Connection) -> tuple[bool, str | None]:
+            def work(conn: Connection) -> dict[str, Any] | None:
                 if kind is not None:
                     conn.execute(fs.lock_limits_row(), params)
-                marked = conn.execute(fs.hold_job(), params).first()
-                return (False, None) if marked is None else (True, marked.held)
+                marked = conn.execute(fs.hold_job(), params).mappings().first()
+                return None if marked is None else dict(marked)
 
-            found, held = self._tx(work)
-        if not found:
+            row = self._tx(work)
+        if row is None:
             return ClaimResult()  # not pending or not due: a duplicate delivery
-        return ClaimResult(held=held, retry=held is None)
+        held = row.pop("held")
+        # Held by nothing: a slot or window freed since the claim was refused.
+        return ClaimResult(held=held, retry=held is None, again=row if held is None else None)
 
     def claim_target(self, job_id: str) -> dict[str, Any] | None:
         """What get_claim_target reads of a job, if it exists."""

@@ -50,7 +50,7 @@ LAPSE_SHARE = 0.8
 
 def owner_of(node: str | None) -> str:
     """The lease owner written by a claim: ``node/pid/boot``. Restart recovery matches
-    its ``node/`` prefix and ``/boot`` suffix (see queries.recover_restarted)."""
+    its ``node/`` prefix and ``/boot`` suffix (see statements.maintenance.recover_restarted)."""
     return f"{node or socket.gethostname()}/{os.getpid()}/{BOOT_ID}"
 
 

@@ -52,16 +52,22 @@ def enabled(task: Task) -> bool:
 
 
 def attempt_started(task: Task, attempt: Attempt) -> None:
+    """Never raises: it is sent after the claim committed, and an exception here (the
+    broker unreachable) would end the delivery before the body, leaving the job
+    running with no body until its lease expired. Events are a view; the row is the truth."""
     if not enabled(task):
         return
     argsrepr = (attempt.canvas or {}).get("argsrepr")
-    task.send_event(
-        "task-started",
-        state=states.STARTED,
-        retries=max(attempt.attempt - 1, 0),
-        args=argsrepr if isinstance(argsrepr, str) else saferepr([attempt.payload], MAX_REPR),
-        kwargs=saferepr({"attempt": attempt.attempt, "max_attempts": attempt.max_attempts}),
-    )
+    try:
+        task.send_event(
+            "task-started",
+            state=states.STARTED,
+            retries=max(attempt.attempt - 1, 0),
+            args=argsrepr if isinstance(argsrepr, str) else saferepr([attempt.payload], MAX_REPR),
+            kwargs=saferepr({"attempt": attempt.attempt, "max_attempts": attempt.max_attempts}),
+        )
+    except Exception as exc:
+        log.warning("celery-lease: job %s: task-started event not sent (%s)", attempt.job_id, type(exc).__name__)
 
 
 def revoked(task: Task) -> None:

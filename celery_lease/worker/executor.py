@@ -26,6 +26,7 @@ from celery_lease.errors import (
     LeaseError,
     LeaseLost,
 )
+from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import UnstorableValue, cap_error
 from celery_lease.status import Status
@@ -144,6 +145,7 @@ class WorkerState:
                 log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
             else:
                 log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
+                self._cancelled_by_claim(row)
             return None
         # A higher-priority job may be claimed in place of the delivered one.
         attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
@@ -151,6 +153,19 @@ class WorkerState:
             attempt.deadline = sent_at + spec.timeout
         self.heartbeat.add(attempt)
         return attempt
+
+    def _cancelled_by_claim(self, row: dict[str, Any]) -> None:
+        """The claim found the job's run cancelled and cancelled the job: what a cancel
+        of a run sets off follows (its errbacks fire once, a chord it heads is removed).
+        Its slot was never taken: nothing to release."""
+        if self.canvas is None or not row.get("canvas"):
+            return
+        endings = self.canvas.endings(tr.CANCEL.error or "", run_cancelled=True, eager=self.eager)
+        try:
+            self.store.transaction(self.store.durable, lambda conn: endings.write(conn, [row]))
+            endings.send()
+        except Exception:
+            log.exception("celery-lease: job %s: the errbacks of its cancel could not be sent", row["id"])
 
     def end(self, attempt: Attempt | None) -> None:
         if attempt is not None:

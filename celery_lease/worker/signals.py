@@ -97,10 +97,11 @@ def connect(
                 return
             queue = (request.delivery_info or {}).get("routing_key")
             started = tracing.clock()  # the attempt's span starts with its claim
-            attempt = worker_state().begin(request.id, task.spec, request.hostname)
+            # Recorded at once: the claim is committed, and nothing after it may keep the
+            # body from running (Celery swallows what a task_prerun receiver raises).
+            request.lease_attempt = attempt = worker_state().begin(request.id, task.spec, request.hostname)
             if started is not None and attempt is not None:
                 tracing.start_attempt(attempt, queue, started, request)
-            request.lease_attempt = attempt
 
     @signals.task_postrun.connect(weak=False)
     def release(sender=None, task=None, retval=None, **_):

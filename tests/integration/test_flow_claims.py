@@ -261,3 +261,83 @@ def test_a_window_wakeup_delivered_early_is_sent_again_for_the_time_left(pg, bro
     eta = datetime.fromisoformat(again["eta"]).timestamp() - time.time()
     assert left - 5 < eta < left + 5
     assert statuses(pg, [second]) == {second: ("pending", "rate")}
+
+
+# --- #18 item 4: nothing after a committed claim leaves its job without a body ---------------
+
+
+def test_an_unreachable_broker_for_task_events_does_not_orphan_the_claimed_job(pg, client_app):
+    """-E (task events) with the broker unreachable: the task-started event sent after
+    the claim raised, the delivery ended before the body, and the job stayed running
+    with no body until its lease expired. Runs Celery's own tracer (what a pool process
+    runs per message) on a job whose claim commits."""
+    from celery.app.trace import build_tracer
+
+    from tests.conftest import free_port
+
+    dead_broker = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    mod = client_app(pg, dead_broker, conf={"worker_send_task_events": True, "broker_connection_max_retries": 1})
+    job = mod.leases.store.insert_jobs([mod.leases.producer.job_row(mod.echo.spec, {"value": 7}, {})], keyed=False)[0]
+    tracer = build_tracer(mod.echo.name, mod.echo, app=mod.app, eager=False)
+    tracer(job.id, (), {}, {"id": job.id, "delivery_info": {"routing_key": "celery"}, "hostname": "celery@events-test"})
+    mod.leases.worker.flush()  # a success waits a few milliseconds for a batch
+    done = mod.leases.get(job.id)
+    assert (done.status.value, done.attempt) == ("succeeded", 1)
+
+
+# --- #18 item 11: a client partitioned mid-transaction cannot stall the kind ------------------
+
+
+@pytest.mark.timeout(90)  # without the server's timeout, the claim waits as long as the partition
+def test_a_client_partitioned_while_holding_a_kinds_lock_stalls_its_claims_only_briefly(pg, make_job, pg_proxy):
+    """A process takes the kind's limits row lock (a release, a top-up) and its network
+    goes silent mid-transaction. The server ends that idle transaction
+    (idle_in_transaction_session_timeout on every connection), so another worker's
+    claim of the kind waits seconds, not until TCP keepalive gives up (minutes)."""
+    import threading
+    import time
+
+    from celery_lease.db.engine import Timeouts
+    from celery_lease.db.store import Store
+    from celery_lease.flow import statements as fs
+    from celery_lease.flow.store import FlowStore
+
+    quick = Timeouts(idle_in_transaction=2.0)
+    here = Store(pg, timeouts=quick)
+    partitioned = Store(pg_proxy.url_for(pg), timeouts=quick)
+    flow = FlowStore(here, prepare=True)
+    limits_ = Limits(concurrency=1)
+    first, second = (make_job(pg, kind="k", task="t") for _ in range(2))
+    assert flow.claim_limited(first, OWNER, "k", "t", limits_).row is not None  # the kind's row exists
+    locked, release = threading.Event(), threading.Event()
+
+    def hold_the_lock(conn) -> None:
+        if locked.is_set():
+            return  # retried on a new connection once the server ended the first: done
+        conn.execute(fs.lock_limits_row(), {"of_kind": "k"})
+        pg_proxy.pause()  # from here on, nothing of this connection reaches the server
+        locked.set()
+        release.wait(25)
+
+    holder = threading.Thread(target=lambda: _swallow(lambda: partitioned.transaction(partitioned.durable, hold_the_lock)))
+    holder.start()
+    try:
+        assert locked.wait(10)
+        started = time.monotonic()
+        result = flow.claim_limited(second, OWNER, "k", "t", limits_)
+        waited = time.monotonic() - started
+        assert result.held == "limit"  # decided (the first job runs), not stuck behind the lock
+        assert waited < 15, waited
+    finally:
+        release.set()
+        pg_proxy.resume()
+        holder.join(30)
+        here.dispose()
+        partitioned.dispose()
+
+
+def _swallow(fn) -> None:
+    try:
+        fn()
+    except Exception:
+        pass  # the partitioned client's transaction was ended by the server

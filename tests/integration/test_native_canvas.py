@@ -12,7 +12,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from celery_lease.db.schema import events, jobs
+from celery_lease.db.schema import events, jobs, runs
 
 NATIVE = "tests.apps.app_native"
 
@@ -228,6 +228,28 @@ def test_errbacks_fire_once_for_cancelled_and_expired_jobs(pg, broker, client_ap
         (errback,) = errback_jobs(cancelled.id)
         assert errback["run_id"] is None and errback["status"] == "pending"
     assert sorted(a[0] for a in _plain_errbacks(broker)) == sorted(r.id for r in in_run)
+
+
+def test_a_job_its_claim_finds_in_a_cancelled_run_fires_its_errbacks_once(pg, broker, client_app, tmp_path):
+    """A job committed into a run after cancel_run looked at the run's jobs (a child of
+    a parent's success, a submit in the caller's transaction): its claim cancels it
+    instead of starting it, and what a cancel of the run sets off follows: its errbacks
+    fire once. (The claim-time cancel fired none.)"""
+    mod = client_app(pg, broker, module=NATIVE)
+    run_id = str(uuid.uuid4())
+    job = mod.inc.apply_async(({"n": 1},), link_error=[mod.noted_error.s(), mod.plain_errback.s(str(tmp_path))], run_id=run_id)
+    _queued(broker)
+    engine = sa.create_engine(pg)
+    with engine.begin() as conn:  # the run cancelled, as if this job had been missed
+        conn.execute(sa.update(runs).where(runs.c.id == run_id).values(cancelled_at=sa.func.now()))
+    engine.dispose()
+    assert mod.leases.worker.begin(job.id, mod.inc.spec, "w@host") is None  # cancelled, not started
+    assert mod.leases.get(job.id).status.value == "cancelled"
+    (errback,) = _rows(pg, jobs.c.kind == "noted_error", jobs.c.parent_id == job.id)
+    assert errback["payload"] == {"job_id": job.id, "error": "cancelled"} and errback["run_id"] is None
+    assert _plain_errbacks(broker) == [[job.id, str(tmp_path)]]
+    assert mod.leases.worker.begin(job.id, mod.inc.spec, "w@host") is None  # a second delivery: nothing again
+    assert len(_rows(pg, jobs.c.kind == "noted_error", jobs.c.parent_id == job.id)) == 1 and _plain_errbacks(broker) == []
 
 
 def test_restart_recovery_fires_the_errbacks_of_a_job_it_fails_and_only_of_that_one(pg, broker, client_app, tmp_path):

@@ -1,0 +1,99 @@
+"""A limited kind's claim may wait on its kind's limits row lock: no lease of this
+process may lapse meanwhile (#18 item 7), and a claim whose own lease lapsed during the
+wait must not start its body. Real PostgreSQL and Redis, the worker side of a real app
+(WorkerState) driven as Celery's signals drive it; the lock is held from the test."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.db.schema import jobs, limits
+
+HOST = "celery@flow-leases"
+
+
+def _app(client_app, pg, broker, *, limited_lease: int = 60):
+    """The tests' app with two kinds: ``quick`` (unlimited, a 2 s lease) and ``limited``
+    (concurrency 1); the limited kind's limits row exists (its lock can be held)."""
+    mod = client_app(pg, broker)
+    leases = mod.leases
+    quick = leases.job(kind="fl_quick", lease_seconds=2, name="tests.flow_leases.quick")(lambda ctx, p: {"ok": 1})
+    limited = leases.job(kind="fl_limited", concurrency=1, lease_seconds=limited_lease, name="tests.flow_leases.limited")(
+        lambda ctx, p: {"ran": True}
+    )
+    engine = sa.create_engine(pg)
+    with engine.begin() as conn:
+        conn.execute(sa.delete(limits).where(limits.c.kind == "fl_limited"))
+        conn.execute(limits.insert().values(kind="fl_limited", concurrency=1, updated_at=sa.func.now()))
+    engine.dispose()
+    return mod, quick.spec, limited.spec
+
+
+def _submit(mod, spec) -> str:
+    return str(mod.leases.store.insert_jobs([mod.leases.producer.job_row(spec, {}, {})], keyed=False)[0].id)
+
+
+@contextmanager
+def _kind_locked(pg, kind: str, seconds: float) -> Iterator[None]:
+    """Another connection holds ``kind``'s limits row lock for ``seconds`` (as a
+    slow release or claim of the kind would)."""
+    locked = threading.Event()
+
+    def hold() -> None:
+        engine = sa.create_engine(pg)
+        try:
+            with engine.begin() as conn:
+                conn.execute(sa.select(limits.c.kind).where(limits.c.kind == kind).with_for_update())
+                locked.set()
+                time.sleep(seconds)
+        finally:
+            engine.dispose()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        yield
+    finally:
+        holder.join(seconds + 10)
+
+
+def _row(pg, job_id: str) -> sa.Row:
+    engine = sa.create_engine(pg)
+    try:
+        with engine.connect() as conn:
+            query = sa.select(jobs.c.status, jobs.c.attempt, jobs.c.lease_generation, jobs.c.result)
+            return conn.execute(query.where(jobs.c.id == job_id)).one()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_success_is_not_held_hostage_by_a_limited_claims_lock_wait(pg, broker, client_app):
+    """#18 item 7: a success waiting to ride on the process's next claim, and that claim
+    a limited kind's, stalled 3 s on its kind's lock. The success must not wait in the
+    claim, unrenewed (its 2 s lease lapsed there: dropped, its job requeued and run
+    again): the completer's thread writes it meanwhile."""
+    mod, quick, limited = _app(client_app, pg, broker)
+    worker = mod.leases.worker
+    worker.completer.LINGER = 0.3  # type: ignore[attr-defined]  # the ride it waits for comes sooner
+    done, claimed = _submit(mod, quick), _submit(mod, limited)
+    with _kind_locked(pg, "fl_limited", 3.0):
+        attempt = worker.begin(done, quick, HOST)
+        assert attempt is not None
+        assert worker.execute(quick, attempt) == {"ok": 1}
+        worker.end(attempt)  # the success waits for a ride
+        started = time.monotonic()
+        second = worker.begin(claimed, limited, HOST)  # waits for the kind's lock
+        assert time.monotonic() - started > 2.0  # (the lock was waited for: the test tests something)
+    assert second is not None
+    worker.end(second)
+    worker.flush()
+    row = _row(pg, done)
+    assert (row.status, row.attempt, row.lease_generation, row.result) == ("succeeded", 1, 1, {"ok": 1})
