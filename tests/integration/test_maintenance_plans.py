@@ -14,6 +14,7 @@ import json
 import pytest
 import sqlalchemy as sa
 
+from celery_lease.db import durability
 from celery_lease.db.prepared import Prepared
 from celery_lease.db.statements import maintenance
 
@@ -63,7 +64,10 @@ def _explain(pg: str, mode: str, stmt, params: dict, fills: list[str], *, analyz
             with raw.cursor() as cur:
                 cur.execute(f"SET plan_cache_mode = {mode}")
                 cur.execute(prepared.prepare_sql)
-                cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + prepared.execute_sql, prepared.values(params))
+                # A durable statement's EXECUTE goes with SET LOCAL synchronous_commit in
+                # front (db/durability.py); EXPLAIN takes the EXECUTE alone.
+                execute = prepared.execute_sql.removeprefix(durability.SYNC_ON)
+                cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + execute, prepared.values(params))
                 (plan,) = cur.fetchone()[0]
                 cur.execute("SELECT count(*) FROM celery_lease_jobs WHERE updated_at > now() - interval '1 minute'")
                 (changed,) = cur.fetchone()
