@@ -53,8 +53,8 @@ def _claim_before_flow_control():
 
 
 def statements(leases, tasks, samples: int) -> dict:
-    from celery_lease.db import queries as q
     from celery_lease.db.prepared import Prepared
+    from celery_lease.db.statements import attempt
 
     store, flow = leases.store, leases.flow
     before = Prepared(_claim_before_flow_control())
@@ -65,7 +65,7 @@ def statements(leases, tasks, samples: int) -> dict:
 
     def complete(row) -> None:
         store.guarded(
-            q.complete_job(),
+            attempt.complete_job(),
             {"job_id": str(row["id"]), "generation": row["lease_generation"], "new_result": None, "new_progress": None},
         )
 

@@ -51,7 +51,7 @@ AMBIENT_TRANSACTIONS: list[Callable[[Store], AbstractContextManager[sa.Connectio
 def run_after_time(value: datetime | timedelta | float | None) -> tuple[datetime | None, float | None]:
     """A delayed job's due time as (absolute UTC instant, delay in seconds), one of
     them set: a datetime is the caller's instant; a timedelta or seconds is a delay
-    that the database counts from its own clock (see queries.insert_jobs)."""
+    that the database counts from its own clock (see statements.submit.insert_jobs)."""
     if value is None:
         return None, None
     if isinstance(value, datetime):

@@ -378,7 +378,7 @@ def make_job():
 
     def make(db: str, *, kind: str = "echo", task: str = "tests.apps.app.echo", status: str = "pending", **columns) -> str:
         engine = engines.setdefault(db, sa.create_engine(db))
-        from celery_lease.db.queries import db_now
+        from celery_lease.db.statements.common import db_now
 
         now = db_now()
         values = {

@@ -40,7 +40,7 @@ class ClaimLanded(Exception):
 class LandedClaim:
     """Called before a claim is retried after a lost reply (and when the retry claimed
     nothing): the job the first try claimed is running under this ``owner``: the
-    delivered job, or (a priority swap) another of its kind. queries.adopt_claim finds
+    delivered job, or (a priority swap) another of its kind. claim.adopt_claim finds
     it; it is adopted (ClaimLanded is raised with its row, which ends the retries) if
     ``may_adopt(its id, its generation)``: no attempt of it lives in this process and
     no other claim is in progress here (the owner is one process), so the row can only

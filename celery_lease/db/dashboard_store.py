@@ -13,9 +13,9 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from celery_lease.db import queries as q
 from celery_lease.db.reads import _view
 from celery_lease.db.statements import dashboard as dq
+from celery_lease.db.statements import maintenance
 from celery_lease.db.store import Store
 from celery_lease.flow import statements as fs
 from celery_lease.status import Event
@@ -153,7 +153,7 @@ class DashboardStore:
         def work(conn: Connection):
             deleted = [str(r[0]) for r in conn.execute(dq.delete_finished_jobs(ids, tenant))]
             if deleted:
-                conn.execute(q.delete_job_events(deleted))
+                conn.execute(maintenance.delete_job_events(deleted))
             return deleted
 
         return self._read(work) if ids else []

@@ -7,12 +7,12 @@ try set off after its commit (errbacks, a chord's count-down, a slot's release, 
 cancel notices) is never done; if it had not, the retry is right.
 
 So a :class:`Landing` takes the transaction's id and server process before COMMIT
-(queries.transaction_mark, in the transaction's first round trip) and keeps what the
+(landing.transaction_mark, in the transaction's first round trip) and keeps what the
 transaction's work returned. After a dropped connection it asks the server
-(queries.transaction_status): committed -> that first try's value is the result, and
+(landing.transaction_status): committed -> that first try's value is the result, and
 nothing runs again; aborted -> the work runs again; still in progress (the server has
 not noticed its client is gone) -> that server process is ended
-(queries.end_stranded_transaction), which aborts it, and the question asked again.
+(landing.end_stranded_transaction), which aborts it, and the question asked again.
 While the server cannot be asked, :meth:`Landing.run` raises DatabaseUnavailable and
 keeps the question for its next call: a caller riding out a blip calls it again.
 
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy import exc as sa_exc
 
-from celery_lease.db import queries as q
+from celery_lease.db.statements import landing
 from celery_lease.errors import DatabaseUnavailable
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class Landing(Generic[T]):
                 params: dict[str, Any] = {}
                 if self._lock_timeout is not None:
                     params["lock_timeout_ms"] = int(self._lock_timeout * 1000)
-                mark = conn.execute(q.transaction_mark(self._lock_timeout is not None), params).one()
+                mark = conn.execute(landing.transaction_mark(self._lock_timeout is not None), params).one()
             value = work(conn)
             # COMMIT is sent when the block exits: from here its outcome may be unknown.
             if mark is not None:
@@ -122,7 +122,7 @@ class Landing(Generic[T]):
         ended = False
         while True:
             status = self._db.transaction(
-                self._db.engine(single=True), lambda c: c.execute(q.transaction_status(), {"xid": sent.xid}).scalar()
+                self._db.engine(single=True), lambda c: c.execute(landing.transaction_status(), {"xid": sent.xid}).scalar()
             )
             if status != "in progress":
                 self._sent = None
@@ -131,7 +131,7 @@ class Landing(Generic[T]):
                 xid32 = str(int(sent.xid) % 2**32)
                 self._db.transaction(
                     self._db.engine(single=True),
-                    lambda c: c.execute(q.end_stranded_transaction(), {"pid": sent.pid, "xid32": xid32}),
+                    lambda c: c.execute(landing.end_stranded_transaction(), {"pid": sent.pid, "xid32": xid32}),
                 )
                 ended = True
             if time.monotonic() >= deadline:

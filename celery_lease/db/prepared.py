@@ -3,11 +3,11 @@
 Every job pays for its claim and its completion. Sent as text, each is parsed and
 planned by PostgreSQL every time and walked by SQLAlchemy's execution machinery in
 the worker; together that cost more than the statements' own work. A
-:class:`Prepared` statement is compiled from its construct in :mod:`queries` once, is
+:class:`Prepared` statement is compiled from its construct in :mod:`celery_lease.db.statements` once, is
 PREPAREd once per database connection, and runs as ``EXECUTE`` on the raw driver
 connection.
 
-Invariant: the text is still the one named statement of :mod:`queries`; only the way
+Invariant: the text is still the one named statement of the catalogue; only the way
 it is sent changes. Set ``lease_prepare_statements = False`` behind a pooler that does
 not keep sessions (pgbouncer in transaction mode before 1.21).
 """

@@ -2,7 +2,8 @@
 
 A part of :class:`~celery_lease.db.store.Store` (its base), kept apart from the
 statements that change jobs; each method runs one named read of
-:mod:`celery_lease.db.queries` in its own transaction.
+:mod:`celery_lease.db.statements.reads` or :mod:`~celery_lease.db.statements.metrics`
+in its own transaction.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from celery_lease.db import queries as q
+from celery_lease.db.statements import metrics as metrics_sql
+from celery_lease.db.statements import reads
 from celery_lease.job import Job
 
 
@@ -36,39 +38,41 @@ class Reads:
 
     def get(self, job_id: str) -> Job | None:
         def work(conn):
-            row = conn.execute(q.get_job(job_id)).mappings().first()
+            row = conn.execute(reads.get_job(job_id)).mappings().first()
             return None if row is None else Job.from_row(row)
 
         return self.transaction(self.durable, work)
 
     def list_jobs(self, **filters) -> list[Job]:
-        return self.transaction(self.durable, lambda c: [Job.from_row(r) for r in c.execute(q.list_jobs(**filters)).mappings()])
+        return self.transaction(
+            self.durable, lambda c: [Job.from_row(r) for r in c.execute(reads.list_jobs(**filters)).mappings()]
+        )
 
     def get_view(self, job_id: str, *, tenant: str | None = None) -> dict[str, Any] | None:
         """The API columns of one job (of ``tenant``, when given), or None."""
 
         def work(conn):
-            row = conn.execute(q.get_job_view(job_id, tenant=tenant)).mappings().first()
+            row = conn.execute(reads.get_job_view(job_id, tenant=tenant)).mappings().first()
             return None if row is None else _view(row)
 
         return self.transaction(self.durable, work)
 
     def list_summaries(self, *, max_value_bytes: int, **filters) -> list[dict[str, Any]]:
         """list_jobs reading only the API columns, result and progress bounded (see
-        queries.list_job_summaries)."""
-        stmt = q.list_job_summaries(max_value_bytes=max_value_bytes, **filters)
+        reads.list_job_summaries)."""
+        stmt = reads.list_job_summaries(max_value_bytes=max_value_bytes, **filters)
         return self.transaction(self.durable, lambda c: [_view(r) for r in c.execute(stmt).mappings()])
 
     def run_visible(self, run_id: str, *, tenant: str | None = None) -> bool:
-        return self.transaction(self.durable, lambda c: c.execute(q.run_visible(run_id, tenant=tenant)).first() is not None)
+        return self.transaction(self.durable, lambda c: c.execute(reads.run_visible(run_id, tenant=tenant)).first() is not None)
 
     def tenant_run_events(self, run_id: str, tenant: str, *, after_seq: int = 0, limit: int = 1000) -> list[dict]:
-        """A tenant's events of a run, each with its ``seq`` among them (see queries)."""
-        stmt = q.list_tenant_run_events(run_id, tenant, after_seq=after_seq, limit=limit)
+        """A tenant's events of a run, each with its ``seq`` among them (see reads)."""
+        stmt = reads.list_tenant_run_events(run_id, tenant, after_seq=after_seq, limit=limit)
         return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt).mappings()])
 
     def run_events(self, run_id: str, *, after_id: int = 0, limit: int = 1000, tenant: str | None = None) -> list[dict]:
-        stmt = q.list_run_events(run_id, after_id=after_id, limit=limit, tenant=tenant)
+        stmt = reads.list_run_events(run_id, after_id=after_id, limit=limit, tenant=tenant)
         return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt).mappings()])
 
     def metrics(self, stale_seconds: float) -> dict[str, Any]:
@@ -76,9 +80,9 @@ class Reads:
 
         def work(conn):
             return {
-                "jobs": [tuple(r) for r in conn.execute(q.job_totals())],
-                "events": [tuple(r) for r in conn.execute(q.event_totals())],
-                "leases": tuple(conn.execute(q.lease_health(), {"stale_seconds": stale_seconds}).one()),
+                "jobs": [tuple(r) for r in conn.execute(metrics_sql.job_totals())],
+                "events": [tuple(r) for r in conn.execute(metrics_sql.event_totals())],
+                "leases": tuple(conn.execute(metrics_sql.lease_health(), {"stale_seconds": stale_seconds}).one()),
             }
 
         return self.transaction(self.durable, work)

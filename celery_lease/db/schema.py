@@ -101,7 +101,7 @@ sa.Index(
 )
 
 # Claim is by primary key; these serve the maintenance scans and the API.
-# The sweep (queries.claim_due_wakeups) reads three ranges of it: never woken and due at
+# The sweep (statements.maintenance.claim_due_wakeups) reads three ranges of it: never woken and due at
 # once, never woken and run_after past, woken before the staleness threshold. Its keys
 # are not written while a job is pending but by a wakeup; a claim takes the job out.
 sa.Index("celery_lease_jobs_wakeup", jobs.c.woken_at, jobs.c.run_after, **_partial("status = 'pending' AND held IS NULL"))

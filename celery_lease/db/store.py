@@ -1,10 +1,10 @@
-"""The job store: one method per named statement of :mod:`celery_lease.db.queries`.
+"""The job store: one method per named statement of :mod:`celery_lease.db.statements`.
 
 It runs them on a :class:`~celery_lease.db.engine.Database` (engines, transactions,
 prepared statements) and turns rows into :class:`~celery_lease.job.Job` values. Run
 events are built here, in :meth:`Store.log_events`, and nowhere else, but by the
 PostgreSQL statements that write their own (statements.claim.claim,
-queries.reap_expired_logged: the same rows, in the same statement). The transitions
+maintenance.reap_expired_logged: the same rows, in the same statement). The transitions
 that end attempts or jobs are executed by celery_lease/lifecycle, not here.
 """
 
@@ -18,13 +18,13 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from celery_lease.db import queries as q
 from celery_lease.db.chords import Chords
 from celery_lease.db.claims import Claims
 from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.prepared import Prepared
 from celery_lease.db.reads import Reads
-from celery_lease.db.statements import claim
+from celery_lease.db.statements import attempt as attempt_sql
+from celery_lease.db.statements import cancel, canvas, claim, events, maintenance, submit
 from celery_lease.job import Job
 from celery_lease.status import Event
 
@@ -47,7 +47,7 @@ class Store(Reads, Chords, Claims, Database):
         if self.dialect == "postgresql" and prepare_statements:
             self._prepared = {
                 "claim": Prepared(claim.claim()),
-                "insert_batch": Prepared(q.insert_job_batch(on_key_conflict_nothing=False)),
+                "insert_batch": Prepared(submit.insert_job_batch(on_key_conflict_nothing=False)),
             }
 
     # --- producer --------------------------------------------------------------------
@@ -59,7 +59,7 @@ class Store(Reads, Chords, Claims, Database):
         exists was inserted by an earlier try of this same submit whose reply was lost
         (a retry after a dropped connection): it is read back, not inserted again nor
         reported as a conflict, and appended to ``landed``."""
-        stmt = q.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
+        stmt = submit.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
 
         def work(conn: Connection) -> list[Job]:
             if len(rows) == 1:
@@ -77,7 +77,7 @@ class Store(Reads, Chords, Claims, Database):
     def insert_job_batch(
         self, shared: dict[str, Any], records: list[dict], *, keyed: bool, connection=None, landed: list[Job] | None = None
     ) -> list[Job]:
-        """q.insert_job_batch (PostgreSQL): jobs sharing every column but q.BATCH_JOB_FIELDS
+        """submit.insert_job_batch (PostgreSQL): jobs sharing every column but submit.BATCH_JOB_FIELDS
         (``records``, one dict each), with their ``dispatched`` events, in one statement,
         alone a prepared one; returns those inserted, built from what was sent and the
         database's created_at / run_after. Missing ids are insert_jobs' lost-reply rows."""
@@ -90,7 +90,7 @@ class Store(Reads, Chords, Claims, Database):
             prepared = self._prepared["insert_batch"]
             rows = [(r["id"], r["created_at"], r["run_after"]) for r in self.execute_prepared(prepared, params, on_retry=again)]
         else:
-            stmt = q.insert_job_batch(on_key_conflict_nothing=keyed)
+            stmt = submit.insert_job_batch(on_key_conflict_nothing=keyed)
             engine = self.engine(single=True)
             rows = self.transaction(engine, lambda c: list(c.execute(stmt, params)), connection=connection, on_retry=again)
         sent = {str(r["id"]): r for r in json.loads(text)}  # payloads as stored: tuples become lists
@@ -117,29 +117,29 @@ class Store(Reads, Chords, Claims, Database):
             landed.extend(found)
 
     def pending_wakeups(self, ids: Sequence[str]) -> list[dict]:
-        return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(q.pending_wakeups(ids)).mappings()])
+        return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(submit.pending_wakeups(ids)).mappings()])
 
     def get_jobs_by_ids(self, ids: Sequence[str], *, connection=None) -> list[Job]:
         def work(conn):
-            return [Job.from_row(r) for r in conn.execute(q.get_jobs_by_ids(ids)).mappings()]
+            return [Job.from_row(r) for r in conn.execute(submit.get_jobs_by_ids(ids)).mappings()]
 
         return self.transaction(self.durable, work, connection=connection)
 
     def get_jobs_by_keys(self, kind: str, keys: Sequence[str], *, connection=None) -> list[Job]:
         def work(conn):
-            return [Job.from_row(r) for r in conn.execute(q.get_jobs_by_keys(kind, keys)).mappings()]
+            return [Job.from_row(r) for r in conn.execute(submit.get_jobs_by_keys(kind, keys)).mappings()]
 
         return self.transaction(self.durable, work, connection=connection)
 
     def mark_not_woken(self, ids: Sequence[str]) -> None:
-        self.transaction(self.durable, lambda c: c.execute(q.mark_not_woken(ids)))
+        self.transaction(self.durable, lambda c: c.execute(submit.mark_not_woken(ids)))
 
     def ensure_run(self, run_id: str, *, connection=None) -> bool:
         """Create the run if new; return False when the run was cancelled."""
 
         def work(conn):
-            conn.execute(q.upsert_run(self.dialect, run_id))
-            return conn.execute(q.get_run(run_id)).mappings().one()["cancelled_at"] is None
+            conn.execute(submit.upsert_run(self.dialect, run_id))
+            return conn.execute(submit.get_run(run_id)).mappings().one()["cancelled_at"] is None
 
         return self.transaction(self.durable, work, connection=connection)
 
@@ -148,10 +148,10 @@ class Store(Reads, Chords, Claims, Database):
     def renew(self, leases: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bool]:
         """Renew many (job, generation) leases in one statement, on the heartbeat's own
         connection; return those still held, each with whether it was renewed (False:
-        its row was locked by a transaction, see queries.renew_leases)."""
+        its row was locked by a transaction, see statements.attempt.renew_leases)."""
 
         def work(conn):
-            return {(str(r[0]), r[1]): bool(r[2]) for r in conn.execute(q.renew_leases(self.dialect, leases))}
+            return {(str(r[0]), r[1]): bool(r[2]) for r in conn.execute(attempt_sql.renew_leases(self.dialect, leases))}
 
         return self.transaction(self.engine(heartbeat=True), work)
 
@@ -162,12 +162,12 @@ class Store(Reads, Chords, Claims, Database):
         retried: list[bool] = []
         if self._prepared is not None:
             key = f"complete_{count}"
-            stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(q.complete_jobs(count)))
+            stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(attempt_sql.complete_jobs(count)))
             done = {str(r["id"]) for r in self.execute_prepared(stmt, params, on_retry=lambda: retried.append(True))}
         else:
             done = self.transaction(
                 self.engine(single=True),
-                lambda conn: {str(r[0]) for r in conn.execute(q.complete_jobs(count), params)},
+                lambda conn: {str(r[0]) for r in conn.execute(attempt_sql.complete_jobs(count), params)},
                 on_retry=lambda: retried.append(True),
             )
         if retried and len(done) < count:
@@ -181,7 +181,7 @@ class Store(Reads, Chords, Claims, Database):
         generation; every other transition bumps it)."""
         if not leases:
             return set()
-        stmt = q.landed_successes(leases)
+        stmt = attempt_sql.landed_successes(leases)
         return self.transaction(self.durable, lambda conn: {str(r[0]) for r in conn.execute(stmt)})
 
     def guarded(self, stmt, params: dict[str, Any], *, connection: Connection | None = None) -> bool:
@@ -206,22 +206,22 @@ class Store(Reads, Chords, Claims, Database):
         for job, event, detail in entries:
             run_id, job_id, attempt = _event_source(job)
             if run_id is not None:
-                rows.append(q.event_row(str(run_id), str(job_id), event, attempt, detail))
+                rows.append(events.event_row(str(run_id), str(job_id), event, attempt, detail))
         if rows:
-            self.transaction(self.durable, lambda c: c.execute(q.append_events(), rows), connection=conn)
+            self.transaction(self.durable, lambda c: c.execute(events.append_events(), rows), connection=conn)
 
     # --- revoking statements (executed by celery_lease/lifecycle) -------------------
 
     def mark_run_cancelled(self, conn: Connection, run_id: str) -> None:
         """The run takes no new job (in the transaction that cancels its jobs)."""
-        conn.execute(q.upsert_run(self.dialect, run_id))
-        conn.execute(q.cancel_run(), {"run_id": run_id})
+        conn.execute(submit.upsert_run(self.dialect, run_id))
+        conn.execute(cancel.cancel_run(), {"run_id": run_id})
 
     def claim_due_wakeups(self, stale_seconds: float, limit: int) -> list[dict]:
         params = {"stale_seconds": stale_seconds, "limit": limit}
         # Every sweep tick runs it, mostly finding nothing: prepared, it is parsed and
         # analyzed once per connection (0.54 -> 0.35 ms idle at 1,000,000 pending jobs).
-        stmt = q.claim_due_wakeups(self.dialect)
+        stmt = maintenance.claim_due_wakeups(self.dialect)
         if self.dialect != "postgresql":
             return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
         return self._maintain("sweep", stmt, params)
@@ -237,12 +237,12 @@ class Store(Reads, Chords, Claims, Database):
     def prune(self, older_than_seconds: float, limit: int) -> int:
         def work(conn):
             params = {"cutoff_seconds": older_than_seconds, "limit": limit}
-            ids = [str(r[0]) for r in conn.execute(q.prune_jobs(self.dialect), params)]
+            ids = [str(r[0]) for r in conn.execute(maintenance.prune_jobs(self.dialect), params)]
             if ids:
-                conn.execute(q.delete_job_events(ids))
+                conn.execute(maintenance.delete_job_events(ids))
             return len(ids)
 
         return self.transaction(self.durable, work)
 
     def make_due(self, job_id: str) -> None:
-        self.guarded(q.make_due(), {"job_id": job_id})
+        self.guarded(canvas.make_due(), {"job_id": job_id})

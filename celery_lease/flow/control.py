@@ -178,7 +178,7 @@ class FlowControl:
 
         ``rows``: mappings with the job's ``kind`` and ``concurrency_key``, and
         optionally ``limited`` (its kind has a limits row: a statement that returns
-        ``queries.RELEASE_COLUMNS`` tells it, so nothing is read again). Without
+        ``statements.common.RELEASE_COLUMNS`` tells it, so nothing is read again). Without
         ``limited``, a kind this process declares is limited when it declares a
         concurrency; an unknown kind is looked up. Rows of unlimited kinds cost nothing.
 

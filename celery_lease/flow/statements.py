@@ -16,7 +16,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
-from celery_lease.db.queries import (
+from celery_lease.db.schema import jobs, limits, pauses
+from celery_lease.db.statements.common import (
     _PENDING,
     _RUNNING,
     WAKEUP_COLUMNS,
@@ -29,7 +30,6 @@ from celery_lease.db.queries import (
     db_now_plus,
     epoch_seconds,
 )
-from celery_lease.db.schema import jobs, limits, pauses
 from celery_lease.status import Held, Status
 
 
@@ -268,8 +268,8 @@ def _wake(where: list[sa.ColumnElement], limit: sa.ColumnElement, dialect: str) 
     """Up to ``limit`` held jobs matching ``where``, best priority first, then oldest:
     no longer held, woken now. Returns what their wakeups need.
 
-    The jobs are picked by queries._batch (a MATERIALIZED CTE, locked, skipping rows
-    another wake holds) and changed by primary key (queries._picked). As an ``id IN
+    The jobs are picked by common._batch (a MATERIALIZED CTE, locked, skipping rows
+    another wake holds) and changed by primary key (common._picked). As an ``id IN
     (SELECT ... LIMIT ... FOR UPDATE SKIP LOCKED)`` subquery the planner may rescan the
     pick once per outer row, each rescan skipping the rows just woken and taking more:
     one freed slot of a ``concurrency=1`` kind woke all 200 of its held jobs."""

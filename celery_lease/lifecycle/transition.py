@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from celery_lease.db import queries as q
+from celery_lease.db.statements import attempt, cancel, maintenance
 from celery_lease.status import Event, Status
 
 Row = Mapping[str, Any]
@@ -83,15 +83,20 @@ def _retried(row: Row, params: Mapping[str, Any]) -> str:
 #: may hold it, and the worker's timeouts and revokes must not queue behind it.
 BACKGROUND_LOCK_TIMEOUT = 2.0
 
-SUCCEED = Transition("succeed", lambda dialect: q.complete_job(), Event.SUCCEEDED, fenced=True)
+SUCCEED = Transition("succeed", lambda dialect: attempt.complete_job(), Event.SUCCEEDED, fenced=True)
 FAIL = Transition(
-    "fail", lambda dialect: q.fail_job(), Event.FAILED, detail=lambda r, p: p["new_error"], fenced=True, ends=frozenset({_FAILED})
+    "fail",
+    lambda dialect: attempt.fail_job(),
+    Event.FAILED,
+    detail=lambda r, p: p["new_error"],
+    fenced=True,
+    ends=frozenset({_FAILED}),
 )
-RETRY = Transition("retry", lambda dialect: q.retry_job(), Event.RETRIED, detail=_retried, fenced=True)
+RETRY = Transition("retry", lambda dialect: attempt.retry_job(), Event.RETRIED, detail=_retried, fenced=True)
 #: A kind's timeout, written off the heartbeat thread (worker/timeouts.py).
 TIME_OUT_RETRY = Transition(
     "time out (retry)",
-    lambda dialect: q.retry_job(),
+    lambda dialect: attempt.retry_job(),
     Event.RETRIED,
     detail=_retried,
     fenced=True,
@@ -99,7 +104,7 @@ TIME_OUT_RETRY = Transition(
 )
 TIME_OUT_FAIL = Transition(
     "time out (fail)",
-    lambda dialect: q.fail_job(),
+    lambda dialect: attempt.fail_job(),
     Event.FAILED,
     detail=lambda r, p: p["new_error"],
     fenced=True,
@@ -108,7 +113,7 @@ TIME_OUT_FAIL = Transition(
 )
 SNOOZE = Transition(
     "snooze",
-    lambda dialect: q.snooze_job(),
+    lambda dialect: attempt.snooze_job(),
     Event.REQUEUED,
     detail=lambda r, p: f"snoozed for {p['delay']:g}s",
     fenced=True,
@@ -116,7 +121,7 @@ SNOOZE = Transition(
 )
 HAND_OFF = Transition(
     "hand off",
-    lambda dialect: q.hand_off_job(),
+    lambda dialect: attempt.hand_off_job(),
     Event.REQUEUED,
     detail=lambda r, p: p.get("why") or "shutdown handoff",
     fenced=True,
@@ -124,7 +129,7 @@ HAND_OFF = Transition(
 )
 CANCEL = Transition(
     "cancel",
-    lambda dialect, **which: q.cancel_jobs(**which),
+    lambda dialect, **which: cancel.cancel_jobs(**which),
     Event.CANCELLED,
     ends=frozenset({_CANCELLED}),
     notifies=True,
@@ -133,7 +138,7 @@ CANCEL = Transition(
 #: A revoke broadcast's ids, cancelled off the worker's consumer (worker/revoke.py).
 REVOKE = Transition(
     "revoke",
-    lambda dialect, **which: q.cancel_jobs(**which),
+    lambda dialect, **which: cancel.cancel_jobs(**which),
     Event.CANCELLED,
     ends=frozenset({_CANCELLED}),
     notifies=True,
@@ -142,18 +147,18 @@ REVOKE = Transition(
 )
 REAP = Transition(
     "reap",
-    lambda dialect: q.reap_expired_logged() if dialect == "postgresql" else q.reap_expired(dialect),
+    lambda dialect: maintenance.reap_expired_logged() if dialect == "postgresql" else maintenance.reap_expired(dialect),
     Event.REAPED,
-    detail=lambda r, p: f"{q.LEASE_EXPIRED}: {r['status']}",
+    detail=lambda r, p: f"{maintenance.LEASE_EXPIRED}: {r['status']}",
     ends=frozenset({_EXPIRED}),
     wakes=_requeued,
-    error=q.LEASE_EXPIRED,
+    error=maintenance.LEASE_EXPIRED,
     lock_timeout=BACKGROUND_LOCK_TIMEOUT,
     self_logged=frozenset({"postgresql"}),
 )
 RECOVER = Transition(
     "restart recovery",
-    lambda dialect, **owner: q.recover_restarted(**owner),
+    lambda dialect, **owner: maintenance.recover_restarted(**owner),
     Event.REQUEUED,
     detail=lambda r, p: f"interrupted by restart: {r['status']}",
     ends=frozenset({_FAILED}),

@@ -55,7 +55,7 @@ START_SHARE = 0.5
 
 def owner_of(node: str | None) -> str:
     """The lease owner written by a claim: ``node/pid/boot``. Restart recovery matches
-    its ``node/`` prefix and ``/boot`` suffix (see queries.recover_restarted)."""
+    its ``node/`` prefix and ``/boot`` suffix (see statements.maintenance.recover_restarted)."""
     return f"{node or socket.gethostname()}/{os.getpid()}/{BOOT_ID}"
 
 

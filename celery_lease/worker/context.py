@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Connection
 
-from celery_lease.db import queries as q
+from celery_lease.db.statements import attempt as attempt_sql
 from celery_lease.errors import JobCancelled, JobSnoozed, JobSuspended
 from celery_lease.kinds import JobKind
 from celery_lease.payload import DEFAULT_MAX_PROGRESS_BYTES, check_loaded_checkpoint, dump_checkpoint, dump_progress
@@ -148,7 +148,7 @@ class JobContext:
         """Store ``data`` (JSON, capped) as the checkpoint; the next attempt starts from
         it. Returns False, writing nothing, when the lease is lost."""
         data = dump_checkpoint(data, self._max_checkpoint_bytes)
-        if not self._attempt.write(self._store, q.save_checkpoint(), new_checkpoint=data):
+        if not self._attempt.write(self._store, attempt_sql.save_checkpoint(), new_checkpoint=data):
             return False
         self._checkpoint = data
         return True
@@ -171,7 +171,7 @@ class JobContext:
             return
         self._progress_dirty = False
         self._progress_written_at = time.monotonic()
-        if self._attempt.write(self._store, q.publish_progress(), new_progress=self._progress):
+        if self._attempt.write(self._store, attempt_sql.publish_progress(), new_progress=self._progress):
             if self._on_progress is not None:
                 self._on_progress(self._progress)
 

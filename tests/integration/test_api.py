@@ -441,9 +441,9 @@ def test_a_tenants_page_walks_the_tenant_index(pg):
     tenant's rows sorted (migration 0002 adds it)."""
     from sqlalchemy.dialects import postgresql
 
-    from celery_lease.db import queries as q
+    from celery_lease.db.statements import reads
 
-    stmt = q.list_job_summaries(max_value_bytes=1024, tenant="acme", status="failed", limit=51)
+    stmt = reads.list_job_summaries(max_value_bytes=1024, tenant="acme", status="failed", limit=51)
     sql = str(stmt.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
     engine = sa.create_engine(pg)
     try:

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.dialects import postgresql
 
 from celery_lease.db import migrate
-from celery_lease.db import queries as q
+from celery_lease.db.statements import reads
 from celery_lease.db.store import Store
 from celery_lease.flow import statements as flow_statements
 from celery_lease.ops import listing
@@ -197,9 +197,9 @@ def test_limits_and_unsuccessful_lists_read_indexes_not_the_table(big_table, req
     statements = {
         "limits": flow_statements.flow_counts(),
         "limits (tenant)": flow_statements.flow_counts("t7"),
-        "failed": q.list_jobs(columns=q.VIEW_COLUMNS, status="failed", limit=51),
-        "expired (kind)": q.list_jobs(columns=q.VIEW_COLUMNS, status="expired", kind="k3", limit=51),
-        "failed (tenant)": q.list_jobs(columns=q.VIEW_COLUMNS, status="failed", tenant="t1", limit=51),
+        "failed": reads.list_jobs(columns=reads.VIEW_COLUMNS, status="failed", limit=51),
+        "expired (kind)": reads.list_jobs(columns=reads.VIEW_COLUMNS, status="expired", kind="k3", limit=51),
+        "failed (tenant)": reads.list_jobs(columns=reads.VIEW_COLUMNS, status="failed", tenant="t1", limit=51),
     }
     timings = {}
     for name, stmt in statements.items():

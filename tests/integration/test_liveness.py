@@ -255,7 +255,7 @@ def test_a_claim_racing_an_uncommitted_cancel_run_waits_and_cancels_the_job(pg, 
     (It started it: the run's jobs were all cancelled, but this one ran.)"""
     import uuid
 
-    from celery_lease.db import queries as q
+    from celery_lease.db.statements import cancel
 
     mod = client_app(pg, broker)
     run_id = str(uuid.uuid4())
@@ -264,7 +264,7 @@ def test_a_claim_racing_an_uncommitted_cancel_run_waits_and_cancels_the_job(pg, 
     result: dict = {}
     with db.connect() as canceller:
         tx = canceller.begin()
-        canceller.execute(q.cancel_run(), {"run_id": run_id})  # what cancel_run does first
+        canceller.execute(cancel.cancel_run(), {"run_id": run_id})  # what cancel_run does first
         claim = threading.Thread(target=lambda: result.update(row=store.claim(job.id, "w@host/1/boot", job.task)))
         claim.start()
         claim.join(2)

@@ -14,8 +14,9 @@ import json
 import pytest
 import sqlalchemy as sa
 
-from celery_lease.db import queries as q
+from celery_lease.db import durability
 from celery_lease.db.prepared import Prepared
+from celery_lease.db.statements import maintenance
 
 #: Pending jobs whose wakeup was just published (the sweeper must send none of them),
 #: delayed jobs due in an hour (nor them), and jobs it must wake.
@@ -63,7 +64,10 @@ def _explain(pg: str, mode: str, stmt, params: dict, fills: list[str], *, analyz
             with raw.cursor() as cur:
                 cur.execute(f"SET plan_cache_mode = {mode}")
                 cur.execute(prepared.prepare_sql)
-                cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + prepared.execute_sql, prepared.values(params))
+                # A durable statement's EXECUTE goes with SET LOCAL synchronous_commit in
+                # front (db/durability.py); EXPLAIN takes the EXECUTE alone.
+                execute = prepared.execute_sql.removeprefix(durability.SYNC_ON)
+                cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + execute, prepared.values(params))
                 (plan,) = cur.fetchone()[0]
                 cur.execute("SELECT count(*) FROM celery_lease_jobs WHERE updated_at > now() - interval '1 minute'")
                 (changed,) = cur.fetchone()
@@ -83,7 +87,7 @@ def test_sweep_plan_reads_the_due_rows_not_the_backlog(pg, mode):
         _FILL.format(run_after="now() + interval '1 hour'", woken_at="NULL", rows=DELAYED),
     ]
     fills += [_FILL.format(run_after=run_after, woken_at=woken_at, rows=3) for run_after, woken_at in DUE.values()]
-    stmt = q.claim_due_wakeups("postgresql")
+    stmt = maintenance.claim_due_wakeups("postgresql")
     root, _ = _explain(pg, mode, stmt, {"stale_seconds": 30.0, "limit": 100}, fills)
     assert root["Actual Rows"] == 3 * len(DUE), "every due job is woken, nothing else"
     scans = _scans(root)
@@ -118,7 +122,7 @@ def test_reap_plan_reads_one_batch_not_the_backlog(pg, mode, analyzed):
         running.format(status="'running'", owner="'w/1/b'", expires="now() - interval '1 minute'", rows=EXPIRED),
     ]
     limit = 100
-    root, changed = _explain(pg, mode, q.reap_expired_logged(), {"limit": limit}, fills, analyzed=analyzed)
+    root, changed = _explain(pg, mode, maintenance.reap_expired_logged(), {"limit": limit}, fills, analyzed=analyzed)
     assert root["Actual Rows"] == changed == limit
     scans = _scans(root)
     assert ("Seq Scan", None) not in scans, scans

@@ -17,14 +17,15 @@ from sqlalchemy import exc as sa_exc
 
 from celery_lease import cancel_notice
 from celery_lease.beat.periodic import CRON_GRACE, MAX_CLOCK_SKEW, MAX_TICK_AGE, Periodic, TickRefused
-from celery_lease.db import queries as q
 from celery_lease.db.engine import Database
+from celery_lease.db.statements import events, reads
 from celery_lease.errors import ConfigurationError, InvalidPayload
 from celery_lease.ops import listing
 from celery_lease.ops.cli import printable
 from celery_lease.payload import Codec, UnstorableValue, cap_error, dump_checkpoint, storable, storable_text
 from celery_lease.producer import refused_value
 from celery_lease.settings import Settings
+from celery_lease.status import Event
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 
@@ -222,15 +223,15 @@ def _selected(stmt) -> list[str]:
 
 
 def test_the_api_statements_read_only_the_columns_it_shows():
-    assert _selected(q.get_job_view(ID)) == list(listing.API_FIELDS)
-    summaries = q.list_job_summaries(max_value_bytes=1024, tenant="acme", limit=10)
+    assert _selected(reads.get_job_view(ID)) == list(listing.API_FIELDS)
+    summaries = reads.list_job_summaries(max_value_bytes=1024, tenant="acme", limit=10)
     assert set(_selected(summaries)) == set(listing.API_FIELDS) | {"result_bytes", "progress_bytes"}
-    for stmt in (q.get_job_view(ID, tenant="acme"), summaries):
+    for stmt in (reads.get_job_view(ID, tenant="acme"), summaries):
         assert not {"payload", "checkpoint", "lease_owner"} & set(_selected(stmt))
     # The tenant is in the WHERE clause of a get: another tenant's job reads like a missing one.
-    where = str(q.get_job_view(ID, tenant="acme").whereclause)
+    where = str(reads.get_job_view(ID, tenant="acme").whereclause)
     assert "celery_lease_jobs.tenant = " in where and "celery_lease_jobs.id = " in where
-    assert "tenant" not in str(q.get_job_view(ID).whereclause)
+    assert "tenant" not in str(reads.get_job_view(ID).whereclause)
 
 
 def test_views_and_tenant_events_on_sqlite(store, add_job):
@@ -243,7 +244,7 @@ def test_views_and_tenant_events_on_sqlite(store, add_job):
     assert store.run_visible(run, tenant="acme") and not store.run_visible(run, tenant="initech")
     with store.durable.begin() as conn:
         for job in (theirs, mine, theirs, mine):
-            conn.execute(q.append_events(), [q.event_row(run, job, q.Event.CLAIMED, 1, "host/1/boot")])
+            conn.execute(events.append_events(), [events.event_row(run, job, Event.CLAIMED, 1, "host/1/boot")])
     seqs = [(e["seq"], e["job_id"]) for e in store.tenant_run_events(run, "acme")]
     assert seqs == [(1, mine), (2, mine)]
     assert [e["seq"] for e in store.tenant_run_events(run, "acme", after_seq=1)] == [2]
@@ -307,5 +308,5 @@ def test_a_database_url_whose_driver_is_missing_names_the_fix(url):
 
 
 def test_api_fields_match_the_view_columns():
-    assert [c.name for c in q.VIEW_COLUMNS] == list(listing.API_FIELDS)
-    assert isinstance(q.run_visible(ID), sa.Select)
+    assert [c.name for c in reads.VIEW_COLUMNS] == list(listing.API_FIELDS)
+    assert isinstance(reads.run_visible(ID), sa.Select)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from celery_lease.db import queries as q
 from celery_lease.db.schema import limits as limits_table
+from celery_lease.db.statements import attempt
 from celery_lease.errors import InvalidPayload, JobSnoozed
 from celery_lease.flow.limits import Limits, Rate, parse_priority
 from celery_lease.flow.store import FlowStore
@@ -96,7 +96,7 @@ def test_concurrency_holds_the_claim_while_the_kind_is_full_and_a_release_wakes_
     r = row(third)
     assert (r["status"], r["attempt"], r["held"]) == ("pending", 0, "limit")  # no attempt spent
     assert flow.wake_for_slot("k", None) == []  # still full: nothing woken
-    assert attempt_for(first, 1).write(flow._store, q.complete_job(), new_result=None, new_progress=None)
+    assert attempt_for(first, 1).write(flow._store, attempt.complete_job(), new_result=None, new_progress=None)
     woken = flow.wake_for_slot("k", None)
     assert [str(w["id"]) for w in woken] == [third]
     assert row(third)["held"] is None
@@ -132,7 +132,7 @@ def test_release_wakes_held_jobs_best_priority_first_then_oldest(flow, add_job):
     low_old, low_new, high = add_job(kind="k"), add_job(kind="k"), add_job(kind="k", priority=7)
     for job in (low_old, low_new, high):
         assert flow.claim_limited(job, OWNER, "k", TASK, limits).held is not None
-    assert attempt_for(running, 1).write(flow._store, q.fail_job(), new_error="x")
+    assert attempt_for(running, 1).write(flow._store, attempt.fail_job(), new_error="x")
     assert [str(w["id"]) for w in flow.wake_for_slot("k", None)] == [high]
 
 
@@ -221,8 +221,8 @@ def test_a_stale_delivery_swaps_in_nothing(store, add_job, row):
 def test_snooze_gives_the_attempt_back_and_keeps_the_checkpoint(store, add_job, row):
     job = add_job(kind="k", status="running", attempt=1, max_attempts=1, lease_generation=3, checkpoint={"i": 2})
     with store.durable.begin() as conn:
-        assert conn.execute(q.snooze_job(), {"job_id": job, "generation": 2, "delay": 30.0}).first() is None  # fenced
-        assert conn.execute(q.snooze_job(), {"job_id": job, "generation": 3, "delay": 30.0}).first() is not None
+        assert conn.execute(attempt.snooze_job(), {"job_id": job, "generation": 2, "delay": 30.0}).first() is None  # fenced
+        assert conn.execute(attempt.snooze_job(), {"job_id": job, "generation": 3, "delay": 30.0}).first() is not None
     r = row(job)
     assert (r["status"], r["attempt"], r["checkpoint"], r["lease_owner"]) == ("pending", 0, {"i": 2}, None)
     assert r["run_after"] is not None and r["woken_at"] is None

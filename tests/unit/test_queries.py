@@ -1,4 +1,4 @@
-"""Each named statement of db/queries.py against each status it may meet.
+"""Each named statement of db/statements/ against each status it may meet.
 
 The rules: only a due pending job is claimable; every write of an attempt matches id,
 running and its generation; revoking statements bump the generation; nothing ever
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_lease.db import queries as q
+from celery_lease.db.statements import attempt
 from celery_lease.lifecycle import transition as tr
 from celery_lease.status import TERMINAL, Status
 from tests.conftest import attempt_for
@@ -59,11 +59,11 @@ def test_renew_holds_only_a_running_lease_of_the_same_generation(store, add_job,
 @pytest.mark.parametrize(
     "stmt, params, final",
     [
-        (q.complete_job(), {"new_result": {"ok": 1}, "new_progress": None}, "succeeded"),
-        (q.fail_job(), {"new_error": "boom"}, "failed"),
-        (q.retry_job(), {"delay": 5.0}, "pending"),
-        (q.save_checkpoint(), {"new_checkpoint": {"i": 1}}, "running"),
-        (q.publish_progress(), {"new_progress": {"rows": 1}}, "running"),
+        (attempt.complete_job(), {"new_result": {"ok": 1}, "new_progress": None}, "succeeded"),
+        (attempt.fail_job(), {"new_error": "boom"}, "failed"),
+        (attempt.retry_job(), {"delay": 5.0}, "pending"),
+        (attempt.save_checkpoint(), {"new_checkpoint": {"i": 1}}, "running"),
+        (attempt.publish_progress(), {"new_progress": {"rows": 1}}, "running"),
     ],
     ids=["complete", "fail", "retry", "checkpoint", "progress"],
 )

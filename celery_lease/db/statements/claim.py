@@ -10,7 +10,7 @@ The update itself (``_claim_update``): pending -> running for one attempt, atomi
 attempt + 1 and lease_generation + 1 in the same statement: the generation returned is
 this attempt's fencing token. A job that is running elsewhere, terminal, or not due
 yet matches nothing: the delivery is a duplicate. Guarded by the job's own task too
-(queries._delivered: a wakeup is untrusted input).
+(common._delivered: a wakeup is untrusted input).
 
 A job whose run is cancelled never starts: the same statement makes it ``cancelled``
 instead (the returned ``status`` says which). Such a job can exist: a child committed
@@ -29,8 +29,10 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_lease.db.durability import durable
-from celery_lease.db.queries import _PENDING, _c, _delivered, _due, _events_of, complete_jobs, db_now, db_now_plus
 from celery_lease.db.schema import ID, jobs, pauses, runs
+from celery_lease.db.statements.attempt import complete_jobs
+from celery_lease.db.statements.common import _PENDING, _c, _delivered, _due, db_now, db_now_plus
+from celery_lease.db.statements.events import _events_of
 from celery_lease.flow.statements import _rate_open_for, _running_like, count_rate_claim
 from celery_lease.status import Event, Status
 

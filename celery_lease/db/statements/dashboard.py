@@ -1,5 +1,5 @@
 """The dashboard's statements (celery_lease.ops.dashboard), named like those of
-:mod:`celery_lease.db.queries`, whose time helpers and conventions they share.
+the rest of :mod:`celery_lease.db.statements`, whose time helpers and conventions they share.
 
 Every read is bounded whatever the size of the job table: it walks one index over a
 bounded range (newest jobs, recent finishes, the live set) and stops after a fixed
@@ -7,7 +7,7 @@ number of rows. None counts the terminal history: those counts are for a recent 
 (``terminal_counts``), and the job list scans at most ``scan`` rows per page
 (``scan_jobs``), handing back a cursor to search further.
 
-Constants a partial index predicate needs are literal SQL, as in queries.py: the
+Constants a partial index predicate needs are literal SQL, as in common.py: the
 planner can only use a partial index (running, wakeup, held, finished) when the
 statement visibly implies its predicate.
 """
@@ -24,8 +24,8 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.dml import ReturningDelete
 from sqlalchemy.sql.functions import FunctionElement
 
-from celery_lease.db.queries import db_now, db_now_plus, epoch_seconds
 from celery_lease.db.schema import events, jobs, limits
+from celery_lease.db.statements.common import db_now, db_now_plus, epoch_seconds
 from celery_lease.flow.statements import rate_window_now
 from celery_lease.status import TERMINAL, Status
 

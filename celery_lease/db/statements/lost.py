@@ -6,8 +6,8 @@ import functools
 
 import sqlalchemy as sa
 
-from celery_lease.db.queries import _c, db_now, db_now_plus
 from celery_lease.db.schema import jobs
+from celery_lease.db.statements.common import _c, db_now, db_now_plus
 from celery_lease.status import Status
 
 

@@ -3,7 +3,7 @@
 celery_lease_jobs_pending (run_after, every pending job) made each sweep tick read every
 pending job already woken (a million of them: 180 ms a tick). The new index is keyed on
 (woken_at, run_after) and leaves held jobs out, so each range the sweep reads holds only
-jobs it must wake (queries.claim_due_wakeups). Each pending job is in one index either
+jobs it must wake (statements.maintenance.claim_due_wakeups). Each pending job is in one index either
 way: a submit pays the same.
 
 Revision ID: 0005_sweep_index

@@ -1,0 +1,206 @@
+"""The statements of an attempt's life (celery_lease.worker, celery_lease.lifecycle):
+renewing its lease, and its fenced writes (checkpoint, progress, success, failure,
+retry, shutdown handoff, snooze), each guarded by the lease generation it claimed."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import sqlalchemy as sa
+
+from celery_lease.db.schema import ID, jobs
+from celery_lease.db.statements.common import (
+    ENDED_COLUMNS,
+    _c,
+    _lease_cleared,
+    _running_under_lease,
+    _seconds,
+    db_now,
+    db_now_plus,
+)
+from celery_lease.status import Status
+
+
+def renew_leases(dialect: str, leases: Iterable[tuple[str, int]]) -> sa.Select | sa.Update:
+    """renew_leases: one statement for every lease a worker process holds.
+
+    Returns (id, lease_generation, renewed) of each lease still held; a lease missing
+    from it is lost. On PostgreSQL a row locked by another transaction is skipped, not
+    waited for, and comes back with renewed = false: held (as of the statement's
+    snapshot) but not renewed this round. The lock is typically this process's own
+    success transaction running a slow ``ctx.effect``; waiting for it would hold up the
+    renewal of every other lease of the process until their leases lapsed. (A lock
+    held by a cancel or a reap is seen at the next round, once it committed.)
+    """
+    keys = list(leases)
+    held = sa.and_(sa.tuple_(_c.id, _c.lease_generation).in_(keys), _c.status == Status.RUNNING.value)
+    renew = {"lease_expires_at": db_now_plus(_c.lease_seconds), "updated_at": db_now()}
+    if dialect != "postgresql":  # SQLite: no row locks, every held lease is renewed
+        renewed_all = sa.literal(True).label("renewed")
+        return sa.update(jobs).where(held).values(**renew).returning(_c.id, _c.lease_generation, renewed_all)
+    locked = sa.select(_c.id).where(held).with_for_update(skip_locked=True).cte("renewable").prefix_with("MATERIALIZED")
+    renewed = sa.update(jobs).where(_c.id == locked.c.id).values(**renew).returning(_c.id).cte("renewed")
+    return (
+        sa.select(_c.id, _c.lease_generation, renewed.c.id.is_not(None).label("renewed"))
+        .select_from(jobs.outerjoin(renewed, renewed.c.id == _c.id))
+        .where(held)
+    )
+
+
+@functools.cache
+def save_checkpoint() -> sa.Update:
+    return sa.update(jobs).where(_running_under_lease).values(checkpoint=sa.bindparam("new_checkpoint"), updated_at=db_now())
+
+
+@functools.cache
+def publish_progress() -> sa.Update:
+    return sa.update(jobs).where(_running_under_lease).values(progress=sa.bindparam("new_progress"), updated_at=db_now())
+
+
+@functools.cache
+def complete_job() -> sa.Update:
+    """complete_job: running -> succeeded; clears the checkpoint in the same write."""
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(
+            status=Status.SUCCEEDED.value,
+            result=sa.bindparam("new_result", type_=_c.result.type),
+            # the last coalesced ctx.publish() value, if one is still unwritten
+            progress=sa.func.coalesce(sa.bindparam("new_progress", type_=_c.progress.type), _c.progress),
+            checkpoint=None,
+            finished_at=db_now(),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+        .returning(*ENDED_COLUMNS)
+    )
+
+
+@functools.cache
+def complete_jobs(count: int) -> sa.Update:
+    """complete_jobs: complete_job for ``count`` attempts in one statement (PostgreSQL).
+
+    Rows come as a derived table of bound job_id_N, generation_N, new_result_N,
+    new_progress_N; each row is fenced exactly like complete_job. Returns the ids
+    completed: an attempt missing from the result had lost its lease.
+    """
+    rows = [
+        sa.select(
+            sa.cast(sa.bindparam(f"job_id_{i}", type_=sa.Text), ID).label("id"),
+            sa.bindparam(f"generation_{i}", type_=sa.BigInteger).label("generation"),
+            sa.bindparam(f"new_result_{i}", type_=_c.result.type).label("result"),
+            sa.bindparam(f"new_progress_{i}", type_=_c.progress.type).label("progress"),
+        )
+        for i in range(count)
+    ]
+    done = (rows[0] if count == 1 else sa.union_all(*rows)).subquery("done")
+    return (
+        sa.update(jobs)
+        .where(
+            _c.id == done.c.id,
+            _c.lease_generation == done.c.generation,
+            _c.status == Status.RUNNING.value,
+        )
+        .values(
+            # Constants as SQL, not values bound at compile time: prepared, only the
+            # rows' values travel with each EXECUTE (prepared._inline_constants).
+            status=sa.literal(Status.SUCCEEDED.value),
+            result=done.c.result,
+            progress=sa.func.coalesce(done.c.progress, _c.progress),
+            checkpoint=sa.null(),
+            finished_at=db_now(),
+            updated_at=db_now(),
+            lease_owner=sa.null(),
+            lease_expires_at=sa.null(),
+        )
+        .returning(_c.id)
+    )
+
+
+def landed_successes(leases: Iterable[tuple[str, int]]) -> sa.Select:
+    """Which of these (job, generation) attempts are recorded as succeeded (a write
+    retried after its reply was lost checks what had landed)."""
+    return sa.select(_c.id).where(sa.tuple_(_c.id, _c.lease_generation).in_(list(leases)), _c.status == Status.SUCCEEDED.value)
+
+
+@functools.cache
+def fail_job() -> sa.Update:
+    """fail_job: running -> failed with a sanitized error; the checkpoint is kept."""
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(
+            status=Status.FAILED.value,
+            error=sa.bindparam("new_error"),
+            finished_at=db_now(),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+        .returning(*ENDED_COLUMNS)
+    )
+
+
+@functools.cache
+def retry_job() -> sa.Update:
+    """retry_job: running -> pending, due after the backoff; the sweeper wakes it."""
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(
+            status=Status.PENDING.value,
+            run_after=db_now_plus(_seconds("delay")),
+            woken_at=None,
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+        .returning(*ENDED_COLUMNS)
+    )
+
+
+@functools.cache
+def hand_off_job() -> sa.Update:
+    """hand_off_job: running -> pending at once without spending the attempt.
+
+    Used on warm shutdown. woken_at is set because the caller publishes the wakeup
+    right after; the checkpoint is kept so the next worker resumes.
+    """
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(
+            status=Status.PENDING.value,
+            attempt=_c.attempt - 1,
+            run_after=None,
+            woken_at=db_now(),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+        .returning(*ENDED_COLUMNS)
+    )
+
+
+@functools.cache
+def snooze_job() -> sa.Update:
+    """snooze_job: running -> pending, due in :delay seconds, without spending the attempt.
+
+    Not a failure: the attempt is given back (as by a shutdown handoff), so a job may
+    snooze any number of times whatever its max_attempts; the checkpoint is kept. Due
+    at once (:delay 0) it is marked woken, since the caller publishes its wakeup;
+    later, the sweeper wakes it when due.
+    """
+    return (
+        sa.update(jobs)
+        .where(_running_under_lease)
+        .values(
+            status=Status.PENDING.value,
+            attempt=_c.attempt - 1,
+            run_after=db_now_plus(_seconds("delay")),
+            woken_at=sa.case((_seconds("delay") <= 0, db_now()), else_=sa.null()),
+            held=sa.null(),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+        .returning(*ENDED_COLUMNS)
+    )

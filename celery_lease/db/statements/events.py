@@ -1,0 +1,33 @@
+"""The run event log: appending events, and the CTE by which one PostgreSQL statement
+appends the events of the jobs it changed."""
+
+from __future__ import annotations
+
+import functools
+
+import sqlalchemy as sa
+
+from celery_lease.db.schema import events
+from celery_lease.db.statements.common import (
+    db_now,
+)
+from celery_lease.status import Event
+
+
+def _events_of(source: sa.CTE, event: sa.ColumnElement, detail: sa.ColumnElement, name: str) -> sa.CTE:
+    """The CTE ``name`` that appends, in the statement whose CTE ``source`` changed jobs,
+    one run event per changed job that belongs to a run (its run_id, id and attempt):
+    how a PostgreSQL statement writes its own events, the rows Store.log_events builds."""
+    rows = sa.select(source.c.run_id, source.c.id, event, source.c.attempt, detail, db_now()).where(source.c.run_id.is_not(None))
+    columns = ["run_id", "job_id", "event", "attempt", "detail", "created_at"]
+    return sa.insert(events).from_select(columns, rows).cte(name)
+
+
+@functools.cache
+def append_events() -> sa.Insert:
+    """append_events: rows of (run_id, job_id, event, attempt, detail)."""
+    return sa.insert(events).values(created_at=db_now())
+
+
+def event_row(run_id: str, job_id: str, event: Event, attempt: int, detail: str | None = None):
+    return {"run_id": run_id, "job_id": job_id, "event": event.value, "attempt": attempt, "detail": detail}
