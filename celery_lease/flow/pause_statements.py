@@ -9,8 +9,8 @@ import functools
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from celery_lease.db.queries import db_now
 from celery_lease.db.schema import pauses
+from celery_lease.db.statements.common import db_now
 
 
 @functools.cache
