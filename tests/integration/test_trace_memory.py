@@ -19,8 +19,11 @@ from celery.app.trace import build_tracer
 from celery_lease import Status
 
 #: Unreachable objects one trace may leave: Celery's Retry holds itself in its args
-#: (a cycle of two), and a few small ones; the trace frame's cycle is thousands.
-SMALL = 200
+#: (a cycle of two), and a few small ones; the trace frame's cycle is thousands (about
+#: 2,700 per delivery). The margin covers garbage that threads left running by earlier
+#: tests in this process (heartbeats, listeners) make while the collector is off: a full
+#: run once counted 239.
+SMALL = 600
 
 
 def _trace(task, job_id: str) -> tuple[str, int]:
@@ -51,11 +54,15 @@ def _trace(task, job_id: str) -> tuple[str, int]:
 
 def test_a_skipped_delivery_leaves_no_cycle(pg, broker, client_app):
     mod = client_app(pg, broker)
-    job = mod.echo.submit({"value": 1})
-    assert mod.leases.cancel(job.id)
-    state, left = _trace(mod.echo, job.id)  # the claim finds it cancelled: Ignore
-    assert state == "IGNORED"
-    assert left < SMALL
+    # The first delivery of a process may leave one-off garbage (an app's first claim
+    # builds caches and connections); the cycle this test guards is per delivery, so
+    # the second delivery is the one measured.
+    for value in (1, 2):
+        job = mod.echo.submit({"value": value})
+        assert mod.leases.cancel(job.id)
+        state, left = _trace(mod.echo, job.id)  # the claim finds it cancelled: Ignore
+        assert state == "IGNORED"
+    assert left < SMALL, f"{left} objects left for the garbage collector"
 
 
 def test_retries_and_failures_leave_no_cycle(pg, broker, client_app):
