@@ -28,7 +28,7 @@ celery_lease/db/landing.py):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from celery_lease.db.statements import attempt, cancel, maintenance
@@ -93,24 +93,10 @@ FAIL = Transition(
     ends=frozenset({_FAILED}),
 )
 RETRY = Transition("retry", lambda dialect: attempt.retry_job(), Event.RETRIED, detail=_retried, fenced=True)
-#: A kind's timeout, written off the heartbeat thread (worker/timeouts.py).
-TIME_OUT_RETRY = Transition(
-    "time out (retry)",
-    lambda dialect: attempt.retry_job(),
-    Event.RETRIED,
-    detail=_retried,
-    fenced=True,
-    lock_timeout=BACKGROUND_LOCK_TIMEOUT,
-)
-TIME_OUT_FAIL = Transition(
-    "time out (fail)",
-    lambda dialect: attempt.fail_job(),
-    Event.FAILED,
-    detail=lambda r, p: p["new_error"],
-    fenced=True,
-    ends=frozenset({_FAILED}),
-    lock_timeout=BACKGROUND_LOCK_TIMEOUT,
-)
+#: A kind's timeout: the same writes as a retry or a failure, made off the heartbeat
+#: thread (worker/timeouts.py), so they never wait long on the job's own row lock.
+TIME_OUT_RETRY = replace(RETRY, name="time out (retry)", lock_timeout=BACKGROUND_LOCK_TIMEOUT)
+TIME_OUT_FAIL = replace(FAIL, name="time out (fail)", lock_timeout=BACKGROUND_LOCK_TIMEOUT)
 SNOOZE = Transition(
     "snooze",
     lambda dialect: attempt.snooze_job(),
