@@ -28,7 +28,7 @@ celery_lease/db/landing.py):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from celery_lease.db.statements import attempt, cancel, maintenance
@@ -68,6 +68,8 @@ class Transition:
     error: str | None = None
     #: Dialects on which the statement appends its own run events (one round trip).
     self_logged: frozenset[str] = frozenset()
+    #: A statement that moves its rows to different statuses: each row's event (else ``event``).
+    event_of: Callable[[Row], Event] | None = None
 
 
 def _requeued(row: Row, params: Mapping[str, Any]) -> bool:
@@ -93,10 +95,26 @@ FAIL = Transition(
     ends=frozenset({_FAILED}),
 )
 RETRY = Transition("retry", lambda dialect: attempt.retry_job(), Event.RETRIED, detail=_retried, fenced=True)
-#: A kind's timeout: the same writes as a retry or a failure, made off the heartbeat
-#: thread (worker/timeouts.py), so they never wait long on the job's own row lock.
-TIME_OUT_RETRY = replace(RETRY, name="time out (retry)", lock_timeout=BACKGROUND_LOCK_TIMEOUT)
-TIME_OUT_FAIL = replace(FAIL, name="time out (fail)", lock_timeout=BACKGROUND_LOCK_TIMEOUT)
+
+
+def _timed_out(row: Row, params: Mapping[str, Any]) -> str:
+    return params["new_error"] if row["status"] == _FAILED else f"timed out; in {params['delays'][str(row['id'])]:.1f}s"
+
+
+#: Every attempt of a worker process past its kind's timeout, in one statement: each row
+#: fenced by its attempt's generation, retried (attempts left) or failed; written off the
+#: heartbeat thread (worker/timeouts.py), so it never waits long on a job's own row lock.
+#: Build with ``count``; parameters: job_id_N, generation_N, delay_N, new_error, and
+#: ``delays`` (id -> delay, for the run events).
+TIME_OUT = Transition(
+    "time out",
+    lambda dialect, count: attempt.time_out_jobs(count),
+    Event.RETRIED,
+    detail=_timed_out,
+    ends=frozenset({_FAILED}),
+    lock_timeout=BACKGROUND_LOCK_TIMEOUT,
+    event_of=lambda r: Event.FAILED if r["status"] == _FAILED else Event.RETRIED,
+)
 SNOOZE = Transition(
     "snooze",
     lambda dialect: attempt.snooze_job(),
@@ -153,4 +171,4 @@ RECOVER = Transition(
 )
 
 #: Every transition, for docs/lifecycle.md and the tests that hold them to the rules above.
-ALL = (SUCCEED, FAIL, RETRY, TIME_OUT_RETRY, TIME_OUT_FAIL, SNOOZE, HAND_OFF, CANCEL, REVOKE, REAP, RECOVER)
+ALL = (SUCCEED, FAIL, RETRY, TIME_OUT, SNOOZE, HAND_OFF, CANCEL, REVOKE, REAP, RECOVER)
