@@ -151,8 +151,8 @@ class Pipeline:
                 attempt.mark_lost()
                 raise LeaseLost()
             if rows and not logged:
-                event_of = t.event_of or (lambda r: t.event)
-                store.log_events(conn, [(r, event_of(r), t.detail(r, args)) for r in rows])
+                events = ((r, t.event_for(r)) for r in rows)
+                store.log_events(conn, [(r, e, t.detail(r, args)) for r, e in events if e is not None])
             created = during.write(conn, rows) if during is not None else []
             if endings is not None:
                 endings.write(conn, [r for r in rows if r["status"] in t.ends])

@@ -93,3 +93,35 @@ def test_jobs_timing_out_together_are_one_statement_each_row_fenced(store, lifec
     assert row(last)["error"] == "timed out" and row(first)["lease_owner"] is None
     # Each its own backoff (2 s, then 4 s), by the database clock.
     assert row(first)["run_after"] < row(second)["run_after"]
+
+
+def test_the_dashboards_retry_and_delete_are_named_transitions_of_the_pipeline(store, lifecycle, add_job, row):
+    """retry as new job: a new pending job, its dispatched event, woken once after the
+    commit; the ended job is left as it was. delete: ended jobs only, with their events."""
+    import sqlalchemy as sa
+
+    from celery_lease.db.schema import events, jobs
+    from celery_lease.ops.dashboard.actions import _DeletedEvents
+
+    run_id = str(uuid.uuid4())
+    failed = add_job(status="failed", attempt=3, run_id=run_id)
+    running = add_job(status="running", attempt=1, lease_generation=1, expires_in=30)
+    new_id = str(uuid.uuid4())
+    (made,) = lifecycle.execute(tr.RETRY_AS_NEW, {"new_id": new_id, "job_id": failed}, build={"tenant": None})
+    assert str(made["id"]) == new_id and lifecycle.woken == [new_id]
+    assert row(new_id)["status"] == "pending" and str(row(new_id)["parent_id"]) == failed
+    assert row(failed)["status"] == "failed"
+    assert lifecycle.execute(tr.RETRY_AS_NEW, {"new_id": str(uuid.uuid4()), "job_id": running}, build={"tenant": None}) == []
+
+    def events_of(job_id: str) -> list[str]:
+        with store.durable.connect() as conn:
+            return [r.event for r in conn.execute(sa.select(events.c.event).where(events.c.job_id == job_id))]
+
+    assert events_of(new_id) == ["dispatched"]
+    with store.durable.begin() as conn:  # the failed job's own history
+        conn.execute(events.insert().values(run_id=run_id, job_id=failed, event="failed", attempt=3, created_at=sa.func.now()))
+    deleted = lifecycle.execute(tr.DELETE, build={"ids": [failed, running], "tenant": None}, during=_DeletedEvents())
+    assert [str(r["id"]) for r in deleted] == [failed] and events_of(failed) == []
+    with store.durable.connect() as conn:
+        left = {str(r.id) for r in conn.execute(sa.select(jobs.c.id))}
+    assert left == {running, new_id} and lifecycle.woken == [new_id]
