@@ -7,7 +7,10 @@ proxy, with SIGKILLs, connection cuts and a PostgreSQL crash; then the history c
     bash dev.sh test tests/e2e/test_history.py -m slow -s          # the long runs
 
 Each run prints its seed and a summary line (also in pytest's terminal summary); a
-failure prints every violation and an excerpt of the history around a few of them.
+failure prints every violation and an excerpt of the history around a few of them, and
+keeps what explains it in test-artifacts/history-<mode>-<seed>/ (tests/e2e/history_keep.py):
+the workers' and beat's logs, the violations, and the rows and run events of the jobs
+that did not end.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pytest
 
 from tests.conftest import SUMMARY_LINES
 from tests.e2e import history
+from tests.e2e.history_keep import keep
 from tests.e2e.history_run import MODULE, Run, Workload, databases, worker_env
 from tests.harness import pgcluster
 
@@ -46,19 +50,25 @@ def _run(w: Workload, history_dbs, broker, redis_server, client_app, tmp_path, r
     cluster, jobs_url, history_url = history_dbs
     mod = client_app(jobs_url, broker, conf=w.conf(), extra_env=worker_env(history_url), module=MODULE)
     print(f"history seed={w.seed} (replay: HISTORY_SEED={w.seed})")
-    h = Run(
-        w, mod=mod, cluster=cluster, jobs_url=jobs_url, history_url=history_url, redis=redis_server, workdir=tmp_path
-    ).execute()
-    violations = history.check(h)
-    line = f"history[{request.node.callspec.id}] seed={w.seed} {history.summary(h)} violations={len(violations)}"
-    print(line)
-    request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
-    assert len(h.jobs) >= w.items, line
-    assert sum(history.summary(h)["faults"].values()) > 0, line
-    if violations:
-        text = history.report(h, violations, seed=w.seed)
-        print(text)  # shown with -s even when the run is an expected failure
-        raise history.HistoryViolated(text)
+    h, violations, text = None, [], ""
+    try:
+        h = Run(
+            w, mod=mod, cluster=cluster, jobs_url=jobs_url, history_url=history_url, redis=redis_server, workdir=tmp_path
+        ).execute()
+        violations = history.check(h)
+        line = f"history[{request.node.callspec.id}] seed={w.seed} {history.summary(h)} violations={len(violations)}"
+        print(line)
+        request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
+        assert len(h.jobs) >= w.items, line
+        assert sum(history.summary(h)["faults"].values()) > 0, line
+        if violations:
+            text = history.report(h, violations, seed=w.seed)
+            print(text)  # shown with -s even when the run is an expected failure
+            raise history.HistoryViolated(text)
+    except BaseException:
+        kept = keep(f"history-{request.node.callspec.id}-{w.seed}", tmp_path, jobs_url, h, text or None, redis_server.url)
+        print(f"history artifacts kept in {kept}")
+        raise
 
 
 @pytest.mark.timeout(300)
