@@ -26,7 +26,7 @@ Invariants:
   dispatched are the lost try's claims, adopted; the main process claims one batch at a
   time, so no other claim of this owner can be in flight.
 * anything the batch does not cover goes the old way, claimed by the child: a
-  limited kind (flow control's claim), a delivery that is not a plain wakeup (the child
+  limited kind (flow control's claim), a batch=N kind (worker/batch.py), a delivery that is not a plain wakeup (the child
   refuses it with its reason), and every delivery of a batch the database refused.
 """
 
@@ -144,7 +144,8 @@ class Ahead:
 
     def hold(self, req: Any) -> None:
         req.request_dict.pop(LEASE, None)  # only this process puts one there
-        if req.task.spec.limits is not None or not _plain_wakeup(req):
+        spec = req.task.spec
+        if spec.limits is not None or spec.batch is not None or not _plain_wakeup(req):
             self._consumer.on_task_request(req)
             return
         self._held.append(req)
