@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,10 @@ def _database(jobs_url: str) -> dict[str, Any]:
 
 
 def _queues(redis_url: str) -> dict[str, Any]:
-    """Per key its type or length, and per queue (list) the messages still in it: task,
-    job id, and the publishing process (Celery's ``origin`` header, ``gen<pid>@host``),
-    which tells who sent the wakeups a backlog is made of."""
+    """Per key its type (a hash: its size), and per queue (list) the messages still in
+    it: task, job id, Celery's ``origin`` header (``gen<pid>@host``: a worker's pool
+    children publish under their main process's) and eta. Many copies of one pending
+    job's wakeup in a queue are the sweeper's re-sends piling up behind a backlog."""
     import redis
 
     client = redis.Redis.from_url(redis_url)
@@ -94,4 +96,18 @@ def keep(name: str, workdir: Path, jobs_url: str, h: History | None, report: str
         except Exception as exc:  # a failed run may have left a service down: keep the rest
             data = {"unreadable": repr(exc)}
         (target / f"{what}.json").write_text(json.dumps(data, indent=1, default=str))
+        if what == "redis":
+            (target / "backlog.txt").write_text(backlog(data) + "\n")
     return target
+
+
+def backlog(queues: dict[str, Any]) -> str:
+    """One line per queue left with messages: how many, for how many distinct jobs, and
+    the most copies of one job's wakeup."""
+    lines = []
+    for name, value in sorted(queues.items()):
+        if isinstance(value, dict) and value.get("messages"):
+            copies = Counter(m[1] for m in value["messages"])
+            most = copies.most_common(1)[0][1]
+            lines.append(f"{name}: {value['length']} messages left, {len(copies)} distinct jobs, up to {most} copies of one")
+    return "\n".join(lines) or "no messages left in any queue"

@@ -66,8 +66,11 @@ def _run(w: Workload, history_dbs, broker, redis_server, client_app, tmp_path, r
             print(text)  # shown with -s even when the run is an expected failure
             raise history.HistoryViolated(text)
     except BaseException:
-        kept = keep(f"history-{request.node.callspec.id}-{w.seed}", tmp_path, jobs_url, h, text or None, redis_server.url)
-        print(f"history artifacts kept in {kept}")
+        try:
+            kept = keep(f"history-{request.node.callspec.id}-{w.seed}", tmp_path, jobs_url, h, text or None, redis_server.url)
+            print(f"history artifacts kept in {kept}; broker: {(kept / 'backlog.txt').read_text().strip()}")
+        except Exception as exc:  # the run's own failure is what the test reports
+            print(f"history artifacts not kept: {exc!r}")
         raise
 
 
