@@ -209,14 +209,18 @@ class Pipeline:
         """The follow-up of a claim that found its job's run cancelled and cancelled it
         (lifecycle/claim.py): what a cancel sets off follows, once: its errbacks fire,
         a chord it heads is removed (through a Landing: a lost reply is settled, not
-        written twice). It took no slot: nothing to release."""
+        written twice). It took no slot: nothing to release. Never raises."""
         if self._canvas is None or not row.get("canvas"):
             return
         endings = self._canvas.endings(CANCEL.error or "", run_cancelled=True, eager=self._eager)
         store = self._store
         landing: Landing[None] = Landing(store, store.durable)
-        ride_briefly(lambda: landing.run(lambda conn: endings.write(conn, [row])))
-        endings.send()
+        try:
+            ride_briefly(lambda: landing.run(lambda conn: endings.write(conn, [row])))
+            endings.send()
+        except Exception:
+            # Never fails the delivery; the job is cancelled whatever happens here.
+            log.exception("celery-lease: job %s: the errbacks of its cancel at claim could not be sent", row["id"])
 
     def _release(self, rows: list[dict[str, Any]]) -> None:
         assert self._flow is not None

@@ -178,7 +178,7 @@ class WorkerState:
         (one clock for every process of the machine)."""
         if row.get("status") == _CANCELLED:
             log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
-            self._cancelled_by_claim(row)
+            self.pipeline.claim_cancelled(row)
             return None
         sent_at = row["sent_at"]
         attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
