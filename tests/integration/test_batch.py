@@ -122,3 +122,23 @@ def test_batch_refuses_flow_control_limits(client_app, pg, broker):
         mod.leases.job(kind="b_limited", batch=10, concurrency=2)
     with pytest.raises(ValueError, match="cannot be combined with concurrency"):
         mod.leases.job(kind="b_rated", batch=10, rate_limit="5/s")
+
+
+def test_a_claim_and_a_completion_whose_replies_were_lost_are_found_landed(pg, mod):
+    """Both commit, then the connection drops before the reply: the pipeline asks the
+    server (db/landing.py). Run again blindly, the claim would take the next jobs and
+    leave the first batch running with no body until its leases expired."""
+    from tests.integration.test_lost_replies import reply_lost_once
+
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(8)])]
+    worker = mod.leases.worker
+    with reply_lost_once(mod.leases.store.durable) as lost:
+        lead = worker.begin(ids[0], mod.b_note.spec, HOST)
+    assert lost and lead is not None
+    assert [(a.job_id, a.attempt, a.generation) for a in lead.batch] == [(i, 1, 1) for i in ids[:4]]
+    assert [r.status for r in rows(pg, ids)] == ["running"] * 4 + ["pending"] * 4
+    with reply_lost_once(mod.leases.store.durable) as lost:
+        worker.execute(mod.b_note.spec, lead)
+    worker.end(lead)
+    assert lost
+    assert [(r.status, r.lease_generation) for r in rows(pg, ids[:4])] == [("succeeded", 1)] * 4
