@@ -142,3 +142,21 @@ def test_a_claim_and_a_completion_whose_replies_were_lost_are_found_landed(pg, m
     worker.end(lead)
     assert lost
     assert [(r.status, r.lease_generation) for r in rows(pg, ids[:4])] == [("succeeded", 1)] * 4
+
+
+def test_submit_many_wakes_a_batched_kind_once_per_batch(pg, broker, mod):
+    import redis
+
+    client = redis.Redis.from_url(broker)
+    try:
+        before = client.llen("celery")
+        mod.b_note.submit_many([{"n": i} for i in range(9)])  # batch=4
+        assert client.llen("celery") - before == 3
+    finally:
+        client.close()
+
+
+def test_an_in_process_run_runs_only_its_own_job(pg, mod):
+    other = mod.b_note.submit({"n": 1})
+    assert mod.b_note.apply(({"n": 2},)).get(timeout=10) == {"n": 2, "attempt": 1}
+    assert rows(pg, [other.id])[0].status == "pending"
