@@ -209,6 +209,8 @@ class Run:
         for n in range(self.w.items):
             time.sleep(rng.uniform(0, 2 * gap))
             item = rng.choices(kinds, weights)[0]
+            if n == 0:
+                item = "batch"  # every run has jobs of the batched kind (worker/batch.py)
             self._submit(rng, n, item)
             if self.submitted and rng.random() < self.w.cancel_share:
                 target = rng.choice(self.submitted)

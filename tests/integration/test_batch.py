@@ -160,3 +160,35 @@ def test_an_in_process_run_runs_only_its_own_job(pg, mod):
     other = mod.b_note.submit({"n": 1})
     assert mod.b_note.apply(({"n": 2},)).get(timeout=10) == {"n": 2, "attempt": 1}
     assert rows(pg, [other.id])[0].status == "pending"
+
+
+def test_a_duplicate_delivery_costs_the_claim_alone_and_a_paused_one_is_held(pg, broker, client_app):
+    # (Unprepared: every statement, the claim's and a hold's, passes SQLAlchemy's hook.)
+    mod = client_app(pg, broker, conf={"lease_prepare_statements": False}, module="tests.apps.app_batch")
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(2)])]
+    worker, spec = mod.leases.worker, mod.b_note.spec
+    lead = _claim(mod, ids[0])  # both
+    with job_updates() as updates:
+        assert worker.begin(ids[1], spec, HOST) is None  # running here: no statement at all
+    assert updates == []
+    worker.execute(spec, lead)
+    worker.end(lead)
+    with job_updates() as updates:
+        assert worker.begin(ids[1], spec, HOST) is None  # done: nothing due, nothing held
+    assert len(updates) == 1
+
+    paused = mod.b_note.submit({"n": 3}).id
+    mod.leases.pause("b_note")
+    assert worker.begin(paused, spec, HOST) is None
+    engine = sa.create_engine(pg)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(jobs.c.held).where(jobs.c.id == paused)).scalar() == "pause"
+    finally:
+        engine.dispose()
+    mod.leases.resume("b_note")
+    again = worker.begin(paused, spec, HOST)
+    assert again is not None and again.job_id == paused
+    worker.execute(spec, again)
+    worker.end(again)
+    assert rows(pg, [paused])[0].status == "succeeded"

@@ -39,7 +39,7 @@ def claim_batch() -> sa.Select:
     batches claiming at once take different rows, neither waits. One row more than :n
     is picked and not claimed: its id comes back as ``next_id`` on every row, so a full
     batch can wake the kind again for what is left (worker/batch.py); NULL when the
-    batch took everything due.
+    batch took everything due. ``paused``: the delivered job's kind is paused.
     """
     named = jobs.alias("named")
     delivered = (
@@ -94,7 +94,15 @@ def claim_batch() -> sa.Select:
     event = sa.case((was_cancelled, sa.literal(Event.CANCELLED.value)), else_=sa.literal(Event.CLAIMED.value))
     detail = sa.case((was_cancelled, sa.literal(RUN_CANCELLED)), else_=sa.bindparam("owner", type_=sa.Text))
     following = sa.select(ranked.c.id).where(ranked.c.rank == limit + 1).scalar_subquery()
-    return sa.select(claimed, following.label("next_id")).add_cte(_events_of(claimed, event, detail, "logged"))
+    # Always at least one row: nothing claimed is one row of NULLs but ``paused``, so a
+    # delivery that found nothing learns in this same statement whether a pause is why.
+    paused = sa.exists().where(pauses.c.kind == sa.select(delivered.c.kind).scalar_subquery())
+    flags = sa.select(paused.label("paused")).cte("flags")
+    return (
+        sa.select(claimed, following.label("next_id"), flags.c.paused)
+        .select_from(flags.outerjoin(claimed, sa.true()))
+        .add_cte(_events_of(claimed, event, detail, "logged"))
+    )
 
 
 @functools.cache
