@@ -18,11 +18,8 @@ LABELS = {
     "celery": "plain Celery",
     "lease-pg": "celery-lease (PostgreSQL)",
     "lease-pg-limited": "celery-lease (PostgreSQL, flow-controlled)",
-<<<<<<< HEAD
     "lease-batch": "celery-lease (PostgreSQL, batch=100)",
-=======
     "lease-ahead": "celery-lease (PostgreSQL, claim ahead)",
->>>>>>> main
     "lease-sqlite": "celery-lease (SQLite)",
     "procrastinate": "procrastinate",
     "pgqueuer": "pgqueuer",
