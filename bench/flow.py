@@ -19,7 +19,11 @@
 3. Handover: two workers drain ``--handover`` (120) no-op jobs of a ``concurrency=1``
    kind, submitted at once: every job but the first waits for the previous one's
    release to wake it. Seconds from submit to the last completion, with the sweeper
-   running every 5 s as beat would.
+   running every 5 s as beat would, and where they went (the submit, the first claim,
+   each job's run, each handover from one success to the next claim). The handover is
+   a chain of process wakeups (success commit, release, wake publish, the other
+   worker's main process, its pool child, the claim), so it grows with the machine's
+   load: about 5 ms each on an idle 2-core box, 30 ms at a load average of 13.
    ``python -m bench flow --only handover`` runs this part alone.
 
 Output: ``bench/results/flow.{json,md}``.
