@@ -192,3 +192,19 @@ def test_a_duplicate_delivery_costs_the_claim_alone_and_a_paused_one_is_held(pg,
     worker.execute(spec, again)
     worker.end(again)
     assert rows(pg, [paused])[0].status == "succeeded"
+
+
+def test_a_job_of_a_cancelled_run_is_cancelled_by_the_batch_claim_never_started(pg, mod, make_job):
+    import uuid
+
+    run = str(uuid.uuid4())
+    first = mod.b_note.submit({"n": 0}, run_id=run).id
+    mod.leases.cancel_run(run)
+    # Committed after the cancel (a child written with its parent's success, say).
+    late = make_job(pg, kind="b_note", task=mod.b_note.name, run_id=run)
+    plain = mod.b_note.submit({"n": 1}).id
+    lead = mod.leases.worker.begin(late, mod.b_note.spec, HOST)
+    assert lead is not None and [a.job_id for a in lead.batch] == [plain]
+    assert [r.status for r in rows(pg, [first, late, plain])] == ["cancelled", "cancelled", "running"]
+    mod.leases.worker.execute(mod.b_note.spec, lead)
+    mod.leases.worker.end(lead)
