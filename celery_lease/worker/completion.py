@@ -51,7 +51,7 @@ Item = tuple["Attempt", Any, Any]
 
 
 class Riding(RidingSuccesses):
-    """Successes taken for a claim to carry (see Store.claim)."""
+    """Successes taken for a claim to carry (see lifecycle.claim.CLAIM_RIDING)."""
 
     def __init__(self, items: list[Item]) -> None:
         super().__init__(BatchCompleter._params(items), len(items))
@@ -67,7 +67,7 @@ class Completer(Protocol):
         raises LeaseLost or DatabaseUnavailable as the write did)."""
 
     def take(self) -> Riding | None:
-        """Waiting successes for a claim to carry (Store.claim), or None."""
+        """Waiting successes for a claim to carry (lifecycle.claim.CLAIM_RIDING), or None."""
 
     def settle(self, riding: Riding) -> None:
         """After the claim that carried ``riding`` ran, whatever happened."""

@@ -185,7 +185,7 @@ def adopt_claim() -> sa.Update:
     running under this very :owner: the delivered :job_id, or (a priority swap) another
     job of its kind. Restarts the lease of each such row from now, as the claim would
     have, and returns them (attempt number and generation): the caller adopts the one
-    that no attempt of its process holds (the owner is one process; see Store.claim)."""
+    that no attempt of its process holds (the owner is one process; see lifecycle.claim.LandedClaim)."""
     kind = sa.select(_c.kind).where(_c.id == sa.bindparam("job_id", type_=ID)).scalar_subquery()
     return durable(
         sa.update(jobs)
