@@ -19,7 +19,11 @@
 3. Handover: two workers drain ``--handover`` (120) no-op jobs of a ``concurrency=1``
    kind, submitted at once: every job but the first waits for the previous one's
    release to wake it. Seconds from submit to the last completion, with the sweeper
-   running every 5 s as beat would.
+   running every 5 s as beat would, and where they went (the submit, the first claim,
+   each job's run, each handover from one success to the next claim). The handover is
+   a chain of process wakeups (success commit, release, wake publish, the other
+   worker's main process, its pool child, the claim), so it grows with the machine's
+   load: about 5 ms each on an idle 2-core box, 30 ms at a load average of 13.
    ``python -m bench flow --only handover`` runs this part alone.
 
 Output: ``bench/results/flow.{json,md}``.
@@ -108,8 +112,9 @@ def drain(leases, tasks, kind: str, n: int, timeout: float = 120) -> float:
     return n / (last - first).total_seconds()
 
 
-def handover(leases, tasks, n: int, timeout: float = 900) -> float:
-    """Seconds for n jobs of a concurrency=1 kind, submitted at once, to all succeed.
+def handover(leases, tasks, n: int, timeout: float = 900) -> dict:
+    """Seconds for n jobs of a concurrency=1 kind, submitted at once, to all succeed,
+    and where they went: each job's run and each handover between two jobs.
     The sweeper runs every 5 s meanwhile, as beat would: a job flow control left
     pending without a wakeup is recovered after sweep_stale_seconds (30 s)."""
     import threading
@@ -124,6 +129,7 @@ def handover(leases, tasks, n: int, timeout: float = 900) -> float:
     sweeper = threading.Thread(target=beat, daemon=True)
     started = time.monotonic()
     tasks["noop_one"].submit_many([{}] * n)
+    submitted = time.monotonic() - started
     sweeper.start()
 
     def done() -> bool:
@@ -137,8 +143,24 @@ def handover(leases, tasks, n: int, timeout: float = 900) -> float:
         sweeper.join()
     elapsed = time.monotonic() - started
     with leases.store.durable.begin() as conn:
+        spans = conn.execute(
+            sa.text("SELECT started_at, finished_at FROM celery_lease_jobs WHERE kind = 'noop_one' ORDER BY started_at")
+        ).all()
+        created = conn.execute(sa.text("SELECT min(created_at) FROM celery_lease_jobs WHERE kind = 'noop_one'")).scalar()
         conn.execute(sa.text("DELETE FROM celery_lease_jobs WHERE kind = 'noop_one'"))
-    return elapsed
+    runs = [(f - s).total_seconds() * 1e3 for s, f in spans]
+    gaps = [(b[0] - a[1]).total_seconds() * 1e3 for a, b in zip(spans, spans[1:])]
+    return {
+        "seconds": elapsed,
+        "submit_s": submitted,
+        # claim -> success written (the body and the success transaction), and the
+        # handover: one job's success written -> the next job's claim (release, wake,
+        # delivery, claim), both in milliseconds by the database clock.
+        # submit (the first row's insert) -> the first claim, and the last claim -> done
+        "first_claim_s": (spans[0][0] - created).total_seconds(),
+        "run_ms": {"median": statistics.median(runs), "p99": percentile(runs, 99)},
+        "handover_ms": {"median": statistics.median(gaps), "p99": percentile(gaps, 99), "sum": sum(gaps)},
+    }
 
 
 def main(args, log) -> int:
@@ -187,17 +209,23 @@ def main(args, log) -> int:
             )
             second.start()
             try:
-                results["handover_s"] = handover(leases, tasks, args.handover)
+                results["handover"] = handover(leases, tasks, args.handover)
             finally:
                 second.kill()
-            log(f"handover: {args.handover} jobs of a concurrency=1 kind on 2 workers in {results['handover_s']:.1f} s")
+            log(f"handover: {args.handover} jobs of a concurrency=1 kind on 2 workers: {results['handover']}")
             leases.store.dispose()
         finally:
             if worker is not None:
                 worker.kill()
             redis.stop()
             dbs.close()
-    handover_line = f"handover: {args.handover} no-op jobs of a concurrency=1 kind, 2 workers -c 2: {results['handover_s']:.1f} s"
+    ho = results["handover"]
+    handover_line = (
+        f"handover: {args.handover} no-op jobs of a concurrency=1 kind, 2 workers -c 2: {ho['seconds']:.1f} s "
+        f"(per job: run {ho['run_ms']['median']:.1f} ms, handover to the next {ho['handover_ms']['median']:.1f} ms "
+        f"median, {ho['handover_ms']['p99']:.0f} ms p99, {ho['handover_ms']['sum'] / 1e3:.1f} s in all; "
+        f"submit {ho['submit_s']:.2f} s, first claim {ho['first_claim_s']:.2f} s after it began)"
+    )
     if args.only == "handover":
         print(handover_line)
         return 0

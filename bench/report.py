@@ -18,6 +18,7 @@ LABELS = {
     "celery": "plain Celery",
     "lease-pg": "celery-lease (PostgreSQL)",
     "lease-pg-limited": "celery-lease (PostgreSQL, flow-controlled)",
+    "lease-ahead": "celery-lease (PostgreSQL, claim ahead)",
     "lease-sqlite": "celery-lease (SQLite)",
     "procrastinate": "procrastinate",
     "pgqueuer": "pgqueuer",
@@ -25,7 +26,7 @@ LABELS = {
 BODY_LABELS = {"noop": "no-op", "sleep1": "1 ms", "sleep10": "10 ms"}
 #: Systems compared with another celery-lease system as well as with plain Celery: the
 #: flow-control cost is lease-pg-limited over lease-pg (see systems.FACTORIES).
-BASELINES = {"lease-pg-limited": "lease-pg"}
+BASELINES = {"lease-pg-limited": "lease-pg", "lease-ahead": "lease-pg"}
 #: Sizes the maintenance goals are stated at.
 GOAL_TERMINAL_ROWS = 1_000_000
 GOAL_EXPIRED = 100_000

@@ -35,7 +35,7 @@ from celery_lease.errors import UnknownKind
 from celery_lease.flow.control import FlowControl
 from celery_lease.flow.limits import Limits
 from celery_lease.job import Job, parse_job_id
-from celery_lease.kinds import JobKind, Registry
+from celery_lease.kinds import JobKind, Registry, check_batch
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import Codec
@@ -193,6 +193,7 @@ class CeleryLease:
         concurrency_key: Callable[[Any], Any] | None = None,
         rate_limit: str | None = None,
         timeout: float | None = None,
+        batch: int | None = None,
     ) -> Callable[[Callable], LeaseTask]:
         """Register ``fn(ctx, payload)`` as the handler of jobs of ``kind``.
 
@@ -204,8 +205,12 @@ class CeleryLease:
         ``timeout``: seconds an attempt may run; then its lease is given up and the job
         retried (an attempt spent, as for an error), and the handler is stopped at its
         next ``raise_if_cancelled()`` with anything it writes afterwards discarded.
+
+        ``batch``: one wakeup claims up to ``batch`` due jobs of the kind and runs them one
+        after another in one worker process (docs/flow-control.md#batched-kinds).
         """
         limits = Limits.declare(concurrency, concurrency_key, rate_limit)
+        batch = check_batch(batch, limits)
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if lease_seconds < 1:
@@ -227,6 +232,7 @@ class CeleryLease:
                 queue=queue,
                 limits=limits,
                 timeout=None if timeout is None else float(timeout),
+                batch=batch,
             )
             self.registry.add(spec)
             task = self.app.task(

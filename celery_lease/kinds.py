@@ -32,6 +32,30 @@ class JobKind:
     limits: Limits | None = None
     #: Seconds an attempt may run before it is stopped and retried (None: no limit).
     timeout: float | None = None
+    #: Up to this many due jobs of the kind claimed, run one after another and completed
+    #: by one wakeup in one worker process (worker/batch.py); None: one job per wakeup.
+    batch: int | None = None
+
+
+#: The largest batch= a kind may declare: one claim's rows and one completion's bound
+#: parameters (4 per job) stay far below PostgreSQL's 65,535.
+MAX_BATCH = 1000
+
+
+def check_batch(batch: Any, limits: Limits | None) -> int | None:
+    """``batch=`` as declared, checked: an int from 1 to MAX_BATCH, and not combined with
+    flow control's limits, which are counted per claim and per running job under a lock
+    a batch claim does not take (a pause does apply to a batched kind)."""
+    if batch is None:
+        return None
+    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
+        raise ValueError(f"batch must be an int from 1 to {MAX_BATCH}, not {batch!r}")
+    if limits is not None:
+        raise ValueError(
+            "batch= cannot be combined with concurrency= or rate_limit=: a batch claims up to batch jobs at once, "
+            "which no concurrency or rate limit would bound; declare a kind without batch= for limited work"
+        )
+    return batch
 
 
 class Registry:

@@ -209,7 +209,9 @@ class Producer:
 
         wanted = [(r["id"], spec.kind, r.get("idempotency_key")) for r in records]
         run_ids = [] if shared["run_id"] is None else [shared["run_id"]]
-        return self._write(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake, columns=[shared])
+        return self._write(
+            insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake, columns=[shared], wake_every=spec.batch
+        )
 
     def submit_rows(
         self, rows: list[dict[str, Any]], *, keyed: bool, connection: sa.Connection | None = None, wake: bool = True
@@ -242,6 +244,7 @@ class Producer:
         connection: sa.Connection | None,
         wake: bool,
         columns: list[dict[str, Any]],
+        wake_every: int | None = None,
     ) -> list[Job]:
         """One submit, inside its PRODUCER span (celery_lease.tracing) when tracing is on:
         ``columns``, the values ``insert`` binds (the batch's shared ones, or each row),
@@ -250,7 +253,9 @@ class Producer:
             if context is not None:
                 for values in columns:
                     values["trace_context"] = context
-            return self._store_and_wake(insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake)
+            return self._store_and_wake(
+                insert, wanted, run_ids, keyed=keyed, connection=connection, wake=wake, wake_every=wake_every
+            )
 
     def _store_and_wake(
         self,
@@ -261,6 +266,7 @@ class Producer:
         keyed: bool,
         connection: sa.Connection | None,
         wake: bool,
+        wake_every: int | None = None,
     ) -> list[Job]:
         """The write of a submit: ``insert`` stores the new jobs (``wanted``: (id, kind,
         idempotency key) of each, in the caller's order) with their runs; then the due
@@ -269,7 +275,9 @@ class Producer:
             for ambient in AMBIENT_TRANSACTIONS:
                 with ambient(self._store) as joined:
                     if joined is not None:
-                        return self._store_and_wake(insert, wanted, run_ids, keyed=keyed, connection=joined, wake=wake)
+                        return self._store_and_wake(
+                            insert, wanted, run_ids, keyed=keyed, connection=joined, wake=wake, wake_every=wake_every
+                        )
         store = self._store
 
         def write(conn: sa.Connection | None) -> tuple[list[Job], list[Job]]:
@@ -312,6 +320,10 @@ class Producer:
             raise InvalidPayload(f"the job database refused a value of this job ({name}); nothing was stored") from None
         # wake=False: eager mode runs the job in this process; nothing goes to the broker.
         due = [j for j in inserted if j.run_after is None] if wake else []
+        if wake_every is not None:
+            # A batched kind (one kind, one queue here): one wakeup per batch; its claim
+            # takes the others (worker/batch.py), all marked woken by the insert.
+            due = due[::wake_every]
         if connection is None:
             self.publish_wakeups(due)
         else:

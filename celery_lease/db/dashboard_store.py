@@ -7,7 +7,6 @@ them naive), like the API's views.
 
 from __future__ import annotations
 
-import uuid
 from datetime import datetime
 from typing import Any
 
@@ -15,10 +14,8 @@ from sqlalchemy.engine import Connection
 
 from celery_lease.db.reads import _view
 from celery_lease.db.statements import dashboard as dq
-from celery_lease.db.statements import maintenance
 from celery_lease.db.store import Store
 from celery_lease.flow import statements as fs
-from celery_lease.status import Event
 
 
 class DashboardStore:
@@ -132,28 +129,3 @@ class DashboardStore:
         if not ids:
             return {}
         return {r["id"]: r["status"] for r in self._rows(dq.job_states(ids))}
-
-    # --- actions -----------------------------------------------------------------------------
-
-    def retry(self, job_id: str, *, tenant: str | None) -> dict[str, Any] | None:
-        """The new job retrying ``job_id`` (with its dispatched event), or None when
-        ``job_id`` is not a failed, expired or cancelled job this tenant may see."""
-
-        def work(conn: Connection):
-            row = conn.execute(dq.retry_as_new_job(tenant), {"new_id": str(uuid.uuid4()), "job_id": job_id}).mappings().first()
-            if row is not None:
-                self._store.log_events(conn, [(row, Event.DISPATCHED, f"retry of {job_id}")])
-            return None if row is None else _view(row)
-
-        return self._read(work)
-
-    def delete(self, ids: list[str], *, tenant: str | None) -> list[str]:
-        """Delete those of these jobs that are terminal, with their events."""
-
-        def work(conn: Connection):
-            deleted = [str(r[0]) for r in conn.execute(dq.delete_finished_jobs(ids, tenant))]
-            if deleted:
-                conn.execute(maintenance.delete_job_events(deleted))
-            return deleted
-
-        return self._read(work) if ids else []

@@ -109,6 +109,11 @@ class FlowControl:
             log.warning("celery-lease: job %s (%s): wakeups after the claim not sent; the sweeper will", job_id, spec.kind)
         return row
 
+    def hold(self, job_id: str, spec: JobKind) -> None:
+        """A batched kind's claim (worker/batch.py) took nothing: its delivered job is
+        held if a pause refused it, to be woken by the resume."""
+        self._follow_up(job_id, spec, self._db.hold(job_id, spec.task))
+
     def _follow_up(self, job_id: str, spec: JobKind, result: ClaimResult) -> None:
         """What a claim's outcome asks to publish: woken jobs, the next window's wakeup,
         a swapped delivery's job, an early window wakeup again."""

@@ -71,6 +71,24 @@ def ride_briefly(write: Callable[[], T]) -> T:
     return write()
 
 
+def _ride_batch(batch: Sequence[Attempt]) -> Callable[[Callable[[], T]], T]:
+    """A batch's write is tried again through a blip while any of its attempts lives
+    (each by its own clock); then LeaseLost."""
+
+    def ride(write: Callable[[], T]) -> T:
+        waits = iter(BLIP_WAITS)
+        while True:
+            if all(a.is_lost for a in batch):
+                raise LeaseLost()
+            try:
+                return write()
+            except DatabaseUnavailable:
+                log.warning("celery-lease: database unavailable; trying the transition of %d attempts again", len(batch))
+                time.sleep(next(waits, BLIP_WAITS[-1]))
+
+    return ride
+
+
 class Pipeline:
     def __init__(
         self,
@@ -97,6 +115,7 @@ class Pipeline:
         params: Mapping[str, Any] | None = None,
         *,
         attempt: Attempt | None = None,
+        batch: Sequence[Attempt] = (),
         build: Mapping[str, Any] | None = None,
         before: Callable[[Connection], Any] | None = None,
         during: During | None = None,
@@ -104,7 +123,9 @@ class Pipeline:
         run_cancelled: bool = False,
     ) -> list[dict[str, Any]]:
         """Execute ``t``; return the rows it moved. ``attempt``: the attempt whose write
-        this is (fenced transitions); ``build``: the statement's build arguments;
+        this is (fenced transitions); ``batch``: the attempts a statement that fences each
+        of its rows itself writes at once (a timeout's), ridden through a database blip
+        while any of them lives, those whose row it did not move marked lost; ``build``: the statement's build arguments;
         ``before(conn)``: runs first in the transaction (a cancelled run is marked);
         ``error``: what errbacks get (default: the transition's). Raises LeaseLost when a
         fenced transition finds its lease lost (nothing done), DatabaseUnavailable when
@@ -120,7 +141,7 @@ class Pipeline:
         logged = store.dialect in t.self_logged
 
         def work(conn: Connection) -> tuple[list[dict[str, Any]], list[Job]]:
-            if attempt is not None and attempt.is_lost:
+            if (attempt is not None and attempt.is_lost) or (batch and all(a.is_lost for a in batch)):
                 raise LeaseLost()
             if before is not None:
                 before(conn)
@@ -130,7 +151,8 @@ class Pipeline:
                 attempt.mark_lost()
                 raise LeaseLost()
             if rows and not logged:
-                store.log_events(conn, [(r, t.event, t.detail(r, args)) for r in rows])
+                events = ((r, t.event_for(r)) for r in rows)
+                store.log_events(conn, [(r, e, t.detail(r, args)) for r, e in events if e is not None])
             created = during.write(conn, rows) if during is not None else []
             if endings is not None:
                 endings.write(conn, [r for r in rows if r["status"] in t.ends])
@@ -139,8 +161,12 @@ class Pipeline:
         landing: Landing[tuple[list[dict[str, Any]], list[Job]]] = Landing(
             store, store.durable if t.durable else store.fast, lock_timeout=t.lock_timeout
         )
-        ride = attempt.ride_out if attempt is not None else ride_briefly
+        ride = attempt.ride_out if attempt is not None else _ride_batch(batch) if batch else ride_briefly
         rows, created = ride(lambda: landing.run(work))
+        moved = {str(r["id"]) for r in rows}
+        for a in batch:
+            if a.job_id not in moved:
+                a.mark_lost()
         self._after(t, args, rows, created, endings, during, attempt)
         return rows
 

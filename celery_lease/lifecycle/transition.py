@@ -28,10 +28,10 @@ celery_lease/db/landing.py):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from celery_lease.db.statements import attempt, cancel, maintenance
+from celery_lease.db.statements import attempt, cancel, dashboard, maintenance
 from celery_lease.status import Event, Status
 
 Row = Mapping[str, Any]
@@ -46,8 +46,9 @@ class Transition:
     name: str
     #: Builds the statement: ``statement(dialect, **build)`` (Pipeline.execute's ``build``).
     statement: Callable[..., Any]
-    #: The run event logged for each row it moves (jobs of a run only).
-    event: Event
+    #: The run event logged for each row it moves (jobs of a run only); None: none (a
+    #: delete: the job's events go with it).
+    event: Event | None
     #: The event's detail for a row, given the statement's parameters.
     detail: Callable[[Row, Mapping[str, Any]], str | None] = lambda row, params: None
     #: One attempt's write, guarded by its lease generation: zero rows = the lease is
@@ -68,6 +69,11 @@ class Transition:
     error: str | None = None
     #: Dialects on which the statement appends its own run events (one round trip).
     self_logged: frozenset[str] = frozenset()
+    #: A statement that moves its rows to different statuses: each row's event (else ``event``).
+    event_of: Callable[[Row], Event] | None = None
+
+    def event_for(self, row: Row) -> Event | None:
+        return self.event if self.event_of is None else self.event_of(row)
 
 
 def _requeued(row: Row, params: Mapping[str, Any]) -> bool:
@@ -93,10 +99,26 @@ FAIL = Transition(
     ends=frozenset({_FAILED}),
 )
 RETRY = Transition("retry", lambda dialect: attempt.retry_job(), Event.RETRIED, detail=_retried, fenced=True)
-#: A kind's timeout: the same writes as a retry or a failure, made off the heartbeat
-#: thread (worker/timeouts.py), so they never wait long on the job's own row lock.
-TIME_OUT_RETRY = replace(RETRY, name="time out (retry)", lock_timeout=BACKGROUND_LOCK_TIMEOUT)
-TIME_OUT_FAIL = replace(FAIL, name="time out (fail)", lock_timeout=BACKGROUND_LOCK_TIMEOUT)
+
+
+def _timed_out(row: Row, params: Mapping[str, Any]) -> str:
+    return params["new_error"] if row["status"] == _FAILED else f"timed out; in {params['delays'][str(row['id'])]:.1f}s"
+
+
+#: Every attempt of a worker process past its kind's timeout, in one statement: each row
+#: fenced by its attempt's generation, retried (attempts left) or failed; written off the
+#: heartbeat thread (worker/timeouts.py), so it never waits long on a job's own row lock.
+#: Build with ``count``; parameters: job_id_N, generation_N, delay_N, new_error, and
+#: ``delays`` (id -> delay, for the run events).
+TIME_OUT = Transition(
+    "time out",
+    lambda dialect, count: attempt.time_out_jobs(count),
+    Event.RETRIED,
+    detail=_timed_out,
+    ends=frozenset({_FAILED}),
+    lock_timeout=BACKGROUND_LOCK_TIMEOUT,
+    event_of=lambda r: Event.FAILED if r["status"] == _FAILED else Event.RETRIED,
+)
 SNOOZE = Transition(
     "snooze",
     lambda dialect: attempt.snooze_job(),
@@ -152,5 +174,28 @@ RECOVER = Transition(
     error="interrupted by restart",
 )
 
+#: An operator's retry of an ended job (the dashboard): not a transition of that job (a
+#: terminal job never changes) but the submit of a new one, its copy with the old job as
+#: parent, named here so it runs like any write: durable, its dispatched event, its
+#: wakeup after the commit. Build with ``tenant``; parameters: new_id, job_id.
+RETRY_AS_NEW = Transition(
+    "retry as new job",
+    lambda dialect, tenant: dashboard.retry_as_new_job(tenant),
+    Event.DISPATCHED,
+    detail=lambda r, p: f"retry of {p['job_id']}",
+    wakes=lambda r, p: True,
+    releases=False,
+)
+#: An operator's delete of ended jobs (the dashboard): only terminal ones (a pending or
+#: running job is cancelled first: its worker or wakeup would find no row). Their run
+#: events are deleted in the same transaction (the caller's ``during``). Build with
+#: ``ids`` and ``tenant``.
+DELETE = Transition(
+    "delete",
+    lambda dialect, ids, tenant: dashboard.delete_finished_jobs(ids, tenant),
+    None,
+    releases=False,
+)
+
 #: Every transition, for docs/lifecycle.md and the tests that hold them to the rules above.
-ALL = (SUCCEED, FAIL, RETRY, TIME_OUT_RETRY, TIME_OUT_FAIL, SNOOZE, HAND_OFF, CANCEL, REVOKE, REAP, RECOVER)
+ALL = (SUCCEED, FAIL, RETRY, TIME_OUT, SNOOZE, HAND_OFF, CANCEL, REVOKE, REAP, RECOVER, RETRY_AS_NEW, DELETE)

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from celery_lease.job import parse_job_id
+
 #: Options of a leased signature that must come from the job that created it.
 INHERITED = ("tenant", "run_id")
 #: Signatures nest (a chain in a group in a chord): deeper than this, nothing is kept.
@@ -77,3 +79,25 @@ def _walk(value: Any, leased: Callable[[Any], bool], depth: int) -> int:
             if isinstance(item, (dict, list)):
                 changed += _walk(item, leased, depth + 1)
     return changed
+
+
+def wakeup_refusal(request: Any) -> str | None:
+    """Why the delivery ``request`` (a task's context) is not a wakeup celery-lease
+    sent, or None.
+
+    A wakeup is untrusted input (anything that can write to the broker can send
+    one), so it is checked before the claim: a malformed one claims nothing, runs
+    nothing and spends no attempt. Whether the job belongs to this task is
+    checked by the claim itself (it matches the job's task).
+    """
+    if request.args or request.kwargs:
+        return "it carries arguments (a wakeup has none: the job row holds the payload)"
+    if request.callbacks or request.errbacks or request.chain or request.chord:
+        # Celery would apply these with the job's result: a forged wakeup could send
+        # one job's result to any task. A leased job's canvas lives in its row.
+        return "it carries callbacks (a leased job's chain and links live in its row)"
+    try:
+        parse_job_id(request.id)
+    except ValueError:
+        return "its task id is not a job id"
+    return malformed_lineage(request)

@@ -32,6 +32,7 @@ from celery_lease.payload import UnstorableValue, cap_error
 from celery_lease.status import Status
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import START_SHARE, Attempt, owner_of
+from celery_lease.worker.batch import Batches
 from celery_lease.worker.completion import Completer, completer_for
 from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
@@ -90,6 +91,8 @@ class WorkerState:
         #: Plain successes: batched on PostgreSQL, where each statement is a round trip;
         #: written at once on SQLite.
         self.completer: Completer = completer_for(store, self.pipeline, on_written=self._release)
+        #: The deliveries of batched kinds: claimed, run and completed many at a time.
+        self.batches = Batches(self)
         #: What a claim whose reply was lost needs to know before it adopts a job found
         #: running under this process (db.store.LandedClaim): the claims in progress
         #: here, and the attempts that live here until their outcome is written.
@@ -122,6 +125,8 @@ class WorkerState:
             except LeaseError:
                 log.warning("celery-lease: job %s: not re-woken at shutdown; the sweeper will", job_id)
             return None
+        if spec.batch is not None and self.store.dialect == "postgresql":
+            return self.batches.begin(job_id, spec, hostname)
         with self._lock:
             self._claiming += 1
         sent_at = time.monotonic()
@@ -151,7 +156,10 @@ class WorkerState:
                 self._cancelled_by_claim(row)
             return None
         # A higher-priority job may be claimed in place of the delivered one.
-        attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
+        return self._start(Attempt.from_claim(str(row["id"]), row, sent_at=sent_at), spec, sent_at)
+
+    def _start(self, attempt: Attempt, spec: JobKind, sent_at: float) -> Attempt | None:
+        """The claimed ``attempt`` starts, unless its claim came too late in its lease."""
         if time.monotonic() - sent_at > attempt.lease_seconds * START_SHARE:
             self._hand_back(attempt)
             return None
@@ -159,6 +167,20 @@ class WorkerState:
             attempt.deadline = sent_at + spec.timeout
         self.heartbeat.add(attempt)
         return attempt
+
+    def adopt_ahead(self, row: dict[str, Any], spec: JobKind) -> Attempt | None:
+        """The attempt the main process claimed for this delivery (worker/ahead.py):
+        ``row`` is its claim's, ``row["sent_at"]`` the monotonic time the claim was sent
+        (one clock for every process of the machine)."""
+        if row.get("status") == _CANCELLED:
+            log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
+            self._cancelled_by_claim(row)
+            return None
+        sent_at = row["sent_at"]
+        attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
+        with self._lock:
+            self._live.add(attempt.key)
+        return self._start(attempt, spec, sent_at)
 
     def _hand_back(self, attempt: Attempt) -> None:
         """The claim's reply came when its lease, counted from before it was sent, was
@@ -190,6 +212,9 @@ class WorkerState:
             log.exception("celery-lease: job %s: the errbacks of its cancel could not be sent", row["id"])
 
     def end(self, attempt: Attempt | None) -> None:
+        for each in attempt.batch or () if attempt is not None else ():
+            if each is not attempt:
+                self.end(each)  # (a no-op for those the batch ended already)
         if attempt is not None:
             self.heartbeat.remove(attempt)
             # (Its slot, if its kind is limited, was freed by the transition that moved
@@ -216,14 +241,25 @@ class WorkerState:
             max_progress_bytes=self.settings.max_progress_bytes,
         )
 
-    def execute(self, spec: JobKind, attempt: Attempt, on_progress: Callable[[Any], None] | None = None) -> Any:
+    def execute(
+        self,
+        spec: JobKind,
+        attempt: Attempt,
+        on_progress: Callable[[Any], None] | None = None,
+        completer: Completer | None = None,
+    ) -> Any:
         """Run the handler and record its outcome with one fenced statement.
 
         Returns the stored result. Raises Celery's Retry or JobFailed *after* the
         outcome is recorded, so Flower shows RETRY / FAILURE for the job id; both are
         raised outside any ``except`` block so no traceback of the handler's exception
         (and its text) is chained into Celery's log line or event.
+
+        A batched delivery (``attempt.batch``) runs its whole batch (worker/batch.py),
+        whose plain successes go to the batch's ``completer``.
         """
+        if attempt.batch is not None and completer is None:
+            return self.batches.run(spec, attempt, on_progress)
         outcome: tuple[Outcome, Any]
         try:
             # Inside the try: a stored checkpoint over the cap fails this attempt as an
@@ -255,7 +291,7 @@ class WorkerState:
         try:
             if status is Outcome.SUCCEEDED:
                 try:
-                    self.record.succeed(ctx, attempt, value, self.completer)
+                    self.record.succeed(ctx, attempt, value, completer or self.completer)
                     attempt.outcome = Outcome.SUCCEEDED
                     return value
                 except (LeaseLost, DatabaseUnavailable):

@@ -41,12 +41,12 @@ class Heartbeat:
         store: Store,
         broker_url: str | None,
         notice_channel: str | None = None,
-        on_timeout: Callable[[Attempt], None] | None = None,
+        on_timeout: Callable[[list[Attempt]], None] | None = None,
     ) -> None:
         self._store = store
         self._broker_url = broker_url
         self._notice_channel = notice_channel
-        #: Called (from this thread, must not block) for an attempt past its kind's timeout.
+        #: Called (from this thread, must not block) with the attempts past their kind's timeout.
         self._on_timeout = on_timeout
         #: Keyed by (job, generation): a second attempt of one job in this process never
         #: hides the first from lost-lease detection.
@@ -157,24 +157,25 @@ class Heartbeat:
             not_before = time.monotonic() + (self.MIN_GAP if ok else self.RETRY_SECONDS)
 
     def _time_out_overdue(self) -> None:
-        """Hand attempts past their kind's timeout to ``on_timeout``, once each. It must
-        not block: this thread only renews (its write runs on worker/timeouts.py's
-        threads, which stop the handler once it landed); until then the lease is renewed
-        as any other."""
+        """Hand the attempts past their kind's timeout to ``on_timeout``, all at once, each
+        once. It must not block: this thread only renews (the write runs on
+        worker/timeouts.py's thread, which stops the handlers once it landed); until then
+        their leases are renewed as any other."""
         now = time.monotonic()
         with self._lock:
             overdue = [a for a in self._attempts.values() if a.deadline is not None and now >= a.deadline and not a.is_lost]
             for a in overdue:
                 a.deadline = None
+        if not overdue:
+            return
+        try:
+            if self._on_timeout is not None:
+                self._on_timeout(overdue)  # every timeout due now: one write
+                return
+        except Exception:
+            log.exception("celery-lease: cannot hand over the timeouts of %d job(s)", len(overdue))
         for a in overdue:
-            if self._on_timeout is None:
-                a.mark_lost()
-                continue
-            try:
-                self._on_timeout(a)
-            except Exception:
-                log.exception("celery-lease: job %s: cannot hand over its timeout", a.job_id)
-                a.mark_lost()  # stop the handler; the reaper settles the job
+            a.mark_lost()  # stop the handler; the reaper settles the job
 
     def _renew(self, attempts: list[Attempt]) -> bool:
         with self._renewing:

@@ -55,7 +55,9 @@ def release(store: Store, reap: Callable[[], Any], job_id: str) -> bool:
     if job is None or job.status is not Status.RUNNING or not job.lease_owner:
         return False
     _node, pid, boot = job.lease_owner.rsplit("/", 2)
-    if boot != BOOT_ID or not pid.isdigit() or not process_gone(int(pid)):
+    # A lease owned by this very process (a worker's main process, with
+    # lease_claim_ahead) was claimed here for the pool process that died running it.
+    if boot != BOOT_ID or not pid.isdigit() or not (int(pid) == os.getpid() or process_gone(int(pid))):
         return False
     params = {"job_id": job.id, "owner": job.lease_owner, "generation": job.lease_generation}
     if not store.guarded(expire_lost_lease(), params):

@@ -114,13 +114,11 @@ class Recorder:
         params = {"new_result": result, "new_progress": ctx.pending_progress}
         self.pipeline.execute(tr.SUCCEED, params, attempt=attempt, during=_SuccessWrites(self, attempt, ctx, followup))
 
-    def fail(self, attempt: Attempt, error: str, *, timed_out: bool = False) -> None:
-        t = tr.TIME_OUT_FAIL if timed_out else tr.FAIL
-        self.pipeline.execute(t, {"new_error": error}, attempt=attempt, error=error)
+    def fail(self, attempt: Attempt, error: str) -> None:
+        self.pipeline.execute(tr.FAIL, {"new_error": error}, attempt=attempt, error=error)
 
-    def retry(self, attempt: Attempt, delay: float, *, timed_out: bool = False) -> None:
-        t = tr.TIME_OUT_RETRY if timed_out else tr.RETRY
-        self.pipeline.execute(t, {"delay": delay, "why": "timed out" if timed_out else None}, attempt=attempt)
+    def retry(self, attempt: Attempt, delay: float) -> None:
+        self.pipeline.execute(tr.RETRY, {"delay": delay, "why": None}, attempt=attempt)
 
     def hand_off(self, attempt: Attempt, why: str | None = None) -> None:
         """Warm shutdown (or ``why`` else): back to pending at once, attempt not spent,
@@ -135,21 +133,28 @@ class Recorder:
         self.pipeline.execute(tr.SNOOZE, {"delay": seconds}, attempt=attempt)
         log.info("celery-lease: job %s: snoozed for %gs", attempt.job_id, seconds)
 
-    def time_out(self, attempt: Attempt) -> None:
-        """``attempt`` ran past its kind's timeout: a retry (or, with no attempt left, a
-        failure), written by the worker's timeout thread (worker/timeouts.py)."""
-        spec = self.registry.resolve(attempt.kind)
-        log.warning(
-            "celery-lease: job %s (%s) attempt %d timed out after %ss; stopping it",
-            attempt.job_id,
-            spec.kind,
-            attempt.attempt,
-            spec.timeout,
-        )
+    def time_out(self, attempts: Sequence[Attempt]) -> None:
+        """``attempts`` ran past their kind's timeout: each retried (or, with no attempt
+        left, failed), all in one ``time out`` transition, written by the worker's
+        timeout thread (worker/timeouts.py)."""
+        params: dict[str, Any] = {"new_error": TIMED_OUT, "delays": {}}
+        for i, attempt in enumerate(attempts):
+            spec = self.registry.resolve(attempt.kind)
+            log.warning(
+                "celery-lease: job %s (%s) attempt %d timed out after %ss; stopping it",
+                attempt.job_id,
+                spec.kind,
+                attempt.attempt,
+                spec.timeout,
+            )
+            delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
+            params.update({f"job_id_{i}": attempt.job_id, f"generation_{i}": attempt.generation, f"delay_{i}": delay})
+            params["delays"][attempt.job_id] = delay
         try:
-            if attempt.attempt < attempt.max_attempts:
-                self.retry(attempt, backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max), timed_out=True)
-            else:
-                self.fail(attempt, TIMED_OUT, timed_out=True)
+            rows = self.pipeline.execute(tr.TIME_OUT, params, batch=attempts, build={"count": len(attempts)})
         except LeaseLost:
-            log.info("celery-lease: job %s: lease already lost at its timeout", attempt.job_id)
+            rows = []
+        moved = {str(r["id"]) for r in rows}
+        for attempt in attempts:
+            if attempt.job_id not in moved:
+                log.info("celery-lease: job %s: lease already lost at its timeout", attempt.job_id)

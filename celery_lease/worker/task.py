@@ -24,7 +24,7 @@ from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 from celery_lease.results import LeaseBackend, LeaseResult, RowFallback
 from celery_lease.status import Status
-from celery_lease.worker import borne, events
+from celery_lease.worker import events
 from celery_lease.worker.outcome import Outcome
 
 if TYPE_CHECKING:
@@ -127,6 +127,8 @@ class LeaseTask(Task):
     #: instead re-deliver the message after the visibility timeout for nothing.
     acks_late = False
     typing = False
+    #: Celery's strategy, or the claim ahead of the pool (lease_claim_ahead).
+    Strategy = "celery_lease.worker.ahead:strategy"
     #: Expected outcomes: Celery logs them at INFO without a traceback (a Failure is the
     #: handler's decision, not a crash for Sentry). Spent retries stay JobFailed: ERROR.
     throws = (JobRefused,)
@@ -334,27 +336,6 @@ class LeaseTask(Task):
     map = starmap = chunks = _no_batches
 
     # --- worker side -------------------------------------------------------------------
-
-    def wakeup_refusal(self) -> str | None:
-        """Why the current delivery is not a wakeup celery-lease sent, or None.
-
-        A wakeup is untrusted input (anything that can write to the broker can send
-        one), so it is checked before the claim: a malformed one claims nothing, runs
-        nothing and spends no attempt. Whether the job belongs to this task is
-        checked by the claim itself (it matches the job's task).
-        """
-        request = self.request
-        if request.args or request.kwargs:
-            return "it carries arguments (a wakeup has none: the job row holds the payload)"
-        if request.callbacks or request.errbacks or request.chain or request.chord:
-            # Celery would apply these with the job's result: a forged wakeup could send
-            # one job's result to any task. A leased job's canvas lives in its row.
-            return "it carries callbacks (a leased job's chain and links live in its row)"
-        try:
-            parse_job_id(request.id)
-        except ValueError:
-            return "its task id is not a job id"
-        return borne.malformed_lineage(request)
 
     def emit_progress(self, progress: Any) -> None:
         """Send progress as a Celery event so Flower's event stream carries it."""

@@ -1,13 +1,16 @@
-"""Kinds' timeouts, written off the heartbeat thread.
+"""Kinds' timeouts, written off the heartbeat thread, all that are due in one statement.
 
 The heartbeat thread only renews leases: a timeout's write (a retry, or a failure on
 the last attempt) may wait on the job's row, locked by the timed-out handler's own
 success transaction, and while it waited no other lease of the process was renewed.
-So the heartbeat hands overdue attempts here; a few threads write them (each its own
-transition, with a lock timeout, ridden out within the lease), then mark each attempt
-lost: its handler stops at its next ``raise_if_cancelled()`` and anything it writes
-afterwards is discarded (fenced). The slot of a limited kind is freed by the
-transition, once (Pipeline); the handler's end frees nothing more.
+So the heartbeat hands overdue attempts here; one thread writes every timeout queued
+so far as one ``time out`` transition (one statement for all their rows, each fenced
+by its attempt's generation, with a lock timeout; ridden out while any of their leases
+lives), then marks each attempt lost: its handler stops at its next
+``raise_if_cancelled()`` and anything it writes afterwards is discarded (fenced).
+Timeouts that come due while a batch is written make the next one. The slot of a
+limited kind is freed by the transition, once (Pipeline); the handler's end frees
+nothing more.
 """
 
 from __future__ import annotations
@@ -15,8 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,27 +28,36 @@ log = logging.getLogger("celery_lease.worker")
 
 
 class Timeouts:
-    #: Timeouts written at once; more wait their turn (each is bounded by its lease).
-    THREADS = 2
-
-    def __init__(self, record: Callable[[Attempt], None]) -> None:
+    def __init__(self, record: Callable[[list[Attempt]], None]) -> None:
+        #: record(attempts): writes their timeouts, one transition for all.
         self._record = record
-        self._pool: ThreadPoolExecutor | None = None
+        self._queued: list[Attempt] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
         self._pid = 0
-        self._lock = threading.Lock()
 
-    def submit(self, attempt: Attempt) -> None:
-        """Record ``attempt``'s timeout soon; returns at once (heartbeat thread)."""
-        with self._lock:
-            if self._pool is None or self._pid != os.getpid():
+    def submit(self, attempts: Sequence[Attempt]) -> None:
+        """Record the timeouts of ``attempts`` soon; returns at once (heartbeat thread)."""
+        if not attempts:
+            return
+        with self._cond:
+            if self._thread is None or self._pid != os.getpid():
                 self._pid = os.getpid()
-                self._pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="celery-lease-timeout")
-            self._pool.submit(self._run, attempt)
+                self._thread = threading.Thread(target=self._loop, name="celery-lease-timeout", daemon=True)
+                self._thread.start()
+            self._queued.extend(attempts)
+            self._cond.notify()
 
-    def _run(self, attempt: Attempt) -> None:
-        try:
-            self._record(attempt)
-        except Exception:
-            log.exception("celery-lease: job %s: cannot record its timeout; the reaper will settle it", attempt.job_id)
-        finally:
-            attempt.mark_lost()  # stop the handler; its later writes are discarded
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queued:
+                    self._cond.wait()
+                batch, self._queued = self._queued, []
+            try:
+                self._record(batch)
+            except Exception:
+                log.exception("celery-lease: cannot record the timeouts of %d job(s); the reaper will settle them", len(batch))
+            finally:
+                for attempt in batch:
+                    attempt.mark_lost()  # stop the handler; its later writes are discarded

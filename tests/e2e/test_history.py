@@ -7,7 +7,10 @@ proxy, with SIGKILLs, connection cuts and a PostgreSQL crash; then the history c
     bash dev.sh test tests/e2e/test_history.py -m slow -s          # the long runs
 
 Each run prints its seed and a summary line (also in pytest's terminal summary); a
-failure prints every violation and an excerpt of the history around a few of them.
+failure prints every violation and an excerpt of the history around a few of them, and
+keeps what explains it in test-artifacts/history-<mode>-<seed>/ (tests/e2e/history_keep.py):
+the workers' and beat's logs, the violations, and the rows and run events of the jobs
+that did not end.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import pytest
 
 from tests.conftest import SUMMARY_LINES
 from tests.e2e import history
+from tests.e2e.history_keep import keep
 from tests.e2e.history_run import MODULE, Run, Workload, databases, worker_env
 from tests.harness import pgcluster
 
 MODES = [
     pytest.param(True, "prefork", id="prepared"),
+    pytest.param(True, "prefork-ahead", id="ahead"),
     pytest.param(False, "prefork", id="unprepared"),
     pytest.param(True, "threads", id="threads"),
 ]
@@ -45,26 +50,36 @@ def _run(w: Workload, history_dbs, broker, redis_server, client_app, tmp_path, r
     cluster, jobs_url, history_url = history_dbs
     mod = client_app(jobs_url, broker, conf=w.conf(), extra_env=worker_env(history_url), module=MODULE)
     print(f"history seed={w.seed} (replay: HISTORY_SEED={w.seed})")
-    h = Run(
-        w, mod=mod, cluster=cluster, jobs_url=jobs_url, history_url=history_url, redis=redis_server, workdir=tmp_path
-    ).execute()
-    violations = history.check(h)
-    line = f"history[{request.node.callspec.id}] seed={w.seed} {history.summary(h)} violations={len(violations)}"
-    print(line)
-    request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
-    assert len(h.jobs) >= w.items, line
-    assert sum(history.summary(h)["faults"].values()) > 0, line
-    if violations:
-        text = history.report(h, violations, seed=w.seed)
-        print(text)  # shown with -s even when the run is an expected failure
-        raise history.HistoryViolated(text)
+    h, violations, text = None, [], ""
+    try:
+        h = Run(
+            w, mod=mod, cluster=cluster, jobs_url=jobs_url, history_url=history_url, redis=redis_server, workdir=tmp_path
+        ).execute()
+        violations = history.check(h)
+        line = f"history[{request.node.callspec.id}] seed={w.seed} {history.summary(h)} violations={len(violations)}"
+        print(line)
+        request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
+        assert len(h.jobs) >= w.items, line
+        assert sum(history.summary(h)["faults"].values()) > 0, line
+        if violations:
+            text = history.report(h, violations, seed=w.seed)
+            print(text)  # shown with -s even when the run is an expected failure
+            raise history.HistoryViolated(text)
+    except BaseException:
+        try:
+            kept = keep(f"history-{request.node.callspec.id}-{w.seed}", tmp_path, jobs_url, h, text or None, redis_server.url)
+            print(f"history artifacts kept in {kept}; broker: {(kept / 'backlog.txt').read_text().strip()}")
+        except Exception as exc:  # the run's own failure is what the test reports
+            print(f"history artifacts not kept: {exc!r}")
+        raise
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("prepared,pool", MODES)
 def test_history(history_dbs, broker, redis_server, client_app, tmp_path, request, prepared, pool):
     concurrency = 4 if pool == "threads" else 2
-    w = Workload(seed=_seed(), prepared=prepared, pool=pool, concurrency=concurrency)
+    pool, _, ahead = pool.partition("-")
+    w = Workload(seed=_seed(), prepared=prepared, pool=pool, concurrency=concurrency, claim_ahead=bool(ahead))
     _run(w, history_dbs, broker, redis_server, client_app, tmp_path, request)
 
 
@@ -74,10 +89,12 @@ def test_history(history_dbs, broker, redis_server, client_app, tmp_path, reques
 def test_history_long(history_dbs, broker, redis_server, client_app, tmp_path, request, prepared, pool):
     concurrency = 4 if pool == "threads" else 2
     seconds = float(os.environ.get("HISTORY_SECONDS", "150"))
+    pool, _, ahead = pool.partition("-")
     w = Workload(
         seed=_seed(),
         prepared=prepared,
         pool=pool,
+        claim_ahead=bool(ahead),
         concurrency=concurrency,
         items=int(seconds * 4),
         seconds=seconds,

@@ -252,6 +252,46 @@ def test_a_job_its_claim_finds_in_a_cancelled_run_fires_its_errbacks_once(pg, br
     assert len(_rows(pg, jobs.c.kind == "noted_error", jobs.c.parent_id == job.id)) == 1 and _plain_errbacks(broker) == []
 
 
+def test_a_chord_header_job_its_claim_finds_in_a_cancelled_run_removes_the_chord_once(pg, broker, client_app, tmp_path):
+    """#18 item 8: a header job cancelled by its claim (its run cancelled) counts its
+    chord down like any cancel: the chord is removed in the claim's transaction, the
+    body's errbacks fire once, the other header jobs ending later fire nothing more."""
+    from celery import chord
+
+    from celery_lease.db.schema import chords
+
+    mod = client_app(pg, broker, module=NATIVE)
+    body = mod.total.s().set(link_error=[mod.noted_error.s(), mod.plain_errback.s(str(tmp_path))])
+    chord([mod.inc.s({"n": i}) for i in range(3)], body).apply_async()
+    header = sorted(_rows(pg, jobs.c.kind == "inc"), key=lambda r: r["canvas"]["group_index"])
+    _queued(broker)
+    run_id = str(uuid.uuid4())
+    engine = sa.create_engine(pg)
+    with engine.begin() as conn:  # the first header job sits in a cancelled run (missed by cancel_run)
+        conn.execute(sa.insert(runs).values(id=run_id, cancelled_at=sa.func.now(), created_at=sa.func.now()))
+        conn.execute(sa.update(jobs).where(jobs.c.id == header[0]["id"]).values(run_id=run_id))
+
+    def chord_rows() -> int:
+        with engine.connect() as conn:
+            return conn.execute(sa.select(sa.func.count()).select_from(chords)).scalar_one()
+
+    try:
+        assert chord_rows() == 1
+        first = str(header[0]["id"])
+        assert mod.leases.worker.begin(first, mod.inc.spec, "w@host") is None  # cancelled, not started
+        assert mod.leases.get(first).status.value == "cancelled"
+        assert chord_rows() == 0  # the body never runs
+        (errback,) = _rows(pg, jobs.c.kind == "noted_error")
+        assert errback["payload"] == {"job_id": first, "error": "a chord header job failed"}
+        assert [a[0] for a in _plain_errbacks(broker)] == [first]
+        assert mod.leases.worker.begin(first, mod.inc.spec, "w@host") is None  # a second delivery: nothing again
+        mod.leases.cancel(str(header[1]["id"]))
+        assert len(_rows(pg, jobs.c.kind == "noted_error")) == 1 and _plain_errbacks(broker) == []
+        assert _rows(pg, jobs.c.kind == "total") == []
+    finally:
+        engine.dispose()
+
+
 def test_restart_recovery_fires_the_errbacks_of_a_job_it_fails_and_only_of_that_one(pg, broker, client_app, tmp_path):
     mod = client_app(pg, broker, module=NATIVE)
     node = "celery@restarted-host"

@@ -17,7 +17,7 @@ def test_every_transition_commits_durably_and_only_background_ones_bound_their_l
     # Each ends an attempt or bumps a generation: an asynchronous commit lost in a
     # crash would undo it after its follow-ups were sent.
     assert all(t.durable for t in tr.ALL)
-    assert {t.name for t in tr.ALL if t.lock_timeout is not None} == {"time out (retry)", "time out (fail)", "revoke", "reap"}
+    assert {t.name for t in tr.ALL if t.lock_timeout is not None} == {"time out", "revoke", "reap"}
     assert len({t.name for t in tr.ALL}) == len(tr.ALL)  # each named once
 
 
@@ -50,3 +50,78 @@ def test_a_revoke_broadcast_is_one_cancel_and_ids_that_are_not_jobs_cost_nothing
     assert done.wait(5)
     revoker.submit(["only-garbage"])  # nothing to cancel: no call at all
     assert len(calls) == 1 and sorted(calls[0]) == sorted(ids)
+
+
+def test_jobs_timing_out_together_are_one_statement_each_row_fenced(store, lifecycle, add_job, row):
+    """Four attempts of one process time out at once: one ``time out`` statement writes
+    them all (before: one transition per job, each its own round trip and commit). Each
+    row keeps its own fence and outcome: attempts left -> retried with its own backoff,
+    the last attempt -> failed, a lost lease -> untouched."""
+    import sqlalchemy as sa
+
+    from celery_lease.kinds import JobKind, Registry
+    from celery_lease.worker.record import Recorder
+    from celery_lease.worker.timeouts import Timeouts
+
+    registry = Registry()
+    registry.add(JobKind("echo", "tests.echo", lambda ctx, p: None, None, 3, 30, 2.0, 60.0, None, timeout=1))
+    recorder = Recorder(store, lifecycle._producer, registry, lifecycle, canvas=None, flow=None, eager=False)
+    first, second, last, lost = (
+        add_job(status="running", attempt=n, lease_generation=n, expires_in=30, kind="echo") for n in (1, 2, 3, 1)
+    )
+    attempts = [
+        attempt_for(first, 1, kind="echo"),
+        attempt_for(second, 2, attempt=2, kind="echo"),
+        attempt_for(last, 3, attempt=3, kind="echo"),
+        attempt_for(lost, 7, kind="echo"),  # a generation the row does not hold: its lease was lost
+    ]
+    updates: list[str] = []
+
+    def seen(conn, cursor, statement, *args):
+        if statement.lstrip().upper().startswith("UPDATE CELERY_LEASE_JOBS"):
+            updates.append(statement)
+
+    sa.event.listen(store.durable, "before_cursor_execute", seen)
+    try:
+        Timeouts(recorder.time_out).submit(attempts)
+        for attempt in attempts:
+            assert attempt.lost.wait(10)  # each handler is stopped once the write landed
+    finally:
+        sa.event.remove(store.durable, "before_cursor_execute", seen)
+    assert len(updates) == 1, updates
+    assert [row(j)["status"] for j in (first, second, last, lost)] == ["pending", "pending", "failed", "running"]
+    assert row(last)["error"] == "timed out" and row(first)["lease_owner"] is None
+    # Each its own backoff (2 s, then 4 s), by the database clock.
+    assert row(first)["run_after"] < row(second)["run_after"]
+
+
+def test_the_dashboards_retry_and_delete_are_named_transitions_of_the_pipeline(store, lifecycle, add_job, row):
+    """retry as new job: a new pending job, its dispatched event, woken once after the
+    commit; the ended job is left as it was. delete: ended jobs only, with their events."""
+    import sqlalchemy as sa
+
+    from celery_lease.db.schema import events, jobs
+    from celery_lease.ops.dashboard.actions import _DeletedEvents
+
+    run_id = str(uuid.uuid4())
+    failed = add_job(status="failed", attempt=3, run_id=run_id)
+    running = add_job(status="running", attempt=1, lease_generation=1, expires_in=30)
+    new_id = str(uuid.uuid4())
+    (made,) = lifecycle.execute(tr.RETRY_AS_NEW, {"new_id": new_id, "job_id": failed}, build={"tenant": None})
+    assert str(made["id"]) == new_id and lifecycle.woken == [new_id]
+    assert row(new_id)["status"] == "pending" and str(row(new_id)["parent_id"]) == failed
+    assert row(failed)["status"] == "failed"
+    assert lifecycle.execute(tr.RETRY_AS_NEW, {"new_id": str(uuid.uuid4()), "job_id": running}, build={"tenant": None}) == []
+
+    def events_of(job_id: str) -> list[str]:
+        with store.durable.connect() as conn:
+            return [r.event for r in conn.execute(sa.select(events.c.event).where(events.c.job_id == job_id))]
+
+    assert events_of(new_id) == ["dispatched"]
+    with store.durable.begin() as conn:  # the failed job's own history
+        conn.execute(events.insert().values(run_id=run_id, job_id=failed, event="failed", attempt=3, created_at=sa.func.now()))
+    deleted = lifecycle.execute(tr.DELETE, build={"ids": [failed, running], "tenant": None}, during=_DeletedEvents())
+    assert [str(r["id"]) for r in deleted] == [failed] and events_of(failed) == []
+    with store.durable.connect() as conn:
+        left = {str(r.id) for r in conn.execute(sa.select(jobs.c.id))}
+    assert left == {running, new_id} and lifecycle.woken == [new_id]

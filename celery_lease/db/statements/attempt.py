@@ -204,3 +204,37 @@ def snooze_job() -> sa.Update:
         )
         .returning(*ENDED_COLUMNS)
     )
+
+
+@functools.cache
+def time_out_jobs(count: int) -> sa.Update:
+    """time_out_jobs: ``count`` attempts past their kind's timeout, in one statement (a
+    worker's timeout thread writes every timeout due at once).
+
+    Each row is fenced exactly like retry_job and fail_job: (:job_id_N, :generation_N)
+    still running. One with attempts left is retried (pending, due after :delay_N, the
+    sweeper wakes it); one on its last attempt fails with :new_error. Returns the rows
+    moved: an attempt missing from them had lost its lease.
+    """
+    ids = [sa.bindparam(f"job_id_{i}", type_=ID) for i in range(count)]
+    fenced = [sa.tuple_(ids[i], sa.bindparam(f"generation_{i}", type_=sa.BigInteger)) for i in range(count)]
+    last = _c.attempt >= _c.max_attempts
+    delay = sa.case(*((_c.id == ids[i], _seconds(f"delay_{i}")) for i in range(count)))
+
+    def retried(value, otherwise):
+        return sa.case((last, otherwise), else_=value)
+
+    return (
+        sa.update(jobs)
+        .where(sa.tuple_(_c.id, _c.lease_generation).in_(fenced), _c.status == Status.RUNNING.value)
+        .values(
+            status=retried(sa.literal(Status.PENDING.value), sa.literal(Status.FAILED.value)),
+            run_after=retried(db_now_plus(delay), _c.run_after),
+            woken_at=retried(sa.null(), _c.woken_at),
+            error=retried(_c.error, sa.bindparam("new_error", type_=_c.error.type)),
+            finished_at=retried(_c.finished_at, db_now()),
+            updated_at=db_now(),
+            **_lease_cleared,
+        )
+        .returning(*ENDED_COLUMNS)
+    )

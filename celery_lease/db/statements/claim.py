@@ -122,9 +122,6 @@ def _claim_update(*, swap: bool, concurrency: bool, rate: bool) -> sa.Update:
     # Read only while building the new row, so no job row is locked while it waits.
     cancelled = sa.func.coalesce(sa.select(run.c.cancelled).scalar_subquery(), sa.false())
 
-    def unless_cancelled(value, otherwise):
-        return sa.case((cancelled, otherwise), else_=value)
-
     guards = [_delivered(target)]
     if swap:
         guards.append(~sa.exists().where(pauses.c.kind == _c.kind))
@@ -132,22 +129,27 @@ def _claim_update(*, swap: bool, concurrency: bool, rate: bool) -> sa.Update:
         guards.append(_running_like(_c.kind, _c.concurrency_key) < sa.bindparam("slots", type_=sa.Integer))
     if rate:
         guards.append(_rate_open_for(sa.bindparam("of_kind", type_=sa.String)))
-    return (
-        sa.update(jobs)
-        .where(*guards)
-        .values(
-            status=unless_cancelled(sa.literal(Status.RUNNING.value), sa.literal(Status.CANCELLED.value)),
-            attempt=unless_cancelled(_c.attempt + 1, _c.attempt),
-            lease_generation=_c.lease_generation + 1,
-            lease_owner=unless_cancelled(sa.bindparam("owner", type_=_c.lease_owner.type), sa.null()),
-            lease_expires_at=unless_cancelled(db_now_plus(_c.lease_seconds), sa.null()),
-            started_at=unless_cancelled(sa.func.coalesce(_c.started_at, db_now()), _c.started_at),
-            finished_at=unless_cancelled(_c.finished_at, db_now()),
-            held=sa.null(),  # a held job may be the one claimed
-            updated_at=db_now(),
-        )
-        .returning(*CLAIMED_COLUMNS)
-    )
+    return sa.update(jobs).where(*guards).values(**claimed_values(cancelled)).returning(*CLAIMED_COLUMNS)
+
+
+def claimed_values(cancelled: sa.ColumnElement[bool]) -> dict[str, Any]:
+    """The new row of a claimed job (by :owner): running for one more attempt under a
+    new generation, or, when ``cancelled`` (its run is), cancelled and never started."""
+
+    def unless_cancelled(value, otherwise):
+        return sa.case((cancelled, otherwise), else_=value)
+
+    return {
+        "status": unless_cancelled(sa.literal(Status.RUNNING.value), sa.literal(Status.CANCELLED.value)),
+        "attempt": unless_cancelled(_c.attempt + 1, _c.attempt),
+        "lease_generation": _c.lease_generation + 1,
+        "lease_owner": unless_cancelled(sa.bindparam("owner", type_=_c.lease_owner.type), sa.null()),
+        "lease_expires_at": unless_cancelled(db_now_plus(_c.lease_seconds), sa.null()),
+        "started_at": unless_cancelled(sa.func.coalesce(_c.started_at, db_now()), _c.started_at),
+        "finished_at": unless_cancelled(_c.finished_at, db_now()),
+        "held": sa.null(),  # a held job may be the one claimed
+        "updated_at": db_now(),
+    }
 
 
 def _better_job() -> sa.ScalarSelect:

@@ -6,11 +6,12 @@ job is a 404, as if it did not exist).
 
 - **cancel**: :meth:`CeleryLease.cancel` (pending or running -> cancelled; the worker
   learns at its next heartbeat).
-- **retry** a failed, expired or cancelled job: a *new* job (statement
-  ``retry_as_new_job``) with the same kind, payload, queue, tenant and run, a fresh
+- **retry** a failed, expired or cancelled job: a *new* job (the ``retry as new job``
+  transition, statement ``retry_as_new_job``) with the same kind, payload, queue, tenant and run, a fresh
   attempt budget, and the old job as its ``parent_id``; the old one stays as it ended
   (a terminal job never changes). Its wakeup is published at once.
-- **delete** a terminal job and its events (``delete_finished_jobs``); a pending or
+- **delete** a terminal job and its events (the ``delete`` transition,
+  ``delete_finished_jobs``); a pending or
   running job must be cancelled first.
 - **bulk**: ``GET /bulk?action=...&<filter>`` shows how many jobs the action would
   change (the newest BULK_CAP the filter matches among the newest SCAN jobs) and asks
@@ -20,17 +21,26 @@ job is a 404, as if it did not exist).
 
 from __future__ import annotations
 
-from typing import Any
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 
+from celery_lease.db.statements import maintenance
 from celery_lease.db.statements.dashboard import Filter
+from celery_lease.lifecycle import transition as tr
 from celery_lease.ops.dashboard import filters
 from celery_lease.ops.dashboard.access import Viewer
 from celery_lease.ops.dashboard.pages import RETRYABLE, SCAN
 from celery_lease.ops.dashboard.web import Board, PageError, form, job_id, redirect
 from celery_lease.status import Status
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from celery_lease.job import Job
 
 #: Jobs one bulk action changes at most.
 BULK_CAP = 1000
@@ -65,12 +75,32 @@ class Acts:
         return sum(bool(self.board.leases.cancel(i)) for i in ids)
 
     def retry(self, ids: list[str]) -> list[dict[str, Any]]:
-        made = [r for r in (self.board.store.retry(i, tenant=self.viewer.tenant) for i in ids) if r is not None]
-        self.board.leases.producer.publish_wakeups(made)
+        """The new jobs retrying those of ``ids`` that ended otherwise than by success
+        (each one ``retry as new job``: durable, its event, its wakeup once committed)."""
+        lifecycle, build = self.board.leases.lifecycle, {"tenant": self.viewer.tenant}
+        made = []
+        for old in ids:
+            made += lifecycle.execute(tr.RETRY_AS_NEW, {"new_id": str(uuid.uuid4()), "job_id": old}, build=build)
         return made
 
     def delete(self, ids: list[str]) -> int:
-        return len(self.board.store.delete(ids, tenant=self.viewer.tenant))
+        """Delete the ended jobs among ``ids`` with their events (the ``delete`` transition)."""
+        if not ids:
+            return 0
+        build = {"ids": ids, "tenant": self.viewer.tenant}
+        return len(self.board.leases.lifecycle.execute(tr.DELETE, build=build, during=_DeletedEvents()))
+
+
+class _DeletedEvents:
+    """The ``delete`` transition's own part: the deleted jobs' run events go with them."""
+
+    def write(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> list[Job]:
+        if rows:
+            conn.execute(maintenance.delete_job_events([str(r["id"]) for r in rows]))
+        return []
+
+    def send(self) -> None:
+        pass
 
 
 def register(app: FastAPI, board: Board) -> None:

@@ -1,0 +1,279 @@
+"""A batched kind's deliveries (``@leases.job(kind=..., batch=N)``, PostgreSQL).
+
+One wakeup of the kind lets its worker process:
+
+1. claim up to N due jobs of the kind and queue in ONE durable statement
+   (lifecycle.batch.CLAIM_BATCH): each row gets its own attempt, lease and fencing
+   token, and its ``claimed`` event;
+2. run their handlers one after another (the delivery's own job first, if it was
+   claimed), each through the same path as a single job (WorkerState.execute): its own
+   context, checkpoints, progress, errors, retries, snooze, effects and children;
+   meanwhile the process's heartbeat renews every lease of the batch in its one
+   statement per round, so a job waiting its turn keeps its lease;
+3. complete the plain successes (nothing else to commit) in ONE statement
+   (lifecycle.batch.SUCCEED_BATCH), each row fenced by its own generation: a lost lease
+   on one row leaves the others written; a row missing from the result is re-checked
+   alone (fenced), like the BatchCompleter's. Any other outcome is written as it comes,
+   by its own transition.
+
+Successes are not held back for long: after a handler that took FLUSH_AFTER or more,
+and once the oldest waiting success has waited FLUSH_AFTER, the waiting ones are written
+before the next handler starts. A process killed mid-batch therefore re-runs no job whose
+handler ended more than about FLUSH_AFTER before the kill: the jobs still running under
+its leases (unstarted, running, or ended in the last instant) are requeued by the reaper
+when their leases expire, exactly as a single job's.
+
+Wakeups: a ``submit_many`` of a batched kind publishes one wakeup per N jobs
+(producer.py); every other job is reached by a batch. A batch that came back full (the
+claim saw a job beyond its N) wakes the kind again at once for the rest, so nothing
+depends on which wakeup named which job. A delivery whose job is running in a batch of
+this process is a duplicate skipped without a statement; any other delivery runs the
+claim (it may find other due jobs). A job left pending with no wakeup by a crash is
+re-woken by the sweeper, as any other.
+
+Not here: flow-control limits (refused at declaration), OpenTelemetry spans and Flower
+task events for the jobs of a batch other than the delivery's own (their rows and run
+events are the record).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import Retry
+
+from celery_lease.errors import DatabaseUnavailable, JobFailed, JobRefused, LeaseLost
+from celery_lease.lifecycle import transition as tr
+from celery_lease.lifecycle.batch import CLAIM_BATCH, SUCCEED_BATCH
+from celery_lease.producer import refused_value
+from celery_lease.worker import shutdown
+from celery_lease.worker.attempt import START_SHARE, Attempt, owner_of
+from celery_lease.worker.completion import UNSTORABLE_RESULT, Riding
+
+if TYPE_CHECKING:
+    from celery_lease.kinds import JobKind
+
+log = logging.getLogger("celery_lease.worker")
+
+_CANCELLED = "cancelled"
+
+#: Seconds a batch's successes may wait for one statement (see the module's docstring).
+FLUSH_AFTER = 0.05
+
+
+class Batches:
+    """The batched deliveries of one worker process."""
+
+    def __init__(self, state: Any) -> None:
+        #: The process's WorkerState (worker/executor.py, which owns this object).
+        self._state = state
+
+    # --- task_prerun ---------------------------------------------------------------------
+
+    def begin(self, job_id: str, spec: JobKind, hostname: str | None) -> Attempt | None:
+        """Claim the delivery's batch; its lead attempt (``attempt.batch`` holds them all),
+        or None when nothing was claimed."""
+        state = self._state
+        with state._lock:
+            if any(key[0] == job_id for key in state._live):
+                # Running here in a batch: this wakeup is a duplicate; no statement.
+                log.debug("celery-lease: job %s: running in a batch here; delivery skipped", job_id)
+                return None
+            # A single claim's reply lost meanwhile must not adopt a row this claim took.
+            state._claiming += 1
+        sent_at = time.monotonic()
+        owner = owner_of(hostname)
+        params = {"job_id": job_id, "wakeup_task": spec.task, "owner": owner, "n": spec.batch}
+        try:
+            rows = state.pipeline.execute(CLAIM_BATCH, params)
+            with state._lock:
+                state._live.update((str(r["id"]), r["lease_generation"]) for r in rows if r["status"] != _CANCELLED)
+        finally:
+            with state._lock:
+                state._claiming -= 1
+        if not rows:
+            self._nothing_claimed(job_id, spec)
+            return None
+        following = rows[0]["next_id"]
+        if following is not None:
+            # Full: what is left of the kind gets a wakeup now, for another process.
+            self._wake(spec, following, rows[0]["queue"])
+        attempts = []
+        for row in rows:
+            if row["status"] == _CANCELLED:
+                log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
+                state._cancelled_by_claim(row)
+            else:
+                attempts.append(Attempt.from_claim(str(row["id"]), row, sent_at=sent_at))
+        if not attempts:
+            return None
+        attempts.sort(key=lambda a: a.job_id != job_id)  # the delivery's own job first
+        if time.monotonic() - sent_at > min(a.lease_seconds for a in attempts) * START_SHARE:
+            for a in attempts:
+                state._hand_back(a)
+            return None
+        for a in attempts:
+            state.heartbeat.add(a)
+        lead = attempts[0]
+        lead.batch = attempts
+        if spec.timeout is not None:
+            lead.deadline = sent_at + spec.timeout
+        log.info("celery-lease: job %s (%s): claimed a batch of %d", job_id, spec.kind, len(attempts))
+        return lead
+
+    def _nothing_claimed(self, job_id: str, spec: JobKind) -> None:
+        """A paused kind's delivery is held for its resume (FlowControl.hold marks it);
+        any other is a duplicate, or found its jobs taken by other batches."""
+        state = self._state
+        if state.flow is not None:
+            state.flow.hold(job_id, spec)
+        log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
+
+    def _wake(self, spec: JobKind, job_id: str, queue: str | None) -> None:
+        try:
+            self._state.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
+        except Exception:
+            log.warning("celery-lease: %s: the rest of a full batch not woken; the sweeper will", spec.kind)
+
+    # --- the body --------------------------------------------------------------------------
+
+    def run(self, spec: JobKind, lead: Attempt, on_progress: Callable[[Any], None] | None) -> Any:
+        """Run every attempt of ``lead``'s batch, one after another; returns the lead's
+        value and raises the lead's Retry / JobRefused / JobFailed, after the whole batch
+        (Celery reports the delivery's task as its own job's outcome)."""
+        state = self._state
+        successes = BatchSuccesses(self)
+        value: Any = None
+        signal: Exception | None = None
+        assert lead.batch is not None
+        try:
+            for a in lead.batch:
+                if a is not lead and not self._may_start(spec, a):
+                    continue
+                started = time.monotonic()
+                try:
+                    result = state.execute(spec, a, on_progress if a is lead else None, completer=successes)
+                except (Retry, JobRefused, JobFailed) as exc:  # recorded already
+                    signal, result = (exc if a is lead else signal), None
+                except (LeaseLost, DatabaseUnavailable):
+                    log.warning("celery-lease: job %s: outcome not written; the reaper will requeue it", a.job_id)
+                    result = None
+                if a is lead:
+                    value = result
+                if not a.pending_write:
+                    self._done(a)
+                if successes.due(time.monotonic() - started):
+                    successes.flush()
+        finally:
+            successes.flush()
+        if signal is not None:
+            raise signal
+        return value
+
+    def _may_start(self, spec: JobKind, a: Attempt) -> bool:
+        """Whether the next attempt of a batch starts: not once its lease is lost while it
+        waited (cancelled, reaped), nor on warm shutdown (handed off, attempt not spent)."""
+        if a.is_lost:
+            log.info("celery-lease: job %s: lease lost while waiting in its batch; not started", a.job_id)
+            self._done(a)
+            return False
+        if shutdown.requested():
+            try:
+                self._state.record.hand_off(a)
+            except (LeaseLost, DatabaseUnavailable):
+                log.warning("celery-lease: job %s: not handed off at shutdown; the reaper will", a.job_id)
+            self._done(a)
+            return False
+        if spec.timeout is not None:
+            a.deadline = time.monotonic() + spec.timeout  # its own run, from its own start
+        return True
+
+    def _done(self, a: Attempt) -> None:
+        """``a`` ended (its outcome written, or given up): no more renewals, no longer here."""
+        self._state.heartbeat.remove(a)
+        self._state._release(a)
+
+    # --- the completion --------------------------------------------------------------------
+
+    def complete(self, items: list[tuple[Attempt, Any, Any]]) -> None:
+        """Write these successes in one statement; those it did not write, alone."""
+        live = [item for item in items if not item[0].is_lost]
+        if not live:
+            return
+        pipeline = self._state.pipeline
+        try:
+            rows = pipeline.execute(
+                SUCCEED_BATCH,
+                Riding(live).params,  # (complete_jobs' parameters)
+                build={"count": len(live)},
+            )
+        except Exception as exc:
+            if not refused_value(exc) or len(live) == 1:
+                if refused_value(exc):
+                    self._refuse(live[0][0])
+                    return
+                raise
+            # A value the database refused (checked before, so a last line of defence):
+            # one row must not cost the others.
+            log.exception("celery-lease: a batch of %d successes was refused; writing them one by one", len(live))
+            for item in live:
+                self.complete([item])
+            return
+        done = {str(r["id"]) for r in rows}
+        for attempt, result, progress in live:
+            if attempt.job_id in done:
+                continue
+            # Lost, or a row the statement did not re-qualify after a concurrent update (a
+            # renewal): the single fenced transition decides.
+            try:
+                pipeline.execute(tr.SUCCEED, {"new_result": result, "new_progress": progress}, attempt=attempt)
+            except LeaseLost:
+                log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
+
+    def _refuse(self, attempt: Attempt) -> None:
+        try:
+            self._state.pipeline.execute(tr.FAIL, {"new_error": UNSTORABLE_RESULT}, attempt=attempt)
+            log.error("celery-lease: job %s: %s", attempt.job_id, UNSTORABLE_RESULT)
+        except LeaseLost:
+            log.warning("celery-lease: job %s: lease lost; refused success discarded", attempt.job_id)
+
+
+class BatchSuccesses:
+    """A batch's plain successes (worker.completion.Completer): kept until the batch
+    writes them, in one statement (:meth:`Batches.complete`)."""
+
+    def __init__(self, batches: Batches) -> None:
+        self._batches = batches
+        self._items: list[tuple[Attempt, Any, Any]] = []
+        self._since = 0.0
+
+    def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
+        if not self._items:
+            self._since = time.monotonic()
+        self._items.append((attempt, result, progress))
+
+    def take(self) -> None:
+        return None
+
+    def settle(self, riding: Riding) -> None:
+        raise AssertionError("a batch's successes ride on no claim")
+
+    def due(self, last_took: float) -> bool:
+        """Whether the waiting successes are written before the next handler starts."""
+        return bool(self._items) and (last_took >= FLUSH_AFTER or time.monotonic() - self._since >= FLUSH_AFTER)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        items, self._items = self._items, []
+        if not items:
+            return
+        try:
+            self._batches.complete(items)
+        except Exception:
+            log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(items))
+        finally:
+            for attempt, _, _ in items:
+                attempt.pending_write = False
+                self._batches._done(attempt)

@@ -1,0 +1,36 @@
+"""A batched kind (``batch=N``) in a real `celery worker`: a pool child SIGKILLed in the
+middle of its batch loses nothing, and runs no finished job again."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from celery_lease import Status
+from tests.conftest import wait_for
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_child_killed_mid_batch_loses_nothing_and_reruns_nothing_finished(pg, broker, client_app, workers, marker_dir):
+    env = {"CL_TEST_LEASE": "3"}
+    mod = client_app(pg, broker, extra_env=env, module="tests.apps.app_batch")
+    jobs = mod.b_note.submit_many([{"n": i, "sleep": 0.4, "marker_dir": str(marker_dir)} for i in range(4)])
+    ids = [j.id for j in jobs]
+    w1 = workers(pg, broker, name="w1", extra_env=env, module="tests.apps.app_batch", concurrency=1)
+    # One wakeup for the four (batch=4): one child runs them one after another.
+    wait_for(lambda: (marker_dir / f"end-{ids[1]}").exists(), timeout=60, what="two jobs of the batch to finish")
+    child = int((marker_dir / f"start-{ids[0]}-1").read_text().split()[0])
+    assert child in w1.children()
+    os.kill(child, signal.SIGKILL)
+
+    def all_done() -> bool:
+        mod.leases.reap()  # (the leases of the jobs the child held expire in 3 s)
+        return all(mod.leases.get(i).status is Status.SUCCEEDED for i in ids)
+
+    wait_for(all_done, timeout=60, interval=0.5, what="every job of the batch to succeed")
+    for i in ids[:2]:  # finished before the kill: written, never run again
+        assert mod.leases.get(i).attempt == 1 and not (marker_dir / f"start-{i}-2").exists()
+    for i in ids[3:]:  # not started at the kill: requeued by the reaper and run
+        assert mod.leases.get(i).attempt == 2

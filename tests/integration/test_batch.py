@@ -1,0 +1,124 @@
+"""A batched kind (``batch=N``, worker/batch.py) in one process, against real PostgreSQL:
+one statement claims many jobs, one statement completes their successes, and each job
+keeps its own lease, attempt, fencing and outcome (a poison value, a raising handler, a
+lease lost on one row touch only that job)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+from celery_lease.db.schema import jobs
+
+HOST = "w@host"
+
+
+@pytest.fixture
+def mod(pg, broker, client_app):
+    return client_app(pg, broker, module="tests.apps.app_batch")
+
+
+@contextlib.contextmanager
+def job_updates() -> Iterator[list[str]]:
+    """The statements that update job rows, sent while the block runs (renewals aside)."""
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, *_):
+        if "UPDATE celery_lease_jobs" in statement and "renewable" not in statement:
+            seen.append(statement)
+
+    sa.event.listen(sa.engine.Engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        sa.event.remove(sa.engine.Engine, "before_cursor_execute", record)
+
+
+def rows(pg, ids: list[str]) -> list[sa.Row]:
+    engine = sa.create_engine(pg)
+    try:
+        with engine.connect() as conn:
+            query = sa.select(jobs.c.id, jobs.c.status, jobs.c.attempt, jobs.c.lease_generation, jobs.c.result, jobs.c.error)
+            found = {str(r.id): r for r in conn.execute(query.where(jobs.c.id.in_(ids)))}
+    finally:
+        engine.dispose()
+    return [found[i] for i in ids]
+
+
+def _claim(mod, first: str):
+    with job_updates() as updates:
+        lead = mod.leases.worker.begin(first, mod.b_note.spec, HOST)
+    assert lead is not None and lead.batch is not None
+    assert len(updates) == 1, updates  # the whole batch: ONE statement
+    return lead
+
+
+def test_one_statement_claims_many_and_one_completes_them(pg, mod):
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(6)])]
+    lead = _claim(mod, ids[0])
+    assert [a.job_id for a in lead.batch] == ids[:4]  # batch=4, oldest first, the delivery's own first
+    assert {(a.attempt, a.generation) for a in lead.batch} == {(1, 1)}  # each its own attempt and token
+    assert [r.status for r in rows(pg, ids)] == ["running"] * 4 + ["pending"] * 2
+    worker = mod.leases.worker
+    with job_updates() as updates:
+        assert worker.execute(mod.b_note.spec, lead) == {"n": 0, "attempt": 1}
+    worker.end(lead)
+    assert len(updates) == 1, updates  # four successes: ONE statement
+    assert [(r.status, r.result) for r in rows(pg, ids[:4])] == [("succeeded", {"n": i, "attempt": 1}) for i in range(4)]
+    # A delivery of a job the batch ran claims what is left (its wakeup is a duplicate).
+    rest = worker.begin(ids[1], mod.b_note.spec, HOST)
+    assert rest is not None and [a.job_id for a in rest.batch] == ids[4:]
+    worker.execute(mod.b_note.spec, rest)
+    worker.end(rest)
+    assert [r.status for r in rows(pg, ids)] == ["succeeded"] * 6
+    assert worker.begin(ids[5], mod.b_note.spec, HOST) is None  # nothing left
+
+
+def test_a_poison_value_and_a_raising_handler_touch_only_their_own_job(pg, mod):
+    payloads = [{"n": 0}, {"raise": True}, {"nul": True}, {"n": 3}]
+    ids = [j.id for j in mod.b_note.submit_many(payloads)]
+    lead = _claim(mod, ids[0])
+    worker = mod.leases.worker
+    worker.execute(mod.b_note.spec, lead)
+    worker.end(lead)
+    ok0, raised, poison, ok3 = rows(pg, ids)
+    assert (ok0.status, ok3.status) == ("succeeded", "succeeded")
+    assert (raised.status, raised.attempt) == ("pending", 1)  # retried: its own attempts (max 2)
+    assert (poison.status, poison.attempt) == ("failed", 1), poison.error  # at once: retrying cannot store it
+    assert "NUL" in poison.error
+
+
+def test_a_lease_lost_on_one_row_leaves_the_others_written(pg, mod):
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(3)])]
+    lead = _claim(mod, ids[0])
+    engine = sa.create_engine(pg)
+    try:
+        with engine.begin() as conn:  # a reap and another worker's claim took job 1 meanwhile
+            conn.execute(jobs.update().where(jobs.c.id == ids[1]).values(lease_generation=jobs.c.lease_generation + 1))
+    finally:
+        engine.dispose()
+    worker = mod.leases.worker
+    worker.execute(mod.b_note.spec, lead)
+    worker.end(lead)
+    first, taken, last = rows(pg, ids)
+    assert (first.status, last.status) == ("succeeded", "succeeded")
+    assert (taken.status, taken.lease_generation, taken.result) == ("running", 2, None)  # the newer holder's
+    assert lead.batch[1].lost.is_set()
+
+
+@pytest.mark.parametrize("bad", [0, 1001, True, 2.0, "5"])
+def test_batch_is_an_int_from_1_to_1000(client_app, pg, broker, bad):
+    mod = client_app(pg, broker)
+    with pytest.raises(ValueError, match="batch must be an int from 1 to 1000"):
+        mod.leases.job(kind="b_bad", batch=bad)
+
+
+def test_batch_refuses_flow_control_limits(client_app, pg, broker):
+    mod = client_app(pg, broker)
+    with pytest.raises(ValueError, match="cannot be combined with concurrency"):
+        mod.leases.job(kind="b_limited", batch=10, concurrency=2)
+    with pytest.raises(ValueError, match="cannot be combined with concurrency"):
+        mod.leases.job(kind="b_rated", batch=10, rate_limit="5/s")
