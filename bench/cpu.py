@@ -164,6 +164,8 @@ class PgMeter:
         }
         if self.error is None:
             out.update({"pg_wal_bytes_per_job": self.wal_bytes / jobs, "pg_commits_per_job": self.commits / jobs})
+        else:  # in latest.json beside the cell; the table shows "–"
+            out["pg_wal_error"] = self.error
         return out
 
 
