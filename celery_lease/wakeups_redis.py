@@ -149,8 +149,8 @@ class RedisDirect:
             by_key.setdefault(key, []).append(message)
         commands = [(key, ms[i : i + LPUSH_CHUNK]) for key, ms in by_key.items() for i in range(0, len(ms), LPUSH_CHUNK)]
         try:
-            if len(commands) == 1:  # a pipeline of one costs more than the command
-                self._client.lpush(commands[0][0], *commands[0][1])
+            if len(pending) == 1:  # a pipeline of one costs more than the command
+                self._client.lpush(pending[0][0], pending[0][1])
             else:
                 with self._client.pipeline(transaction=False) as pipe:
                     for key, messages in commands:
