@@ -56,9 +56,11 @@ log = logging.getLogger("celery_lease.worker")
 #: The request key that carries a claimed lease to the pool child.
 LEASE = "lease_claim"
 #: Seconds a wakeup waits for others to share its claim (most of a burst's wakeups
-#: arrive within it: the event loop reads what is buffered before the timer fires),
-#: and between looks for a free pool process while all are busy.
+#: arrive within it: the event loop reads what is buffered before the timer fires).
 WINDOW = 0.002
+#: Seconds between looks for a free pool process while all are busy and no request
+#: handed to the pool has ended (a process may be running a request that went the old way).
+POLL = 0.05
 #: Wakeups claimed by one statement at most (the prefetch bounds a batch anyway).
 MAX_BATCH = 200
 #: Generations this process dispatched, remembered to tell a lost try's claims apart.
@@ -130,16 +132,18 @@ class Ahead:
 
     A claim's lease runs from the moment it is sent, so a wakeup is claimed only for a
     pool process that is free now: the body starts at once, as when the child claimed
-    it. With every process busy, wakeups stay held (unacked, unclaimed) and the held
-    batch is tried again every ``WINDOW``; a claimed lease never waits in the pool's
-    queue behind a body (a database outage that stalls the bodies would let it lapse
-    unrun, its attempt spent)."""
+    it. With every process busy, wakeups stay held (unacked, unclaimed) until a request
+    handed to the pool ends (its result callback asks for a flush), or ``POLL`` passes
+    (a process taken by a request that went the old way); a claimed lease never waits
+    in the pool's queue behind a body (a database outage that stalls the bodies would
+    let it lapse unrun, its attempt spent)."""
 
     def __init__(self, consumer: Any) -> None:
         self._consumer = consumer
         self._owner = owner_of(consumer.hostname)
         self._held: list[Any] = []
         self._timer: Any = None
+        self._due = float("inf")  # when the timer fires (monotonic)
         self._dispatched: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     def hold(self, req: Any) -> None:
@@ -149,8 +153,28 @@ class Ahead:
             self._consumer.on_task_request(req)
             return
         self._held.append(req)
-        if self._timer is None:
-            self._timer = self._consumer.hub.call_later(WINDOW, self.flush)
+        self._flush_in(WINDOW)
+
+    def _flush_in(self, delay: float) -> None:
+        """A flush within ``delay`` seconds (an earlier one already due stands)."""
+        due = time.monotonic() + delay
+        if self._timer is not None:
+            if self._due <= due:
+                return
+            self._timer.cancel()
+        self._timer, self._due = self._consumer.hub.call_later(delay, self.flush), due
+
+    def _ended(self, callback: Any) -> Any:
+        """``callback`` (a request's result callback), then a flush for the held wakeups."""
+
+        def ended(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return callback(*args, **kwargs)
+            finally:
+                if self._held:
+                    self._flush_in(0)
+
+        return ended
 
     def _free(self) -> int:
         """Pool processes with no request handed to them: every reserved request is
@@ -158,15 +182,15 @@ class Ahead:
         return self._consumer.pool.num_processes - (len(reserved_requests) - len(self._held))
 
     def flush(self) -> None:
-        self._timer = None
+        self._timer, self._due = None, float("inf")
         free = min(self._free(), MAX_BATCH)
         if free <= 0 or not self._held:
-            if self._held:  # all busy: look again soon
-                self._timer = self._consumer.hub.call_later(WINDOW, self.flush)
+            if self._held:  # all busy: a request's end flushes, or this look
+                self._flush_in(POLL)
             return
         batch, self._held = self._held[:free], self._held[free:]
         if self._held:
-            self._timer = self._consumer.hub.call_later(WINDOW, self.flush)
+            self._flush_in(POLL)
         handle = self._consumer.on_task_request
         if shutdown.requested():
             for req in batch:  # the child re-wakes each job for another worker
@@ -196,6 +220,8 @@ class Ahead:
                 continue
             self._remember((req.id, row["lease_generation"]))
             req.request_dict[LEASE] = {**row, "sent_at": sent_at, "secret": _SECRET}
+            # (Celery's request class has no __slots__: the pool calls these attributes.)
+            req.on_success, req.on_failure = self._ended(req.on_success), self._ended(req.on_failure)
             handle(req)
 
     def _claim(self, store: Store, held: list[Any]) -> dict[str, dict[str, Any]]:
