@@ -18,6 +18,7 @@ LABELS = {
     "celery": "plain Celery",
     "lease-pg": "celery-lease (PostgreSQL)",
     "lease-pg-limited": "celery-lease (PostgreSQL, flow-controlled)",
+    "lease-batch": "celery-lease (PostgreSQL, batch=100)",
     "lease-ahead": "celery-lease (PostgreSQL, claim ahead)",
     "lease-sqlite": "celery-lease (SQLite)",
     "procrastinate": "procrastinate",
@@ -70,6 +71,8 @@ def figures(rows: list[dict], scale: dict | None) -> list[dict]:
 
     ratio("end to end, no-op jobs, ratio to plain Celery", lease, "e2e_rate", 0.85)
     ratio("drain, ratio", lease, "drain_rate", 0.90)
+    # A batched kind (lease-batch: batch=100, docs/flow-control.md#batched-kinds).
+    ratio("batched kind (`batch=100`) drain, ratio", by.get(("lease-batch", "noop"), {}), "drain_rate", 2.0)
     ratio("single `submit`, ratio to `.delay`", lease, "submit_rate", 0.70)
     v = lease.get("submit_many_rate")
     out.append(

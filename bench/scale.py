@@ -35,6 +35,7 @@ import sqlalchemy as sa
 from bench import harness
 from bench.apps.lease import make_app
 from bench.run import percentile
+from celery_lease.lifecycle.claim import claim_delivery
 
 _COLUMNS = """(id, kind, task, status, attempt, max_attempts, lease_seconds, lease_generation, lease_losses,
     lease_owner, lease_expires_at, woken_at, payload, result, created_at, updated_at, started_at, finished_at)"""
@@ -76,8 +77,8 @@ def timed(fn, samples: int) -> dict:
 
 
 def claim(store, job) -> None:
-    """store.claim of one job (the claim also matches the task its wakeup was delivered to)."""
-    store.claim(job.id, "bench/0/scale", job.task)
+    """The claim of one job (lifecycle.claim.claim_delivery; the claim also matches the task its wakeup was delivered to)."""
+    claim_delivery(store, job.id, "bench/0/scale", job.task)
 
 
 class Scale:

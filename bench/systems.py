@@ -397,6 +397,11 @@ FACTORIES = {
     "lease-sqlite": lambda dbs, broker, workdir: Lease(
         "lease-sqlite", "celery-lease (SQLite)", f"sqlite:///{workdir / 'lease.sqlite3'}", broker, False
     ),
+    # A batched kind (batch=100, worker/batch.py): one wakeup per 100 jobs, each claim
+    # and each completion one statement for up to 100 of them.
+    "lease-batch": lambda dbs, broker, workdir: Lease(
+        "lease-batch", "celery-lease (PostgreSQL, batch=100)", dbs.create("batch"), broker, True, job_options={"batch": 100}
+    ),
     "procrastinate": lambda dbs, broker, workdir: Procrastinate(dbs.create("procrastinate")),
     "pgqueuer": lambda dbs, broker, workdir: PgQueuer(dbs.create("pgqueuer")),
     # The claim made in batches by the worker's main process (lease_claim_ahead).
@@ -416,7 +421,7 @@ FACTORIES = {
 }
 
 #: The default run, plain Celery first (every ratio is to it).
-SYSTEMS = ["celery", "lease-pg", "lease-sqlite", "procrastinate", "pgqueuer"]
+SYSTEMS = ["celery", "lease-pg", "lease-batch", "lease-sqlite", "procrastinate", "pgqueuer"]
 
 
 def check(names: list[str]) -> None:

@@ -88,14 +88,15 @@ class Batches:
         owner = owner_of(hostname)
         params = {"job_id": job_id, "wakeup_task": spec.task, "owner": owner, "n": spec.batch}
         try:
-            rows = state.pipeline.execute(CLAIM_BATCH, params)
+            found = state.pipeline.execute(CLAIM_BATCH, params)
+            rows = [r for r in found if r["id"] is not None]  # (nothing claimed: one row of NULLs)
             with state._lock:
                 state._live.update((str(r["id"]), r["lease_generation"]) for r in rows if r["status"] != _CANCELLED)
         finally:
             with state._lock:
                 state._claiming -= 1
         if not rows:
-            self._nothing_claimed(job_id, spec)
+            self._nothing_claimed(job_id, spec, paused=bool(found and found[0]["paused"]))
             return None
         following = rows[0]["next_id"]
         if following is not None:
@@ -105,7 +106,7 @@ class Batches:
         for row in rows:
             if row["status"] == _CANCELLED:
                 log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
-                state._cancelled_by_claim(row)
+                state.pipeline.claim_cancelled(row)
             else:
                 attempts.append(Attempt.from_claim(str(row["id"]), row, sent_at=sent_at))
         if not attempts:
@@ -124,11 +125,12 @@ class Batches:
         log.info("celery-lease: job %s (%s): claimed a batch of %d", job_id, spec.kind, len(attempts))
         return lead
 
-    def _nothing_claimed(self, job_id: str, spec: JobKind) -> None:
+    def _nothing_claimed(self, job_id: str, spec: JobKind, *, paused: bool) -> None:
         """A paused kind's delivery is held for its resume (FlowControl.hold marks it);
-        any other is a duplicate, or found its jobs taken by other batches."""
+        any other is a duplicate, or found its jobs taken by other batches: skipped with
+        no statement beyond the claim."""
         state = self._state
-        if state.flow is not None:
+        if paused and state.flow is not None:
             state.flow.hold(job_id, spec)
         log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
 

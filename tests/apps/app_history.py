@@ -61,8 +61,9 @@ def generation_of(ctx: JobContext) -> int:
     return int(token) if token is not None else ctx._attempt.generation  # type: ignore[attr-defined]
 
 
-def _body(ctx: JobContext, kind: str, payload: dict, work) -> dict:
-    """Record the body's start, run ``work``, record how it ended."""
+def _body(ctx: JobContext, kind: str, payload: dict, work, *, effect: bool = True) -> dict:
+    """Record the body's start, run ``work``, record how it ended; ``effect``: write the
+    effect row in the success transaction (without it, a plain success)."""
     _, holder = _recorder()
     generation = generation_of(ctx)
     row = _record(
@@ -82,6 +83,8 @@ def _body(ctx: JobContext, kind: str, payload: dict, work) -> dict:
     try:
         out = work(generation, holder)
         outcome = "returned"
+        if not effect:
+            return out
         ctx.effect(
             lambda conn: conn.execute(
                 effects.insert().values(
@@ -138,6 +141,13 @@ def _chained(payload) -> dict:
 def h_plain(ctx: JobContext, payload) -> dict:
     payload = _chained(payload)
     return _body(ctx, "h_plain", payload, _steps(ctx, payload))
+
+
+@leases.job(kind="h_batch", batch=4, **COMMON)
+def h_batch(ctx: JobContext, payload: dict) -> dict:
+    """A batched kind (worker/batch.py) with plain successes: claimed, and completed, four
+    at a time by one statement each. No effect row: its success is the row alone."""
+    return _body(ctx, "h_batch", payload, _steps(ctx, payload), effect=False)
 
 
 @leases.job(kind="h_limited", concurrency=2, **COMMON)

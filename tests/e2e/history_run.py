@@ -57,6 +57,7 @@ FAULTS = {"kill_worker": 2, "kill_child": 2, "cut_all": 2, "lose_reply": 4, "fai
 #: Items of the mix and their relative frequency.
 MIX = {
     "plain": 4,
+    "batch": 2,
     "priority": 2,
     "limited": 3,
     "rated": 2,
@@ -211,6 +212,8 @@ class Run:
         for n in range(self.w.items):
             time.sleep(rng.uniform(0, 2 * gap))
             item = rng.choices(kinds, weights)[0]
+            if n == 0:
+                item = "batch"  # every run has jobs of the batched kind (worker/batch.py)
             self._submit(rng, n, item)
             if self.submitted and rng.random() < self.w.cancel_share:
                 target = rng.choice(self.submitted)
@@ -248,6 +251,12 @@ class Run:
                 lambda: task.submit(payload, idempotency_key=key, run_id=self.run_id, priority=priority),
             )
             self._record_submit(job.id, item)
+        elif item == "batch":  # several at once: one wakeup per four, claimed and completed together
+            payloads = [self._steps(rng, steps=1, sleep=0.05) for _ in range(rng.randint(2, 6))]
+            keys = [f"{key}-{i}" for i in range(len(payloads))]
+            batch = self._retry("submit batch", lambda: m.h_batch.submit_many(payloads, idempotency_keys=keys))
+            for job in batch:
+                self._record_submit(job.id, item)
         elif item in ("errback_fail", "errback_ok"):
             task_id = str(uuid.uuid4())
             payload = self._steps(rng, fail=item == "errback_fail")

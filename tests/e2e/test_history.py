@@ -60,6 +60,7 @@ def _run(w: Workload, history_dbs, broker, redis_server, client_app, tmp_path, r
         print(line)
         request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
         assert len(h.jobs) >= w.items, line
+        assert any(job["kind"] == "h_batch" for job in h.jobs.values()), line
         assert sum(history.summary(h)["faults"].values()) > 0, line
         if violations:
             text = history.report(h, violations, seed=w.seed)

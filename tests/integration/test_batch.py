@@ -122,3 +122,89 @@ def test_batch_refuses_flow_control_limits(client_app, pg, broker):
         mod.leases.job(kind="b_limited", batch=10, concurrency=2)
     with pytest.raises(ValueError, match="cannot be combined with concurrency"):
         mod.leases.job(kind="b_rated", batch=10, rate_limit="5/s")
+
+
+def test_a_claim_and_a_completion_whose_replies_were_lost_are_found_landed(pg, mod):
+    """Both commit, then the connection drops before the reply: the pipeline asks the
+    server (db/landing.py). Run again blindly, the claim would take the next jobs and
+    leave the first batch running with no body until its leases expired."""
+    from tests.integration.test_lost_replies import reply_lost_once
+
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(8)])]
+    worker = mod.leases.worker
+    with reply_lost_once(mod.leases.store.durable) as lost:
+        lead = worker.begin(ids[0], mod.b_note.spec, HOST)
+    assert lost and lead is not None
+    assert [(a.job_id, a.attempt, a.generation) for a in lead.batch] == [(i, 1, 1) for i in ids[:4]]
+    assert [r.status for r in rows(pg, ids)] == ["running"] * 4 + ["pending"] * 4
+    with reply_lost_once(mod.leases.store.durable) as lost:
+        worker.execute(mod.b_note.spec, lead)
+    worker.end(lead)
+    assert lost
+    assert [(r.status, r.lease_generation) for r in rows(pg, ids[:4])] == [("succeeded", 1)] * 4
+
+
+def test_submit_many_wakes_a_batched_kind_once_per_batch(pg, broker, mod):
+    import redis
+
+    client = redis.Redis.from_url(broker)
+    try:
+        before = client.llen("celery")
+        mod.b_note.submit_many([{"n": i} for i in range(9)])  # batch=4
+        assert client.llen("celery") - before == 3
+    finally:
+        client.close()
+
+
+def test_an_in_process_run_runs_only_its_own_job(pg, mod):
+    other = mod.b_note.submit({"n": 1})
+    assert mod.b_note.apply(({"n": 2},)).get(timeout=10) == {"n": 2, "attempt": 1}
+    assert rows(pg, [other.id])[0].status == "pending"
+
+
+def test_a_duplicate_delivery_costs_the_claim_alone_and_a_paused_one_is_held(pg, broker, client_app):
+    # (Unprepared: every statement, the claim's and a hold's, passes SQLAlchemy's hook.)
+    mod = client_app(pg, broker, conf={"lease_prepare_statements": False}, module="tests.apps.app_batch")
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(2)])]
+    worker, spec = mod.leases.worker, mod.b_note.spec
+    lead = _claim(mod, ids[0])  # both
+    with job_updates() as updates:
+        assert worker.begin(ids[1], spec, HOST) is None  # running here: no statement at all
+    assert updates == []
+    worker.execute(spec, lead)
+    worker.end(lead)
+    with job_updates() as updates:
+        assert worker.begin(ids[1], spec, HOST) is None  # done: nothing due, nothing held
+    assert len(updates) == 1
+
+    paused = mod.b_note.submit({"n": 3}).id
+    mod.leases.pause("b_note")
+    assert worker.begin(paused, spec, HOST) is None
+    engine = sa.create_engine(pg)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(jobs.c.held).where(jobs.c.id == paused)).scalar() == "pause"
+    finally:
+        engine.dispose()
+    mod.leases.resume("b_note")
+    again = worker.begin(paused, spec, HOST)
+    assert again is not None and again.job_id == paused
+    worker.execute(spec, again)
+    worker.end(again)
+    assert rows(pg, [paused])[0].status == "succeeded"
+
+
+def test_a_job_of_a_cancelled_run_is_cancelled_by_the_batch_claim_never_started(pg, mod, make_job):
+    import uuid
+
+    run = str(uuid.uuid4())
+    first = mod.b_note.submit({"n": 0}, run_id=run).id
+    mod.leases.cancel_run(run)
+    # Committed after the cancel (a child written with its parent's success, say).
+    late = make_job(pg, kind="b_note", task=mod.b_note.name, run_id=run)
+    plain = mod.b_note.submit({"n": 1}).id
+    lead = mod.leases.worker.begin(late, mod.b_note.spec, HOST)
+    assert lead is not None and [a.job_id for a in lead.batch] == [plain]
+    assert [r.status for r in rows(pg, [first, late, plain])] == ["cancelled", "cancelled", "running"]
+    mod.leases.worker.execute(mod.b_note.spec, lead)
+    mod.leases.worker.end(lead)

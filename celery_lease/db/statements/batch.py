@@ -16,8 +16,8 @@ import sqlalchemy as sa
 
 from celery_lease.db.schema import ID, jobs, pauses, runs
 from celery_lease.db.statements.attempt import complete_jobs
-from celery_lease.db.statements.claim import CLAIMED_COLUMNS, RUN_CANCELLED
-from celery_lease.db.statements.common import _PENDING, ENDED_COLUMNS, _c, _due, db_now, db_now_plus
+from celery_lease.db.statements.claim import CLAIMED_COLUMNS, RUN_CANCELLED, claimed_values
+from celery_lease.db.statements.common import _PENDING, ENDED_COLUMNS, _c, _due
 from celery_lease.db.statements.events import _events_of
 from celery_lease.status import Event, Status
 
@@ -39,7 +39,7 @@ def claim_batch() -> sa.Select:
     batches claiming at once take different rows, neither waits. One row more than :n
     is picked and not claimed: its id comes back as ``next_id`` on every row, so a full
     batch can wake the kind again for what is left (worker/batch.py); NULL when the
-    batch took everything due.
+    batch took everything due. ``paused``: the delivered job's kind is paused.
     """
     named = jobs.alias("named")
     delivered = (
@@ -70,23 +70,10 @@ def claim_batch() -> sa.Select:
     order = (picked.c.priority.desc(), picked.c.created_at)
     ranked = sa.select(picked.c.id, sa.func.row_number().over(order_by=order).label("rank")).cte("ranked")
     cancelled = sa.exists().where(runs.c.id == _c.run_id, runs.c.cancelled_at.is_not(None))
-
-    def unless_cancelled(value, otherwise):
-        return sa.case((cancelled, otherwise), else_=value)
-
     claimed = (
         sa.update(jobs)
         .where(_c.id == ranked.c.id, ranked.c.rank <= limit)
-        .values(
-            status=unless_cancelled(sa.literal(Status.RUNNING.value), sa.literal(Status.CANCELLED.value)),
-            attempt=unless_cancelled(_c.attempt + 1, _c.attempt),
-            lease_generation=_c.lease_generation + 1,
-            lease_owner=unless_cancelled(sa.bindparam("owner", type_=_c.lease_owner.type), sa.null()),
-            lease_expires_at=unless_cancelled(db_now_plus(_c.lease_seconds), sa.null()),
-            started_at=unless_cancelled(sa.func.coalesce(_c.started_at, db_now()), _c.started_at),
-            finished_at=unless_cancelled(_c.finished_at, db_now()),
-            updated_at=db_now(),
-        )
+        .values(**claimed_values(cancelled))
         .returning(*CLAIMED_COLUMNS)
         .cte("claimed")
     )
@@ -94,7 +81,15 @@ def claim_batch() -> sa.Select:
     event = sa.case((was_cancelled, sa.literal(Event.CANCELLED.value)), else_=sa.literal(Event.CLAIMED.value))
     detail = sa.case((was_cancelled, sa.literal(RUN_CANCELLED)), else_=sa.bindparam("owner", type_=sa.Text))
     following = sa.select(ranked.c.id).where(ranked.c.rank == limit + 1).scalar_subquery()
-    return sa.select(claimed, following.label("next_id")).add_cte(_events_of(claimed, event, detail, "logged"))
+    # Always at least one row: nothing claimed is one row of NULLs but ``paused``, so a
+    # delivery that found nothing learns in this same statement whether a pause is why.
+    paused = sa.exists().where(pauses.c.kind == sa.select(delivered.c.kind).scalar_subquery())
+    flags = sa.select(paused.label("paused")).cte("flags")
+    return (
+        sa.select(claimed, following.label("next_id"), flags.c.paused)
+        .select_from(flags.outerjoin(claimed, sa.true()))
+        .add_cte(_events_of(claimed, event, detail, "logged"))
+    )
 
 
 @functools.cache
