@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
 from sqlalchemy.engine import Connection
 
 from celery_lease.db.chords import Chords
-from celery_lease.db.claims import Claims
 from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.prepared import Prepared
 from celery_lease.db.reads import Reads
 from celery_lease.db.statements import attempt as attempt_sql
-from celery_lease.db.statements import cancel, canvas, claim, events, maintenance, submit
+from celery_lease.db.statements import cancel, canvas, events, maintenance, submit
 from celery_lease.job import Job
 from celery_lease.status import Event
 
@@ -37,7 +36,7 @@ def _event_source(job: Any) -> tuple[Any, Any, int]:
     return job.run_id, getattr(job, "job_id", None) or job.id, job.attempt
 
 
-class Store(Reads, Chords, Claims, Database):
+class Store(Reads, Chords, Database):
     def __init__(
         self, url: str, *, source: str = "database_url", prepare_statements: bool = True, timeouts: Timeouts | None = None
     ) -> None:
@@ -45,10 +44,19 @@ class Store(Reads, Chords, Claims, Database):
         #: The per-job statements, prepared server-side (PostgreSQL only).
         self._prepared: dict[str, Prepared] | None = None
         if self.dialect == "postgresql" and prepare_statements:
-            self._prepared = {
-                "claim": Prepared(claim.claim()),
-                "insert_batch": Prepared(submit.insert_job_batch(on_key_conflict_nothing=False)),
-            }
+            self._prepared = {"insert_batch": Prepared(submit.insert_job_batch(on_key_conflict_nothing=False))}
+
+    @property
+    def prepares(self) -> bool:
+        """Whether per-job statements run prepared (PostgreSQL, lease_prepare_statements)."""
+        return self._prepared is not None
+
+    def prepared(self, key: str, make: Callable[[], Prepared]) -> Prepared | None:
+        """The prepared statement ``key`` (made once by ``make``), or None when statements
+        are not prepared here."""
+        if self._prepared is None:
+            return None
+        return self._prepared.get(key) or self._prepared.setdefault(key, make())
 
     # --- producer --------------------------------------------------------------------
 
@@ -225,6 +233,13 @@ class Store(Reads, Chords, Claims, Database):
         if self.dialect != "postgresql":
             return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
         return self._maintain("sweep", stmt, params)
+
+    def any_lease_elapsed(self) -> bool:
+        """Whether a running job's lease has elapsed (the reaper's idle tick: one read)."""
+        stmt = maintenance.any_lease_elapsed()
+        if self.dialect != "postgresql":
+            return bool(self.transaction(self.durable, lambda c: c.execute(stmt).scalar()))
+        return bool(self._maintain("reap_probe", stmt, {})[0]["elapsed"])
 
     def _maintain(self, name: str, stmt, params: dict[str, Any]) -> list[dict]:
         """A maintenance statement on PostgreSQL alone in its transaction (autocommit),

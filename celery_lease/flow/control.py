@@ -3,10 +3,11 @@
 Every limit is enforced in the database at claim time, so it holds for every worker
 process and host at once (Celery's own ``rate_limit`` is per worker).
 
-* **Which claim.** A kind that declares no limit claims as before: one statement,
-  ``claim_job_flow`` (claim_job plus two guards: no claim of a paused kind, and a
-  higher-priority due job of the same kind, queue and key is claimed in place of the
-  delivered one). A kind with ``concurrency=`` or ``rate_limit=`` claims in one short
+* **Which claim** (named transitions of :mod:`celery_lease.lifecycle.claim`). A kind
+  that declares no limit claims with CLAIM (or CLAIM_RIDING): one statement, with two
+  guards: no claim of a paused kind, and a higher-priority due job of the same kind,
+  queue and key is claimed in place of the delivered one. A kind with
+  ``concurrency=`` or ``rate_limit=`` claims with CLAIM_LIMITED, in one short
   transaction that first locks the kind's row in ``celery_lease_limits``; under that
   lock it checks the rate window and claims only while fewer than ``concurrency`` jobs
   of the job's kind and key run. Claims of one limited kind are therefore serialized.
@@ -26,21 +27,23 @@ process and host at once (Celery's own ``rate_limit`` is per worker).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.flow.limits import Rate
 from celery_lease.flow.store import ClaimResult, FlowStore
+from celery_lease.lifecycle.claim import ClaimFollowUps, claim_delivery
 from celery_lease.status import Held, Status
 from celery_lease.wakeups import RETRY_POLICY
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from celery_lease.db.claims import RidingSuccesses
     from celery_lease.db.store import Store
     from celery_lease.kinds import JobKind, Registry
+    from celery_lease.lifecycle.claim import RidingSuccesses
     from celery_lease.settings import Settings
 
 log = logging.getLogger("celery_lease.flow")
@@ -82,22 +85,34 @@ class FlowControl:
         *,
         may_adopt: Callable[[str, int], bool] | None = None,
         successes: RidingSuccesses | None = None,
+        follow_ups: ClaimFollowUps | None = None,
     ) -> dict[str, Any] | None:
         """Claim the job a delivery names (or a better one); None when nothing is
         claimed. Held jobs are marked; whatever must be woken is published, always to
         the queue stored in the job's row (never the delivery's routing key: a
         message is untrusted input).
-        ``may_adopt``, ``successes``: see Store.claim (a limited kind's claim, which
-        may wait for its kind's lock, carries none: the caller keeps them out of it)."""
+        ``may_adopt``, ``successes``, ``follow_ups``: see celery_lease.lifecycle.claim
+        (a limited kind's claim, which may wait for its kind's lock, carries no
+        successes: the caller keeps them out of it). A priority swap's new wakeup for
+        the delivered job is one of the claim's follow-ups."""
         limits = spec.limits
+
+        def swapped(row: dict[str, Any]) -> None:
+            log.info("celery-lease: job %s (%s): claimed higher-priority job %s in its place", job_id, spec.kind, row["id"])
+            # The swap never leaves the kind and queue: the claimed row's queue is the delivered job's.
+            self._publish([{"id": job_id, "task": spec.task, "queue": row["queue"]}])
+
+        f = dataclasses.replace(follow_ups or ClaimFollowUps(), swapped=swapped)
         for _ in range(3):  # again only when nothing held a claimable job (a slot freed meanwhile)
             if limits is None:
-                row = self._store.claim(job_id, owner, spec.task, may_adopt=may_adopt, successes=successes)
+                row = claim_delivery(
+                    self._store, job_id, owner, spec.task, may_adopt=may_adopt, successes=successes, follow_ups=f
+                )
                 successes = None  # written (or not) by the first claim
                 result = ClaimResult(row=row) if row is not None else self._db.hold(job_id, spec.task)
             else:
                 assert successes is None, "successes must not wait for a limited kind's lock"
-                result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits, may_adopt=may_adopt)
+                result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits, may_adopt=may_adopt, follow_ups=f)
             if not result.retry:
                 break
         row = result.row
@@ -116,7 +131,7 @@ class FlowControl:
 
     def _follow_up(self, job_id: str, spec: JobKind, result: ClaimResult) -> None:
         """What a claim's outcome asks to publish: woken jobs, the next window's wakeup,
-        a swapped delivery's job, an early window wakeup again."""
+        an early window wakeup again."""
         if result.wake:
             self._publish(result.wake)
         if result.retry and result.again is not None and spec.limits is not None:
@@ -125,16 +140,11 @@ class FlowControl:
             self._publish([result.again])
         if result.later is not None:
             self._publish_later(*result.later)
-        row = result.row
-        if row is None:
+        if result.row is None:
             if result.held is not None:
                 log.info("celery-lease: job %s (%s): held by its %s", job_id, spec.kind, result.held)
             elif spec.limits is not None and not result.retry:
                 self._spent(job_id)
-        elif str(row["id"]) != job_id:
-            log.info("celery-lease: job %s (%s): claimed higher-priority job %s in its place", job_id, spec.kind, row["id"])
-            # The swap never leaves the kind and queue: the claimed row's queue is the delivered job's.
-            self._publish([{"id": job_id, "task": spec.task, "queue": row["queue"]}])
 
     def _spent(self, job_id: str) -> None:
         """A delivery of a limited kind that claimed nothing and held nothing."""

@@ -1,6 +1,6 @@
 """The flow-control transactions: one method each, over the named statements of
-:mod:`celery_lease.flow.statements` and the claim family
-(:mod:`celery_lease.db.statements.claim`). The decisions around them (which path a
+:mod:`celery_lease.flow.statements`; a limited kind's claim is the CLAIM_LIMITED
+transition (:mod:`celery_lease.lifecycle.claim`). The decisions around them (which path a
 claim takes, what to publish) are :mod:`celery_lease.flow.control`.
 
 Lock order, everywhere: a kind's limits row (``lock_limits`` / ``lock_limits_row``),
@@ -16,12 +16,12 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_lease.db.claims import ClaimLanded
 from celery_lease.db.prepared import Prepared, PreparedScript
-from celery_lease.db.statements import claim
 from celery_lease.flow import pause_statements as ps
 from celery_lease.flow import statements as fs
-from celery_lease.status import Event, Held, Status
+from celery_lease.lifecycle import claim as lifecycle_claim
+from celery_lease.lifecycle.claim import CLAIM_LIMITED, ClaimFollowUps
+from celery_lease.status import Held
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -84,13 +84,15 @@ class FlowStore:
         limits: Limits,
         *,
         may_adopt: Callable[[str, int], bool] | None = None,
+        follow_ups: ClaimFollowUps | None = None,
     ) -> ClaimResult:
-        """The claim of a limited kind: lock_limits, then the limited claim (with its run
-        event and the rate window's count) in one transaction; refused, hold_job under
-        the lock again (the reason is decided on what a release would see). A lost
-        reply is settled as Store.claim settles it (``may_adopt``: see LandedClaim)."""
+        """The claim of a limited kind: the CLAIM_LIMITED transition (lock_limits, then
+        the limited claim with its run event and the rate window's count, in one
+        transaction; a lost reply settled by what landed: ``may_adopt``, see
+        LandedClaim); refused, hold_job under the lock again (the reason is decided on
+        what a release would see). A claim that opened a rate window wakes the jobs
+        held for it, as its follow-up (with the caller's ``follow_ups``)."""
         rate = limits.rate
-        concurrency, rated = limits.concurrency is not None, rate is not None
         params = {
             "job_id": job_id,
             "owner": owner,
@@ -101,47 +103,22 @@ class FlowStore:
             "new_per_seconds": rate and rate.per_seconds,
             "slots": limits.concurrency,  # (a column name would be taken for a SET of the rate count)
         }
-        postgres = self._store.dialect == "postgresql"
-        stmt = claim.claim(logged=postgres, concurrency=concurrency, rate=rated)
-        check = self._store.landed_claim(job_id, owner, may_adopt)
-        row: dict[str, Any] | None
-        try:
-            if self._prepare:
-                rows = self._store.execute_prepared(self._script(fs.lock_limits("postgresql"), stmt), params, on_retry=check)
-                row = rows[0] if rows else None
-            else:
+        result = ClaimResult()
 
-                def work(conn: Connection) -> dict[str, Any] | None:
-                    conn.execute(fs.lock_limits(self._store.dialect), params)
-                    found = conn.execute(stmt, params).mappings().first()
-                    if found is None or postgres:  # the PostgreSQL statement logged and counted
-                        return None if found is None else dict(found)
-                    claimed = dict(found)
-                    cancelled = claimed["status"] == Status.CANCELLED.value
-                    event, detail = (Event.CANCELLED, claim.RUN_CANCELLED) if cancelled else (Event.CLAIMED, owner)
-                    self._store.log_events(conn, [(claimed, event, detail)])
-                    counted = rated and not cancelled
-                    claimed["window_claims"] = conn.execute(fs.count_rate_claim(), params).scalar() if counted else None
-                    return claimed
+        def window_opened(row: dict[str, Any]) -> None:
+            # This claim opened a rate window: wake the jobs held for it, and if that
+            # may not be all, one of those left carries the next window's wakeup. (If
+            # this fails, the held jobs wait for the sweeper's recovery: stale_held_groups.)
+            assert rate is not None
+            result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, rate.count - 1))
+            if len(result.wake) == rate.count - 1:
+                result.later = self._window_wakeup(kind, None)
 
-                row = self._store.transaction(self._store.durable, work, on_retry=check)
-            if row is None and check.retried:
-                check()  # the retry claimed nothing: the first try may have
-        except ClaimLanded as landed:
-            row = landed.row
+        build = {"concurrency": limits.concurrency is not None, "rate": rate is not None}
+        f = dataclasses.replace(follow_ups or ClaimFollowUps(), window_opened=window_opened)
+        row = lifecycle_claim.execute(self._store, CLAIM_LIMITED, params, build=build, may_adopt=may_adopt, follow_ups=f)
         if row is not None:
-            result = ClaimResult(row=row)
-            if rate is not None and row.get("window_claims") == 1:
-                # This claim opened a rate window: wake the jobs held for it, and if
-                # that may not be all, one of those left carries the next window's wakeup.
-                try:
-                    result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, rate.count - 1))
-                    if len(result.wake) == rate.count - 1:
-                        result.later = self._window_wakeup(kind, None)
-                except Exception:
-                    # The claim is committed: its job must run. The held jobs wait for
-                    # the sweeper's recovery (stale_held_groups).
-                    log.warning("celery-lease: cannot wake the jobs held for %s's new rate window; the sweeper will", kind)
+            result.row = row
             return result
         result = self._hold(job_id, task, kind, limits.concurrency)
         if result.held == Held.RATE:

@@ -1,4 +1,5 @@
-"""The one function that changes a job's state (but the claim): :meth:`Pipeline.execute`.
+"""The one function that changes a job's state: :meth:`Pipeline.execute` (and, for the
+claim, its sibling :func:`celery_lease.lifecycle.claim.execute`).
 
 For any :class:`~celery_lease.lifecycle.transition.Transition`, one transaction runs:
 
@@ -16,9 +17,12 @@ transition, for a few seconds. Then, after the one commit that counts, its follo
 run exactly once: the wakeups of jobs it created or requeued, plain errbacks and
 callbacks, cancel notices, and the release of flow-control slots.
 
-The claim (celery_lease/flow.py, db/store.py) is not here yet: its retry adopts what
-landed in its own way. Claims can join by becoming transitions whose rows are the
-claimed job.
+Every claim is a named :class:`~celery_lease.lifecycle.claim.Claim` executed by the
+sibling function :func:`celery_lease.lifecycle.claim.execute`, with the same rules:
+durability declared on its statement, a lost reply settled by what landed (the claimed
+row, adopted), follow-ups once after the commit (a claim-time cancel's errbacks and
+chord: :meth:`Pipeline.claim_cancelled`). It does not go through a Landing, which would
+cost every job two more round trips: a claim is one statement alone in its transaction.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from celery_lease.db import durability
 from celery_lease.db.landing import Landing
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
+from celery_lease.lifecycle.transition import CANCEL
 from celery_lease.worker.attempt import BLIP_WAITS
 
 if TYPE_CHECKING:
@@ -199,6 +204,23 @@ class Pipeline:
                 step()
             except Exception:
                 log.exception("celery-lease: %s after %s of %d job(s) failed", what, t.name, len(rows))
+
+    def claim_cancelled(self, row: Mapping[str, Any]) -> None:
+        """The follow-up of a claim that found its job's run cancelled and cancelled it
+        (lifecycle/claim.py): what a cancel sets off follows, once: its errbacks fire,
+        a chord it heads is removed (through a Landing: a lost reply is settled, not
+        written twice). It took no slot: nothing to release. Never raises."""
+        if self._canvas is None or not row.get("canvas"):
+            return
+        endings = self._canvas.endings(CANCEL.error or "", run_cancelled=True, eager=self._eager)
+        store = self._store
+        landing: Landing[None] = Landing(store, store.durable)
+        try:
+            ride_briefly(lambda: landing.run(lambda conn: endings.write(conn, [row])))
+            endings.send()
+        except Exception:
+            # Never fails the delivery; the job is cancelled whatever happens here.
+            log.exception("celery-lease: job %s: the errbacks of its cancel at claim could not be sent", row["id"])
 
     def _release(self, rows: list[dict[str, Any]]) -> None:
         assert self._flow is not None

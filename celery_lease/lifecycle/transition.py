@@ -1,4 +1,5 @@
-"""Every way a job leaves ``running`` or ``pending`` (but the claim), named once.
+"""Every way a job leaves ``running`` or ``pending``, named once (the claims, which
+enter ``running``: :mod:`celery_lease.lifecycle.claim`).
 
 A :class:`Transition` is a value: its statement (from the catalogue), the run event it
 logs for each job it moves, its durability, and the follow-ups its rows set off after

@@ -105,7 +105,7 @@ class Batches:
         for row in rows:
             if row["status"] == _CANCELLED:
                 log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
-                state._cancelled_by_claim(row)
+                state.pipeline.claim_cancelled(row)
             else:
                 attempts.append(Attempt.from_claim(str(row["id"]), row, sent_at=sent_at))
         if not attempts:

@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_lease.db.claims import RidingSuccesses
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
 from celery_lease.lifecycle import transition as tr
+from celery_lease.lifecycle.claim import RidingSuccesses
 from celery_lease.lifecycle.transition import Transition
 from celery_lease.producer import refused_value
 from celery_lease.worker.attempt import BLIP_WAITS

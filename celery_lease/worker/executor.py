@@ -26,7 +26,7 @@ from celery_lease.errors import (
     LeaseError,
     LeaseLost,
 )
-from celery_lease.lifecycle import transition as tr
+from celery_lease.lifecycle.claim import ClaimFollowUps, claim_delivery
 from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import UnstorableValue, cap_error
 from celery_lease.status import Status
@@ -94,7 +94,7 @@ class WorkerState:
         #: The deliveries of batched kinds: claimed, run and completed many at a time.
         self.batches = Batches(self)
         #: What a claim whose reply was lost needs to know before it adopts a job found
-        #: running under this process (db.store.LandedClaim): the claims in progress
+        #: running under this process (lifecycle.claim.LandedClaim): the claims in progress
         #: here, and the attempts that live here until their outcome is written.
         self._claiming = 0
         self._live: set[tuple[str, int]] = set()
@@ -136,11 +136,16 @@ class WorkerState:
         # on a limited kind's, which may wait for its kind's lock: they would wait too,
         # unrenewed (the completer's thread writes them meanwhile).
         riding = self.completer.take() if spec.limits is None else None
+        # A job found in a cancelled run is cancelled by the claim: its errbacks and
+        # chord follow once the claim committed (the claim's follow-up).
+        follow_ups = ClaimFollowUps(cancelled=self.pipeline.claim_cancelled)
         try:
             if self.flow is not None:
-                row = self.flow.claim(job_id, spec, owner, may_adopt=self._may_adopt, successes=riding)
+                row = self.flow.claim(job_id, spec, owner, may_adopt=self._may_adopt, successes=riding, follow_ups=follow_ups)
             else:
-                row = self.store.claim(job_id, owner, spec.task, may_adopt=self._may_adopt, successes=riding)
+                row = claim_delivery(
+                    self.store, job_id, owner, spec.task, may_adopt=self._may_adopt, successes=riding, follow_ups=follow_ups
+                )
             if row is not None and row.get("status", _RUNNING) == _RUNNING:
                 with self._lock:
                     self._live.add((str(row["id"]), row["lease_generation"]))
@@ -154,7 +159,6 @@ class WorkerState:
                 log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
             else:
                 log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
-                self._cancelled_by_claim(row)
             return None
         # A higher-priority job may be claimed in place of the delivered one.
         return self._start(Attempt.from_claim(str(row["id"]), row, sent_at=sent_at), spec, sent_at)
@@ -175,7 +179,7 @@ class WorkerState:
         (one clock for every process of the machine)."""
         if row.get("status") == _CANCELLED:
             log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
-            self._cancelled_by_claim(row)
+            self.pipeline.claim_cancelled(row)
             return None
         sent_at = row["sent_at"]
         attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
@@ -198,19 +202,6 @@ class WorkerState:
             log.warning("celery-lease: job %s: its late claim not handed back; the reaper will", attempt.job_id)
         finally:
             self._release(attempt)
-
-    def _cancelled_by_claim(self, row: dict[str, Any]) -> None:
-        """The claim found the job's run cancelled and cancelled the job: what a cancel
-        of a run sets off follows (its errbacks fire once, a chord it heads is removed).
-        Its slot was never taken: nothing to release."""
-        if self.canvas is None or not row.get("canvas"):
-            return
-        endings = self.canvas.endings(tr.CANCEL.error or "", run_cancelled=True, eager=self.eager)
-        try:
-            self.store.transaction(self.store.durable, lambda conn: endings.write(conn, [row]))
-            endings.send()
-        except Exception:
-            log.exception("celery-lease: job %s: the errbacks of its cancel could not be sent", row["id"])
 
     def end(self, attempt: Attempt | None) -> None:
         for each in attempt.batch or () if attempt is not None else ():

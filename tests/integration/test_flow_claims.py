@@ -10,6 +10,7 @@ import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs, limits
 from celery_lease.flow.limits import Limits, Rate
+from celery_lease.lifecycle.claim import claim_delivery
 from celery_lease.status import Held
 
 OWNER = "n/1/b"
@@ -116,7 +117,7 @@ def test_every_claim_survives_a_postgresql_crash_in_both_modes(crashable_pg, mak
         for job, kind in [(j, k) for j, k in claimed.items() if k.endswith(str(prepare))]:
             limits_ = VARIANTS[kind.rpartition("-")[0]]
             if limits_ is None:
-                row = store.claim(job, OWNER, "t")
+                row = claim_delivery(store, job, OWNER, "t")
             else:
                 row = flow.claim_limited(job, OWNER, kind, "t", limits_).row
             assert row is not None and row["lease_generation"] == 1, kind
@@ -165,7 +166,7 @@ def test_a_claim_whose_reply_was_lost_is_adopted(pg, make_job, pg_proxy, limits_
     try:
         pg_proxy.cut_reply_to(delivered.encode())  # the first statement naming the job: its claim
         if limits_ is None:
-            row = store.claim(delivered, OWNER, "t", may_adopt=lambda job_id, generation: True)
+            row = claim_delivery(store, delivered, OWNER, "t", may_adopt=lambda job_id, generation: True)
         else:
             row = flow.claim_limited(delivered, OWNER, "k", "t", limits_, may_adopt=lambda job_id, generation: True).row
         assert pg_proxy.cuts == 1  # the reply really was lost
@@ -187,7 +188,7 @@ def test_a_lost_claim_reply_is_not_adopted_while_this_process_holds_the_row(pg, 
     store = Store(pg_proxy.url_for(pg))
     try:
         pg_proxy.cut_reply_to(job.encode())
-        assert store.claim(job, OWNER, "t", may_adopt=lambda job_id, generation: False) is None
+        assert claim_delivery(store, job, OWNER, "t", may_adopt=lambda job_id, generation: False) is None
         assert pg_proxy.cuts == 1
     finally:
         store.dispose()

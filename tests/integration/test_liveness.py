@@ -17,6 +17,7 @@ import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
 from celery_lease.lifecycle import transition as tr
+from celery_lease.lifecycle.claim import claim_delivery
 from tests.conftest import ROOT, SUMMARY_LINES, _env, local_pipeline
 from tests.harness import faketime
 from tests.harness.services import wait_for
@@ -265,7 +266,7 @@ def test_a_claim_racing_an_uncommitted_cancel_run_waits_and_cancels_the_job(pg, 
     with db.connect() as canceller:
         tx = canceller.begin()
         canceller.execute(cancel.cancel_run(), {"run_id": run_id})  # what cancel_run does first
-        claim = threading.Thread(target=lambda: result.update(row=store.claim(job.id, "w@host/1/boot", job.task)))
+        claim = threading.Thread(target=lambda: result.update(row=claim_delivery(store, job.id, "w@host/1/boot", job.task)))
         claim.start()
         claim.join(2)
         waited = claim.is_alive()
@@ -295,7 +296,7 @@ def test_a_wakeup_delivered_during_warm_shutdown_is_republished_to_the_jobs_own_
     r = redis.Redis(port=redis_server.port)
     job = mod.echo.submit({"value": 1}, queue="special")
     running = mod.echo.submit({"value": 2})
-    mod.leases.store.claim(running.id, "elsewhere/1/boot", running.task)  # not pending: nothing to re-wake
+    claim_delivery(mod.leases.store, running.id, "elsewhere/1/boot", running.task)  # not pending: nothing to re-wake
     redis_server.flush()  # their wakeups were delivered (and spent)
     shutdown.request()
     try:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import psycopg2
 
 from celery_lease.db.schema import jobs
-from tests.integration.test_native_canvas import NATIVE, _expire, _queued, _rows
+from tests.integration.test_native_canvas import NATIVE, _expire, _queued, _rows, in_a_run_cancelled_behind_it
 
 
 @contextlib.contextmanager
@@ -99,3 +99,19 @@ def test_a_cancel_whose_reply_was_lost_frees_the_slot_of_its_limited_job(pg, bro
     woken = [m["headers"]["id"] for m in _queued(broker) if m["headers"]["task"] == mod.one_slot.name]
     assert woken == [b.id]
     assert _rows(pg, jobs.c.id == b.id)[0]["held"] is None
+
+
+def test_a_claim_time_cancel_whose_errbacks_reply_was_lost_fires_them_once(pg, broker, client_app, tmp_path):
+    """A job its claim finds in a cancelled run is cancelled by the claim; its errbacks
+    are the claim's follow-up, written after the claim committed. That write's reply is
+    lost: it is settled by asking the server (a Landing), not written again (before: a
+    second errback job and a second plain errback)."""
+    mod = client_app(pg, broker, module=NATIVE)
+    job = in_a_run_cancelled_behind_it(mod, pg, broker, tmp_path)
+    with reply_lost_once(mod.leases.store.durable) as lost:
+        assert mod.leases.worker.begin(job.id, mod.inc.spec, "w@host") is None  # cancelled, not started
+    assert lost == [1]
+    (errback,) = _rows(pg, jobs.c.kind == "noted_error", jobs.c.parent_id == job.id)
+    assert errback["payload"] == {"job_id": job.id, "error": "cancelled"}
+    plain = [m for m in _queued(broker) if m["headers"]["task"] == "tests.plain_errback"]
+    assert len(plain) == 1

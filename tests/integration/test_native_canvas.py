@@ -230,19 +230,26 @@ def test_errbacks_fire_once_for_cancelled_and_expired_jobs(pg, broker, client_ap
     assert sorted(a[0] for a in _plain_errbacks(broker)) == sorted(r.id for r in in_run)
 
 
+def in_a_run_cancelled_behind_it(mod, pg: str, broker: str, tmp_path):
+    """A job with two errbacks (leased, plain) in a run then cancelled, as if cancel_run
+    had missed it (its claim will find the run cancelled). The broker is emptied."""
+    run_id = str(uuid.uuid4())
+    job = mod.inc.apply_async(({"n": 1},), link_error=[mod.noted_error.s(), mod.plain_errback.s(str(tmp_path))], run_id=run_id)
+    _queued(broker)
+    engine = sa.create_engine(pg)
+    with engine.begin() as conn:
+        conn.execute(sa.update(runs).where(runs.c.id == run_id).values(cancelled_at=sa.func.now()))
+    engine.dispose()
+    return job
+
+
 def test_a_job_its_claim_finds_in_a_cancelled_run_fires_its_errbacks_once(pg, broker, client_app, tmp_path):
     """A job committed into a run after cancel_run looked at the run's jobs (a child of
     a parent's success, a submit in the caller's transaction): its claim cancels it
     instead of starting it, and what a cancel of the run sets off follows: its errbacks
     fire once. (The claim-time cancel fired none.)"""
     mod = client_app(pg, broker, module=NATIVE)
-    run_id = str(uuid.uuid4())
-    job = mod.inc.apply_async(({"n": 1},), link_error=[mod.noted_error.s(), mod.plain_errback.s(str(tmp_path))], run_id=run_id)
-    _queued(broker)
-    engine = sa.create_engine(pg)
-    with engine.begin() as conn:  # the run cancelled, as if this job had been missed
-        conn.execute(sa.update(runs).where(runs.c.id == run_id).values(cancelled_at=sa.func.now()))
-    engine.dispose()
+    job = in_a_run_cancelled_behind_it(mod, pg, broker, tmp_path)
     assert mod.leases.worker.begin(job.id, mod.inc.spec, "w@host") is None  # cancelled, not started
     assert mod.leases.get(job.id).status.value == "cancelled"
     (errback,) = _rows(pg, jobs.c.kind == "noted_error", jobs.c.parent_id == job.id)

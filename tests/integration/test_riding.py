@@ -10,6 +10,7 @@ import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
 from celery_lease.db.store import Store
+from celery_lease.lifecycle.claim import claim_delivery
 from celery_lease.worker.attempt import Attempt
 from celery_lease.worker.completion import UNSTORABLE_RESULT, BatchCompleter
 from tests.conftest import attempt_for, local_pipeline
@@ -49,7 +50,7 @@ def test_a_claim_writes_the_waiting_successes_each_fenced(pg, make_job):
         completer.add(attempt_for(stale, generation=1), {"ok": 2}, None)  # a reap took generation 2
         riding = completer.take()
         assert riding is not None and riding.count == 2
-        row = store.claim(pending, "w@host/1/boot", TASK, successes=riding)
+        row = claim_delivery(store, pending, "w@host/1/boot", TASK, successes=riding)
         completer.settle(riding)
 
         assert row is not None and str(row["id"]) == pending and row["lease_generation"] == 1
@@ -72,7 +73,7 @@ def test_the_successes_ride_even_when_nothing_is_claimed(pg, make_job):
         completer.add(attempt_for(done), {"ok": 1}, None)
         riding = completer.take()
         assert riding is not None
-        assert store.claim(duplicate, "w@host/1/boot", TASK, successes=riding) is None
+        assert claim_delivery(store, duplicate, "w@host/1/boot", TASK, successes=riding) is None
         completer.settle(riding)
         assert riding.done == {done}
         assert _rows(pg)[done].status == "succeeded"
@@ -93,7 +94,7 @@ def test_a_refused_success_does_not_cost_the_claim(pg, make_job):
         completer.add(attempt_for(bad), {"note": "a\x00b"}, None)  # jsonb refuses NUL
         riding = completer.take()
         assert riding is not None
-        row = store.claim(pending, "w@host/1/boot", TASK, successes=riding)
+        row = claim_delivery(store, pending, "w@host/1/boot", TASK, successes=riding)
         assert row is not None and str(row["id"]) == pending
         assert riding.done is None
         assert [r.status for r in map(_rows(pg).get, (good, bad))] == ["running", "running"]

@@ -15,6 +15,7 @@ from celery_lease.db.statements import attempt
 from celery_lease.errors import InvalidPayload, JobSnoozed
 from celery_lease.flow.limits import Limits, Rate, parse_priority
 from celery_lease.flow.store import FlowStore
+from celery_lease.lifecycle.claim import claim_delivery
 from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
 from tests.conftest import attempt_for
@@ -162,21 +163,21 @@ def test_pause_holds_claims_of_that_kind_only_and_resume_wakes_them(flow, store,
     assert flow.pause("k") is True and flow.pause("k") is False
     paused = add_job(kind="k")
     other = add_job(kind="other")
-    assert store.claim(paused, OWNER, TASK) is None
+    assert claim_delivery(store, paused, OWNER, TASK) is None
     assert flow.hold(paused, TASK).held == "pause"
     assert row(paused)["held"] == "pause"
-    assert store.claim(other, OWNER, TASK) is not None
+    assert claim_delivery(store, other, OWNER, TASK) is not None
     limited = add_job(kind="k")
     assert flow.claim_limited(limited, OWNER, "k", TASK, Limits(concurrency=5)).held == "pause"
     assert flow.resume("k") is True
     assert {str(w["id"]) for w in flow.wake_all("pause", "k", batch=1)} == {paused, limited}
-    assert store.claim(paused, OWNER, TASK) is not None
+    assert claim_delivery(store, paused, OWNER, TASK) is not None
 
 
 def test_a_wakeup_for_another_task_neither_claims_nor_marks_the_job(flow, store, add_job, row):
     job = add_job(kind="k")
     flow.pause("k")
-    assert store.claim(job, OWNER, "tests.other") is None
+    assert claim_delivery(store, job, OWNER, "tests.other") is None
     assert flow.hold(job, "tests.other").held is None
     assert flow.claim_limited(job, OWNER, "k", "tests.other", Limits(concurrency=1)).held is None
     r = row(job)
@@ -199,19 +200,19 @@ def test_a_claim_takes_a_higher_priority_due_job_of_the_same_kind_queue_and_key(
     other_kind = add_job(kind="other", priority=9)
     other_queue = add_job(kind="k", priority=9, queue="elsewhere")
     other_key = add_job(kind="k", priority=9, concurrency_key="x")
-    claimed = store.claim(low, OWNER, TASK)
+    claimed = claim_delivery(store, low, OWNER, TASK)
     assert claimed is not None and str(claimed["id"]) == high
     assert row(low)["status"] == "pending"  # its turn was taken; the caller re-wakes it
     for job in (higher_later, other_kind, other_queue, other_key):
         assert row(job)["status"] == "pending"
-    again = store.claim(low, OWNER, TASK)
+    again = claim_delivery(store, low, OWNER, TASK)
     assert again is not None and str(again["id"]) == low
 
 
 def test_a_stale_delivery_swaps_in_nothing(store, add_job, row):
     done = add_job(kind="k", status="succeeded")
     high = add_job(kind="k", priority=5)
-    assert store.claim(done, OWNER, TASK) is None
+    assert claim_delivery(store, done, OWNER, TASK) is None
     assert row(high)["status"] == "pending"
 
 
@@ -226,7 +227,7 @@ def test_snooze_gives_the_attempt_back_and_keeps_the_checkpoint(store, add_job, 
     r = row(job)
     assert (r["status"], r["attempt"], r["checkpoint"], r["lease_owner"]) == ("pending", 0, {"i": 2}, None)
     assert r["run_after"] is not None and r["woken_at"] is None
-    assert store.claim(job, OWNER, TASK) is None  # not due for 30 s
+    assert claim_delivery(store, job, OWNER, TASK) is None  # not due for 30 s
 
 
 @pytest.mark.parametrize("seconds", [-1, float("nan"), float("inf"), True, "30", 366 * 86400])

@@ -11,6 +11,7 @@ import pytest
 
 from celery_lease.db.statements import attempt
 from celery_lease.lifecycle import transition as tr
+from celery_lease.lifecycle.claim import claim_delivery
 from celery_lease.status import TERMINAL, Status
 from tests.conftest import attempt_for
 
@@ -21,13 +22,13 @@ TERMINALS = [s.value for s in TERMINAL]
 @pytest.mark.parametrize("status", ALL)
 def test_claim_takes_only_a_due_pending_job(store, add_job, row, status):
     job_id = add_job(status=status, lease_generation=4, attempt=1)
-    claimed = store.claim(job_id, "node/1/boot", "tests.echo")
+    claimed = claim_delivery(store, job_id, "node/1/boot", "tests.echo")
     if status == "pending":
         assert claimed is not None and claimed["lease_generation"] == 5 and claimed["attempt"] == 2
         r = row(job_id)
         assert (r["status"], r["lease_owner"]) == ("running", "node/1/boot")
         assert r["lease_expires_at"] is not None
-        assert store.claim(job_id, "node/2/boot", "tests.echo") is None  # a duplicate delivery claims nothing
+        assert claim_delivery(store, job_id, "node/2/boot", "tests.echo") is None  # a duplicate delivery claims nothing
     else:
         assert claimed is None
         assert row(job_id)["status"] == status
@@ -36,17 +37,17 @@ def test_claim_takes_only_a_due_pending_job(store, add_job, row, status):
 def test_claim_matches_only_the_jobs_own_task(store, add_job, row):
     """A wakeup for another kind's task carrying this job's id claims nothing."""
     job_id = add_job()
-    assert store.claim(job_id, "n/1/b", "tests.other_kind") is None
+    assert claim_delivery(store, job_id, "n/1/b", "tests.other_kind") is None
     r = row(job_id)
     assert (r["status"], r["attempt"], r["lease_generation"]) == ("pending", 0, 0)
-    assert store.claim(job_id, "n/1/b", "tests.echo") is not None
+    assert claim_delivery(store, job_id, "n/1/b", "tests.echo") is not None
 
 
 def test_claim_waits_for_run_after(store, add_job):
     later = add_job(run_after_in=60)
     due = add_job(run_after_in=-1)
-    assert store.claim(later, "n/1/b", "tests.echo") is None
-    assert store.claim(due, "n/1/b", "tests.echo") is not None
+    assert claim_delivery(store, later, "n/1/b", "tests.echo") is None
+    assert claim_delivery(store, due, "n/1/b", "tests.echo") is not None
 
 
 @pytest.mark.parametrize("status", ALL)
@@ -167,7 +168,7 @@ def test_run_events_are_logged_with_the_transition(store, lifecycle, add_job):
     run_id = "00000000-0000-4000-8000-000000000001"
     store.ensure_run(run_id)
     job_id = add_job(run_id=run_id)
-    store.claim(job_id, "n/1/b", "tests.echo")
+    claim_delivery(store, job_id, "n/1/b", "tests.echo")
     lifecycle.execute(tr.CANCEL, build={"run_id": run_id}, before=lambda conn: store.mark_run_cancelled(conn, run_id))
     events = [(e["event"], e["attempt"]) for e in store.run_events(run_id)]
     assert events == [("claimed", 1), ("cancelled", 1)]

@@ -91,8 +91,10 @@ def test_jobs_timing_out_together_are_one_statement_each_row_fenced(store, lifec
     assert len(updates) == 1, updates
     assert [row(j)["status"] for j in (first, second, last, lost)] == ["pending", "pending", "failed", "running"]
     assert row(last)["error"] == "timed out" and row(first)["lease_owner"] is None
-    # Each its own backoff (2 s, then 4 s), by the database clock.
-    assert row(first)["run_after"] < row(second)["run_after"]
+    # Each its own backoff by the database clock: 2 s, then 4 s, each with 0.5..1.5 jitter.
+    for job_id, low, high in ((first, 1.0, 3.0), (second, 2.0, 6.0)):
+        due = row(job_id)
+        assert low - 0.01 <= (due["run_after"] - due["updated_at"]).total_seconds() <= high + 0.01
 
 
 def test_the_dashboards_retry_and_delete_are_named_transitions_of_the_pipeline(store, lifecycle, add_job, row):
@@ -125,3 +127,30 @@ def test_the_dashboards_retry_and_delete_are_named_transitions_of_the_pipeline(s
     with store.durable.connect() as conn:
         left = {str(r.id) for r in conn.execute(sa.select(jobs.c.id))}
     assert left == {running, new_id} and lifecycle.woken == [new_id]
+
+
+def test_every_claim_is_named_once_and_its_statement_declared_durable():
+    from celery_lease.db import durability
+    from celery_lease.lifecycle import claim as lc
+
+    builds = {lc.CLAIM: {}, lc.CLAIM_RIDING: {"count": 2}, lc.CLAIM_LIMITED: {"concurrency": True, "rate": True}, lc.ADOPT: {}}
+    assert set(builds) == set(lc.ALL) and len({c.name for c in lc.ALL}) == len(lc.ALL)
+    for c, build in builds.items():
+        for dialect in ("postgresql",) if c.riding else ("postgresql", "sqlite"):
+            assert durability.is_durable(c.statement(dialect, **build)), (c.name, dialect)
+
+
+def test_a_claims_follow_ups_run_once_after_it_committed(store, add_job, row):
+    """A priority swap: the swapped-out delivery gets its follow-up, once, with the row
+    claimed; a claim that took nothing sets off nothing."""
+    from celery_lease.lifecycle.claim import ClaimFollowUps, claim_delivery
+
+    low = add_job(task="tests.echo", priority=0)
+    high = add_job(task="tests.echo", priority=5)
+    swapped: list[str] = []
+    follow_ups = ClaimFollowUps(swapped=lambda r: swapped.append(str(r["id"])), cancelled=lambda r: swapped.append("?"))
+    claimed = claim_delivery(store, low, "n/1/b", "tests.echo", follow_ups=follow_ups)
+    assert claimed is not None and str(claimed["id"]) == high and row(high)["status"] == "running"
+    assert swapped == [high] and row(low)["status"] == "pending"
+    assert claim_delivery(store, high, "n/1/b", "tests.echo", follow_ups=follow_ups) is None  # a duplicate
+    assert swapped == [high]

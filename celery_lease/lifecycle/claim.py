@@ -1,0 +1,297 @@
+"""Every claim, named once, and the one function that executes them: :func:`execute`.
+
+A claim moves the job a delivery names (or a better one of its kind: a priority swap)
+from ``pending`` to ``running`` for one attempt, or to ``cancelled`` when its run is.
+It keeps the rules of every transition (celery_lease/lifecycle/transition.py):
+
+* **its statement is the catalogue's** (db/statements/claim.py: one builder for every
+  form) and **its durability is declared there** (``durable``: the generation it
+  issues is a fencing token that must never be issued twice, also across a crash):
+  :func:`execute` refuses a statement that is not;
+* **a lost reply is settled by what landed**: before a retry, and when the retry
+  claimed nothing, :class:`LandedClaim` runs ADOPT, which finds the job the first try
+  claimed running under this very owner (the delivered job, or the one a priority swap
+  took) and adopts it; successes riding on it that landed are read back;
+* **follow-ups run after the one commit that counts, once**, each best-effort
+  (:class:`ClaimFollowUps`): a claim-time cancel's errbacks and chord removal, a new
+  rate window's wake of the jobs held for it, a priority swap's new wakeup for the
+  delivered job.
+
+Why not Pipeline.execute itself: its Landing reads the transaction's id in a statement
+of its own and needs BEGIN and COMMIT, three round trips where a claim is one (a
+statement alone in its transaction, prepared on PostgreSQL). Every job pays for its
+claim, so a claim settles a lost reply by looking at the row it claimed instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from celery_lease.db import durability
+from celery_lease.db.prepared import Prepared, PreparedScript
+from celery_lease.db.statements import claim
+from celery_lease.errors import DatabaseUnavailable
+from celery_lease.flow import statements as fs
+from celery_lease.status import Event, Status
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from celery_lease.db.store import Store
+
+log = logging.getLogger("celery_lease")
+
+Row = dict[str, Any]
+_CANCELLED = Status.CANCELLED.value
+
+
+@dataclass(frozen=True)
+class Claim:
+    #: Its name in logs and docs (docs/lifecycle.md).
+    name: str
+    #: Builds the statement: ``statement(dialect, **build)``.
+    statement: Callable[..., Any]
+    #: Takes its kind's limits row lock first, in the same transaction (one script,
+    #: prepared): flow control's limits are checked under it.
+    limited: bool = False
+    #: Completes this process's waiting successes in the same statement (PostgreSQL,
+    #: prepared statements): build with ``count``.
+    riding: bool = False
+
+
+#: The claim of a kind with no limit: one statement; on PostgreSQL it appends its run
+#: event itself (on SQLite, the same transaction does). Every claim swaps in a due
+#: higher-priority job of the kind, queue and key, and refuses a paused kind.
+CLAIM = Claim("claim", lambda dialect: claim.claim(logged=dialect == "postgresql"))
+#: The claim with this process's waiting successes riding on it: one round trip and one
+#: durable commit for both.
+CLAIM_RIDING = Claim("claim with riding successes", lambda dialect, count: claim.claim(riding=count), riding=True)
+#: The claim of a limited kind (``concurrency``, ``rate``): under its limits row lock,
+#: only while a slot is free and the rate window takes it (counted by the statement).
+CLAIM_LIMITED = Claim(
+    "limited claim",
+    lambda dialect, concurrency, rate: claim.claim(logged=dialect == "postgresql", concurrency=concurrency, rate=rate),
+    limited=True,
+)
+#: A claim whose reply was lost may have landed: the job it claimed, running under the
+#: same owner, gets its lease restarted and is adopted (LandedClaim).
+ADOPT = Claim("adopt a landed claim", lambda dialect: claim.adopt_claim())
+
+#: Every claim, for docs/lifecycle.md and the tests that hold them to the rules above.
+ALL = (CLAIM, CLAIM_RIDING, CLAIM_LIMITED, ADOPT)
+
+
+@dataclass(frozen=True)
+class ClaimFollowUps:
+    """What a committed claim sets off, each called with the claimed row, after the
+    commit, once (also when the row came from a first try whose reply was lost), each
+    best-effort: a failure is logged and never fails the delivery (its job would stay
+    running with no body)."""
+
+    #: The claim found the job's run cancelled and cancelled it: its errbacks fire and
+    #: a chord it heads is removed (Pipeline.claim_cancelled). It took no slot.
+    cancelled: Callable[[Row], None] | None = None
+    #: The claim opened its kind's rate window: the jobs held for it are woken.
+    window_opened: Callable[[Row], None] | None = None
+    #: The claim took another job than the delivered one (a priority swap): the
+    #: delivered job gets a new wakeup.
+    swapped: Callable[[Row], None] | None = None
+
+
+@dataclass(eq=False)
+class RidingSuccesses:
+    """complete_jobs parameters for ``count`` attempts, sent with a claim. ``done``: the ids
+    completed (those that landed before a lost reply too), or None if sent without them."""
+
+    params: dict[str, Any]
+    count: int
+    done: set[str] | None = None
+
+
+class ClaimLanded(Exception):
+    """A claim's first try had landed before its reply was lost: ``row`` is adopted."""
+
+    def __init__(self, row: Row) -> None:
+        super().__init__("claim landed")
+        self.row = row
+
+
+class LandedClaim:
+    """Called before a claim is retried after a lost reply (and when the retry claimed
+    nothing): the job the first try claimed is running under this ``owner``: the
+    delivered job, or (a priority swap) another of its kind. ADOPT finds it; it is
+    adopted (ClaimLanded is raised with its row, which ends the retries) if
+    ``may_adopt(its id, its generation)``: no attempt of it lives in this process and
+    no other claim is in progress here (the owner is one process), so the row can only
+    be that claim's. Without ``may_adopt`` nothing is adopted."""
+
+    def __init__(self, store: Store, job_id: str, owner: str, may_adopt: Callable[[str, int], bool] | None) -> None:
+        self._store, self._may_adopt = store, may_adopt
+        self._params = {"job_id": job_id, "owner": owner}
+        self.retried = False
+
+    def __call__(self) -> None:
+        self.retried = True
+        if self._may_adopt is None:
+            return
+        stmt = ADOPT.statement(self._store.dialect)
+        try:
+            rows = self._store.transaction(
+                self._store.engine(single=True), lambda c: [dict(r) for r in c.execute(stmt, self._params).mappings()]
+            )
+        except DatabaseUnavailable:
+            return  # still unreachable: the retry finds out
+        for row in rows:
+            if self._may_adopt(str(row["id"]), row["lease_generation"]):
+                log.warning("celery-lease: job %s: its claim had landed before the reply was lost; adopted", row["id"])
+                raise ClaimLanded(row)
+
+
+def execute(
+    store: Store,
+    t: Claim,
+    params: Mapping[str, Any],
+    *,
+    build: Mapping[str, Any] | None = None,
+    may_adopt: Callable[[str, int], bool] | None = None,
+    successes: RidingSuccesses | None = None,
+    follow_ups: ClaimFollowUps | None = None,
+) -> Row | None:
+    """Execute the claim ``t`` of the job ``params`` names (job_id, owner, wakeup_task,
+    and a limited claim's limits); return the row claimed, or None when nothing was
+    (a duplicate delivery, one for another task, or a limit, rate or pause refused it).
+    A row whose ``status`` is ``cancelled`` is a job the claim found in a cancelled run
+    (and cancelled): it must not start. ``may_adopt``: see LandedClaim; ``successes``:
+    with CLAIM_RIDING (see RidingSuccesses for what the caller learns)."""
+    stmt = t.statement(store.dialect, **(build or {}))
+    assert durability.is_durable(stmt), f"the {t.name} statement must be declared durable"
+    check = LandedClaim(store, params["job_id"], params["owner"], may_adopt)
+    try:
+        row = _run(store, t, stmt, params, check, successes, build or {})
+        if row is None and check.retried:
+            check()  # the retry claimed nothing: the first try may have
+    except ClaimLanded as landed:
+        row = landed.row
+    if row is not None and follow_ups is not None:
+        _after(t, row, params, follow_ups)
+    return row
+
+
+def _run(
+    store: Store,
+    t: Claim,
+    stmt: Any,
+    params: Mapping[str, Any],
+    check: LandedClaim,
+    successes: RidingSuccesses | None,
+    build: Mapping[str, Any],
+) -> Row | None:
+    """The claim's one transaction: alone (autocommit) and prepared on PostgreSQL, the
+    limits row lock first for a limited claim; on SQLite with its run event (and its
+    rate window's count) in the same transaction."""
+    key = "claim" if t is CLAIM else f"{t.name}|{sorted(build.items())}"
+    prepared = store.prepared(
+        key, lambda: PreparedScript(Prepared(fs.lock_limits("postgresql")), Prepared(stmt)) if t.limited else Prepared(stmt)
+    )
+    if prepared is not None:
+        if t.riding:
+            assert successes is not None
+            return _riding(store, prepared, params, successes, check)
+        rows = store.execute_prepared(prepared, dict(params), on_retry=check)
+        return dict(rows[0]) if rows else None
+    assert not t.riding, "riding successes need prepared statements (PostgreSQL)"
+    postgres = store.dialect == "postgresql"
+    rated = bool(build.get("rate"))
+
+    def work(conn: Connection) -> Row | None:
+        if t.limited:
+            conn.execute(fs.lock_limits(store.dialect), params)
+        found = conn.execute(stmt, params).mappings().first()
+        if found is None or postgres:  # the PostgreSQL statement logged (and counted) itself
+            return None if found is None else dict(found)
+        claimed = dict(found)
+        cancelled = claimed["status"] == _CANCELLED
+        event, detail = (Event.CANCELLED, claim.RUN_CANCELLED) if cancelled else (Event.CLAIMED, params["owner"])
+        store.log_events(conn, [(claimed, event, detail)])
+        if t.limited:
+            counted = rated and not cancelled
+            claimed["window_claims"] = conn.execute(fs.count_rate_claim(), params).scalar() if counted else None
+        return claimed
+
+    # One statement alone needs no BEGIN and COMMIT round trips (PostgreSQL).
+    engine = store.engine(single=True) if postgres and not t.limited else store.durable
+    return store.transaction(engine, work, on_retry=check)
+
+
+def _riding(
+    store: Store, prepared: Prepared, params: Mapping[str, Any], successes: RidingSuccesses, check: LandedClaim
+) -> Row | None:
+    """CLAIM_RIDING: the claim and the successes in one statement (one row: the claimed
+    job's columns, all NULL when nothing was claimed, and ``completed``)."""
+    keys = [(str(successes.params[f"job_id_{i}"]), successes.params[f"generation_{i}"]) for i in range(successes.count)]
+    try:
+        (row,) = store.execute_prepared(prepared, {**params, **successes.params}, on_retry=check)
+    except ClaimLanded:
+        # The first try landed whole: its claim and the successes it wrote.
+        successes.done = _landed_or_none(store, keys)
+        raise
+    done = set(row.pop("completed") or ())
+    if check.retried and len(done) < successes.count:
+        done |= _landed_or_none(store, [k for k in keys if k[0] not in done])
+    successes.done = done
+    return None if row["id"] is None else row
+
+
+def _landed_or_none(store: Store, keys: list[tuple[str, int]]) -> set[str]:
+    try:
+        return store.landed_successes(keys)
+    except DatabaseUnavailable:
+        return set()  # the caller re-checks each missing one (fenced), which settles it
+
+
+def _after(t: Claim, row: Row, params: Mapping[str, Any], f: ClaimFollowUps) -> None:
+    """The follow-ups of one committed claim, each once, each best-effort."""
+    steps: list[tuple[str, Callable[[Row], None] | None]] = []
+    if row["status"] == _CANCELLED:
+        steps.append(("errbacks of its cancel", f.cancelled))
+    elif t.limited and row.get("window_claims") == 1:
+        steps.append(("wake of its new rate window", f.window_opened))
+    if str(row["id"]) != str(params["job_id"]):
+        steps.append(("new wakeup of the job it swapped out", f.swapped))
+    for what, step in steps:
+        if step is None:
+            continue
+        try:
+            step(row)
+        except Exception:
+            log.exception("celery-lease: job %s: the %s after its %s failed", row["id"], what, t.name)
+
+
+def claim_delivery(
+    store: Store,
+    job_id: str,
+    owner: str,
+    task: str,
+    *,
+    may_adopt: Callable[[str, int], bool] | None = None,
+    successes: RidingSuccesses | None = None,
+    follow_ups: ClaimFollowUps | None = None,
+) -> Row | None:
+    """The claim of a delivery of a kind with no limit: CLAIM, or CLAIM_RIDING when
+    ``successes`` wait and statements are prepared. A riding claim the database refuses
+    for another reason than a lost connection (a value it would not take) is sent again
+    alone, and ``successes.done`` stays None."""
+    params = {"job_id": job_id, "owner": owner, "wakeup_task": task}
+    kw: dict[str, Any] = {"may_adopt": may_adopt, "follow_ups": follow_ups}
+    if successes is not None and store.prepares:
+        try:
+            return execute(store, CLAIM_RIDING, params, build={"count": successes.count}, successes=successes, **kw)
+        except DatabaseUnavailable:
+            raise
+        except Exception:
+            successes.done = None
+            log.warning("celery-lease: a claim carrying %d success(es) failed; claiming alone", successes.count, exc_info=True)
+    return execute(store, CLAIM, params, **kw)
