@@ -65,6 +65,16 @@ def reap_expired(dialect: str) -> sa.Update:
 
 
 @functools.cache
+def any_lease_elapsed() -> sa.Select:
+    """any_lease_elapsed: whether reap_expired would find a row. The reaper's idle tick
+    is this one read of celery_lease_jobs_running (the index's own predicate, literal,
+    so a generic plan uses it): no transaction id is taken and nothing is committed,
+    where the reap transition's transaction takes one and commits durably (an fsync per
+    idle tick). A lease that elapses just after it is reaped by the next tick."""
+    return sa.select(sa.exists().where(_lease_elapsed).label("elapsed"))
+
+
+@functools.cache
 def reap_expired_logged() -> sa.Select:
     """reap_expired, plus the run's 'reaped' event of each reaped job that belongs to a
     run, as ONE statement (PostgreSQL data-modifying CTE): the store runs it prepared,
