@@ -43,7 +43,8 @@ def _sizes(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     from bench.systems import FACTORIES, SYSTEMS
 
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    # No abbreviations: `bench cpu --n 6000` would otherwise be an ambiguous --n-noop.
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command")
     run_p = sub.add_parser("run", help="the side-by-side run and the scale figures (default)")
     for p in (parser, run_p):
@@ -89,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     cpu_p = sub.add_parser("cpu", help="CPU per job by process (worker, pool, PostgreSQL, Redis) during a drain")
     cpu_p.add_argument("--n", type=int, default=6000, help="no-op jobs drained per system (default 6000)")
     cpu_p.add_argument("--reps", type=int, default=1, help="interleaved repetitions (default 1)")
+    cpu_p.add_argument(
+        "--systems",
+        type=lambda v: [s.strip() for s in v.split(",") if s.strip()],
+        default=["celery", "lease-pg"],
+        help="comma-separated (default celery,lease-pg; add procrastinate,pgqueuer for their database figures)",
+    )
     cpu_p.add_argument("--results", type=Path, default=RESULTS)
     flow_p = sub.add_parser("flow", help="the cost of a concurrency or rate limit at claim time (~30 s)")
     flow_p.add_argument("--samples", type=int, default=500, help="timed claims per variant (default 500)")

@@ -1,7 +1,7 @@
 """The run's outputs: latest.json, latest.md (the figures table, then the details) and a
 PNG chart.
 
-The figures table has one row per figure of issue #12's table (celery-lease on
+The figures table has one row per target of issues #12 and #22 (celery-lease on
 PostgreSQL, no-op jobs, against plain Celery in the same repetition), each with its
 goal and whether the run met it, and a "before" column when ``--before`` names an
 earlier run's latest.json.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.cpu import PART_LABELS, PARTS
+from bench.cpu import PART_LABELS, PARTS, PG_COLUMNS, pg_cells
 
 LABELS = {
     "celery": "plain Celery",
@@ -28,6 +28,10 @@ BODY_LABELS = {"noop": "no-op", "sleep1": "1 ms", "sleep10": "10 ms"}
 #: Systems compared with another celery-lease system as well as with plain Celery: the
 #: flow-control cost is lease-pg-limited over lease-pg (see systems.FACTORIES).
 BASELINES = {"lease-pg-limited": "lease-pg", "lease-ahead": "lease-pg"}
+#: Issue #22: PostgreSQL CPU per no-op job, µs (the system's own backends, figure 8.).
+PG_CPU_GOAL_US = 150
+#: The PostgreSQL systems of the "database per drained job" table.
+PG_SYSTEMS = ("lease-pg", "lease-ahead", "lease-batch", "lease-pg-limited", "procrastinate", "pgqueuer")
 #: Sizes the maintenance goals are stated at.
 GOAL_TERMINAL_ROWS = 1_000_000
 GOAL_EXPIRED = 100_000
@@ -98,6 +102,16 @@ def figures(rows: list[dict], scale: dict | None) -> list[dict]:
             "–" if v is None else f"{v:+.1f} MB",
             "≤ +10 MB",
             None if v is None else v <= 10,
+        )
+    )
+    v = _get(lease, ("cpu_us", "postgres"))
+    out.append(
+        _figure(
+            "PostgreSQL CPU per drained job (the system's backends)",
+            v,
+            "–" if v is None else f"{v:,.0f} µs",
+            f"≤ {PG_CPU_GOAL_US} µs",
+            None if v is None else v <= PG_CPU_GOAL_US,
         )
     )
     if scale is None:
@@ -221,6 +235,25 @@ def cpu_table(rows: list[dict], body: str = "noop") -> str:
     return "\n".join(lines) + "\n"
 
 
+def pg_table(rows: list[dict], body: str = "noop") -> str:
+    """Per drained job, each PostgreSQL system's database: backend CPU, WAL bytes and
+    commit records of its own transactions, the cluster's WAL fsyncs, and the share of
+    its job table's updates that were HOT (bench/cpu.py, PgMeter)."""
+    lines = [
+        "| system | drain/s | PostgreSQL CPU µs | " + " | ".join(label for label, _ in PG_COLUMNS.values()) + " |",
+        "|---|---:|---:|" + "---:|" * len(PG_COLUMNS),
+    ]
+    order = {name: i for i, name in enumerate(PG_SYSTEMS)}
+    for row in sorted((r for r in rows if r["body"] == body and r["system"] in order), key=lambda r: order[r["system"]]):
+        cpu = _get(row, ("cpu_us", "postgres"))
+        lines.append(
+            f"| {LABELS.get(row['system'], row['system'])} | {_fmt(row.get('drain_rate'))} | {_fmt(cpu)} | "
+            + " | ".join(pg_cells(row))
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(
     rows: list[dict], meta: dict, scale: dict | None = None, before: list[dict] | None = None, cells: list[dict] | None = None
 ) -> str:
@@ -232,7 +265,7 @@ def markdown(
         f"{meta['machine']}; {meta['reps']} interleaved repetition(s); N = {sizes} jobs per phase "
         f"(drain: 2N); {meta['seconds']:.0f}s in all." + (f" {meta['note']}" if meta.get("note") else ""),
         "",
-        "## Figures (issue #12)",
+        "## Figures (issues #12 and #22)",
         "",
         "celery-lease on PostgreSQL, no-op jobs; ratios and differences are to plain Celery in the same "
         "repetition (medians over repetitions).",
@@ -246,6 +279,14 @@ def markdown(
         "## CPU µs per no-op job during a drain, by process",
         "",
         cpu_table(rows).rstrip("\n"),
+        "",
+        "## The database per drained no-op job",
+        "",
+        "WAL bytes and commits: records of the system's own database (pg_walinspect); WAL fsyncs: "
+        "pg_stat_wal of the whole cluster (other databases' commits count too); HOT updates: the share of "
+        "its job table's updates that wrote no index entry.",
+        "",
+        pg_table(rows).rstrip("\n"),
         "",
         "## Every system and body",
         "",

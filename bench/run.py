@@ -7,7 +7,8 @@ One cell = one system, one body, one repetition, with the worker started once:
    between and after, with every connection closed so the counters are exact;
 2. start the worker: it drains the 2N backlog. Drain throughput = 2N / (last end -
    first start) over the completed jobs' own timestamps, so worker start-up is not
-   counted. CPU per job by process (bench/cpu.py) over the drain: Celery-based workers
+   counted. CPU per job by process, and the database's WAL, fsyncs and HOT updates
+   (bench/cpu.py), over the drain: Celery-based workers
    start held and are released once warm, the others are measured from their ready
    marker, so start-up is not counted there either;
 3. worker warm and idle: submit N jobs one at a time from the bench while it runs.
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from bench import harness
 from bench.apps import BODIES, SLEEP_SECONDS, counting
-from bench.cpu import CpuMeter, per_job_us
+from bench.cpu import CpuMeter, PgMeter, per_job_us
 from bench.systems import Lease, System
 
 
@@ -138,9 +139,12 @@ class Cell:
         polls0 = s.polls
 
         worker = harness.WorkerProcess(s.worker_args(hold=s.holdable), s.env(self.broker.url, self.out), self.out)
+        pg = PgMeter.of(s)  # before the worker starts: procrastinate and pgqueuer drain at once
+        if pg is not None:
+            pg.start()
         try:
             worker.start()
-            meter = CpuMeter(worker, s, self.broker.proc.pid)
+            meter = CpuMeter(worker, s, self.broker.proc.pid, pg)
             meter.start()
             if s.holdable:
                 s.release()
@@ -150,6 +154,7 @@ class Cell:
             first_start = min(start for start, _ in drained)
             last_end = max(end for _, end in drained)
             r["drain_rate"] = len(drained) / (last_end - first_start)
+            r.update(meter.pg_per_job(2 * n))  # WAL, fsyncs, HOT updates over the drain
 
             time.sleep(0.3)  # idle and warm: every drain job is finished and recorded
             boundary = time.time()

@@ -83,7 +83,8 @@ class Prepared:
             if isinstance(impl, sa.JSON):
                 self._json.add(key)
             types.append(impl.compile(dialect=_DOLLAR))
-        self.prepare_sql = f"PREPARE {self.name} ({', '.join(types)}) AS {compiled.string}"
+        arguments = f" ({', '.join(types)})" if types else ""  # PREPARE name () is a syntax error
+        self.prepare_sql = f"PREPARE {self.name}{arguments} AS {compiled.string}"
         placeholders = ", ".join(["%s"] * len(self._order))
         self.execute_sql = f"EXECUTE {self.name} ({placeholders})" if self._order else f"EXECUTE {self.name}"
         #: Declared on the statement (durability.durable): commits synchronously.

@@ -234,6 +234,13 @@ class Store(Reads, Chords, Database):
             return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
         return self._maintain("sweep", stmt, params)
 
+    def any_lease_elapsed(self) -> bool:
+        """Whether a running job's lease has elapsed (the reaper's idle tick: one read)."""
+        stmt = maintenance.any_lease_elapsed()
+        if self.dialect != "postgresql":
+            return bool(self.transaction(self.durable, lambda c: c.execute(stmt).scalar()))
+        return bool(self._maintain("reap_probe", stmt, {})[0]["elapsed"])
+
     def _maintain(self, name: str, stmt, params: dict[str, Any]) -> list[dict]:
         """A maintenance statement on PostgreSQL alone in its transaction (autocommit),
         prepared unless prepare_statements is off."""

@@ -82,19 +82,18 @@ class Batches:
                 # Running here in a batch: this wakeup is a duplicate; no statement.
                 log.debug("celery-lease: job %s: running in a batch here; delivery skipped", job_id)
                 return None
-            # A single claim's reply lost meanwhile must not adopt a row this claim took.
-            state._claiming += 1
         sent_at = time.monotonic()
         owner = owner_of(hostname)
         params = {"job_id": job_id, "wakeup_task": spec.task, "owner": owner, "n": spec.batch}
-        try:
-            found = state.pipeline.execute(CLAIM_BATCH, params)
-            rows = [r for r in found if r["id"] is not None]  # (nothing claimed: one row of NULLs)
-            with state._lock:
-                state._live.update((str(r["id"]), r["lease_generation"]) for r in rows if r["status"] != _CANCELLED)
-        finally:
-            with state._lock:
-                state._claiming -= 1
+        # Not counted in WorkerState._claiming: a single claim whose reply was lost adopts
+        # only rows of its own kind (claim.adopt_claim), and a batched kind is never claimed
+        # singly here, so no row this claim takes can be mistaken for that claim's. (Counted,
+        # a batch claim settling its own lost reply kept a single claim from adopting its
+        # landed row: the job stayed running with no body until the reaper took it.)
+        found = state.pipeline.execute(CLAIM_BATCH, params)
+        rows = [r for r in found if r["id"] is not None]  # (nothing claimed: one row of NULLs)
+        with state._lock:
+            state._live.update((str(r["id"]), r["lease_generation"]) for r in rows if r["status"] != _CANCELLED)
         if not rows:
             self._nothing_claimed(job_id, spec, paused=bool(found and found[0]["paused"]))
             return None

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from billiard.exceptions import WorkerLostError
 from celery import Celery, signals
 
-from celery_lease.db.statements.lost import expire_lost_lease
+from celery_lease.db.statements.lost import expire_leases_of, expire_lost_lease, running_owners
 from celery_lease.errors import LeaseError
 from celery_lease.job import parse_job_id
 from celery_lease.status import Status
@@ -67,6 +67,24 @@ def release(store: Store, reap: Callable[[], Any], job_id: str) -> bool:
     return True
 
 
+def release_dead(store: Store) -> int:
+    """Release every lease held by a pool process of this worker boot that is gone; returns
+    how many. A batched kind's process (worker/batch.py) holds many leases, and the
+    delivery Celery reports lost names one job at most (maybe one that had ended)."""
+    me = os.getpid()
+    owners = store.transaction(store.durable, lambda c: [r[0] for r in c.execute(running_owners(), {"pattern": f"%/{BOOT_ID}"})])
+    released = 0
+    for lease_owner in owners:
+        pid = lease_owner.rsplit("/", 2)[1]
+        # (This process's own leases: lease_claim_ahead's, released one by one above.)
+        if pid.isdigit() and int(pid) != me and process_gone(int(pid)):
+            stmt = expire_leases_of()
+            released += store.transaction(store.durable, lambda c, o=lease_owner: c.execute(stmt, {"owner": o}).rowcount)
+    if released:
+        log.warning("celery-lease: %d lease(s) of dead worker processes released", released)
+    return released
+
+
 def connect(app: Celery, owner: object, *, store: Callable[[], Store], reap: Callable[[], Any]) -> None:
     """On ``WorkerLostError`` for one of ``owner``'s leased tasks, release its lease."""
 
@@ -76,6 +94,8 @@ def connect(app: Celery, owner: object, *, store: Callable[[], Store], reap: Cal
             return
         try:
             release(store(), reap, str(task_id))
+            if release_dead(store()):
+                reap()
         except (LeaseError, ValueError):
             log.warning("celery-lease: job %s: its worker process died; the reaper will release it", task_id, exc_info=True)
 

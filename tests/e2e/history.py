@@ -229,12 +229,18 @@ def _killed(h: History, owner: str | None, at: float) -> bool:
 def _attempts(h: History) -> list[Violation]:
     out = []
     ran: dict[str, set[int]] = defaultdict(set)
+    crashes = [op.at for op in h.ops if op.op == "fault" and op.detail.get("fault") == "pg_crash"]
+    reaped = {(e["job_id"], e["attempt"]): e["at"] for e in h.events if e["event"] == "reaped"}
     for b in h.bodies:
         # A snoozed body spends nothing, unless its process died before the snooze
-        # was written (then the reaper ends the attempt).
+        # was written, or PostgreSQL crashed between the body's start and the reap of
+        # its attempt: the snooze could not land within the lease, and the reaper
+        # ended the attempt (an outage longer than a lease loses the lease).
         killed = h.pid_kills.get(b["pid"])
         died = killed is not None and b.get("ended_at") is not None and 0 <= killed - b["ended_at"] <= KILL_EXCUSE
-        if b.get("outcome") != "snoozed" or died:
+        reaped_at = reaped.get((b["job_id"], b["attempt"]))
+        lapsed = reaped_at is not None and any(b["started_at"] <= t <= reaped_at for t in crashes)
+        if b.get("outcome") != "snoozed" or died or lapsed:
             ran[b["job_id"]].add(b["attempt"])
     excused: dict[str, set[int]] = defaultdict(set)
     claimed: dict[str, list[dict]] = defaultdict(list)

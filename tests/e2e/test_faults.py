@@ -71,7 +71,9 @@ def checkpoint_reached(db, job_id: str, i: int) -> bool:
 
 def pid_in(marker) -> int:
     """The pid a handler wrote into its marker file (the pool child running it)."""
-    wait_for(marker.exists, timeout=30, what=f"marker {marker.name}")
+    # The handler opens the file and then writes its pid: wait for the pid, not the file
+    # (a read between the two found it empty once in a loaded CI run).
+    wait_for(lambda: marker.exists() and marker.read_text().strip(), timeout=30, what=f"marker {marker.name}")
     return int(marker.read_text().split()[0])
 
 

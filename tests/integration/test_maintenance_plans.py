@@ -128,3 +128,23 @@ def test_reap_plan_reads_one_batch_not_the_backlog(pg, mode, analyzed):
     assert ("Seq Scan", None) not in scans, scans
     assert ("Index Scan", "celery_lease_jobs_running") in scans, scans
     assert _visited(root) <= 2 * limit + 3, json.dumps(root, indent=1)
+
+
+def test_an_idle_reap_tick_is_one_read(pg, broker, client_app, make_job):
+    """Nothing expired: the tick is the any_lease_elapsed probe alone (autocommit, no
+    transaction id, no durable commit), not the reap transition's transaction (its
+    mark takes a transaction id, so its commit is a WAL record and an fsync every tick)."""
+    mod = client_app(pg, broker)
+    make_job(pg, status="running", lease_owner="w/1/b", lease_expires_at=sa.text("now() + interval '1 hour'"))
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        seen.append(statement)
+
+    assert mod.leases.reap() == {"requeued": 0, "expired": 0}  # warm: statements prepared
+    sa.event.listen(sa.engine.Engine, "before_cursor_execute", record)
+    try:
+        assert mod.leases.reap() == {"requeued": 0, "expired": 0}
+    finally:
+        sa.event.remove(sa.engine.Engine, "before_cursor_execute", record)
+    assert len(seen) == 1 and seen[0].startswith("EXECUTE"), seen

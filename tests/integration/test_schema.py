@@ -9,6 +9,7 @@ from alembic.migration import MigrationContext
 
 from celery_lease.db import migrate
 from celery_lease.db.schema import metadata
+from celery_lease.db.statements import attempt
 from celery_lease.db.store import Store
 from tests.conftest import throwaway_database
 
@@ -79,6 +80,9 @@ CATALOG = {
     "constraints": """SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint
                       WHERE conrelid::regclass::text LIKE 'celery_lease_%'
                       AND conrelid::regclass::text <> 'celery_lease_alembic_version' ORDER BY 1, 2""",
+    # Storage parameters (the jobs table's fillfactor): autogenerate does not compare them.
+    "storage": """SELECT relname, reloptions FROM pg_class WHERE relkind = 'r' AND relname LIKE 'celery_lease_%'
+                  AND relname <> 'celery_lease_alembic_version' ORDER BY 1""",
 }
 
 
@@ -95,3 +99,33 @@ def test_migrations_reproduce_create_all_exactly_in_the_catalog(pg):
         finally:
             declared.dispose()
             migrated.dispose()
+
+
+def test_a_write_that_changes_no_indexed_column_stays_on_its_page(pg):
+    """Room left on every page of the jobs table (fillfactor, migration 0008): a
+    checkpoint or progress write of a job on a page filled by submits is HOT, no new
+    entry in any index. With full pages each such write moved its row to another page
+    and into all the indexes."""
+    fill = (
+        "INSERT INTO celery_lease_jobs (id, kind, task, status, attempt, max_attempts, lease_seconds, lease_generation,"
+        " lease_owner, lease_expires_at, payload, created_at, updated_at) SELECT gen_random_uuid(), 'echo',"
+        " 'tests.apps.app.echo', 'running', 1, 3, 30, 1, 'w/1/b', now() + interval '1 minute', '{}'::jsonb, now(), now()"
+        " FROM generate_series(1, 400)"
+    )
+    engine = sa.create_engine(pg)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(fill)  # several pages, each filled as far as inserts go
+            first_page = conn.exec_driver_sql(
+                "SELECT id FROM celery_lease_jobs WHERE (ctid::text::point)[0] = 0 ORDER BY ctid LIMIT 10"
+            ).all()
+            for (job_id,) in first_page[:5]:
+                conn.execute(attempt.save_checkpoint(), {"job_id": job_id, "generation": 1, "new_checkpoint": {"n": 1}})
+            for (job_id,) in first_page[5:]:
+                conn.execute(attempt.publish_progress(), {"job_id": job_id, "generation": 1, "new_progress": {"done": 1}})
+            updated, hot = conn.exec_driver_sql(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = 'celery_lease_jobs'"
+            ).one()
+    finally:
+        engine.dispose()
+    assert (updated, hot) == (10, 10)

@@ -25,6 +25,7 @@ from celery_lease import Status
 from celery_lease.db.prepared import Prepared
 from celery_lease.db.schema import jobs
 from celery_lease.wakeups import Publisher
+from celery_lease.wakeups_redis import LPUSH_CHUNK
 from tests.conftest import wait_for
 
 
@@ -289,19 +290,23 @@ def test_publish_signals_fire_once_per_wakeup_after_the_commit(db, broker, clien
 
 
 def test_submit_many_pipelines_its_wakeups(pg, broker, client_app, monkeypatch):
-    """2,500 wakeups reach Redis in a few pipelined round trips, not one each."""
+    """2,500 wakeups reach Redis in a few pipelined round trips, not one each, and a
+    few commands (one LPUSH per queue and chunk of messages)."""
     mod = client_app(pg, broker)
-    executed: list[int] = []
+    executed: list[int] = []  # messages per pipeline
+    commands: list[int] = []  # commands per pipeline
     real_execute = redis.client.Pipeline.execute
 
     def counted(self, *args, **kwargs):
-        executed.append(len(self.command_stack))
+        executed.append(sum(len(command) - 2 for command, _ in self.command_stack))  # LPUSH key message...
+        commands.append(len(self.command_stack))
         return real_execute(self, *args, **kwargs)
 
     monkeypatch.setattr(redis.client.Pipeline, "execute", counted)
     mod.echo.submit_many([{"i": i} for i in range(2500)])
     mod.echo.submit_many([{"i": i} for i in range(10)])
     assert sum(executed) >= 2510 and len(executed) <= 4
+    assert sum(commands) <= 2510 // LPUSH_CHUNK + 2, commands
     sent = messages(broker)
     assert len(sent) == 2510
     # Delivery tags (kombu's unacked-message keys) stay unique UUID4 strings, across calls too.

@@ -260,3 +260,20 @@ def test_a_snoozed_body_whose_process_died_before_the_snooze_was_written_spent_i
     h.pid_kills[100] = T0 + 4.5  # killed long after: the snooze's own write was lost
     h.node_kills = {}
     assert checks(h) == ["attempt"]
+
+
+def test_a_snoozed_body_whose_lease_lapsed_in_a_postgresql_crash_spent_its_attempt():
+    """The body snoozed, PostgreSQL crashed before the snooze was written, and the lease
+    lapsed during the outage: the reaper ended the attempt (seeds 208641, 189805)."""
+    h = clean()
+    h.jobs["s"] = job("s", kind="h_snooze", attempt=2, generation=2)
+    h.effects.append(effect("s", 2, 2))
+    h.bodies += [body("s", 1, 1, outcome="snoozed", start=1.0, end=1.05), body("s", 2, 2, start=6, end=6.1)]
+    h.events += [claimed("s", 1, at=0.95), claimed("s", 2, at=5.9)]
+    h.events.append({"job_id": "s", "event": "reaped", "attempt": 1, "detail": "lease expired: pending", "at": T0 + 4.0})
+    h.pid_kills, h.node_kills = {}, {}
+    assert checks(h) == ["attempt"], "no crash: the snooze's own write was lost"
+    h.ops.append(Op(T0 + 1.2, "fault", None, {"fault": "pg_crash"}))
+    assert check(h) == []
+    h.ops[-1] = Op(T0 + 4.5, "fault", None, {"fault": "pg_crash"})
+    assert checks(h) == ["attempt"], "a crash after the reap excuses nothing"
