@@ -3,7 +3,7 @@
 On a throwaway PostgreSQL database and a private Redis (wakeups are really published):
 
 1. **idle ticks and claim** — ``leases.reap()`` and ``leases.sweep()`` with nothing to do
-   (one autocommit statement each) and the claim statement (``store.claim`` of
+   (one autocommit statement each) and the claim statement (``claim_delivery`` of
    a fresh pending job), on an empty table and then with ``--rows`` terminal rows
    (succeeded/failed/cancelled/expired, one ``generate_series`` INSERT, then
    ``VACUUM ANALYZE``). Median and p99 of ``--samples`` calls each.
