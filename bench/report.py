@@ -19,7 +19,6 @@ LABELS = {
     "lease-pg": "celery-lease (PostgreSQL)",
     "lease-pg-limited": "celery-lease (PostgreSQL, flow-controlled)",
     "lease-batch": "celery-lease (PostgreSQL, batch=100)",
-    "lease-ahead": "celery-lease (PostgreSQL, claim ahead)",
     "lease-sqlite": "celery-lease (SQLite)",
     "procrastinate": "procrastinate",
     "pgqueuer": "pgqueuer",
@@ -27,11 +26,11 @@ LABELS = {
 BODY_LABELS = {"noop": "no-op", "sleep1": "1 ms", "sleep10": "10 ms"}
 #: Systems compared with another celery-lease system as well as with plain Celery: the
 #: flow-control cost is lease-pg-limited over lease-pg (see systems.FACTORIES).
-BASELINES = {"lease-pg-limited": "lease-pg", "lease-ahead": "lease-pg"}
+BASELINES = {"lease-pg-limited": "lease-pg"}
 #: Issue #22: PostgreSQL CPU per no-op job, µs (the system's own backends, figure 8.).
 PG_CPU_GOAL_US = 150
 #: The PostgreSQL systems of the "database per drained job" table.
-PG_SYSTEMS = ("lease-pg", "lease-ahead", "lease-batch", "lease-pg-limited", "procrastinate", "pgqueuer")
+PG_SYSTEMS = ("lease-pg", "lease-batch", "lease-pg-limited", "procrastinate", "pgqueuer")
 #: Sizes the maintenance goals are stated at.
 GOAL_TERMINAL_ROWS = 1_000_000
 GOAL_EXPIRED = 100_000

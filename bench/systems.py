@@ -205,9 +205,7 @@ class Lease(_SqlPolling):
     times_sql = "SELECT started_at, finished_at FROM celery_lease_jobs WHERE status = 'succeeded'"
     holdable = True
 
-    def __init__(
-        self, name: str, label: str, db: str, broker: str, postgres: bool, job_options: dict | None = None, **settings
-    ) -> None:
+    def __init__(self, name: str, label: str, db: str, broker: str, postgres: bool, job_options: dict | None = None) -> None:
         super().__init__()
         from bench.apps.lease import make_app
 
@@ -217,16 +215,13 @@ class Lease(_SqlPolling):
         self.read_url = db
         #: Extra ``leases.job(...)`` arguments, the same in this process and the worker.
         self.job_options = job_options or {}
-        #: CeleryLease settings, the same in this process and the worker.
-        self.settings = settings
-        self.app, self.leases, self.tasks = make_app(db, broker, self.job_options, **settings)
+        self.app, self.leases, self.tasks = make_app(db, broker, self.job_options)
         self.leases.create_schema()
 
     def env(self, broker: str, out: Path) -> dict[str, str]:
         env = super().env(broker, out)
         env["BENCH_DB"] = self.url
         env["BENCH_JOB_OPTIONS"] = json.dumps(self.job_options)
-        env["BENCH_LEASE_SETTINGS"] = json.dumps(self.settings)
         return env
 
     def worker_args(self, hold: bool = False) -> list[str]:
@@ -404,10 +399,6 @@ FACTORIES = {
     ),
     "procrastinate": lambda dbs, broker, workdir: Procrastinate(dbs.create("procrastinate")),
     "pgqueuer": lambda dbs, broker, workdir: PgQueuer(dbs.create("pgqueuer")),
-    # The claim made in batches by the worker's main process (lease_claim_ahead).
-    "lease-ahead": lambda dbs, broker, workdir: Lease(
-        "lease-ahead", "celery-lease (PostgreSQL, claim ahead)", dbs.create("ahead"), broker, True, claim_ahead=True
-    ),
     # Flow control's cost end to end: the same no-op jobs behind a concurrency limit
     # (2, the worker's concurrency: it holds but does not throttle). Not in the default run.
     "lease-pg-limited": lambda dbs, broker, workdir: Lease(

@@ -42,10 +42,6 @@ class Settings:
     prepare_statements: bool = True
     #: beat's reap/sweep/prune ticks go here; a thread of every worker's main process consumes it
     maintenance_queue: str = "celery_lease"
-    #: PostgreSQL, prefork: the worker's main process claims the wakeups it receives in
-    #: batches, ahead of the pool (celery_lease/worker/ahead.py); off: each pool process
-    #: claims its own job
-    claim_ahead: bool = False
     #: PostgreSQL: seconds to establish a connection
     connect_timeout: float = 10.0
     #: PostgreSQL: statement timeout of pooled connections (0: none; effects run there too)

@@ -56,10 +56,7 @@ def make_app(db: str | None, broker: str | None, job_options: dict | None = None
 
 # The worker's app (`celery -A bench.apps.lease worker`), from the environment.
 app, leases, tasks = make_app(
-    os.environ.get("BENCH_DB"),
-    os.environ.get("BENCH_BROKER"),
-    json.loads(os.environ.get("BENCH_JOB_OPTIONS") or "{}"),
-    **json.loads(os.environ.get("BENCH_LEASE_SETTINGS") or "{}"),
+    os.environ.get("BENCH_DB"), os.environ.get("BENCH_BROKER"), json.loads(os.environ.get("BENCH_JOB_OPTIONS") or "{}")
 )
 
 # Pool children leave through worker_process_shutdown; the main process through atexit.

@@ -161,10 +161,7 @@ class WorkerState:
                 log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
             return None
         # A higher-priority job may be claimed in place of the delivered one.
-        return self._start(Attempt.from_claim(str(row["id"]), row, sent_at=sent_at), spec, sent_at)
-
-    def _start(self, attempt: Attempt, spec: JobKind, sent_at: float) -> Attempt | None:
-        """The claimed ``attempt`` starts, unless its claim came too late in its lease."""
+        attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
         if time.monotonic() - sent_at > attempt.lease_seconds * START_SHARE:
             self._hand_back(attempt)
             return None
@@ -172,20 +169,6 @@ class WorkerState:
             attempt.deadline = sent_at + spec.timeout
         self.heartbeat.add(attempt)
         return attempt
-
-    def adopt_ahead(self, row: dict[str, Any], spec: JobKind) -> Attempt | None:
-        """The attempt the main process claimed for this delivery (worker/ahead.py):
-        ``row`` is its claim's, ``row["sent_at"]`` the monotonic time the claim was sent
-        (one clock for every process of the machine)."""
-        if row.get("status") == _CANCELLED:
-            log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
-            self.pipeline.claim_cancelled(row)
-            return None
-        sent_at = row["sent_at"]
-        attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
-        with self._lock:
-            self._live.add(attempt.key)
-        return self._start(attempt, spec, sent_at)
 
     def _hand_back(self, attempt: Attempt) -> None:
         """The claim's reply came when its lease, counted from before it was sent, was

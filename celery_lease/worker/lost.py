@@ -55,9 +55,7 @@ def release(store: Store, reap: Callable[[], Any], job_id: str) -> bool:
     if job is None or job.status is not Status.RUNNING or not job.lease_owner:
         return False
     _node, pid, boot = job.lease_owner.rsplit("/", 2)
-    # A lease owned by this very process (a worker's main process, with
-    # lease_claim_ahead) was claimed here for the pool process that died running it.
-    if boot != BOOT_ID or not pid.isdigit() or not (int(pid) == os.getpid() or process_gone(int(pid))):
+    if boot != BOOT_ID or not pid.isdigit() or not process_gone(int(pid)):
         return False
     params = {"job_id": job.id, "owner": job.lease_owner, "generation": job.lease_generation}
     if not store.guarded(expire_lost_lease(), params):
@@ -71,13 +69,11 @@ def release_dead(store: Store) -> int:
     """Release every lease held by a pool process of this worker boot that is gone; returns
     how many. A batched kind's process (worker/batch.py) holds many leases, and the
     delivery Celery reports lost names one job at most (maybe one that had ended)."""
-    me = os.getpid()
     owners = store.transaction(store.durable, lambda c: [r[0] for r in c.execute(running_owners(), {"pattern": f"%/{BOOT_ID}"})])
     released = 0
     for lease_owner in owners:
         pid = lease_owner.rsplit("/", 2)[1]
-        # (This process's own leases: lease_claim_ahead's, released one by one above.)
-        if pid.isdigit() and int(pid) != me and process_gone(int(pid)):
+        if pid.isdigit() and process_gone(int(pid)):
             stmt = expire_leases_of()
             released += store.transaction(store.durable, lambda c, o=lease_owner: c.execute(stmt, {"owner": o}).rowcount)
     if released:

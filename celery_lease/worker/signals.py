@@ -4,8 +4,7 @@
   (celery_lease/green.py); size the connection pools for the worker's concurrency; check the
   database is reachable; exit with one clear line if not.
 - ``worker_ready``: restart recovery, before the worker takes new work.
-- ``task_prerun``: claim the job (one atomic statement), or take the lease the main
-  process claimed ahead (worker/ahead.py), and start its heartbeats; for a
+- ``task_prerun``: claim the job (one atomic statement) and start its heartbeats; for a
   plain task, strip tenant and run from the leased signatures its message carries.
 - (the task body): run the handler; record success / failure / retry.
 - ``task_postrun``: stop the attempt's heartbeats; free the exception the body ended with.
@@ -30,7 +29,7 @@ from celery import Celery, signals
 
 from celery_lease import green, tracing
 from celery_lease.errors import LeaseError
-from celery_lease.worker import ahead, borne, events, revoke, shutdown
+from celery_lease.worker import borne, events, revoke, shutdown
 from celery_lease.worker.task import LeaseTask
 
 if TYPE_CHECKING:
@@ -100,11 +99,7 @@ def connect(
             started = tracing.clock()  # the attempt's span starts with its claim
             # Recorded at once: the claim is committed, and nothing after it may keep the
             # body from running (Celery swallows what a task_prerun receiver raises).
-            lease = ahead.lease_of(request)
-            if lease is not None:  # claimed by the main process (worker/ahead.py)
-                request.lease_attempt = attempt = worker_state().adopt_ahead(lease, task.spec)
-            else:
-                request.lease_attempt = attempt = worker_state().begin(request.id, task.spec, request.hostname)
+            request.lease_attempt = attempt = worker_state().begin(request.id, task.spec, request.hostname)
             if started is not None and attempt is not None:
                 tracing.start_attempt(attempt, queue, started, request)
 

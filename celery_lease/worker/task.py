@@ -127,8 +127,6 @@ class LeaseTask(Task):
     #: instead re-deliver the message after the visibility timeout for nothing.
     acks_late = False
     typing = False
-    #: Celery's strategy, or the claim ahead of the pool (lease_claim_ahead).
-    Strategy = "celery_lease.worker.ahead:strategy"
     #: Expected outcomes: Celery logs them at INFO without a traceback (a Failure is the
     #: handler's decision, not a crash for Sentry). Spent retries stay JobFailed: ERROR.
     throws = (JobRefused,)

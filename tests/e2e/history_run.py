@@ -87,11 +87,8 @@ class Workload:
     cancel_share: float = 0.08
     revoke_share: float = 0.04
 
-    #: The main process claims in batches ahead of the pool (worker/ahead.py).
-    claim_ahead: bool = False
-
     def conf(self) -> dict:
-        return {**LEASE_CONF, "lease_prepare_statements": self.prepared, "lease_claim_ahead": self.claim_ahead}
+        return {**LEASE_CONF, "lease_prepare_statements": self.prepared}
 
 
 # --- databases --------------------------------------------------------------------------

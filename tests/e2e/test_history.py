@@ -28,7 +28,6 @@ from tests.harness import pgcluster
 
 MODES = [
     pytest.param(True, "prefork", id="prepared"),
-    pytest.param(True, "prefork-ahead", id="ahead"),
     pytest.param(False, "prefork", id="unprepared"),
     pytest.param(True, "threads", id="threads"),
 ]
@@ -79,8 +78,7 @@ def _run(w: Workload, history_dbs, broker, redis_server, client_app, tmp_path, r
 @pytest.mark.parametrize("prepared,pool", MODES)
 def test_history(history_dbs, broker, redis_server, client_app, tmp_path, request, prepared, pool):
     concurrency = 4 if pool == "threads" else 2
-    pool, _, ahead = pool.partition("-")
-    w = Workload(seed=_seed(), prepared=prepared, pool=pool, concurrency=concurrency, claim_ahead=bool(ahead))
+    w = Workload(seed=_seed(), prepared=prepared, pool=pool, concurrency=concurrency)
     _run(w, history_dbs, broker, redis_server, client_app, tmp_path, request)
 
 
@@ -90,12 +88,10 @@ def test_history(history_dbs, broker, redis_server, client_app, tmp_path, reques
 def test_history_long(history_dbs, broker, redis_server, client_app, tmp_path, request, prepared, pool):
     concurrency = 4 if pool == "threads" else 2
     seconds = float(os.environ.get("HISTORY_SECONDS", "150"))
-    pool, _, ahead = pool.partition("-")
     w = Workload(
         seed=_seed(),
         prepared=prepared,
         pool=pool,
-        claim_ahead=bool(ahead),
         concurrency=concurrency,
         items=int(seconds * 4),
         seconds=seconds,
