@@ -107,3 +107,25 @@ def test_a_chord_headers_failure_retried_after_a_dropped_connection_fires_the_er
     wait_for(errbacks, timeout=30, what="the errback to run")
     time.sleep(2)  # a second errback, if any, is created by then
     assert len(mod.leases.store.list_jobs(kind="noted_error")) == 1
+
+
+def test_a_lost_claim_reply_is_adopted_while_another_thread_claims(pg, broker, client_app, workers, proxy, tmp_path):
+    """A threads pool: the claim of one job commits and its reply is lost while another
+    thread's claim is still on its way. The retry must adopt its own claim. (Both
+    threads wrote the process's one lease owner, so the row found running could have
+    been the other thread's: nothing was adopted and the job sat running with no body
+    for its whole lease, then ran on a second attempt. History, threads pool: "attempt
+    spent without a body" in 3 runs of 6.)"""
+    app = "tests.apps.app"
+    mod = client_app(pg, broker, module=app)
+    workers(proxy.url_for(pg), broker, module=app, pool="threads", concurrency=4)
+    other = mod.echo.submit({"value": "other"})
+    slow = proxy.delay(other.id, 4.0)  # its claim stays in progress for 4 s
+    assert slow.wait(30), "the other job's claim never ran"
+    job = mod.echo.submit({"value": "lost", "marker_dir": str(tmp_path)})
+    lost = proxy.lose_reply(job.id)  # the first statement naming the job: its claim
+    assert lost.wait(30), "the claim never committed through the proxy"
+    row = _ended(pg, job.id, timeout=15)  # far less than the 30 s lease
+    assert (row["status"], row["attempt"], row["lease_losses"]) == ("succeeded", 1, 0)
+    assert len((tmp_path / f"echo-{job.id}").read_text().split()) == 1  # the body ran once
+    assert _ended(pg, other.id, timeout=15)["status"] == "succeeded"
