@@ -24,7 +24,7 @@ from celery_lease.db.statements.lost import expire_leases_of, expire_lost_lease,
 from celery_lease.errors import LeaseError
 from celery_lease.job import parse_job_id
 from celery_lease.status import Status
-from celery_lease.worker.attempt import BOOT_ID
+from celery_lease.worker.attempt import BOOT_ID, owner_pid
 from celery_lease.worker.task import LeaseTask
 
 if TYPE_CHECKING:
@@ -54,8 +54,8 @@ def release(store: Store, reap: Callable[[], Any], job_id: str) -> bool:
     job = store.get(parse_job_id(job_id))
     if job is None or job.status is not Status.RUNNING or not job.lease_owner:
         return False
-    _node, pid, boot = job.lease_owner.rsplit("/", 2)
-    if boot != BOOT_ID or not pid.isdigit() or not process_gone(int(pid)):
+    pid = owner_pid(job.lease_owner)
+    if not job.lease_owner.endswith(f"/{BOOT_ID}") or pid is None or not process_gone(pid):
         return False
     params = {"job_id": job.id, "owner": job.lease_owner, "generation": job.lease_generation}
     if not store.guarded(expire_lost_lease(), params):
@@ -72,8 +72,8 @@ def release_dead(store: Store) -> int:
     owners = store.transaction(store.durable, lambda c: [r[0] for r in c.execute(running_owners(), {"pattern": f"%/{BOOT_ID}"})])
     released = 0
     for lease_owner in owners:
-        pid = lease_owner.rsplit("/", 2)[1]
-        if pid.isdigit() and process_gone(int(pid)):
+        pid = owner_pid(lease_owner)
+        if pid is not None and process_gone(pid):
             stmt = expire_leases_of()
             released += store.transaction(store.durable, lambda c, o=lease_owner: c.execute(stmt, {"owner": o}).rowcount)
     if released:

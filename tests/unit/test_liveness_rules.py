@@ -46,3 +46,25 @@ def test_the_lapse_counts_from_when_the_claim_was_sent():
     }
     assert Attempt.from_claim("j", row, sent_at=sent_at).is_lost
     assert not Attempt.from_claim("j", row).is_lost
+
+
+def test_each_claiming_thread_owns_its_leases_under_its_own_name_and_the_process_is_known():
+    """A threads pool's threads claim at once; a lost claim reply adopts the row under
+    its own thread's owner (worker/executor.py), and a dead process's owners are all
+    found by their pid (worker/lost.py)."""
+    import os
+    import threading
+
+    from celery_lease.worker.attempt import BOOT_ID, owner_of, owner_pid
+
+    main = owner_of("w@h")
+    assert main == f"w@h/{os.getpid()}/{BOOT_ID}"
+    seen: list[str] = []
+    threads = [threading.Thread(target=lambda: seen.extend([owner_of("w@h"), owner_of("w@h")])) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(seen)) == 3 and all(seen[i] == seen[i + 1] for i in range(0, 6, 2))  # one name a thread
+    assert {owner_pid(o) for o in [main, *seen]} == {os.getpid()}
+    assert owner_pid("no-owner") is None and owner_pid("w/x.1/b") is None
