@@ -4,10 +4,11 @@ process that held the lease is gone, so its lease is released now, the way the r
 would on expiry (requeued, or expired with ``"lease expired"`` on its last attempt), not
 after the whole ``lease_seconds``.
 
-Only a lease this worker's boot took (``node/pid/boot`` with this boot's id) from a
-process that no longer runs is released, guarded by its fencing generation; anything
-else (the job finished, was reaped or cancelled, or the pid runs again) is left alone
-for the heartbeat rules and the reaper.
+Every lease this worker's boot took (owners ending in this boot's id) from a process
+that no longer runs is released, not only the reported job's: a batched kind's process
+held many. An owner names one process (worker/attempt.owner_of), so no live attempt's
+lease is touched; anything else (the job finished, was reaped or cancelled) is left
+alone for the heartbeat rules and the reaper.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ from typing import TYPE_CHECKING, Any
 from billiard.exceptions import WorkerLostError
 from celery import Celery, signals
 
-from celery_lease.db.statements.lost import expire_leases_of, expire_lost_lease, running_owners
+from celery_lease.db.statements.lost import expire_leases_of, running_owners
 from celery_lease.errors import LeaseError
-from celery_lease.job import parse_job_id
-from celery_lease.status import Status
 from celery_lease.worker.attempt import BOOT_ID, owner_pid
 from celery_lease.worker.task import LeaseTask
 
@@ -48,23 +47,6 @@ def process_gone(pid: int) -> bool:
         return False
 
 
-def release(store: Store, reap: Callable[[], Any], job_id: str) -> bool:
-    """Release the lease of ``job_id`` if a dead process of this worker boot holds it;
-    returns whether it did."""
-    job = store.get(parse_job_id(job_id))
-    if job is None or job.status is not Status.RUNNING or not job.lease_owner:
-        return False
-    pid = owner_pid(job.lease_owner)
-    if not job.lease_owner.endswith(f"/{BOOT_ID}") or pid is None or not process_gone(pid):
-        return False
-    params = {"job_id": job.id, "owner": job.lease_owner, "generation": job.lease_generation}
-    if not store.guarded(expire_lost_lease(), params):
-        return False
-    log.warning("celery-lease: job %s: its worker process %s died; lease released", job.id, pid)
-    reap()
-    return True
-
-
 def release_dead(store: Store) -> int:
     """Release every lease held by a pool process of this worker boot that is gone; returns
     how many. A batched kind's process (worker/batch.py) holds many leases, and the
@@ -75,9 +57,10 @@ def release_dead(store: Store) -> int:
         pid = owner_pid(lease_owner)
         if pid is not None and process_gone(pid):
             stmt = expire_leases_of()
-            released += store.transaction(store.durable, lambda c, o=lease_owner: c.execute(stmt, {"owner": o}).rowcount)
-    if released:
-        log.warning("celery-lease: %d lease(s) of dead worker processes released", released)
+            n = store.transaction(store.durable, lambda c, o=lease_owner: c.execute(stmt, {"owner": o}).rowcount)
+            if n:
+                log.warning("celery-lease: %d job(s) of its worker process %s that died: lease released", n, lease_owner)
+            released += n
     return released
 
 
@@ -89,10 +72,11 @@ def connect(app: Celery, owner: object, *, store: Callable[[], Store], reap: Cal
         if not (isinstance(sender, LeaseTask) and sender.owner is owner and isinstance(exception, WorkerLostError)):
             return
         try:
-            release(store(), reap, str(task_id))
+            # Every lease of the dead process, not only this task's (a batched kind's
+            # process held many): one mechanism whatever the process held.
             if release_dead(store()):
                 reap()
-        except (LeaseError, ValueError):
+        except LeaseError:
             log.warning("celery-lease: job %s: its worker process died; the reaper will release it", task_id, exc_info=True)
 
     app._celery_lease_lost_handlers = (worker_lost,)
