@@ -12,7 +12,12 @@ transaction's work returned. After a dropped connection it asks the server
 (landing.transaction_status): committed -> that first try's value is the result, and
 nothing runs again; aborted -> the work runs again; still in progress (the server has
 not noticed its client is gone) -> that server process is ended
-(landing.end_stranded_transaction), which aborts it, and the question asked again.
+(landing.end_stranded_transaction), which aborts it, and the question asked again;
+the server restarted since (a crash) -> the xid no longer names our transaction, so
+the work runs again: every transition is guarded by the row's state (and an attempt's
+by its fencing generation), so one that had committed matches nothing the second time
+and is not applied twice (its follow-ups are then left to the sweepers: the price of
+a crash inside a commit's window).
 While the server cannot be asked, :meth:`Landing.run` raises DatabaseUnavailable and
 keeps the question for its next call: a caller riding out a blip calls it again.
 
@@ -53,6 +58,8 @@ class _Sent(Generic[T]):
 
     xid: str
     pid: int
+    #: pg_postmaster_start_time() of the server that ran it, as text.
+    started: str
     value: T
 
 
@@ -105,7 +112,7 @@ class Landing(Generic[T]):
             value = work(conn)
             # COMMIT is sent when the block exits: from here its outcome may be unknown.
             if mark is not None:
-                self._sent = _Sent(str(mark[0]), int(mark[1]), value)
+                self._sent = _Sent(str(mark[0]), int(mark[1]), str(mark[2]), value)
         self._sent = None
         return value
 
@@ -122,8 +129,11 @@ class Landing(Generic[T]):
         ended = False
         while True:
             status = self._db.transaction(
-                self._db.engine(single=True), lambda c: c.execute(landing.transaction_status(), {"xid": sent.xid}).scalar()
+                self._db.engine(single=True),
+                lambda c: c.execute(landing.transaction_status(), {"xid": sent.xid, "started": sent.started}).scalar(),
             )
+            if status == "restarted":
+                log.warning("celery-lease: the database restarted before a transition's reply; running it again, fenced")
             if status != "in progress":
                 self._sent = None
                 return status == "committed"

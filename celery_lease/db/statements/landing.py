@@ -10,11 +10,16 @@ import sqlalchemy as sa
 
 @functools.cache
 def transaction_mark(lock_timeout: bool) -> sa.Select:
-    """The current transaction's id (as text: an xid8) and its server process, taken
-    before COMMIT so a lost reply can be settled by asking the server; with
-    ``lock_timeout``, also ``SET LOCAL lock_timeout = :lock_timeout_ms`` in the same
-    round trip (background transitions never wait on a row lock for long)."""
-    columns: list[Any] = [sa.cast(sa.func.pg_current_xact_id(), sa.Text), sa.func.pg_backend_pid()]
+    """The current transaction's id (as text: an xid8), its server process and when
+    that server started (as text), taken before COMMIT so a lost reply can be settled
+    by asking the server; with ``lock_timeout``, also ``SET LOCAL lock_timeout =
+    :lock_timeout_ms`` in the same round trip (background transitions never wait on a
+    row lock for long)."""
+    columns: list[Any] = [
+        sa.cast(sa.func.pg_current_xact_id(), sa.Text),
+        sa.func.pg_backend_pid(),
+        sa.cast(sa.func.pg_postmaster_start_time(), sa.Text),
+    ]
     if lock_timeout:
         columns.append(sa.func.set_config("lock_timeout", sa.cast(sa.bindparam("lock_timeout_ms"), sa.Text), True))
     return sa.select(*columns)
@@ -22,8 +27,21 @@ def transaction_mark(lock_timeout: bool) -> sa.Select:
 
 @functools.cache
 def transaction_status() -> sa.TextClause:
-    """'committed', 'aborted' or 'in progress' of transaction :xid (NULL: too old to know)."""
-    return sa.text("SELECT pg_xact_status(CAST(:xid AS xid8))")
+    """'committed', 'aborted' or 'in progress' of transaction :xid (NULL: too old to
+    know), or 'restarted' when the server is no longer the one that started at
+    :started.
+
+    Why 'restarted' wins: an xid whose WAL never reached the disk is forgotten by a
+    crash, and the recovered server hands it out again. Before another transaction
+    takes it, pg_xact_status raises "transaction ID is in the future" (SQLSTATE 22023,
+    seen in the history test); after, it answers for that other transaction, so a
+    'committed' would be somebody else's. Across a restart the xid says nothing about
+    our transaction: the caller runs its work again, fenced (a transition that had
+    committed then matches no row)."""
+    return sa.text(
+        "SELECT CASE WHEN CAST(pg_postmaster_start_time() AS text) <> :started THEN 'restarted'"
+        " ELSE pg_xact_status(CAST(:xid AS xid8)) END"
+    )
 
 
 @functools.cache
