@@ -36,6 +36,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery_lease.worker.attempt import owner_pid
+
 TERMINAL = ("succeeded", "failed", "expired", "cancelled")
 #: Overlaps of limited bodies shorter than this are not counted: a body notices a lost
 #: lease at its next stop point (every step, at most 0.3 s apart in these handlers).
@@ -211,18 +213,21 @@ KILL_EXCUSE = 1.5
 
 
 def _killed(h: History, owner: str | None, at: float) -> bool:
-    """Whether the process named by a claim's owner ("node/pid/boot") was killed before
-    or right after the claim at ``at`` (or its node right after)."""
+    """Whether the process named by a claim's owner ("node/pid/boot", or a thread's
+    "node/pid.T/boot") was killed before or right after the claim at ``at`` (or its
+    node right after)."""
     if not owner:
         return False
-    node, _, rest = owner.partition("/")
-    pid_text = rest.split("/", 1)[0]
+    node = owner.partition("/")[0]
     window = (at - 0.5, at + KILL_EXCUSE)
     if any(window[0] <= t <= window[1] for t in h.node_kills.get(node, [])):
         return True
     # Killed before the claim landed counts too: a claim delayed in flight (the proxy's
-    # delay or hold) can commit after the process that sent it died.
-    killed = h.pid_kills.get(int(pid_text)) if pid_text.isdigit() else None
+    # delay or hold) can commit after the process that sent it died. (A thread's owner
+    # names its process before the dot: read with the product's own owner_pid, else a
+    # threads pool's in-flight claims were never excused: history[threads] seed 150679.)
+    pid = owner_pid(owner)
+    killed = h.pid_kills.get(pid) if pid is not None else None
     return killed is not None and killed <= window[1]
 
 

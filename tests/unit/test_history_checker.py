@@ -160,6 +160,22 @@ def test_a_claim_whose_owner_was_killed_is_excused():
     assert check(h) == []
 
 
+def test_a_threads_claim_delayed_past_its_process_death_is_excused():
+    """A threads pool's claim names its thread (node/pid.T/boot): the process is the pid
+    before the dot (history[threads] seed 150679 flagged such a claim, landed 1.5 s
+    after its process was killed, as an attempt spent without a body)."""
+    h = clean()
+    h.jobs["a"].update(attempt=2, lease_generation=2)
+    h.effects = [effect("a", 2, 2), effect("b", 2, 2)]
+    h.bodies = [b for b in h.bodies if b["job_id"] != "a"] + [body("a", 2, 2, holder="300-c", start=6, end=7)]
+    h.node_kills = {}  # only the process's own kill can excuse it
+    h.events = [claimed("a", 1, at=4.5, owner="w1@testhost/100.4/boot"), claimed("a", 2, at=6.0)]
+    h.events += [e for e in clean().events if e["job_id"] != "a"]
+    assert check(h) == []
+    h.events[0] = claimed("a", 1, at=4.5, owner="w1@testhost/101.4/boot")  # another process
+    assert checks(h) == ["attempt"]
+
+
 def test_a_snooze_that_spent_an_attempt():
     h = clean()
     h.jobs["s"] = job("s", kind="h_snooze", attempt=2, generation=2)
