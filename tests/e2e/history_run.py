@@ -151,6 +151,9 @@ class Run:
         self.ops: list[Op] = []
         self._lock = threading.Lock()
         self.node_kills: dict[str, list[float]] = defaultdict(list)
+        #: Each process's first SIGKILL: it died then. (A later kill of the same pid, e.g.
+        #: its worker's, read from a stale child list, must not move it: the checker
+        #: excuses a claim by when its process died.)
         self.pid_kills: dict[int, float] = {}
         self.run_id = str(uuid.uuid4())
         self.submitted: list[str] = []
@@ -335,7 +338,7 @@ class Run:
         now = time.time()
         self.node_kills[f"{worker.name}@testhost"].append(now)
         for pid in pids:
-            self.pid_kills[pid] = now
+            self.pid_kills.setdefault(pid, now)
         worker.kill(signal.SIGKILL)
         self.op("fault", fault="kill_worker", node=worker.name, pids=pids)
         self._restarting.add(index)
@@ -369,7 +372,7 @@ class Run:
         if not children:
             return None
         pid = rng.choice(children)
-        self.pid_kills[pid] = time.time()
+        self.pid_kills.setdefault(pid, time.time())
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
