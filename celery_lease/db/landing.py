@@ -58,7 +58,7 @@ class _Sent(Generic[T]):
 
     xid: str
     pid: int
-    #: pg_postmaster_start_time() of the server that ran it, as text.
+    #: pg_postmaster_start_time() of the server that ran it (epoch seconds, as text).
     started: str
     value: T
 

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 
 from celery_lease.db.engine import Database
 from celery_lease.db.landing import Landing
+from celery_lease.db.statements import landing as landing_statements
 from celery_lease.errors import DatabaseUnavailable
 from tests.harness import pgcluster
 
@@ -100,3 +101,17 @@ def test_an_xid_in_the_future_is_not_an_error(cluster):
     landing, work = _crashed_before_commit(cluster)
     assert landing.run(work) == 2
     assert _tags(cluster) == ["ours"]
+
+
+def test_the_servers_start_is_compared_whatever_the_sessions_time_zone(cluster):
+    """The mark and the question may run on sessions with other TimeZone settings (a
+    role's or database's default, a pooler's); the same server is never 'restarted'."""
+    db = Database(cluster.url("landing"))
+    with db.durable.begin() as conn:
+        conn.execute(sa.text("SET LOCAL TimeZone = 'UTC'"))
+        xid, _, started = conn.execute(landing_statements.transaction_mark(False)).one()
+    with db.durable.begin() as conn:
+        conn.execute(sa.text("SET LOCAL TimeZone = 'Asia/Kolkata'"))
+        status = conn.execute(landing_statements.transaction_status(), {"xid": xid, "started": started}).scalar()
+    assert status == "committed"
+    db.dispose()

@@ -11,14 +11,16 @@ import sqlalchemy as sa
 @functools.cache
 def transaction_mark(lock_timeout: bool) -> sa.Select:
     """The current transaction's id (as text: an xid8), its server process and when
-    that server started (as text), taken before COMMIT so a lost reply can be settled
-    by asking the server; with ``lock_timeout``, also ``SET LOCAL lock_timeout =
-    :lock_timeout_ms`` in the same round trip (background transitions never wait on a
-    row lock for long)."""
+    that server started (epoch seconds, as text), taken before COMMIT so a lost reply
+    can be settled by asking the server; with ``lock_timeout``, also ``SET LOCAL
+    lock_timeout = :lock_timeout_ms`` in the same round trip (background transitions
+    never wait on a row lock for long)."""
     columns: list[Any] = [
         sa.cast(sa.func.pg_current_xact_id(), sa.Text),
         sa.func.pg_backend_pid(),
-        sa.cast(sa.func.pg_postmaster_start_time(), sa.Text),
+        # As the epoch (numeric, exact to the microsecond), not timestamptz text, which
+        # follows the session's TimeZone and DateStyle.
+        sa.cast(sa.extract("epoch", sa.func.pg_postmaster_start_time()), sa.Text),
     ]
     if lock_timeout:
         columns.append(sa.func.set_config("lock_timeout", sa.cast(sa.bindparam("lock_timeout_ms"), sa.Text), True))
@@ -39,7 +41,7 @@ def transaction_status() -> sa.TextClause:
     our transaction: the caller runs its work again, fenced (a transition that had
     committed then matches no row)."""
     return sa.text(
-        "SELECT CASE WHEN CAST(pg_postmaster_start_time() AS text) <> :started THEN 'restarted'"
+        "SELECT CASE WHEN extract(epoch FROM pg_postmaster_start_time()) <> CAST(:started AS numeric) THEN 'restarted'"
         " ELSE pg_xact_status(CAST(:xid AS xid8)) END"
     )
 
