@@ -63,12 +63,23 @@ SELECT xid::text AS xid, block_ref LIKE :rel AS own,
 FROM pg_get_wal_records_info(CAST(:start AS pg_lsn), CAST(:stop AS pg_lsn))
 GROUP BY 1, 2, 3
 """
-_CLUSTER_WAL = "SELECT CAST(pg_current_wal_lsn() AS text), wal_write, wal_sync FROM pg_stat_wal"
+#: The WAL window is bounded by the *flushed* position: pg_walinspect (PostgreSQL 15)
+#: refuses a start past it ("cannot accept future start LSN"), and celery-lease's
+#: asynchronous commits leave the insert position ahead of it (every celery-lease
+#: cell lost its WAL bytes to that).
+_FLUSHED = "SELECT CAST(pg_current_wal_flush_lsn() AS text)"
+_CLUSTER_WAL = "SELECT CAST(pg_current_wal_flush_lsn() AS text), wal_write, wal_sync FROM pg_stat_wal"
 _TABLE_UPDATES = (
     "SELECT coalesce(sum(n_tup_upd), 0), coalesce(sum(n_tup_hot_upd), 0) FROM pg_stat_user_tables WHERE relname = :table"
 )
 #: Seconds between WAL chunks.
 WAL_POLL = 0.5
+
+
+def _lsn(text: str) -> int:
+    """A pg_lsn's text ('16/B374D848') as a number, to compare two."""
+    high, low = text.split("/")
+    return (int(high, 16) << 32) | int(low, 16)
 
 
 def job_table(system_name: str) -> str:
@@ -124,7 +135,9 @@ class PgMeter:
     def _advance(self) -> None:
         if self.error is not None:
             return
-        stop = self._conn.exec_driver_sql("SELECT CAST(pg_current_wal_lsn() AS text)").scalar()
+        stop = self._conn.exec_driver_sql(_FLUSHED).scalar()
+        if _lsn(stop) <= _lsn(self._lsn):  # nothing flushed since: an empty window is refused
+            return
         try:
             rows = self._conn.execute(sa.text(_WAL_CHUNK), {"start": self._lsn, "stop": stop, "rel": self._rel}).all()
         except sa.exc.DBAPIError as exc:  # e.g. a segment recycled already: no figure
@@ -142,9 +155,14 @@ class PgMeter:
                 self.commits += int(r.n) if r.commit else 0
 
     def mark_stop(self) -> None:
-        """The end of the WAL window (right after the drain)."""
+        """The end of the WAL window (right after the drain), once what the drain wrote
+        is flushed (an asynchronous commit's records within the WAL writer's delay)."""
         self._done.set()
         self._thread.join()
+        written = _lsn(self._conn.exec_driver_sql("SELECT CAST(pg_current_wal_insert_lsn() AS text)").scalar())
+        deadline = time.monotonic() + 2.0
+        while _lsn(self._conn.exec_driver_sql(_FLUSHED).scalar()) < written and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._advance()
 
     def per_job(self, jobs: int) -> dict[str, float]:
