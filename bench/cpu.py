@@ -67,19 +67,14 @@ GROUP BY 1, 2, 3
 #: refuses a start past it ("cannot accept future start LSN"), and celery-lease's
 #: asynchronous commits leave the insert position ahead of it (every celery-lease
 #: cell lost its WAL bytes to that).
-_FLUSHED = "SELECT CAST(pg_current_wal_flush_lsn() AS text)"
+#: The flushed position, and whether it moved past :start (an empty window is refused).
+_FLUSHED = "SELECT CAST(pg_current_wal_flush_lsn() AS text), pg_current_wal_flush_lsn() > CAST(:start AS pg_lsn)"
 _CLUSTER_WAL = "SELECT CAST(pg_current_wal_flush_lsn() AS text), wal_write, wal_sync FROM pg_stat_wal"
 _TABLE_UPDATES = (
     "SELECT coalesce(sum(n_tup_upd), 0), coalesce(sum(n_tup_hot_upd), 0) FROM pg_stat_user_tables WHERE relname = :table"
 )
 #: Seconds between WAL chunks.
 WAL_POLL = 0.5
-
-
-def _lsn(text: str) -> int:
-    """A pg_lsn's text ('16/B374D848') as a number, to compare two."""
-    high, low = text.split("/")
-    return (int(high, 16) << 32) | int(low, 16)
 
 
 def job_table(system_name: str) -> str:
@@ -135,8 +130,8 @@ class PgMeter:
     def _advance(self) -> None:
         if self.error is not None:
             return
-        stop = self._conn.exec_driver_sql(_FLUSHED).scalar()
-        if _lsn(stop) <= _lsn(self._lsn):  # nothing flushed since: an empty window is refused
+        stop, moved = self._conn.execute(sa.text(_FLUSHED), {"start": self._lsn}).one()
+        if not moved:
             return
         try:
             rows = self._conn.execute(sa.text(_WAL_CHUNK), {"start": self._lsn, "stop": stop, "rel": self._rel}).all()
@@ -159,11 +154,14 @@ class PgMeter:
         is flushed (an asynchronous commit's records within the WAL writer's delay)."""
         self._done.set()
         self._thread.join()
-        written = _lsn(self._conn.exec_driver_sql("SELECT CAST(pg_current_wal_insert_lsn() AS text)").scalar())
+        written = self._conn.exec_driver_sql("SELECT CAST(pg_current_wal_insert_lsn() AS text)").scalar()
         deadline = time.monotonic() + 2.0
-        while _lsn(self._conn.exec_driver_sql(_FLUSHED).scalar()) < written and time.monotonic() < deadline:
+        while not self._flushed(written) and time.monotonic() < deadline:
             time.sleep(0.05)
         self._advance()
+
+    def _flushed(self, lsn: str) -> bool:
+        return self._conn.execute(sa.text("SELECT pg_current_wal_flush_lsn() >= CAST(:lsn AS pg_lsn)"), {"lsn": lsn}).scalar()
 
     def per_job(self, jobs: int) -> dict[str, float]:
         time.sleep(SETTLE_SECONDS)  # backends publish their counters within a second

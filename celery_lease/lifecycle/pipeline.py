@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from celery_lease.db import durability
 from celery_lease.db.landing import Landing
+from celery_lease.db.prepared import row_dicts
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
 from celery_lease.lifecycle.transition import CANCEL
 from celery_lease.worker.attempt import BLIP_WAITS
@@ -150,11 +151,7 @@ class Pipeline:
                 raise LeaseLost()
             if before is not None:
                 before(conn)
-            result = conn.execute(stmt, args)
-            # Rows as dicts by zip over the keys read once: a reap returns thousands,
-            # and a mapping view per row cost three times as much.
-            keys = tuple(result.keys())
-            rows = [dict(zip(keys, r)) for r in result]
+            rows = row_dicts(conn.execute(stmt, args))
             if t.fenced and not rows:
                 assert attempt is not None
                 attempt.mark_lost()
