@@ -1,4 +1,4 @@
-"""``python -m bench [run] [options]``, ``python -m bench scale | profile | cpu | flow | dashboard | screenshot``.
+"""``python -m bench [run] [options]``, ``python -m bench scale | maintenance | profile | cpu | flow | dashboard | screenshot``.
 
 The default (``run``) measures every system and body side by side, then the scale
 figures, and writes bench/results/latest.md: the figures of issue #12 with their goals,
@@ -74,7 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--before", type=Path, help="an earlier run's latest.json: adds a 'before' column to the figures")
         p.add_argument("--note", default="", help="a sentence for the report's header (e.g. the machine's load)")
         p.add_argument("--results", type=Path, default=RESULTS, help="output directory")
-    scale_p = sub.add_parser("scale", help="maintenance ticks, reaping and claims vs table size")
+    ladder_p = sub.add_parser("scale", help="claims, outcomes, ticks, reads and pruning at 100k and 10M jobs")
+    ladder_p.add_argument("--quick", action="store_true", help="sizes 100k and 1M, a day of 100k pruned")
+    ladder_p.add_argument("--sizes", type=_sizes, default=None, help="job counts (default 100000,10000000)")
+    ladder_p.add_argument("--prune-day", type=int, default=None, help="old finished jobs pruned (default 1,000,000)")
+    ladder_p.add_argument("--samples", type=int, default=300, help="timed claims, outcomes and ticks (default 300)")
+    ladder_p.add_argument("--reads", type=int, default=15, help="timed requests per page or list (default 15)")
+    ladder_p.add_argument("--results", type=Path, default=RESULTS)
+    scale_p = sub.add_parser("maintenance", help="maintenance ticks, reaping and claims vs table size")
     scale_p.add_argument("--rows", type=int, default=1_000_000, help="terminal rows (default 1,000,000)")
     scale_p.add_argument("--expired", type=int, default=100_000, help="expired leases to reap (default 100,000; 0 skips)")
     scale_p.add_argument(
@@ -134,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         return flow_main(args, log)
 
     if args.command == "scale":
+        from bench.ladder import main as ladder_main
+
+        return ladder_main(args, log)
+
+    if args.command == "maintenance":
         from bench.scale import main as scale_main
 
         return scale_main(args, log)

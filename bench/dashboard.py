@@ -27,7 +27,8 @@ from bench import harness
 from tests.harness.services import free_port
 
 KINDS = ("extract", "load", "preview", "discover", "notify")
-ADMIN, ACME = "bench-admin-token", "bench-acme-token"
+#: At least 20 characters: the API refuses shorter tokens.
+ADMIN, ACME = "bench-admin-token-0123456789", "bench-acme-token-0123456789"
 _KIND = "(ARRAY['extract','load','preview','discover','notify'])[1 + i % 5]"
 _COLUMNS = """(id, kind, task, status, attempt, max_attempts, lease_seconds, lease_generation, lease_losses,
     lease_owner, lease_expires_at, woken_at, held, concurrency_key, payload, result, error, run_id, tenant,
@@ -78,15 +79,16 @@ ORDER BY created_at, e
 """
 
 
-def make_app(url: str, broker: str):
-    """A Celery app with the five kinds of the example pipeline (two with limits)."""
+def make_app(url: str, broker: str, **settings):
+    """A Celery app with the five kinds of the example pipeline (two with limits);
+    ``settings`` are CeleryLease settings."""
     from celery import Celery
 
     from celery_lease import CeleryLease
 
     app = Celery("bench_dashboard", broker=broker)
     app.conf.update(broker_connection_retry_on_startup=True, lease_api_tokens={ADMIN: None, ACME: "acme"})
-    leases = CeleryLease(app, url, install_beat=False)
+    leases = CeleryLease(app, url, install_beat=False, **settings)
     limits = {"load": {"concurrency": 4, "concurrency_key": lambda p: p.get("tenant")}, "notify": {"rate_limit": "20/s"}}
     for kind in KINDS:
         leases.job(kind=kind, name=f"bench.dash.{kind}", **limits.get(kind, {}))(lambda ctx, payload: None)
