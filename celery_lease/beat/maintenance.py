@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from celery_lease.lifecycle import transition as tr
+from celery_lease.lifecycle.owner import BOOT_ID
 from celery_lease.status import Status
-from celery_lease.worker.attempt import BOOT_ID
 
 if TYPE_CHECKING:
     from celery_lease.db.store import Store

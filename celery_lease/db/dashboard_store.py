@@ -14,8 +14,8 @@ from sqlalchemy.engine import Connection
 
 from celery_lease.db.reads import _view
 from celery_lease.db.statements import dashboard as dq
+from celery_lease.db.statements import flow as fs
 from celery_lease.db.store import Store
-from celery_lease.flow import statements as fs
 
 
 class DashboardStore:

@@ -44,6 +44,9 @@ T = TypeVar("T")
 DEFAULT_SQLITE_PATH = "celery-lease.sqlite3"
 #: How often a statement is retried when its connection was dropped.
 RECONNECT_ATTEMPTS = 3
+#: Seconds between tries of a write while the database is unreachable (the last repeats):
+#: an attempt's writes try until its lease lapses by its own clock, others for their sum.
+BLIP_WAITS = (0.1, 0.25, 0.5, 1.0)
 #: The driver behind a bare ``postgresql://`` (or ``postgres://``) URL: the one
 #: celery-lease installs and is tested with. (SQLAlchemy 2.1 would pick psycopg 3,
 #: which it does not install.) Name another in the URL to use it: postgresql+psycopg://.

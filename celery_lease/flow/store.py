@@ -1,5 +1,5 @@
 """The flow-control transactions: one method each, over the named statements of
-:mod:`celery_lease.flow.statements`; a limited kind's claim is the CLAIM_LIMITED
+:mod:`celery_lease.db.statements.flow`; a limited kind's claim is the CLAIM_LIMITED
 transition (:mod:`celery_lease.lifecycle.claim`). The decisions around them (which path a
 claim takes, what to publish) are :mod:`celery_lease.flow.control`.
 
@@ -17,8 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db.prepared import Prepared, PreparedScript
-from celery_lease.flow import pause_statements as ps
-from celery_lease.flow import statements as fs
+from celery_lease.db.statements import flow as fs
 from celery_lease.lifecycle import claim as lifecycle_claim
 from celery_lease.lifecycle.claim import CLAIM_LIMITED, ClaimFollowUps
 from celery_lease.status import Held
@@ -108,7 +107,7 @@ class FlowStore:
         def window_opened(row: dict[str, Any]) -> None:
             # This claim opened a rate window: wake the jobs held for it, and if that
             # may not be all, one of those left carries the next window's wakeup. (If
-            # this fails, the held jobs wait for the sweeper's recovery: stale_held_groups.)
+            # this fails, the held jobs wait for the sweeper's recovery: stale_held_groufs.)
             assert rate is not None
             result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, rate.count - 1))
             if len(result.wake) == rate.count - 1:
@@ -192,7 +191,7 @@ class FlowStore:
 
     def wake_for_slot(self, kind: str, key: str | None) -> list[dict]:
         """A limited job of (kind, key) left running: under the kind's lock, wake the
-        jobs held by its limit into the free slots (wake_for_slot). Returns wakeups."""
+        jobs held by its limit into the free slots (wake_for_slot). Returns wakeufs."""
         params = {"of_kind": kind, "key": key}
         if self._prepare:
             return self._store.execute_prepared(self._script(fs.lock_limits_row(), fs.wake_for_slot(self._store.dialect)), params)
@@ -242,15 +241,15 @@ class FlowStore:
 
     def pause(self, kind: str) -> bool:
         """True when this call paused the kind (False: it already was)."""
-        stmt = ps.pause_kind(self._store.dialect)
+        stmt = fs.pause_kind(self._store.dialect)
         return self._store.transaction(self._store.durable, lambda c: c.execute(stmt, {"of_kind": kind}).rowcount == 1)
 
     def resume(self, kind: str) -> bool:
-        stmt = ps.resume_kind()
+        stmt = fs.resume_kind()
         return self._store.transaction(self._store.durable, lambda c: c.execute(stmt, {"of_kind": kind}).rowcount == 1)
 
     def is_paused(self, kind: str) -> bool:
-        row = self._store.transaction(self._store.durable, lambda c: c.execute(ps.is_paused(), {"of_kind": kind}).first())
+        row = self._store.transaction(self._store.durable, lambda c: c.execute(fs.is_paused(), {"of_kind": kind}).first())
         return row is not None
 
     # --- what operators see --------------------------------------------------------
@@ -261,7 +260,7 @@ class FlowStore:
         def work(conn: Connection) -> dict[str, Any]:
             return {
                 "limits": [dict(r) for r in conn.execute(fs.list_limits()).mappings()],
-                "pauses": [dict(r) for r in conn.execute(ps.list_pauses()).mappings()],
+                "pauses": [dict(r) for r in conn.execute(fs.list_pauses()).mappings()],
                 "counts": [tuple(r) for r in conn.execute(fs.flow_counts(tenant))],
             }
 

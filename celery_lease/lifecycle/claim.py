@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 from celery_lease.db import durability
 from celery_lease.db.prepared import Prepared, PreparedScript
 from celery_lease.db.statements import claim
+from celery_lease.db.statements import flow as fs
 from celery_lease.errors import DatabaseUnavailable
-from celery_lease.flow import statements as fs
 from celery_lease.status import Event, Status
 
 if TYPE_CHECKING:

@@ -33,11 +33,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from celery_lease.db import durability
+from celery_lease.db.engine import BLIP_WAITS
 from celery_lease.db.landing import Landing
 from celery_lease.db.prepared import row_dicts
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
 from celery_lease.lifecycle.transition import CANCEL
-from celery_lease.worker.attempt import BLIP_WAITS
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection

@@ -16,31 +16,20 @@ another worker: the handler stops at its next check and writes nothing more.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from celery_lease.db.engine import BLIP_WAITS
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
 
 if TYPE_CHECKING:
     from celery_lease.db.store import Store
 
-#: Identifies this boot of the worker. Set at import in the worker's main process and
-#: inherited by its pool children, so restart recovery can tell "running under this
-#: node name from an earlier boot" (interrupted) from "running here now".
 log = logging.getLogger("celery_lease.worker")
-
-BOOT_ID = uuid.uuid4().hex[:12]
-
-#: Seconds between tries of a write while the database is unreachable (the last repeats).
-BLIP_WAITS = (0.1, 0.25, 0.5, 1.0)
 
 T = TypeVar("T")
 
@@ -52,40 +41,6 @@ LAPSE_SHARE = 0.8
 #: before the claim was sent, is nearly lapsed and the job may soon be another
 #: worker's. The rest of the lease leaves time to hand the job back.
 START_SHARE = 0.5
-
-
-#: The claiming threads (or greenlets) of a threads or green pool, numbered from 1.
-_claimer = threading.local()
-_claimers = itertools.count(1)
-_claimers_lock = threading.Lock()
-
-
-def owner_of(node: str | None) -> str:
-    """The lease owner written by a claim: ``node/pid/boot``, or ``node/pid.T/boot`` for
-    a claim made by a thread (or greenlet) T other than the process's main thread.
-
-    Invariant: one owner claims one job at a time. A claim whose reply was lost adopts the
-    row running under its owner that no attempt of this process holds
-    (lifecycle.claim.LandedClaim); with one owner for a threads pool's sixteen threads,
-    another thread's claim in progress made every such row ambiguous, so nothing was
-    adopted and the job sat running with no body for a whole lease. Restart recovery
-    matches the ``node/`` prefix and ``/boot`` suffix
-    (statements.maintenance.recover_restarted); the process is ``pid`` before the dot
-    (worker/lost.py)."""
-    pid = str(os.getpid())
-    if threading.current_thread() is not threading.main_thread():
-        number = getattr(_claimer, "number", None)
-        if number is None:
-            with _claimers_lock:
-                number = _claimer.number = next(_claimers)
-        pid = f"{pid}.{number}"
-    return f"{node or socket.gethostname()}/{pid}/{BOOT_ID}"
-
-
-def owner_pid(owner: str) -> int | None:
-    """The process of a lease ``owner`` (see owner_of); None if it names none."""
-    pid = owner.rsplit("/", 2)[-2].partition(".")[0] if owner.count("/") >= 2 else ""
-    return int(pid) if pid.isdigit() else None
 
 
 @dataclass(eq=False)

@@ -48,9 +48,10 @@ from celery.exceptions import Retry
 from celery_lease.errors import DatabaseUnavailable, JobFailed, JobRefused, LeaseLost
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.batch import CLAIM_BATCH, SUCCEED_BATCH
+from celery_lease.lifecycle.owner import owner_of
 from celery_lease.producer import refused_value
 from celery_lease.worker import shutdown
-from celery_lease.worker.attempt import START_SHARE, Attempt, owner_of
+from celery_lease.worker.attempt import START_SHARE, Attempt
 from celery_lease.worker.completion import UNSTORABLE_RESULT, Riding
 
 if TYPE_CHECKING:

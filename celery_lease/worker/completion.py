@@ -30,12 +30,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from celery_lease.db.engine import BLIP_WAITS
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.claim import RidingSuccesses
 from celery_lease.lifecycle.transition import Transition
 from celery_lease.producer import refused_value
-from celery_lease.worker.attempt import BLIP_WAITS
 
 if TYPE_CHECKING:
     from celery_lease.db.store import Store

@@ -29,11 +29,12 @@ from celery_lease.errors import (
     LeaseLost,
 )
 from celery_lease.lifecycle.claim import ClaimFollowUps, claim_delivery
+from celery_lease.lifecycle.owner import owner_of
 from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import UnstorableValue, cap_error
 from celery_lease.status import Status
 from celery_lease.worker import shutdown
-from celery_lease.worker.attempt import START_SHARE, Attempt, owner_of
+from celery_lease.worker.attempt import START_SHARE, Attempt
 from celery_lease.worker.batch import Batches
 from celery_lease.worker.completion import Completer, completer_for
 from celery_lease.worker.context import JobContext
@@ -107,7 +108,7 @@ class WorkerState:
             self._live.discard(attempt.key)
 
     def _may_adopt(self, owner: str, job_id: str, generation: int) -> bool:
-        """A row running under ``owner`` (this thread's: worker/attempt.owner_of) is the
+        """A row running under ``owner`` (this thread's: lifecycle/owner.owner_of) is the
         lost claim's when no attempt of it lives here and no other claim of that owner is
         in progress (whose reply, not yet recorded in _live, could be that row)."""
         with self._lock:

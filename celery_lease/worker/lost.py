@@ -6,7 +6,7 @@ after the whole ``lease_seconds``.
 
 Every lease this worker's boot took (owners ending in this boot's id) from a process
 that no longer runs is released, not only the reported job's: a batched kind's process
-held many. An owner names one process (worker/attempt.owner_of), so no live attempt's
+held many. An owner names one process (lifecycle/owner.owner_of), so no live attempt's
 lease is touched; anything else (the job finished, was reaped or cancelled) is left
 alone for the heartbeat rules and the reaper.
 """
@@ -23,7 +23,7 @@ from celery import Celery, signals
 
 from celery_lease.db.statements.lost import expire_leases_of, running_owners
 from celery_lease.errors import LeaseError
-from celery_lease.worker.attempt import BOOT_ID, owner_pid
+from celery_lease.lifecycle.owner import BOOT_ID, owner_pid
 from celery_lease.worker.task import LeaseTask
 
 if TYPE_CHECKING:

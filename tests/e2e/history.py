@@ -36,7 +36,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_lease.worker.attempt import owner_pid
+from celery_lease.lifecycle.owner import owner_pid
 
 TERMINAL = ("succeeded", "failed", "expired", "cancelled")
 #: Overlaps of limited bodies shorter than this are not counted: a body notices a lost

@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.dialects import postgresql
 
 from celery_lease.db import migrate
+from celery_lease.db.statements import flow as flow_statements
 from celery_lease.db.statements import reads
 from celery_lease.db.store import Store
-from celery_lease.flow import statements as flow_statements
 from celery_lease.ops import listing
 from tests.conftest import CELERY, ROOT, SUMMARY_LINES, _env, throwaway_database
 from tests.integration.test_api import ACME, ADMIN, GLOBEX, Server

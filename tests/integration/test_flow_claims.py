@@ -299,8 +299,8 @@ def test_a_client_partitioned_while_holding_a_kinds_lock_stalls_its_claims_only_
     import time
 
     from celery_lease.db.engine import Timeouts
+    from celery_lease.db.statements import flow as fs
     from celery_lease.db.store import Store
-    from celery_lease.flow import statements as fs
     from celery_lease.flow.store import FlowStore
 
     quick = Timeouts(idle_in_transaction=2.0)

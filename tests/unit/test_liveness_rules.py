@@ -55,7 +55,7 @@ def test_each_claiming_thread_owns_its_leases_under_its_own_name_and_the_process
     import os
     import threading
 
-    from celery_lease.worker.attempt import BOOT_ID, owner_of, owner_pid
+    from celery_lease.lifecycle.owner import BOOT_ID, owner_of, owner_pid
 
     main = owner_of("w@h")
     assert main == f"w@h/{os.getpid()}/{BOOT_ID}"

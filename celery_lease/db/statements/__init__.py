@@ -12,7 +12,7 @@ it does, one module per subject:
 * :mod:`.reads`, :mod:`.metrics`, :mod:`.dashboard`: reads;
 * :mod:`.landing`: a transaction's fate after a lost reply.
 
-The flow-control statements are :mod:`celery_lease.flow.statements`.
+* :mod:`.flow`: flow control (limits, pauses, held jobs, rate windows).
 
 Statements are SQLAlchemy Core constructs with bound parameters; statuses come from
 :class:`Status`. Each state transition is exactly one guarded statement:

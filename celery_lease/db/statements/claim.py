@@ -33,7 +33,7 @@ from celery_lease.db.schema import ID, jobs, pauses, runs
 from celery_lease.db.statements.attempt import complete_jobs
 from celery_lease.db.statements.common import _PENDING, _c, _delivered, _due, db_now, db_now_plus
 from celery_lease.db.statements.events import _events_of
-from celery_lease.flow.statements import _rate_open_for, _running_like, count_rate_claim
+from celery_lease.db.statements.flow import _rate_open_for, _running_like, count_rate_claim
 from celery_lease.status import Event, Status
 
 #: What a worker needs from a claimed job.
@@ -71,7 +71,7 @@ def claim(*, logged: bool = True, riding: int = 0, concurrency: bool = False, ra
       delivered one (whose wakeup the caller sends again);
     * ``concurrency``: only while fewer than :slots jobs of the claimed job's
       kind and key run; ``rate``: only while the kind's rate window (:of_kind) takes a
-      claim. Both run after flow.statements.lock_limits in the same transaction;
+      claim. Both run after flow.lock_limits in the same transaction;
     * ``logged`` (PostgreSQL): ONE statement that also appends the run's event
       ('claimed', or 'cancelled' for a job of a cancelled run) and, with ``rate``,
       counts the claim in the window (``window_claims``: the count after it; 1 means

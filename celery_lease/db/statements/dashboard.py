@@ -26,7 +26,7 @@ from sqlalchemy.sql.functions import FunctionElement
 
 from celery_lease.db.schema import events, jobs, limits
 from celery_lease.db.statements.common import db_now, db_now_plus, epoch_seconds
-from celery_lease.flow.statements import rate_window_now
+from celery_lease.db.statements.flow import rate_window_now
 from celery_lease.status import TERMINAL, Status
 
 _c = jobs.c
@@ -148,7 +148,7 @@ def job_events(job_id: str, limit: int) -> sa.Select:
     return sa.select(events).where(events.c.job_id == job_id).order_by(events.c.id).limit(limit)
 
 
-# --- counts (bounded: the live set, flow.statements.flow_counts; recent finishes) ---------
+# --- counts (bounded: the live set, flow.flow_counts; recent finishes) ---------
 
 
 def terminal_counts(tenant: str | None) -> sa.Select:

@@ -1,5 +1,5 @@
 """The flow-control statements (run by :mod:`celery_lease.flow.store`): the limits
-row (the pause row's own: flow.pause_statements), holding a refused job, waking held jobs, the rate window, the view.
+row, the pause row, holding a refused job, waking held jobs, the rate window, the view.
 
 The claims themselves (a limited kind's included) are the claim family of
 :mod:`celery_lease.db.statements.claim`; the guards it shares with these (the running
@@ -388,3 +388,30 @@ def flow_counts(tenant: str | None = None) -> sa.Select:
     active = sa.union_all(*selects).subquery("active")
     keys = (active.c.kind, active.c.concurrency_key, active.c.status, active.c.held)
     return sa.select(*keys, sa.func.count()).group_by(*keys)
+
+
+# The pause row (celery_lease_pauses): a row pauses its kind; no claim of it succeeds
+# until resume deletes it. The claim and hold_job read it; these write and list it.
+@functools.cache
+def pause_kind(dialect: str) -> sa.Insert:
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    return (
+        insert(pauses)
+        .values(kind=sa.bindparam("of_kind"), paused_at=db_now())
+        .on_conflict_do_nothing(index_elements=[pauses.c.kind])
+    )
+
+
+@functools.cache
+def resume_kind() -> sa.Delete:
+    return sa.delete(pauses).where(pauses.c.kind == sa.bindparam("of_kind"))
+
+
+@functools.cache
+def is_paused() -> sa.Select:
+    return sa.select(pauses.c.kind).where(pauses.c.kind == sa.bindparam("of_kind"))
+
+
+@functools.cache
+def list_pauses() -> sa.Select:
+    return sa.select(pauses).order_by(pauses.c.kind)
