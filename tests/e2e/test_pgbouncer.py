@@ -56,12 +56,13 @@ def bouncer(pg_url):
 
 @pytest.fixture
 def api(tmp_path):
-    """api(db_url, broker) -> the base URL of a `celery lease serve` on that database."""
+    """api(db_url, broker, conf=UNPREPARED) -> (base URL, pid) of a `celery lease serve`
+    on that database, killed at teardown."""
     procs: list[subprocess.Popen] = []
 
-    def start(db_url: str, broker: str) -> str:
+    def start(db_url: str, broker: str, conf: dict = UNPREPARED) -> tuple[str, int]:
         port = free_port()
-        env = _env(db_url, broker, {**UNPREPARED, "lease_api_rate": 0}, {"CELERY_LEASE_API_TOKENS": json.dumps({TOKEN: None})})
+        env = _env(db_url, broker, {**conf, "lease_api_rate": 0}, {"CELERY_LEASE_API_TOKENS": json.dumps({TOKEN: None})})
         log = open(tmp_path / "api.log", "a")
         proc = subprocess.Popen(
             [CELERY, "-A", MODULE, "lease", "serve", "--host", "127.0.0.1", "--port", str(port)],
@@ -82,7 +83,7 @@ def api(tmp_path):
                 return False
 
         wait_for(up, timeout=30, what="the API server")
-        return base
+        return base, proc.pid
 
     yield start
     for proc in procs:
@@ -123,7 +124,7 @@ def test_workers_limits_batches_cancel_beat_and_api_through_pgbouncer(
         workers(via, broker, name="w2", module=MODULE, concurrency=3, pool="threads", conf=UNPREPARED, extra_env=env),
     ]
     beats(via, broker, conf={**UNPREPARED, **BEAT}, module=MODULE)
-    base = api(via, broker)
+    base, _ = api(via, broker)
     http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
 
     limited = [j.id for j in mod.limited2.submit_many([{"sleep": 0.3}] * 6)]
