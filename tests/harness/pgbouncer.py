@@ -45,8 +45,13 @@ from tests.harness.services import free_port, wait_for
 OS_USER = "postgres"
 
 
+def binary() -> str | None:
+    """Debian installs it in /usr/sbin, which a non-root PATH often lacks."""
+    return shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
+
+
 def available() -> bool:
-    return shutil.which("pgbouncer") is not None
+    return binary() is not None
 
 
 class PgBouncer:
@@ -94,7 +99,7 @@ class PgBouncer:
                 ]
             )
         )
-        args = ["pgbouncer", str(self.dir / "pgbouncer.ini")]
+        args = [binary() or "pgbouncer", str(self.dir / "pgbouncer.ini")]
         if os.getuid() == 0:
             entry = pwd.getpwnam(OS_USER)
             for path in [self.dir, *self.dir.iterdir()]:
