@@ -188,12 +188,12 @@ def test_killed_worker_and_lost_replies_behind_pgbouncer(pg, broker, client_app,
         lost_claim = proxy.lose_reply("rate_claims")
         lost_successes = proxy.lose_reply("'succeeded'", times=2)
 
-        limited = [j.id for j in mod.chaos_limited.submit_many([{"steps": 20, "sleep": 0.25}] * 4)]
         rated = [j.id for j in mod.rated.submit_many([{}] * 6)]
         batched = [j.id for j in mod.b_note.submit_many([{"n": n} for n in range(8)])]
-        # The kill waits for the kinds of one or two attempts (a job of theirs held by
-        # the killed worker would rightly expire); a limited job has six.
+        # The kill comes after the kinds of one or two attempts have ended (a job of
+        # theirs held by the killed worker would rightly expire); a limited job has six.
         done = wait_ended(db, [*rated, *batched], timeout=40)
+        limited = [j.id for j in mod.chaos_limited.submit_many([{"steps": 12, "sleep": 0.25}] * 4)]
 
         def running_with_checkpoint():
             now = rows(db, limited).values()
