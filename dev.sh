@@ -98,6 +98,9 @@ ensure_test_tools() {
   # headless chromium through chromedriver.
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
   command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+  # Workers, beat and the API behind a private PgBouncer in transaction mode
+  # (tests/harness/pgbouncer.py, tests/e2e/test_pgbouncer.py).
+  command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
   if [ ${#missing[@]} -gt 0 ]; then
     apt_install "${missing[@]}"
   fi
