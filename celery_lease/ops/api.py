@@ -55,6 +55,7 @@ does not declare (a misspelt filter must not silently widen a list); 404
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Path, Query, Request, Security
@@ -67,12 +68,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from celery_lease.errors import DatabaseUnavailable
 from celery_lease.job import parse_job_id
 from celery_lease.ops import listing, metrics
-from celery_lease.ops.throttle import Throttle, retry_after
+from celery_lease.ops.guard import Guard
+from celery_lease.ops.throttle import Gate, retry_after
 from celery_lease.ops.tokens import (
     TOKENS_ENV,
     TOKENS_SETTING,
     Grant,
+    Keyring,
     load_metrics_token,
+    load_secret,
     load_tokens,
     matches,
     scrape_tokens,
@@ -159,8 +163,10 @@ def create_app(leases: CeleryLease) -> FastAPI:
     """The ASGI app serving ``leases``; reads the tokens now (ConfigurationError if bad)."""
     tokens = load_tokens(leases.app.conf)
     metrics_token = load_metrics_token(leases.app.conf)
+    secret = load_secret(leases.app.conf)
+    keyring = Keyring(tokens, secret)
     scrapes = metrics.CachedMetrics(leases, leases.settings.metrics_cache_seconds)
-    throttle = Throttle(leases.settings.api_rate)
+    gate = Gate(leases.settings.api_rate)
     if not tokens:
         log.warning(
             "celery-lease: no API tokens configured (%s or %s): every /api/v1 request gets 401",
@@ -174,7 +180,12 @@ def create_app(leases: CeleryLease) -> FastAPI:
         version="1",
         description="Durable Celery jobs: status, cancel, runs.",
         dependencies=[Depends(_refuse_unknown_query)],
+        # Swagger UI and ReDoc load their scripts from a CDN: a script of a third party
+        # on the dashboard's origin could read its CSRF tokens. The schema stays.
+        docs_url=None,
+        redoc_url=None,
     )
+    api.add_middleware(Guard)
 
     @api.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):
@@ -205,21 +216,29 @@ def create_app(leases: CeleryLease) -> FastAPI:
         )
         return _error(503, "schema_not_migrated", None)
 
-    def caller(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> Caller:
-        if credentials is None:
+    def checked(request: Request, credentials: HTTPAuthorizationCredentials | None, accept: Callable[[str], Any]) -> Any:
+        """What ``accept`` makes of the offered bearer token; 401 when it makes None.
+        A wrong token spends the address's and everyone's failure budget, and once
+        either is spent no token is even compared (429; see throttle.Gate)."""
+        if credentials is None:  # no guess: costs nothing
             raise ApiError(401, "unauthorized")
-        match = None
-        # compare_digest against every token: the time taken does not depend on how
-        # much of a token was guessed right, nor on which one matched.
-        for token, grant in tokens.items():
-            if matches(credentials.credentials, token):
-                match = token, grant
-        if match is None:
-            raise ApiError(401, "unauthorized")
-        wait = throttle.wait(match[0])
+        address = request.client.host if request.client else ""
+        wait = gate.locked(address)
         if wait:
             raise ApiError(429, "rate_limited", None, {"Retry-After": retry_after(wait)})
-        return match[1]
+        found = accept(credentials.credentials)
+        if found is None:
+            gate.failed(address)
+            raise ApiError(401, "unauthorized")
+        return found
+
+    def caller(request: Request, credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> Caller:
+        holder = checked(request, credentials, keyring.find)
+        # The token's own rate, one budget with its dashboard sessions.
+        wait = gate.admit(holder.ident)
+        if wait:
+            raise ApiError(429, "rate_limited", None, {"Retry-After": retry_after(wait)})
+        return holder.grant
 
     def visible_job(job_id: str, who: Caller) -> dict[str, Any]:
         view = leases.store.get_view(_parse_id(job_id, "job"), tenant=who.tenant)
@@ -301,10 +320,9 @@ def create_app(leases: CeleryLease) -> FastAPI:
 
     scrape_with = scrape_tokens(tokens, metrics_token)
 
-    def scraper(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
-        offered = "" if credentials is None else credentials.credentials
-        if not any([matches(offered, token) for token in scrape_with or ()]):
-            raise ApiError(401, "unauthorized")
+    def scraper(request: Request, credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
+        # Every token compared (a list, not any()'s short cut): the time tells nothing.
+        checked(request, credentials, lambda offered: True if any([matches(offered, t) for t in scrape_with or ()]) else None)
 
     guarded = scrape_with is not None  # the schema says /metrics needs a token exactly when it does
     metrics_responses: dict[int | str, dict[str, Any]] = {c: _ERRORS[c] for c in ((400, 401, 503) if guarded else (400, 503))}
@@ -319,22 +337,37 @@ def create_app(leases: CeleryLease) -> FastAPI:
     def prometheus():
         return Response(scrapes.render(), media_type=metrics.CONTENT_TYPE)
 
-    _mount_dashboard(api, leases, tokens)
+    _mount_dashboard(api, leases, keyring, secret, gate)
     return api
 
 
-def _mount_dashboard(api: FastAPI, leases: CeleryLease, tokens: dict[str, Grant]) -> None:
+def _mount_dashboard(api: FastAPI, leases: CeleryLease, keyring: Keyring, secret: bytes, gate: Gate) -> None:
     """The dashboard at /dashboard (celery_lease.ops.dashboard), when Jinja2 is installed."""
     try:
         from celery_lease.ops.dashboard import create_dashboard
     except ImportError:  # an api extra installed before the dashboard needed jinja2
         log.warning("celery-lease: no dashboard at /dashboard: it needs jinja2 (pip install 'celery-lease[api]')")
         return
-    api.mount("/dashboard", create_dashboard(leases, tokens))
+    api.mount("/dashboard", create_dashboard(leases, keyring, secret, gate))
 
 
-def serve(leases: CeleryLease, host: str, port: int) -> None:
-    """Run the API on uvicorn until interrupted."""
+def serve(
+    leases: CeleryLease, host: str, port: int, *, proxy_headers: bool = False, forwarded_allow_ips: str = "127.0.0.1"
+) -> None:
+    """Run the API on uvicorn until interrupted. With ``proxy_headers``,
+    ``X-Forwarded-For`` and ``X-Forwarded-Proto`` are believed from the peers
+    ``forwarded_allow_ips`` lists (addresses or networks, comma-separated, or ``*``);
+    without, from nobody. They decide the client address the failed-sign-in budget
+    counts, and the scheme that makes the session cookie Secure."""
     import uvicorn
 
-    uvicorn.run(create_app(leases), host=host, port=port, log_level="info")
+    # proxy_headers is passed even when off: uvicorn's own default believes any
+    # loopback peer, so every guess through a local proxy could name a new address.
+    uvicorn.run(
+        create_app(leases),
+        host=host,
+        port=port,
+        log_level="info",
+        proxy_headers=proxy_headers,
+        forwarded_allow_ips=forwarded_allow_ips,
+    )
