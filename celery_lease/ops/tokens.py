@@ -71,7 +71,8 @@ def _grant(value: Any) -> Grant | None:
         return Grant(value)
     if isinstance(value, dict) and set(value) <= {"tenant", "read_only", "payloads"}:
         tenant, read_only, payloads = value.get("tenant"), value.get("read_only", False), value.get("payloads")
-        if (tenant is None or isinstance(tenant, str)) and isinstance(read_only, bool) and payloads in (None, True, False):
+        flags_ok = isinstance(read_only, bool) and (payloads is None or isinstance(payloads, bool))
+        if (tenant is None or isinstance(tenant, str)) and flags_ok:
             return Grant(tenant, read_only, payloads)
     return None
 
