@@ -10,8 +10,13 @@ needs the ``api`` extra). Routes::
     GET  /api/v1/limits               flow control per kind and key: limits, running, waiting
     GET  /healthz                     200 when the database answers, else 503
     GET  /metrics                     Prometheus text (see celery_lease.metrics)
-    GET  /openapi.json                the OpenAPI schema
+    GET  /openapi.json                the OpenAPI schema (no /docs, /redoc: they load scripts
+                                      from a CDN onto the dashboard's origin)
     /dashboard                        the dashboard (celery_lease.ops.dashboard)
+
+Around every route (celery_lease.ops.guard): bodies over 16 KiB are answered 413 before
+they are read, and every response carries the Content-Security-Policy and framing
+headers.
 
 Tokens. Every ``/api/v1`` route needs ``Authorization: Bearer <token>``. The tokens
 come from ``app.conf.lease_api_tokens``, a dict mapping each token to the tenant it may
@@ -25,7 +30,9 @@ or, when that setting is absent, from the environment variable
     CELERY_LEASE_API_TOKENS='{"ops-7f3a...": null, "acme-91bc...": "acme"}'
 
 With no tokens configured every ``/api/v1`` request is refused. A missing or unknown
-token gets 401 ``{"error": "unauthorized"}``. A token bound to a tenant sees only jobs
+token gets 401 ``{"error": "unauthorized"}``; tokens are at least 20 characters. Each
+wrong token spends its client address's and everyone's failure budget; once either is
+spent, tokens from there are answered 429 without being compared (throttle.Gate). A token bound to a tenant sees only jobs
 submitted with that ``tenant=``: another tenant's job is 404, exactly like a job that
 does not exist (a 403 would confirm the id exists), and costs the same to answer (the
 tenant is in the statement's WHERE clause); lists and run events are filtered, and
@@ -36,7 +43,8 @@ events are numbered 1, 2, 3 ... within the run, and ``after`` takes those number
 
 Routes read only the columns their response carries: never payloads or checkpoints;
 lists are bounded summaries (listing.summary_view). Past ``lease_api_rate`` requests a
-second a token gets 429 with ``Retry-After``.
+second a token gets 429 with ``Retry-After``: one budget for its API requests and its
+dashboard sessions.
 
 ``/healthz`` and ``/openapi.json`` need no token. ``/metrics`` needs one whenever
 ``lease_api_tokens`` or ``app.conf.lease_metrics_token`` (or the environment variable
