@@ -108,7 +108,8 @@ def test_an_exchange_declared_otherwise_is_a_warning_once(amqp_broker, caplog):
     caplog.set_level(logging.INFO, logger="celery_lease.cancel_notice")
     assert notice_amqp.publish(amqp_broker.url, name, ['{"job": 1}'], timeout=5) is False
     assert notice_amqp.publish(amqp_broker.url, name, ['{"job": 2}'], timeout=5) is False
-    notice_amqp.listen(amqp_broker.url, name, lambda body: None, reconnect_seconds=0.1)
+    # (A daemon thread: it retries every 0.3 s until the test process ends.)
+    notice_amqp.listen(amqp_broker.url, name, lambda body: None, reconnect_seconds=0.3)
     time.sleep(1.5)  # the listener has tried (and been refused) several times
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
