@@ -27,8 +27,7 @@ from bench import harness
 from tests.harness.services import free_port
 
 KINDS = ("extract", "load", "preview", "discover", "notify")
-#: At least 20 characters: the API refuses shorter tokens.
-ADMIN, ACME = "bench-admin-token-0123456789", "bench-acme-token-0123456789"
+ADMIN, ACME = "bench-admin-token-6e0f1c", "bench-acme-token-2d9a47"
 _KIND = "(ARRAY['extract','load','preview','discover','notify'])[1 + i % 5]"
 _COLUMNS = """(id, kind, task, status, attempt, max_attempts, lease_seconds, lease_generation, lease_losses,
     lease_owner, lease_expires_at, woken_at, held, concurrency_key, payload, result, error, run_id, tenant,

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from amqp.exceptions import AMQPError
+from amqp.exceptions import AMQPError, PreconditionFailed
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.exceptions import KombuError
 
@@ -47,6 +47,24 @@ def _exchange(name: str) -> Exchange:
     return Exchange(name, type="fanout", durable=False, delivery_mode="transient")
 
 
+_warned = threading.Event()
+
+
+def _warn_if_declared_otherwise(exc: BaseException, name: str) -> None:
+    """An exchange of that name already declared with other attributes (durable, another
+    type) refuses every declaration of ours (406 PRECONDITION_FAILED): fast cancel is
+    off for good, not for a broker's blip. That is an operator's to fix, so it is a
+    WARNING, once per process (a listener retries every few seconds)."""
+    if isinstance(exc, PreconditionFailed) and not _warned.is_set():
+        _warned.set()
+        log.warning(
+            "celery-lease: the AMQP exchange %r exists with other attributes than a transient, non-durable fanout (%s): "
+            "cancel notices are off, running jobs learn of a cancel at their next heartbeat; delete the exchange",
+            name,
+            exc,
+        )
+
+
 def publish(url: str, name: str, notices: Iterable[str], timeout: float) -> bool:
     """Send each notice (a JSON text) to the exchange ``name``; False when none could be."""
     exchange = _exchange(name)
@@ -67,6 +85,7 @@ def publish(url: str, name: str, notices: Iterable[str], timeout: float) -> bool
                     )
         return True
     except (OSError, AMQPError, KombuError) as exc:
+        _warn_if_declared_otherwise(exc, name)
         log.info("celery-lease: cancel notice not sent (%s); heartbeats will notice", type(exc).__name__)
         return False
 
@@ -100,6 +119,7 @@ def _listen(url: str, name: str, handle: Callable[[bytes], Any], reconnect_secon
                             conn.drain_events(timeout=HEARTBEAT_SECONDS / 2)
                         except TimeoutError:
                             conn.heartbeat_check()
-        except Exception:  # the broker restarting or unreachable: the heartbeat covers the gap
+        except Exception as exc:  # the broker restarting or unreachable: the heartbeat covers the gap
+            _warn_if_declared_otherwise(exc, name)
             log.debug("celery-lease: cancel-notice listener reconnecting", exc_info=True)
         time.sleep(reconnect_seconds)

@@ -67,6 +67,9 @@ class Settings:
     metrics_key_labels: int = 0
     #: the API: requests a second per bearer token (bursts of twice that) before 429; 0: off
     api_rate: float = 50.0
+    #: the dashboard's session cookie is always Secure (else only when the request came
+    #: over HTTPS, as seen by serve: behind a TLS proxy, see serve --proxy-headers)
+    dashboard_secure_cookie: bool = False
 
     @classmethod
     def names(cls) -> list[str]:

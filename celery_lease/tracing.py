@@ -83,6 +83,19 @@ def clock() -> int | None:
     return time.time_ns() if _active() is not None else None
 
 
+#: Characters of a span name or string attribute at most: queue names and kinds come
+#: from routing keys and submitters, and a tracing backend stores every one per span.
+MAX_CHARS = 128
+
+
+def _capped(text: str) -> str:
+    return text if len(text) <= MAX_CHARS else text[: MAX_CHARS - 1] + "…"
+
+
+def _bounded(attributes: dict[str, Any]) -> dict[str, Any]:
+    return {k: _capped(v) if isinstance(v, str) else v for k, v in attributes.items()}
+
+
 @contextlib.contextmanager
 def _producing(tracer: Any, kind: str | None, queue: str | None, ids: Sequence[str]) -> Iterator[str | None]:
     from opentelemetry.trace import SpanKind
@@ -100,7 +113,8 @@ def _producing(tracer: Any, kind: str | None, queue: str | None, ids: Sequence[s
         attributes["messaging.message.id"] = attributes["celery_lease.job_id"] = ids[0]
     else:  # the conventions set the count for a batch only
         attributes["messaging.batch.message_count"] = len(ids)
-    with tracer.start_as_current_span(f"submit {queue or kind}", kind=SpanKind.PRODUCER, attributes=attributes):
+    name = _capped(f"submit {queue or kind}")
+    with tracer.start_as_current_span(name, kind=SpanKind.PRODUCER, attributes=_bounded(attributes)):
         yield carrier()
 
 
@@ -147,10 +161,10 @@ def start_attempt(attempt: Attempt, queue: str | None, started: int, request: An
     if destination is not None:
         attributes["messaging.destination.name"] = destination
     span = attempt.span = tracer.start_span(
-        f"process {destination or attempt.kind}",
+        _capped(f"process {destination or attempt.kind}"),
         context=parent,
         kind=SpanKind.CONSUMER,
-        attributes=attributes,
+        attributes=_bounded(attributes),
         links=links,
         start_time=started,
     )

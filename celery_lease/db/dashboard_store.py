@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection
 from celery_lease.db.reads import _view
 from celery_lease.db.statements import dashboard as dq
 from celery_lease.db.statements import flow as fs
+from celery_lease.db.statements import sessions as sq
 from celery_lease.db.store import Store
 
 
@@ -34,6 +35,21 @@ class DashboardStore:
 
     def _rows(self, stmt, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         return self._read(lambda c: [_view(r) for r in c.execute(stmt, params or {}).mappings()])
+
+    # --- sessions (celery_lease.ops.dashboard.access) ------------------------------------
+
+    def open_session(self, session: str, token: str, seconds: float) -> None:
+        def work(conn: Connection) -> None:
+            conn.execute(sq.drop_expired_sessions())
+            conn.execute(sq.open_session(), {"id": session, "token": token, "seconds": seconds})
+
+        self._store.transaction(self._store.durable, work)
+
+    def session_token(self, session: str) -> str | None:
+        return self._store.transaction(self._store.durable, lambda c: c.execute(sq.session_token(), {"id": session}).scalar())
+
+    def close_session(self, session: str) -> None:
+        self._store.transaction(self._store.durable, lambda c: c.execute(sq.close_session(), {"id": session}))
 
     # --- jobs ----------------------------------------------------------------------------
 
@@ -55,8 +71,8 @@ class DashboardStore:
 
         return self._read(work)
 
-    def job(self, job_id: str, *, tenant: str | None, cap: int) -> dict[str, Any] | None:
-        rows = self._rows(dq.get_job_detail(job_id, tenant=tenant, cap=cap))
+    def job(self, job_id: str, *, tenant: str | None, cap: int, payloads: bool = False) -> dict[str, Any] | None:
+        rows = self._rows(dq.get_job_detail(job_id, tenant=tenant, cap=cap, payloads=payloads))
         return rows[0] if rows else None
 
     def job_events(self, job_id: str, limit: int) -> list[dict[str, Any]]:

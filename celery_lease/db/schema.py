@@ -220,3 +220,18 @@ pauses = sa.Table(
     sa.Column("kind", sa.String(200), primary_key=True),
     sa.Column("paused_at", TS, nullable=False),
 )
+
+# --- the dashboard ---------------------------------------------------------------------
+
+sessions = sa.Table(
+    "celery_lease_sessions",
+    metadata,
+    # One row per signed-in dashboard session; signing out deletes it, so a copied
+    # cookie stops working everywhere at once. Holds no secret (see
+    # db/statements/sessions.py): id and token are HMACs under the server's secret.
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("token", sa.String(64), nullable=False),
+    sa.Column("created_at", TS, nullable=False),
+    sa.Column("expires_at", TS, nullable=False),
+)
+sa.Index("celery_lease_sessions_expires", sessions.c.expires_at)

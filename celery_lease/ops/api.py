@@ -10,8 +10,13 @@ needs the ``api`` extra). Routes::
     GET  /api/v1/limits               flow control per kind and key: limits, running, waiting
     GET  /healthz                     200 when the database answers, else 503
     GET  /metrics                     Prometheus text (see celery_lease.metrics)
-    GET  /openapi.json                the OpenAPI schema
+    GET  /openapi.json                the OpenAPI schema (no /docs, /redoc: they load scripts
+                                      from a CDN onto the dashboard's origin)
     /dashboard                        the dashboard (celery_lease.ops.dashboard)
+
+Around every route (celery_lease.ops.guard): bodies over 16 KiB are answered 413 before
+they are read, and every response carries the Content-Security-Policy and framing
+headers.
 
 Tokens. Every ``/api/v1`` route needs ``Authorization: Bearer <token>``. The tokens
 come from ``app.conf.lease_api_tokens``, a dict mapping each token to the tenant it may
@@ -25,7 +30,9 @@ or, when that setting is absent, from the environment variable
     CELERY_LEASE_API_TOKENS='{"ops-7f3a...": null, "acme-91bc...": "acme"}'
 
 With no tokens configured every ``/api/v1`` request is refused. A missing or unknown
-token gets 401 ``{"error": "unauthorized"}``. A token bound to a tenant sees only jobs
+token gets 401 ``{"error": "unauthorized"}``; tokens are at least 20 characters. Each
+wrong token spends its client address's and everyone's failure budget; once either is
+spent, tokens from there are answered 429 without being compared (throttle.Gate). A token bound to a tenant sees only jobs
 submitted with that ``tenant=``: another tenant's job is 404, exactly like a job that
 does not exist (a 403 would confirm the id exists), and costs the same to answer (the
 tenant is in the statement's WHERE clause); lists and run events are filtered, and
@@ -36,7 +43,8 @@ events are numbered 1, 2, 3 ... within the run, and ``after`` takes those number
 
 Routes read only the columns their response carries: never payloads or checkpoints;
 lists are bounded summaries (listing.summary_view). Past ``lease_api_rate`` requests a
-second a token gets 429 with ``Retry-After``.
+second a token gets 429 with ``Retry-After``: one budget for its API requests and its
+dashboard sessions.
 
 ``/healthz`` and ``/openapi.json`` need no token. ``/metrics`` needs one whenever
 ``lease_api_tokens`` or ``app.conf.lease_metrics_token`` (or the environment variable
@@ -55,6 +63,7 @@ does not declare (a misspelt filter must not silently widen a list); 404
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Path, Query, Request, Security
@@ -67,12 +76,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from celery_lease.errors import DatabaseUnavailable
 from celery_lease.job import parse_job_id
 from celery_lease.ops import listing, metrics
-from celery_lease.ops.throttle import Throttle, retry_after
+from celery_lease.ops.guard import Guard
+from celery_lease.ops.throttle import Gate, retry_after
 from celery_lease.ops.tokens import (
     TOKENS_ENV,
     TOKENS_SETTING,
     Grant,
+    Keyring,
     load_metrics_token,
+    load_secret,
     load_tokens,
     matches,
     scrape_tokens,
@@ -159,8 +171,10 @@ def create_app(leases: CeleryLease) -> FastAPI:
     """The ASGI app serving ``leases``; reads the tokens now (ConfigurationError if bad)."""
     tokens = load_tokens(leases.app.conf)
     metrics_token = load_metrics_token(leases.app.conf)
+    secret = load_secret(leases.app.conf)
+    keyring = Keyring(tokens, secret)
     scrapes = metrics.CachedMetrics(leases, leases.settings.metrics_cache_seconds)
-    throttle = Throttle(leases.settings.api_rate)
+    gate = Gate(leases.settings.api_rate)
     if not tokens:
         log.warning(
             "celery-lease: no API tokens configured (%s or %s): every /api/v1 request gets 401",
@@ -174,7 +188,12 @@ def create_app(leases: CeleryLease) -> FastAPI:
         version="1",
         description="Durable Celery jobs: status, cancel, runs.",
         dependencies=[Depends(_refuse_unknown_query)],
+        # Swagger UI and ReDoc load their scripts from a CDN: a script of a third party
+        # on the dashboard's origin could read its CSRF tokens. The schema stays.
+        docs_url=None,
+        redoc_url=None,
     )
+    api.add_middleware(Guard)
 
     @api.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):
@@ -205,21 +224,29 @@ def create_app(leases: CeleryLease) -> FastAPI:
         )
         return _error(503, "schema_not_migrated", None)
 
-    def caller(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> Caller:
-        if credentials is None:
+    def checked(request: Request, credentials: HTTPAuthorizationCredentials | None, accept: Callable[[str], Any]) -> Any:
+        """What ``accept`` makes of the offered bearer token; 401 when it makes None.
+        A wrong token spends the address's and everyone's failure budget, and once
+        either is spent no token is even compared (429; see throttle.Gate)."""
+        if credentials is None:  # no guess: costs nothing
             raise ApiError(401, "unauthorized")
-        match = None
-        # compare_digest against every token: the time taken does not depend on how
-        # much of a token was guessed right, nor on which one matched.
-        for token, grant in tokens.items():
-            if matches(credentials.credentials, token):
-                match = token, grant
-        if match is None:
-            raise ApiError(401, "unauthorized")
-        wait = throttle.wait(match[0])
+        address = request.client.host if request.client else ""
+        wait = gate.locked(address)
         if wait:
             raise ApiError(429, "rate_limited", None, {"Retry-After": retry_after(wait)})
-        return match[1]
+        found = accept(credentials.credentials)
+        if found is None:
+            gate.failed(address)
+            raise ApiError(401, "unauthorized")
+        return found
+
+    def caller(request: Request, credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> Caller:
+        holder = checked(request, credentials, keyring.find)
+        # The token's own rate, one budget with its dashboard sessions.
+        wait = gate.admit(holder.ident)
+        if wait:
+            raise ApiError(429, "rate_limited", None, {"Retry-After": retry_after(wait)})
+        return holder.grant
 
     def visible_job(job_id: str, who: Caller) -> dict[str, Any]:
         view = leases.store.get_view(_parse_id(job_id, "job"), tenant=who.tenant)
@@ -301,10 +328,9 @@ def create_app(leases: CeleryLease) -> FastAPI:
 
     scrape_with = scrape_tokens(tokens, metrics_token)
 
-    def scraper(credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
-        offered = "" if credentials is None else credentials.credentials
-        if not any([matches(offered, token) for token in scrape_with or ()]):
-            raise ApiError(401, "unauthorized")
+    def scraper(request: Request, credentials: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
+        # Every token compared (a list, not any()'s short cut): the time tells nothing.
+        checked(request, credentials, lambda offered: True if any([matches(offered, t) for t in scrape_with or ()]) else None)
 
     guarded = scrape_with is not None  # the schema says /metrics needs a token exactly when it does
     metrics_responses: dict[int | str, dict[str, Any]] = {c: _ERRORS[c] for c in ((400, 401, 503) if guarded else (400, 503))}
@@ -319,22 +345,37 @@ def create_app(leases: CeleryLease) -> FastAPI:
     def prometheus():
         return Response(scrapes.render(), media_type=metrics.CONTENT_TYPE)
 
-    _mount_dashboard(api, leases, tokens)
+    _mount_dashboard(api, leases, keyring, secret, gate)
     return api
 
 
-def _mount_dashboard(api: FastAPI, leases: CeleryLease, tokens: dict[str, Grant]) -> None:
+def _mount_dashboard(api: FastAPI, leases: CeleryLease, keyring: Keyring, secret: bytes, gate: Gate) -> None:
     """The dashboard at /dashboard (celery_lease.ops.dashboard), when Jinja2 is installed."""
     try:
         from celery_lease.ops.dashboard import create_dashboard
     except ImportError:  # an api extra installed before the dashboard needed jinja2
         log.warning("celery-lease: no dashboard at /dashboard: it needs jinja2 (pip install 'celery-lease[api]')")
         return
-    api.mount("/dashboard", create_dashboard(leases, tokens))
+    api.mount("/dashboard", create_dashboard(leases, keyring, secret, gate))
 
 
-def serve(leases: CeleryLease, host: str, port: int) -> None:
-    """Run the API on uvicorn until interrupted."""
+def serve(
+    leases: CeleryLease, host: str, port: int, *, proxy_headers: bool = False, forwarded_allow_ips: str = "127.0.0.1"
+) -> None:
+    """Run the API on uvicorn until interrupted. With ``proxy_headers``,
+    ``X-Forwarded-For`` and ``X-Forwarded-Proto`` are believed from the peers
+    ``forwarded_allow_ips`` lists (addresses or networks, comma-separated, or ``*``);
+    without, from nobody. They decide the client address the failed-sign-in budget
+    counts, and the scheme that makes the session cookie Secure."""
     import uvicorn
 
-    uvicorn.run(create_app(leases), host=host, port=port, log_level="info")
+    # proxy_headers is passed even when off: uvicorn's own default believes any
+    # loopback peer, so every guess through a local proxy could name a new address.
+    uvicorn.run(
+        create_app(leases),
+        host=host,
+        port=port,
+        log_level="info",
+        proxy_headers=proxy_headers,
+        forwarded_allow_ips=forwarded_allow_ips,
+    )

@@ -12,7 +12,8 @@ loaded from ``-A`` and finds the CeleryLease instance at ``app.lease``::
     celery -A proj lease prune [--older-than SECONDS] [--json]
     celery -A proj lease pause KIND | resume KIND [--json]   flow control (stored, fleet-wide)
     celery -A proj lease limits [--json]         per kind and key: limits, running, waiting
-    celery -A proj lease serve [--host H] [--port P]   the HTTP API (celery_lease.api)
+    celery -A proj lease serve [--host H] [--port P] [--proxy-headers [--forwarded-allow-ips IPS]]
+                                                       the HTTP API and dashboard (celery_lease.ops.api)
 
 Errors (unknown or malformed id, bad status, unreachable database, bad configuration)
 print exactly one line, ``celery-lease: <what is wrong>``, on stderr and exit non-zero:
@@ -23,6 +24,7 @@ database driver's message (which can carry a host or a password) stays out of it
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import logging
 import re
@@ -344,12 +346,42 @@ def limits(ctx: click.Context, as_json: bool) -> None:
     _emit(as_json, {"kinds": rows}, text)
 
 
-@lease.command(help="Serve the HTTP API (needs the api extra).")
+def _peers(value: str | None) -> str | None:
+    """--forwarded-allow-ips: ``*`` or comma-separated addresses and networks."""
+    if value is None:
+        return None
+    if value.strip() == "*":
+        return "*"
+    peers = [p.strip() for p in value.split(",")]
+    for peer in peers:
+        try:
+            ipaddress.ip_network(peer, strict=False)
+        except ValueError:
+            raise CliError(f"--forwarded-allow-ips: {printable(peer[:60])!r} is not an address or network", 2) from None
+    return ",".join(peers)
+
+
+@lease.command(help="Serve the HTTP API and the dashboard (needs the api extra).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--proxy-headers",
+    is_flag=True,
+    help="Believe X-Forwarded-For/-Proto (the client address sign-ins are throttled by, "
+    "https for Secure cookies) from the --forwarded-allow-ips peers only; off: from nobody.",
+)
+@click.option(
+    "--forwarded-allow-ips",
+    default=None,
+    metavar="IPS",
+    help="With --proxy-headers: the proxies' addresses or networks, comma-separated, or * [default: 127.0.0.1].",
+)
 @click.pass_context
 @_boundary
-def serve(ctx: click.Context, host: str, port: int) -> None:
+def serve(ctx: click.Context, host: str, port: int, proxy_headers: bool, forwarded_allow_ips: str | None) -> None:
+    peers = _peers(forwarded_allow_ips)
+    if peers is not None and not proxy_headers:
+        raise CliError("--forwarded-allow-ips needs --proxy-headers", 2)
     leases = _leases(ctx)
     try:
         from celery_lease.ops import api
@@ -358,4 +390,4 @@ def serve(ctx: click.Context, host: str, port: int) -> None:
     leases.store.ping()  # refuse to start against a database that does not answer
     # From here on the server's log is the place for the store's warnings.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api.serve(leases, host, port)
+    api.serve(leases, host, port, proxy_headers=proxy_headers, forwarded_allow_ips=peers or "127.0.0.1")

@@ -21,9 +21,9 @@ from tests.e2e.browser import chrome
 from tests.harness.services import wait_for
 from tests.integration.test_api import Server
 
-ADMIN = "dash-admin-5e1f"
-READER = "dash-reader-03ab"  # every tenant, read-only
-ACME = "dash-acme-7c40"  # tenant acme only
+ADMIN = "dash-admin-5e1f-8c2d07b4"
+READER = "dash-reader-03ab-91e6f2"  # every tenant, read-only
+ACME = "dash-acme-7c40-5b8e13a9"  # tenant acme only
 TOKENS = {ADMIN: None, READER: {"tenant": None, "read_only": True}, ACME: "acme"}
 
 

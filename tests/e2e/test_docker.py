@@ -51,7 +51,7 @@ SECRETS = {
     "CELERY_LEASE_APP_PASSWORD": "compose-test-app-password",
     "REDIS_PASSWORD": "compose-test-redis-password",
     "FLOWER_BASIC_AUTH": "ops:compose-test-login",
-    "CELERY_LEASE_API_TOKENS": '{"compose-test-token": null}',
+    "CELERY_LEASE_API_TOKENS": '{"compose-test-token-4b7e19": null}',
 }
 
 
@@ -630,7 +630,7 @@ def test_api_command_serves_health_and_jobs(run_service, healthcheck, pg, broker
 
     assert wait_for(healthz, timeout=60, interval=0.2, what="the API to answer").status_code == 200
     assert client.get("/api/v1/jobs").status_code == 401
-    ok = client.get("/api/v1/jobs", headers={"Authorization": "Bearer compose-test-token"})
+    ok = client.get("/api/v1/jobs", headers={"Authorization": "Bearer compose-test-token-4b7e19"})
     assert ok.status_code == 200
     client.close()
     assert healthcheck("api", pg, broker, port=port) == 0
@@ -780,6 +780,6 @@ def test_compose_roles_and_passwords_work_against_real_servers(compose, private_
             return None
 
     assert wait_for(healthz, timeout=60, interval=0.2, what="the API to answer").status_code == 200
-    jobs = client.get("/api/v1/jobs", headers={"Authorization": "Bearer compose-test-token"})
+    jobs = client.get("/api/v1/jobs", headers={"Authorization": "Bearer compose-test-token-4b7e19"})
     assert jobs.status_code == 200 and [j["id"] for j in jobs.json()["jobs"]] == [job.id]
     client.close()

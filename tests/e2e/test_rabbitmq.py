@@ -88,3 +88,29 @@ def test_cancel_notice_reaches_the_worker_over_a_fanout_exchange(pg, amqp_broker
 
 def test_beat_reaps_and_sweeps_on_rabbitmq(pg, amqp_broker, client_app, workers, beats, db, make_job):
     beat_reaps_and_sweeps(pg, amqp_broker.url, client_app, workers, beats, db, make_job)
+
+
+def test_an_exchange_declared_otherwise_is_a_warning_once(amqp_broker, caplog):
+    """Before: an exchange of the notices' name pre-declared with other attributes
+    (durable here) refused every declaration of ours, and only a debug line said that
+    fast cancel was off for good."""
+    import logging
+    import time
+
+    from kombu import Exchange
+
+    from celery_lease import notice_amqp
+
+    name = "celery-lease-notices-preset"
+    with Connection(amqp_broker.url) as conn:
+        Exchange(name, type="fanout", durable=True)(conn.default_channel).declare()
+    notice_amqp._warned.clear()
+    caplog.set_level(logging.INFO, logger="celery_lease.cancel_notice")
+    assert notice_amqp.publish(amqp_broker.url, name, ['{"job": 1}'], timeout=5) is False
+    assert notice_amqp.publish(amqp_broker.url, name, ['{"job": 2}'], timeout=5) is False
+    # (A daemon thread: it retries every 0.3 s until the test process ends.)
+    notice_amqp.listen(amqp_broker.url, name, lambda body: None, reconnect_seconds=0.3)
+    time.sleep(1.5)  # the listener has tried (and been refused) several times
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert name in warnings[0].getMessage() and "cancel notices are off" in warnings[0].getMessage()

@@ -30,10 +30,10 @@ from celery_lease.ops.api import load_tokens
 from celery_lease.ops.tokens import Grant
 from tests.conftest import CELERY, PG_ADMIN, ROOT, _env, free_port, throwaway_database, wait_for
 
-ADMIN = "admin-token-4f1c"  # every tenant
-ACME = "acme-token-9b2e"  # tenant "acme" only
-GLOBEX = "globex-token-77aa"  # tenant "globex" only
-READER = "reader-token-1d0c"  # every tenant, read-only
+ADMIN = "admin-token-4f1c-5d7e2a90"  # every tenant
+ACME = "acme-token-9b2e-0c41f7d3"  # tenant "acme" only
+GLOBEX = "globex-token-77aa-8e21b6"  # tenant "globex" only
+READER = "reader-token-1d0c-3f9a6b"  # every tenant, read-only
 TOKENS = {ADMIN: None, ACME: "acme", GLOBEX: "globex", READER: {"tenant": None, "read_only": True}}
 SUMMARY_FIELDS = {"result_bytes", "result_omitted", "progress_bytes", "progress_omitted"}
 #: /metrics takes an unrestricted token whenever API tokens are configured.
@@ -59,7 +59,9 @@ JOB_FIELDS = {
 class Server:
     """`celery -A tests.apps.app lease serve` on a free port, killed by PID at teardown."""
 
-    def __init__(self, db: str, broker: str, logdir: Path, tokens: dict = TOKENS, conf: dict | None = None) -> None:
+    def __init__(
+        self, db: str, broker: str, logdir: Path, tokens: dict = TOKENS, conf: dict | None = None, args: tuple[str, ...] = ()
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = logdir / f"api-{self.port}.log"
@@ -70,7 +72,7 @@ class Server:
         env = _env(db, broker, conf, extra={"CELERY_LEASE_API_TOKENS": json.dumps(tokens)})
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
-            [CELERY, "-A", "tests.apps.app", "lease", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
+            [CELERY, "-A", "tests.apps.app", "lease", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
             env=env,
             cwd=ROOT,
             stdout=self._log,
@@ -159,14 +161,15 @@ def test_every_api_route_needs_a_valid_bearer_token(server, pg, make_job):
 def test_tokens_come_from_app_conf_or_the_environment(monkeypatch):
     from celery_lease import ConfigurationError
 
-    assert load_tokens({"lease_api_tokens": {"t": "acme", "u": None}}) == {"t": Grant("acme"), "u": Grant(None)}
-    monkeypatch.setenv("CELERY_LEASE_API_TOKENS", '{"e": null, "r": {"tenant": "acme", "read_only": true}}')
-    assert load_tokens({}) == {"e": Grant(None), "r": Grant("acme", read_only=True)}
-    assert load_tokens({"lease_api_tokens": {"c": "x"}}) == {"c": Grant("x")}  # app.conf wins
+    t, u, e, r, c = (f"{name}-token-0123456789abcdef" for name in "tuerc")
+    assert load_tokens({"lease_api_tokens": {t: "acme", u: None}}) == {t: Grant("acme"), u: Grant(None)}
+    monkeypatch.setenv("CELERY_LEASE_API_TOKENS", json.dumps({e: None, r: {"tenant": "acme", "read_only": True}}))
+    assert load_tokens({}) == {e: Grant(None), r: Grant("acme", read_only=True)}
+    assert load_tokens({"lease_api_tokens": {c: "x"}}) == {c: Grant("x")}  # app.conf wins
     monkeypatch.setenv("CELERY_LEASE_API_TOKENS", "e=acme")
     with pytest.raises(ConfigurationError, match="CELERY_LEASE_API_TOKENS is not JSON"):
         load_tokens({})
-    for bad in ({"": None}, {"t": 3}, ["t"], {"t": {"tenant": 3}}, {"t": {"read_only": "yes"}}, {"t": {"role": "ro"}}):
+    for bad in ({t: 3}, [t], {t: {"tenant": 3}}, {t: {"read_only": "yes"}}, {t: {"role": "ro"}}, {t: {"payloads": 1}}):
         with pytest.raises(ConfigurationError, match="lease_api_tokens must map"):
             load_tokens({"lease_api_tokens": bad})
     monkeypatch.delenv("CELERY_LEASE_API_TOKENS")
@@ -521,7 +524,7 @@ def test_metrics_are_computed_from_the_job_table(server, pg, broker, client_app,
 
 def test_metrics_are_cached_and_may_require_a_token(pg_url, redis_server, tmp_path, make_job):
     """Before: every scrape ran full-table aggregates, and anyone could scrape."""
-    metrics_token = "metrics-token-5d1e"
+    metrics_token = "metrics-token-5d1e-a07c3b"
     srv = Server(
         pg_url, redis_server.url, tmp_path, conf={"lease_metrics_cache_seconds": 3600, "lease_metrics_token": metrics_token}
     )

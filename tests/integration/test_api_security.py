@@ -4,11 +4,13 @@ terminal, on real PostgreSQL."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -17,12 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.dialects import postgresql
 
 from celery_lease.db import migrate
+from celery_lease.db.schema import limits
 from celery_lease.db.statements import flow as flow_statements
 from celery_lease.db.statements import reads
 from celery_lease.db.store import Store
 from celery_lease.ops import listing
 from tests.conftest import CELERY, ROOT, SUMMARY_LINES, _env, throwaway_database
-from tests.integration.test_api import ACME, ADMIN, GLOBEX, Server
+from tests.integration.test_api import ACME, ADMIN, GLOBEX, READER, Server
 
 # --- finding 4: list pages are bounded ---------------------------------------------------
 
@@ -253,3 +256,258 @@ def test_a_query_string_password_is_never_echoed(pg, broker):
         proc = _cli(unreachable, broker, *args)
         assert proc.returncode != 0 and "cannot reach the job database" in proc.stderr, proc.stderr
         assert "hunter2" not in proc.stdout + proc.stderr, proc.stderr
+
+
+# --- issue 28: the dashboard as safe as the API ----------------------------------------------
+
+
+def _rss_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def _stream(url: str, path: str, total: int, *, declare: int | None = None) -> tuple[bytes, float]:
+    """POST ``total`` bytes to ``path`` as a stream (chunked, or under a declared
+    Content-Length): what the server answered, and the seconds it took."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=60)
+    length = f"Content-Length: {declare}" if declare is not None else "Transfer-Encoding: chunked"
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\n{length}\r\n\r\n"
+    chunk = b"token=" + b"a" * (1024 * 1024 - 6)
+    started = time.monotonic()
+
+    def send() -> None:
+        try:
+            sock.sendall(head.encode())
+            for _ in range(total // len(chunk)):
+                sock.sendall(chunk if declare is not None else b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            if declare is None:
+                sock.sendall(b"0\r\n\r\n")
+        except OSError:  # the server answered and closed: the rest is not wanted
+            pass
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    answer = b""
+    try:
+        while b"\r\n\r\n" not in answer:
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+    except OSError:
+        pass
+    elapsed = time.monotonic() - started
+    sock.close()
+    sender.join(timeout=60)
+    return answer, elapsed
+
+
+def test_a_body_is_bounded_before_it_is_read(pg_url, redis_server, tmp_path, request):
+    """Before: the sign-in form read the whole body, then checked its size: an anonymous
+    300 MB POST took the server from 108 MB to 704 MB. Now a declared length over the
+    bound is refused unread, and a streamed one as soon as it passes the bound (413)."""
+    srv = Server(pg_url, redis_server.url, tmp_path)
+    try:
+        pid = srv.proc.pid
+        httpx.get(srv.url + "/dashboard/login")  # warm: templates loaded
+        before = _rss_kib(pid, "VmHWM")
+        streamed, took = _stream(srv.url, "/dashboard/login", 50 * 1024 * 1024)
+        assert streamed.startswith(b"HTTP/1.1 413"), streamed[:200]
+        declared, _ = _stream(srv.url, "/dashboard/login", 50 * 1024 * 1024, declare=300 * 1024 * 1024)
+        assert declared.startswith(b"HTTP/1.1 413"), declared[:200]
+        api, _ = _stream(srv.url, "/api/v1/jobs", 50 * 1024 * 1024)  # any route, signed in or not
+        assert api.startswith(b"HTTP/1.1 413"), api[:200]
+        growth = _rss_kib(pid, "VmHWM") - before
+        assert growth < 8 * 1024, f"the server's peak RSS grew {growth} KiB for 50 MB bodies"
+        # A body within the bound still reaches its route.
+        from celery_lease.ops.guard import MAX_BODY_BYTES
+
+        ok = httpx.post(srv.url + "/dashboard/login", data={"token": "x" * (MAX_BODY_BYTES - 100)})
+        assert ok.status_code == 401
+        line = f"issue 28, item 6: serve's peak RSS grew {growth} KiB for three 50 MB POSTs (413 after {took:.2f} s)"
+        request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def secured(pg_url, redis_server, tmp_path):
+    """A server of its own: these tests spend its budgets."""
+    srv = Server(pg_url, redis_server.url, tmp_path, conf={"lease_api_rate": 2})  # bursts of 4
+    yield srv
+    srv.stop()
+
+
+@contextlib.contextmanager
+def _signed_in(srv: Server, token: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=srv.url, timeout=30) as client:
+        assert client.post("/dashboard/login", data={"token": token}).status_code == 303
+        yield client
+
+
+def test_the_dashboard_spends_the_tokens_request_rate(secured, pg):
+    """Before: lease_api_rate throttled /api/v1 only; a signed-in token (a tenant's too)
+    could hammer live.json or the payload search with no 429. Now a session spends its
+    token's budget, the same one as the token's API requests."""
+    with _signed_in(secured, ACME) as acme:
+        started = time.monotonic()
+        answers = [acme.get("/dashboard/live.json") for _ in range(16)]
+        elapsed = time.monotonic() - started
+        codes = [r.status_code for r in answers]
+        # A burst of 4, then 2 a second: never more, however slow the host.
+        assert codes[:3] == [200] * 3 and 429 in codes and codes.count(200) <= 4 + 2 * elapsed + 1, (elapsed, codes)
+        limited = next(r for r in answers if r.status_code == 429)
+        assert 1 <= int(limited.headers["Retry-After"]) <= 2
+        # One budget: the API with the same token is spent too; another token is not.
+        spent = [acme.get("/dashboard/jobs").status_code, secured.client(ACME).get("/api/v1/limits").status_code]
+        assert 429 in spent, spent
+        assert secured.client(GLOBEX).get("/api/v1/limits").status_code == 200
+        time.sleep(1.2)
+        assert acme.get("/dashboard/live.json").status_code == 200
+
+
+def test_wrong_tokens_are_throttled(secured, pg):
+    """Before: a wrong bearer token was never throttled: guesses ran at full speed."""
+    for path in ("/api/v1/limits", "/metrics"):
+        with secured.client(None) as http:
+            started = time.monotonic()
+            codes = [http.get(path, headers={"Authorization": f"Bearer wrong-token-{i:012d}"}).status_code for i in range(30)]
+            elapsed = time.monotonic() - started
+        assert codes[:10] == [401] * 10 and 429 in codes, (path, codes)  # bursts of 10
+        # No faster than 5 a second after the burst, refused unread (429) beyond.
+        assert codes.count(401) <= 10 + 5 * elapsed + 1, (path, elapsed, codes)
+        assert set(codes) == {401, 429}
+        time.sleep(2.0)  # refilled: the next path starts with a full budget
+    with secured.client(ADMIN) as admin:
+        assert admin.get("/api/v1/limits").status_code == 200
+
+
+def test_a_proxy_is_believed_only_when_trusted(pg_url, redis_server, tmp_path):
+    """Before: uvicorn believed X-Forwarded-For from any loopback peer, so each guess
+    through it named a new address (never throttled), while behind a proxy elsewhere
+    every user shared the proxy's bucket and never got a Secure cookie."""
+    plain = Server(pg_url, redis_server.url, tmp_path)
+    try:
+        with httpx.Client(base_url=plain.url) as http:
+            codes = [
+                http.post("/dashboard/login", data={"token": "x"}, headers={"X-Forwarded-For": f"10.9.0.{i}"}).status_code
+                for i in range(20)
+            ]
+            assert 429 in codes, codes  # one peer, one budget, whatever it claims
+    finally:
+        plain.stop()
+    args = ("--proxy-headers", "--forwarded-allow-ips", "127.0.0.1")
+    proxied = Server(pg_url, redis_server.url, tmp_path, args=args)
+    try:
+        with httpx.Client(base_url=proxied.url) as http:
+            # Each client behind the proxy has its own budget: one locked is one locked.
+            codes = [
+                http.post("/dashboard/login", data={"token": "x"}, headers={"X-Forwarded-For": "10.0.0.1"}).status_code
+                for _ in range(12)
+            ]
+            assert codes[-1] == 429, codes
+            other = http.post("/dashboard/login", data={"token": ADMIN}, headers={"X-Forwarded-For": "10.0.0.2"})
+            assert other.status_code == 303
+            # HTTPS at the proxy: the cookie is Secure.
+            secure = http.post(
+                "/dashboard/login", data={"token": ADMIN}, headers={"X-Forwarded-For": "10.0.0.3", "X-Forwarded-Proto": "https"}
+            )
+            assert secure.status_code == 303 and "secure" in secure.headers["set-cookie"].lower()
+            assert "secure" not in other.headers["set-cookie"].lower()
+            # Addresses rotated (sign-ins and bearer tokens alike): the global budget holds
+            # them to 20 failures a second after a burst of 40, refused unread beyond.
+            started = time.monotonic()
+            guess = {"Authorization": f"Bearer {'y' * 30}"}
+            codes = [
+                http.get("/api/v1/limits", headers={**guess, "X-Forwarded-For": f"10.2.0.{i}"}).status_code for i in range(200)
+            ]
+            elapsed = time.monotonic() - started
+            assert 429 in codes and codes.count(401) <= 40 + 20 * elapsed + 1, (elapsed, codes)
+    finally:
+        proxied.stop()
+
+
+def test_a_secure_cookie_can_be_required(pg_url, redis_server, tmp_path):
+    srv = Server(pg_url, redis_server.url, tmp_path, conf={"lease_dashboard_secure_cookie": True})
+    try:
+        r = httpx.post(srv.url + "/dashboard/login", data={"token": ADMIN})
+        assert r.status_code == 303 and "secure" in r.headers["set-cookie"].lower()
+    finally:
+        srv.stop()
+
+
+def test_serve_refuses_bad_proxy_options_and_short_tokens(pg, broker):
+    bad = _cli(pg, broker, "serve", "--port", "0", "--forwarded-allow-ips", "10.0.0.1")
+    assert bad.returncode == 2 and "--forwarded-allow-ips needs --proxy-headers" in bad.stderr, bad.stderr
+    bad = _cli(pg, broker, "serve", "--port", "0", "--proxy-headers", "--forwarded-allow-ips", "proxy.local")
+    assert bad.returncode == 2 and "is not an address or network" in bad.stderr, bad.stderr
+    env = {**_env(pg, broker), "CELERY_LEASE_API_TOKENS": json.dumps({"a": None})}
+    short = subprocess.run(
+        [CELERY, "-A", "tests.apps.app", "lease", "serve", "--port", "0"], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert short.returncode != 0 and "shorter than 20 characters" in short.stderr, short.stderr
+
+
+def test_signing_out_ends_a_copied_session(server, pg):
+    """Before: sign-out only asked the browser to forget its cookie; a copy kept
+    working for 12 hours."""
+    with _signed_in(server, ADMIN) as http:
+        cookie = http.cookies["celery_lease_session"]
+        csrf = re.search(r'name="csrf" value="([^"]+)"', http.get("/dashboard/jobs").text).group(1)
+        assert http.post("/dashboard/logout", data={"csrf": csrf}).status_code == 303
+    copy = httpx.get(server.url + "/dashboard/jobs", cookies={"celery_lease_session": cookie})
+    assert copy.status_code == 303 and copy.headers["location"] == "/dashboard/login"
+
+
+def test_payloads_are_shown_and_searched_only_for_tokens_that_may_read_them(server, pg, make_job):
+    """Before: every token (tenant and read-only included) saw payloads on the dashboard
+    and found jobs by payload values, while the API never shows a payload; and a tenant
+    saw the fleet-wide rate budget of a kind."""
+    job = make_job(pg, kind="ratedkind", tenant="acme", payload={"card": "4111-secret"})
+    with sa.create_engine(pg).begin() as conn:
+        budget = {"rate": 10, "per_seconds": 1, "rate_window": 0, "rate_claims": 0, "updated_at": sa.func.now()}
+        conn.execute(limits.insert().values(kind="ratedkind", **budget))
+    with _signed_in(server, ADMIN) as admin:
+        assert "4111-secret" in admin.get(f"/dashboard/jobs/{job}").text
+        found = admin.get("/dashboard/jobs", params={"field": "card", "value": "4111-secret"})
+        assert found.status_code == 200 and job in found.text
+        assert "rate-budget" in admin.get("/dashboard/kinds").text
+    for token in (ACME, READER):
+        with _signed_in(server, token) as other:
+            page = other.get(f"/dashboard/jobs/{job}")
+            assert page.status_code == 200 and "4111" not in page.text, token
+            search = other.get("/dashboard/jobs", params={"field": "card", "value": "4111-secret"})
+            assert search.status_code == 400 and job not in search.text, token
+            assert 'name="field"' not in other.get("/dashboard/jobs").text
+            bulk = other.get("/dashboard/bulk", params={"action": "cancel", "field": "card", "value": "4111-secret"})
+            assert job not in bulk.text
+    with _signed_in(server, ACME) as acme:
+        kinds = acme.get("/dashboard/kinds")
+        assert kinds.status_code == 200 and "ratedkind" in kinds.text and "rate-budget" not in kinds.text
+
+
+def test_no_third_party_script_and_a_csp_on_every_response(server, pg):
+    """Before: /docs and /redoc loaded Swagger UI from a CDN on the dashboard's origin,
+    without sign-in or CSP."""
+    with httpx.Client(base_url=server.url) as http:
+        assert http.get("/docs").status_code == 404 and http.get("/redoc").status_code == 404
+        assert http.get("/openapi.json").status_code == 200
+        responses = [
+            http.get("/openapi.json"),
+            http.get("/dashboard/login"),
+            http.get("/dashboard/static/dashboard.css"),
+            http.get("/dashboard/nowhere"),
+            http.get("/dashboard/jobs"),
+            http.get("/api/v1/jobs"),
+            http.get("/healthz"),
+            http.post("/dashboard/login", content=b"x" * 20_000, headers={"Content-Type": "application/x-www-form-urlencoded"}),
+        ]
+    for r in responses:
+        assert "frame-ancestors 'none'" in r.headers.get("content-security-policy", ""), (r.request.url, r.status_code)
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
+    assert responses[-1].status_code == 413

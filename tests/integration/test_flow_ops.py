@@ -118,13 +118,14 @@ def test_api_limits_counts_only_the_callers_tenant(pg, broker, client_app, flow_
 
     from celery_lease.ops.api import create_app
 
-    tokens = {"admin": None, "acme": "acme"}
+    admin, acme_token = "admin-token-8b3c1e0f77", "acme-token-1f6d29ab40"
+    tokens = {admin: None, acme_token: "acme"}
     mod = client_app(pg, broker, conf={"lease_api_tokens": tokens}, module=MODULE)
     client = TestClient(create_app(mod.leases))
     assert client.get("/api/v1/limits").status_code == 401
-    everything = by_kind_key(client.get("/api/v1/limits", headers={"Authorization": "Bearer admin"}).json()["kinds"])
+    everything = by_kind_key(client.get("/api/v1/limits", headers={"Authorization": f"Bearer {admin}"}).json()["kinds"])
     assert everything[("limited2", None)]["waiting_limit"] == 3 and everything[("unlimited", None)]["waiting_pause"] == 1
-    acme = client.get("/api/v1/limits", headers={"Authorization": "Bearer acme"}).json()["kinds"]
+    acme = client.get("/api/v1/limits", headers={"Authorization": f"Bearer {acme_token}"}).json()["kinds"]
     assert [(r["kind"], r["waiting_pause"], r["paused"]) for r in acme] == [("unlimited", 1, True)]
 
 

@@ -3,45 +3,80 @@ a job's attempts (no services; the pages are tested in tests/e2e/test_dashboard.
 
 from __future__ import annotations
 
-import time
+import hashlib
 from datetime import datetime, timedelta, timezone
 
 import pytest
+import sqlalchemy as sa
 
+from celery_lease.db import schema
+from celery_lease.db.dashboard_store import DashboardStore
 from celery_lease.ops.dashboard import filters
 from celery_lease.ops.dashboard.access import Sessions, csrf_ok
 from celery_lease.ops.dashboard.fleet import live_figures, percentile
 from celery_lease.ops.dashboard.pages import attempts_of
-from celery_lease.ops.tokens import Grant
+from celery_lease.ops.tokens import Grant, Keyring
 
-TOKENS = {"admin-tok": Grant(None), "acme-tok": Grant("acme"), "ro-tok": Grant(None, read_only=True)}
+ADMIN, ACME, READER = "admin-token-0123456789", "acme-token-0123456789ab", "reader-token-0123456789"
+TOKENS = {ADMIN: Grant(None), ACME: Grant("acme"), READER: Grant(None, read_only=True)}
 
 
-def test_a_session_names_its_token_grant_and_nothing_forged_passes(monkeypatch):
-    sessions = Sessions(TOKENS, b"k" * 32)
+def _sessions(store, tokens=TOKENS, secret: bytes = b"k" * 32) -> Sessions:
+    return Sessions(Keyring(tokens, secret), DashboardStore(store), secret)
+
+
+def test_a_session_names_its_token_grant_and_nothing_forged_passes(store):
+    sessions = _sessions(store)
     assert sessions.sign_in("nope") is None
     assert sessions.sign_in("") is None
-    cookie = sessions.sign_in("acme-tok")
-    assert cookie is not None and "acme-tok" not in cookie  # the cookie never carries the token
+    assert sessions.sign_in(ACME[:-1]) is None
+    cookie = sessions.sign_in(ACME)
+    assert cookie is not None and ACME not in cookie  # the cookie never carries the token
     viewer = sessions.viewer(cookie)
     assert viewer is not None and viewer.tenant == "acme" and viewer.can_act
-    assert not sessions.viewer(sessions.sign_in("ro-tok")).can_act
+    assert not sessions.viewer(sessions.sign_in(READER)).can_act
     data, signature = cookie.split(".")
     for forged in (f"{data}.{signature[:-2]}xx", f"{data[:-2]}AA.{signature}", data, "", "a.b.c", "x" * 1000):
         assert sessions.viewer(forged) is None
     # Another key (another server without the shared secret) does not accept it.
-    assert Sessions(TOKENS, b"j" * 32).viewer(cookie) is None
+    assert _sessions(store, secret=b"j" * 32).viewer(cookie) is None
     # A token removed from the configuration ends its sessions.
-    assert Sessions({"admin-tok": Grant(None)}, b"k" * 32).viewer(cookie) is None
-    # Sessions expire.
-    now = time.time()
-    monkeypatch.setattr(time, "time", lambda: now + 13 * 3600)
+    assert _sessions(store, tokens={ADMIN: Grant(None)}).viewer(cookie) is None
+    # Sessions expire (the database's clock).
+    with store.durable.begin() as conn:
+        conn.execute(sa.update(schema.sessions).values(expires_at=datetime.now(timezone.utc) - timedelta(seconds=1)))
     assert sessions.viewer(cookie) is None
 
 
-def test_csrf_tokens_belong_to_one_session():
-    sessions = Sessions(TOKENS, b"k" * 32)
-    one, two = sessions.viewer(sessions.sign_in("admin-tok")), sessions.viewer(sessions.sign_in("admin-tok"))
+def test_the_cookie_is_random_and_keyed_never_derived_from_the_token(store):
+    """Before: the cookie carried sha256(token)[:32], which a leaked cookie lets anyone
+    test guesses against offline. Now: a random id and its HMAC under the secret; the
+    row holds keyed hashes only."""
+    sessions = _sessions(store)
+    one, two = sessions.sign_in(ADMIN), sessions.sign_in(ADMIN)
+    assert one != two
+    unkeyed = hashlib.sha256(ADMIN.encode()).hexdigest()
+    with store.durable.connect() as conn:
+        rows = [tuple(r) for r in conn.execute(sa.select(schema.sessions.c.id, schema.sessions.c.token))]
+    stored = " ".join(v for r in rows for v in r)
+    for value in (one, two, stored):
+        assert ADMIN not in value and unkeyed[:16] not in value
+    assert one.split(".")[0] not in stored  # the row names the session by a keyed hash
+
+
+def test_signing_out_ends_the_session_everywhere(store):
+    """Before: sign-out deleted the browser's cookie only; a copy kept working for 12 h."""
+    sessions, other_process = _sessions(store), _sessions(store)
+    cookie = sessions.sign_in(ADMIN)
+    assert other_process.viewer(cookie) is not None
+    other_process.sign_out(cookie)
+    assert sessions.viewer(cookie) is None and other_process.viewer(cookie) is None
+    assert sessions.viewer(sessions.sign_in(ADMIN)) is not None  # a new sign-in works
+
+
+def test_csrf_tokens_belong_to_one_session(store):
+    sessions = _sessions(store)
+    one, two = sessions.viewer(sessions.sign_in(ADMIN)), sessions.viewer(sessions.sign_in(ADMIN))
     assert one.csrf != two.csrf
     assert csrf_ok(one, one.csrf)
     assert not csrf_ok(one, two.csrf)
@@ -50,15 +85,14 @@ def test_csrf_tokens_belong_to_one_session():
 
 
 def test_filters_are_checked_where_they_enter():
-    f = filters.parse(
-        {"status": "failed", "kind": "load", "since": "2026-12-01T13:05", "field": "table", "value": "t7"}, tenant=None
-    )
+    params = {"status": "failed", "kind": "load", "since": "2026-12-01T13:05", "field": "table", "value": "t7"}
+    f = filters.parse(params, tenant=None, payloads=True)
     assert (f.status, f.kind, f.field, f.value) == ("failed", "load", "table", "t7")
     assert f.since == datetime(2026, 12, 1, 13, 5, tzinfo=timezone.utc)
     # Empty fields (an HTML form sends them all) are absent.
-    assert filters.parse({"status": "", "kind": "", "run": ""}, tenant=None) == filters.Filter()
+    assert filters.parse({"status": "", "kind": "", "run": ""}, tenant=None, payloads=True) == filters.Filter()
     # A tenant viewer's filter is its own tenant, whatever it asks for.
-    assert filters.parse({"tenant": "globex"}, tenant="acme").tenant == "acme"
+    assert filters.parse({"tenant": "globex"}, tenant="acme", payloads=True).tenant == "acme"
     for bad, message in (
         ({"stauts": "failed"}, "unknown filter"),
         ({"status": "done"}, "unknown status"),
@@ -70,9 +104,13 @@ def test_filters_are_checked_where_they_enter():
         ({"queue": "q" * 500}, "at most"),
     ):
         with pytest.raises(ValueError, match=message):
-            filters.parse(bad, tenant=None)
+            filters.parse(bad, tenant=None, payloads=True)
+    # Finding jobs by a payload value reveals it: only for tokens that may read payloads.
+    with pytest.raises(ValueError, match="may not read payloads"):
+        filters.parse({"field": "table", "value": "t7"}, tenant=None, payloads=False)
+    assert filters.parse({"kind": "load"}, tenant=None, payloads=False).kind == "load"
     # Links rebuild the filter with its values escaped: an & in a kind stays data.
-    f = filters.parse({"kind": "a&b=c", "status": "failed"}, tenant=None)
+    f = filters.parse({"kind": "a&b=c", "status": "failed"}, tenant=None, payloads=True)
     assert "kind=a%26b%3Dc" in filters.query_string(f)
 
 
@@ -139,7 +177,7 @@ def test_attempts_come_from_the_run_events():
 
 def test_the_signing_key_comes_from_the_settings_or_is_drawn_per_process(monkeypatch):
     from celery_lease.errors import ConfigurationError
-    from celery_lease.ops.dashboard.access import load_secret
+    from celery_lease.ops.tokens import load_secret
 
     monkeypatch.delenv("CELERY_LEASE_DASHBOARD_SECRET", raising=False)
     assert load_secret({"lease_dashboard_secret": "s" * 16}) == b"s" * 16

@@ -80,3 +80,52 @@ def test_metrics_close_as_soon_as_any_token_is_configured():
     assert scrape_tokens({}, None) is None  # nothing configured: open
     assert scrape_tokens({"t": Grant("acme")}, None) == []  # only tenant tokens: nobody scrapes
     assert scrape_tokens({"t": Grant("acme"), "o": Grant(None)}, "m") == ["m", "o"]
+
+
+# --- issue 28 ----------------------------------------------------------------------------
+
+
+def test_failed_authentications_lock_an_address_then_everyone(monkeypatch):
+    """Before: a wrong bearer token cost nothing, and the sign-in form counted per address
+    only: rotating addresses guessed without limit."""
+    now = [100.0]
+    monkeypatch.setattr(throttle.time, "monotonic", lambda: now[0])
+    gate = throttle.Gate(rate=0)
+    burst = int(2 * throttle.FAILED_PER_ADDRESS)
+    for _ in range(burst):
+        assert gate.locked("10.0.0.1") == 0.0  # looking counts nothing
+        gate.failed("10.0.0.1")
+    assert gate.locked("10.0.0.1") > 0 and gate.locked("10.0.0.2") == 0.0
+    # Many addresses, each within its own budget, spend the global one.
+    for i in range(int(2 * throttle.FAILED_OVERALL)):
+        gate.failed(f"10.1.{i // 250}.{i % 250}")
+    assert gate.locked("10.0.0.3") > 0
+    now[0] += 1.0
+    assert gate.locked("10.0.0.3") == 0.0  # it refills at FAILED_OVERALL a second
+    assert gate.admit("any") == 0.0  # rate 0: signed-in requests unlimited
+
+
+def test_short_tokens_are_refused_where_configured_and_where_offered():
+    """Before: a one-character token was accepted."""
+    from celery_lease.errors import ConfigurationError
+    from celery_lease.ops.tokens import MIN_TOKEN_CHARS, Keyring, load_metrics_token, load_tokens
+
+    short = "x" * (MIN_TOKEN_CHARS - 1)
+    for conf in ({"lease_api_tokens": {"a": None}}, {"lease_api_tokens": {short: None, "y" * 40: "acme"}}):
+        with pytest.raises(ConfigurationError, match=f"1 token\\(s\\) shorter than {MIN_TOKEN_CHARS}") as caught:
+            load_tokens(conf)
+        assert short not in str(caught.value)  # the message names no token
+    with pytest.raises(ConfigurationError, match="lease_metrics_token must be a string of at least"):
+        load_metrics_token({"lease_metrics_token": "m"})
+    ring = Keyring({"z" * MIN_TOKEN_CHARS: Grant(None)}, b"k" * 32)
+    assert ring.find("z" * MIN_TOKEN_CHARS) is not None
+    assert ring.find("z" * (MIN_TOKEN_CHARS - 1)) is None and ring.find("") is None
+
+
+def test_payloads_are_for_unrestricted_tokens_unless_said_otherwise():
+    from celery_lease.ops.tokens import _grant
+
+    assert Grant(None).sees_payloads
+    assert not Grant("acme").sees_payloads and not Grant(None, read_only=True).sees_payloads
+    assert _grant({"tenant": "acme", "payloads": True}).sees_payloads
+    assert not _grant({"tenant": None, "payloads": False}).sees_payloads

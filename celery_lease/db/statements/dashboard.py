@@ -125,17 +125,19 @@ def scan_end(f: Filter, *, after: tuple[Any, str] | None, scan: int) -> sa.Selec
     return sa.select(s.c.created_at, s.c.id).offset(scan - 1).limit(1)
 
 
-def get_job_detail(job_id: str, *, tenant: str | None, cap: int) -> sa.Select:
-    """get_job_detail: one job for its page; payload and result as JSON text cut at
-    ``cap`` characters, with their full lengths, and the checkpoint's size only."""
+def get_job_detail(job_id: str, *, tenant: str | None, cap: int, payloads: bool = False) -> sa.Select:
+    """get_job_detail: one job for its page; result (and with ``payloads`` the payload)
+    as JSON text cut at ``cap`` characters, with their full lengths, and the
+    checkpoint's size only. Without ``payloads`` the payload is not read (NULL)."""
 
     def text(col):
         return sa.cast(col, sa.Text)
 
+    payload = (sa.func.substr(text(_c.payload), 1, cap), sa.func.length(text(_c.payload))) if payloads else (sa.null(), sa.null())
     stmt = sa.select(
         *(c for c in jobs.c if c.name not in ("payload", "result", "checkpoint", "canvas")),
-        sa.func.substr(text(_c.payload), 1, cap).label("payload_text"),
-        sa.func.length(text(_c.payload)).label("payload_chars"),
+        payload[0].label("payload_text"),
+        payload[1].label("payload_chars"),
         sa.func.substr(text(_c.result), 1, cap).label("result_text"),
         sa.func.length(text(_c.result)).label("result_chars"),
         sa.func.length(text(_c.checkpoint)).label("checkpoint_chars"),

@@ -5,10 +5,12 @@ live figures (``static/live.js``, polling ``live.json``); nothing is loaded from
 network. Pages::
 
     /dashboard/login          the sign-in form (one field: token)
-    /dashboard/jobs           jobs by status, kind, queue, tenant, run, time, payload field;
-                              search by id; counts per kind; bulk actions
-    /dashboard/jobs/{id}      one job: payload, result, error, progress, checkpoint size,
-                              attempts, its run's events; cancel, retry, delete
+    /dashboard/jobs           jobs by status, kind, queue, tenant, run, time, payload field
+                              (tokens that may read payloads); search by id; counts per
+                              kind; bulk actions
+    /dashboard/jobs/{id}      one job: payload (tokens that may read payloads), result,
+                              error, progress, checkpoint size, attempts, its run's
+                              events; cancel, retry, delete
     /dashboard/kinds          limits, pauses, running and waiting per key; pause / resume
     /dashboard/live           per kind and minute: submitted, succeeded, failed, p50/p95
                               queue wait and run time
@@ -18,7 +20,11 @@ network. Pages::
 
 Access (see :mod:`.access`): nothing but the login form and the static files is served
 without a session; a read-only token sees every page but no action (403, and no
-buttons); a tenant token sees only its tenant's jobs (another tenant's job is 404).
+buttons); a tenant token sees only its tenant's jobs (another tenant's job is 404) and
+no fleet-wide figure (rate budgets, workers, broker queues); only a token that may read
+payloads (tokens.Grant.sees_payloads) sees or searches them. Every signed-in request
+spends the token's request rate, the same budget as its API requests
+(throttle.Gate); bodies and headers are those of every route (celery_lease.ops.guard).
 """
 
 from __future__ import annotations
@@ -33,25 +39,27 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from celery_lease.errors import DatabaseUnavailable
 from celery_lease.ops.dashboard import actions, fleet, pages
-from celery_lease.ops.dashboard.access import COOKIE, Sessions, load_secret
+from celery_lease.ops.dashboard.access import COOKIE
 from celery_lease.ops.dashboard.web import HERE, Board, PageError, SignIn, redirect
-from celery_lease.ops.tokens import Grant
+from celery_lease.ops.throttle import Gate
+from celery_lease.ops.tokens import Keyring
 
 if TYPE_CHECKING:
     from celery_lease.extension import CeleryLease
 
 
-def create_dashboard(leases: CeleryLease, tokens: dict[str, Grant]) -> FastAPI:
-    """The dashboard's ASGI app, to mount at ``/dashboard``."""
-    board = Board.of(leases, Sessions(tokens, load_secret(leases.app.conf)))
+def create_dashboard(leases: CeleryLease, keyring: Keyring, secret: bytes, gate: Gate) -> FastAPI:
+    """The dashboard's ASGI app, to mount at ``/dashboard``: the API's tokens, secret
+    and rates (celery_lease.ops.api.create_app)."""
+    board = Board.of(leases, keyring, secret, gate)
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
 
-    def error_page(request: Request, status: int, message: str) -> Response:
+    def error_page(request: Request, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
         if request.url.path.endswith(".json"):
-            return JSONResponse({"error": message}, status_code=status)
+            return JSONResponse({"error": message}, status_code=status, headers=headers)
         viewer = board.sessions.viewer(request.cookies.get(COOKIE))
-        return board.render(request, "error.html", viewer, status=status, message=message)
+        return board.render(request, "error.html", viewer, status=status, message=message, headers=headers)
 
     @app.exception_handler(SignIn)
     async def on_sign_in(request: Request, exc: SignIn) -> Response:
@@ -61,7 +69,7 @@ def create_dashboard(leases: CeleryLease, tokens: dict[str, Grant]) -> FastAPI:
 
     @app.exception_handler(PageError)
     async def on_page_error(request: Request, exc: PageError) -> Response:
-        return error_page(request, exc.status, exc.message)
+        return error_page(request, exc.status, exc.message, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:

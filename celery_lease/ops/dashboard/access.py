@@ -1,54 +1,58 @@
-"""Signing in to the dashboard: API tokens, a signed session cookie, CSRF tokens.
+"""Signing in to the dashboard: API tokens, server-side sessions, CSRF tokens.
 
 The login form's one field, ``token``, takes a token of ``lease_api_tokens`` (see
-:mod:`celery_lease.ops.tokens`). The session cookie then carries no token: it holds a
-fingerprint of it (a SHA-256 prefix), its expiry and a random nonce, signed with
-HMAC-SHA256. On every request the fingerprint is looked up among the tokens configured
-now, so removing a token from the configuration ends its sessions at once, and a
-session never grants more than its token does today.
+:mod:`celery_lease.ops.tokens`). Signing in opens a session: a row in the database
+(``celery_lease_sessions``) naming the token by its keyed hash, and a cookie holding a
+random session id with its HMAC under the server's secret. The cookie is derived from
+nothing but randomness and the secret: a leaked cookie tells nothing about the token,
+and the row holds only hashes keyed with the secret.
 
-The signing key is ``app.conf.lease_dashboard_secret`` (or the environment variable
-``CELERY_LEASE_DASHBOARD_SECRET``); without one, each server process draws a random
-key at start: its sessions end when it restarts, and several server processes behind
-one address need the setting.
+On every request the cookie's HMAC is checked (a forged cookie costs no database
+read), then its row, then the token among those configured now: signing out deletes
+the row, so a copied cookie stops working in every serve process at once, also after
+restarts; removing a token from the configuration ends its sessions; a session never
+grants more than its token does today, and it expires after SESSION_SECONDS (the
+database's clock).
+
+The secret is ``app.conf.lease_dashboard_secret`` (tokens.load_secret); without one,
+each server process draws a random key at start: its sessions end when it restarts,
+and several server processes behind one address need the setting.
 
 The cookie is HttpOnly (scripts cannot read it), SameSite=Strict (a cross-site page
-cannot make the browser send it), and Secure when the request came over HTTPS. Every
-action is a POST whose form carries ``csrf``, an HMAC of the session's nonce: a page
-of another site can neither read it nor guess it.
+cannot make the browser send it), and Secure when the request came over HTTPS (as seen
+by the server, or forwarded by a proxy trusted with ``serve --proxy-headers``) or
+always with ``app.conf.lease_dashboard_secure_cookie``. Every action is a POST whose
+form carries ``csrf``, an HMAC of the session id: a page of another site can neither
+read it nor guess it.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import hmac
-import json
-import os
 import secrets
-import time
 from dataclasses import dataclass
-from typing import Any
 
-from celery_lease.errors import ConfigurationError
-from celery_lease.ops.tokens import Grant, matches
+from celery_lease.db.dashboard_store import DashboardStore
+from celery_lease.ops.tokens import Grant, Holder, Keyring, keyed
 
 COOKIE = "celery_lease_session"
-SECRET_SETTING = "lease_dashboard_secret"
-SECRET_ENV = "CELERY_LEASE_DASHBOARD_SECRET"
 #: How long a sign-in lasts.
 SESSION_SECONDS = 12 * 3600
 #: A longer cookie is refused unread.
-MAX_COOKIE_CHARS = 400
+MAX_COOKIE_CHARS = 200
 
 
 @dataclass(frozen=True)
 class Viewer:
-    """Who is looking: the grant of the token they signed in with, and the CSRF token
-    their forms must carry."""
+    """Who is looking: the token they signed in with (its grant, and its ident for the
+    request rate), and the CSRF token their forms must carry."""
 
-    grant: Grant
+    holder: Holder
     csrf: str
+
+    @property
+    def grant(self) -> Grant:
+        return self.holder.grant
 
     @property
     def tenant(self) -> str | None:
@@ -58,60 +62,52 @@ class Viewer:
     def can_act(self) -> bool:
         return not self.grant.read_only
 
-
-def load_secret(app_conf: Any) -> bytes:
-    secret = app_conf.get(SECRET_SETTING) if app_conf is not None else None
-    if secret is None:
-        secret = os.environ.get(SECRET_ENV) or None
-    if secret is None:
-        return secrets.token_bytes(32)
-    if not isinstance(secret, str) or len(secret) < 16:
-        raise ConfigurationError(f"{SECRET_SETTING} ({SECRET_ENV}) must be a string of at least 16 characters")
-    return secret.encode()
-
-
-def _fingerprint(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()[:32]
+    @property
+    def sees_payloads(self) -> bool:
+        return self.grant.sees_payloads
 
 
 class Sessions:
-    def __init__(self, tokens: dict[str, Grant], secret: bytes) -> None:
-        self._grants = {_fingerprint(t): g for t, g in tokens.items()}
-        self._tokens = tokens
+    def __init__(self, keyring: Keyring, store: DashboardStore, secret: bytes) -> None:
+        self._keyring = keyring
+        self._store = store
         self._key = secret
 
-    def _sign(self, data: bytes) -> str:
-        return base64.urlsafe_b64encode(hmac.new(self._key, data, hashlib.sha256).digest()).decode().rstrip("=")
-
-    def sign_in(self, offered: str) -> str | None:
-        """The cookie value for a token, or None when it is no configured token."""
-        found = None
-        # compare_digest against every token: the time does not tell which matched.
-        for token in self._tokens:
-            if matches(offered, token):
-                found = token
-        if found is None:
-            return None
-        body = json.dumps([_fingerprint(found), int(time.time()) + SESSION_SECONDS, secrets.token_urlsafe(16)])
-        data = base64.urlsafe_b64encode(body.encode()).decode().rstrip("=")
-        return f"{data}.{self._sign(data.encode())}"
-
-    def viewer(self, cookie: str | None) -> Viewer | None:
-        """Who a session cookie belongs to; None when it is missing, forged, expired or
-        its token is no longer configured."""
+    def _session_id(self, cookie: str | None) -> str | None:
+        """The session id of a well-formed cookie this server signed, else None."""
         if not cookie or len(cookie) > MAX_COOKIE_CHARS or cookie.count(".") != 1:
             return None
-        data, signature = cookie.split(".")
-        if not hmac.compare_digest(signature, self._sign(data.encode())):
+        session, signature = cookie.split(".")
+        if not hmac.compare_digest(signature, keyed(self._key, "cookie", session)):
             return None
-        try:
-            fingerprint, expires, nonce = json.loads(base64.urlsafe_b64decode(data + "=" * (-len(data) % 4)))
-        except (ValueError, TypeError):
+        return session
+
+    def sign_in(self, offered: str) -> str | None:
+        """Open a session for a configured token: its cookie value; None when it is no
+        configured token (nothing is written)."""
+        holder = self._keyring.find(offered)
+        if holder is None:
             return None
-        grant = self._grants.get(fingerprint)
-        if grant is None or not isinstance(expires, int) or expires < time.time():
+        session = secrets.token_urlsafe(32)
+        self._store.open_session(keyed(self._key, "session", session), holder.ident, SESSION_SECONDS)
+        return f"{session}.{keyed(self._key, 'cookie', session)}"
+
+    def viewer(self, cookie: str | None) -> Viewer | None:
+        """Who a session cookie belongs to; None when it is missing, forged, signed out,
+        expired or its token is no longer configured."""
+        session = self._session_id(cookie)
+        if session is None:
             return None
-        return Viewer(grant, self._sign(f"csrf:{nonce}".encode()))
+        holder = self._keyring.by_ident(self._store.session_token(keyed(self._key, "session", session)))
+        if holder is None:
+            return None
+        return Viewer(holder, keyed(self._key, "csrf", session))
+
+    def sign_out(self, cookie: str | None) -> None:
+        """End the cookie's session, wherever else the cookie is (a copy included)."""
+        session = self._session_id(cookie)
+        if session is not None:
+            self._store.close_session(keyed(self._key, "session", session))
 
 
 def csrf_ok(viewer: Viewer, offered: str | None) -> bool:

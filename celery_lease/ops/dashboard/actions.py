@@ -141,7 +141,7 @@ def register(app: FastAPI, board: Board) -> None:
         if not viewer.can_act:
             raise PageError(403, "this token is read-only: it can look, not act")
         try:
-            f = filters.parse(params, tenant=viewer.tenant)
+            f = filters.parse(params, tenant=viewer.tenant, payloads=viewer.sees_payloads)
         except ValueError as exc:
             raise PageError(400, str(exc)) from None
         ids, more = _selection(board, f, action)
@@ -164,7 +164,7 @@ def register(app: FastAPI, board: Board) -> None:
         action = _action(fields.pop("action", None))
         fields.pop("csrf", None)
         try:
-            f = filters.parse(fields, tenant=viewer.tenant)
+            f = filters.parse(fields, tenant=viewer.tenant, payloads=viewer.sees_payloads)
         except ValueError as exc:
             raise PageError(400, str(exc)) from None
         ids, more = _selection(board, f, action)

@@ -3,7 +3,9 @@ bad input is a message on the page (a ValueError here), never a database error.
 
 Empty fields count as absent (an HTML form sends every field). Times are UTC, as
 ``2026-12-01T13:05`` (what a ``datetime-local`` input sends) or with seconds and an
-offset. A tenant viewer's filter always carries its own tenant, whatever was asked.
+offset. A tenant viewer's filter always carries its own tenant, whatever was asked;
+a payload field is searched only for a viewer who may read payloads (finding jobs by a
+payload's value would reveal it, one guess at a time).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _time(value: str | None, what: str) -> datetime | None:
         raise ValueError(f"{what}: out of range") from None
 
 
-def parse(params: Mapping[str, str], *, tenant: str | None) -> Filter:
+def parse(params: Mapping[str, str], *, tenant: str | None, payloads: bool) -> Filter:
     """A Filter from the query string (ValueError naming the bad field)."""
     unknown = sorted(set(params) - set(PARAMS))
     if unknown:
@@ -65,6 +67,8 @@ def parse(params: Mapping[str, str], *, tenant: str | None) -> Filter:
         raise ValueError("payload field: one top-level key (letters, digits, _ - .)")
     if (field is None) != (value is None):
         raise ValueError("payload search needs both a field and a value")
+    if field is not None and not payloads:
+        raise ValueError("payload search: this token may not read payloads")
     return Filter(
         status=listing.parse_status(_text(params.get("status"), "status")),
         kind=listing.parse_kind(_text(params.get("kind"), "kind")),

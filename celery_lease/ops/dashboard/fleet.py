@@ -18,7 +18,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from celery_lease.errors import UnknownKind
 from celery_lease.ops.dashboard.access import Viewer
-from celery_lease.ops.dashboard.web import HEADERS, Board, PageError, form, redirect
+from celery_lease.ops.dashboard.web import Board, PageError, form, redirect
 
 log = logging.getLogger("celery_lease.dashboard")
 
@@ -119,7 +119,8 @@ def register(app: FastAPI, board: Board) -> None:
     @app.get("/kinds", response_class=HTMLResponse)
     def kinds(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:
         rows = leases.limits(tenant=viewer.tenant)
-        budgets = board.store.rate_budgets()
+        # A rate budget counts every tenant's claims: a tenant's token sees none.
+        budgets = board.store.rate_budgets() if viewer.tenant is None else {}
         for i, r in enumerate(rows):  # the kind's pause button goes on its first row
             r["first"] = i == 0 or rows[i - 1]["kind"] != r["kind"]
             r["budget"] = budgets.get(r["kind"]) if r["rate_limit"] and r["first"] else None
@@ -150,7 +151,7 @@ def register(app: FastAPI, board: Board) -> None:
     @app.get("/live.json")
     def live_json(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:
         data = board.store.live(tenant=viewer.tenant, window=LIVE_MINUTES * 60, cap=LIVE_CAP)
-        return JSONResponse(live_figures(data), headers=HEADERS)
+        return JSONResponse(live_figures(data))
 
     @app.get("/workers", response_class=HTMLResponse)
     def workers(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:

@@ -20,7 +20,7 @@ from celery_lease.ops import listing
 from celery_lease.ops.dashboard import filters
 from celery_lease.ops.dashboard.access import COOKIE, SESSION_SECONDS, Viewer, csrf_ok
 from celery_lease.ops.dashboard.web import Board, PageError, form, job_id, redirect
-from celery_lease.ops.throttle import Throttle, retry_after
+from celery_lease.ops.throttle import retry_after
 from celery_lease.status import TERMINAL, Event, Status
 
 PAGE = 50
@@ -31,8 +31,6 @@ SHOW_CHARS = 20_000
 MAX_EVENTS = 500
 #: Finished jobs are counted over this window (the finished index; never the history).
 COUNT_WINDOW = 3600
-#: Sign-ins a second per client address (bursts of twice as many).
-SIGN_IN_RATE = 5.0
 RETRYABLE = (Status.FAILED.value, Status.EXPIRED.value, Status.CANCELLED.value)
 #: Events that end an attempt by taking its lease away.
 LEASE_LOSSES = (Event.REAPED.value, Event.REQUEUED.value)
@@ -115,12 +113,14 @@ def register(app: FastAPI, board: Board) -> None:
     def login_form(request: Request):
         return board.render(request, "login.html", None, error=None)
 
-    # Guessing tokens on the form is held to SIGN_IN_RATE tries a second per address.
-    sign_ins = Throttle(SIGN_IN_RATE)
+    secure_cookie = board.leases.settings.dashboard_secure_cookie
 
     @app.post("/login")
     async def login(request: Request):
-        wait = sign_ins.wait(request.client.host if request.client else "")
+        # Failed sign-ins spend the address's and everyone's budget (throttle.Gate): once
+        # spent, a token is not even compared, so a right guess is no faster to find.
+        address = request.client.host if request.client else ""
+        wait = board.gate.locked(address)
         if wait:
             refused = board.render(request, "login.html", None, status=429, error="Too many sign-ins: wait a moment.")
             refused.headers["Retry-After"] = retry_after(wait)
@@ -128,6 +128,7 @@ def register(app: FastAPI, board: Board) -> None:
         fields = await form(request, None, action=False)
         cookie = board.sessions.sign_in(fields.get("token", ""))
         if cookie is None:
+            board.gate.failed(address)
             return board.render(request, "login.html", None, status=401, error="Unknown token.")
         response = redirect(request, "/jobs")
         response.set_cookie(
@@ -137,7 +138,8 @@ def register(app: FastAPI, board: Board) -> None:
             path=(request.scope.get("root_path") or "/"),
             httponly=True,
             samesite="strict",
-            secure=request.url.scheme == "https",
+            # The scheme is https behind a TLS proxy only with serve --proxy-headers.
+            secure=secure_cookie or request.url.scheme == "https",
         )
         return response
 
@@ -146,6 +148,7 @@ def register(app: FastAPI, board: Board) -> None:
         fields = await form(request, viewer, action=False)
         if not csrf_ok(viewer, fields.get("csrf")):
             raise PageError(403, "the form's CSRF token is missing or stale")
+        board.sessions.sign_out(request.cookies.get(COOKIE))
         response = redirect(request, "/login")
         response.delete_cookie(COOKIE, path=(request.scope.get("root_path") or "/"))
         return response
@@ -164,7 +167,7 @@ def register(app: FastAPI, board: Board) -> None:
                 raise PageError(404, f"no job with the id {search[:64]!r}")
             return redirect(request, f"/jobs/{found['id']}")
         try:
-            f = filters.parse(params, tenant=viewer.tenant)
+            f = filters.parse(params, tenant=viewer.tenant, payloads=viewer.sees_payloads)
             after = listing.decode_cursor(params.get("cursor") or None)
         except ValueError as exc:
             raise PageError(400, str(exc)) from None
@@ -193,7 +196,7 @@ def register(app: FastAPI, board: Board) -> None:
 
     @app.get("/jobs/{job}", response_class=HTMLResponse)
     def job_page(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:
-        row = board.store.job(job_id(job), tenant=viewer.tenant, cap=SHOW_CHARS)
+        row = board.store.job(job_id(job), tenant=viewer.tenant, cap=SHOW_CHARS, payloads=viewer.sees_payloads)
         if row is None:
             raise PageError(404, "no such job")
         # A tenant sees neither the worker hosts nor the events of other tenants.
@@ -209,7 +212,7 @@ def register(app: FastAPI, board: Board) -> None:
             "job.html",
             viewer,
             job=row,
-            payload=shown_json(row["payload_text"], row["payload_chars"]),
+            payload=shown_json(row["payload_text"], row["payload_chars"]),  # None unless the viewer may read it
             result=shown_json(row["result_text"], row["result_chars"]),
             progress=None if row["progress"] is None else json.dumps(row["progress"], indent=2, ensure_ascii=False)[:SHOW_CHARS],
             attempts=attempts_of(row, events, show_worker=show_worker),

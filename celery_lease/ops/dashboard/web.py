@@ -2,8 +2,9 @@
 
 Pages are rendered by Jinja2 with autoescaping on: job data (payloads, results,
 errors, kinds) is whatever a submitter or handler wrote and is only ever shown as
-text. Every response forbids framing and inline scripts (Content-Security-Policy), so
-neither a stored string nor another site can drive the page.
+text. Every response forbids framing and inline scripts (Content-Security-Policy, sent by
+celery_lease.ops.guard with every response of the server), so neither a stored string
+nor another site can drive the page.
 """
 
 from __future__ import annotations
@@ -22,28 +23,21 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from celery_lease.db.dashboard_store import DashboardStore
 from celery_lease.job import parse_job_id
 from celery_lease.ops.dashboard.access import COOKIE, Sessions, Viewer, csrf_ok
+from celery_lease.ops.throttle import Gate, retry_after
+from celery_lease.ops.tokens import Keyring
 
 if TYPE_CHECKING:
     from celery_lease.extension import CeleryLease
 
 HERE = Path(__file__).resolve().parent
-#: Larger forms are refused unread (a bulk form carries a filter, never a list of ids).
-MAX_FORM_BYTES = 16_384
-HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
-    "X-Frame-Options": "DENY",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "same-origin",
-    "Cache-Control": "no-store",
-}
 
 
 class PageError(Exception):
-    """Answered with the error page (or JSON for /live.json): 400, 403, 404, 503."""
+    """Answered with the error page (or JSON for /live.json): 400, 403, 404, 429, 503."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers
 
 
 class SignIn(Exception):
@@ -91,22 +85,37 @@ class Board:
     leases: CeleryLease
     store: DashboardStore
     sessions: Sessions
+    gate: Gate
     env: jinja2.Environment
 
     @classmethod
-    def of(cls, leases: CeleryLease, sessions: Sessions) -> Board:
-        return cls(leases, DashboardStore(leases.store), sessions, _environment())
+    def of(cls, leases: CeleryLease, keyring: Keyring, secret: bytes, gate: Gate) -> Board:
+        store = DashboardStore(leases.store)
+        return cls(leases, store, Sessions(keyring, store, secret), gate, _environment())
 
     def viewer(self, request: Request) -> Viewer:
-        """The signed-in viewer; raises SignIn otherwise (a route's dependency)."""
+        """The signed-in viewer, whose token's request rate this request spends (every
+        route's dependency: the same budget as the token's API requests); raises
+        SignIn without a session, PageError 429 over the rate."""
         viewer = self.sessions.viewer(request.cookies.get(COOKIE))
         if viewer is None:
             raise SignIn()
+        wait = self.gate.admit(viewer.holder.ident)
+        if wait:
+            raise PageError(429, "too many requests: wait a moment", {"Retry-After": retry_after(wait)})
         return viewer
 
-    def render(self, request: Request, template: str, viewer: Viewer | None, status: int = 200, **context: Any) -> HTMLResponse:
+    def render(
+        self,
+        request: Request,
+        template: str,
+        viewer: Viewer | None,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+        **context: Any,
+    ) -> HTMLResponse:
         html = self.env.get_template(template).render(base=base(request), viewer=viewer, path=request.url.path, **context)
-        return HTMLResponse(html, status_code=status, headers=HEADERS)
+        return HTMLResponse(html, status_code=status, headers=headers)
 
 
 def base(request: Request) -> str:
@@ -116,7 +125,7 @@ def base(request: Request) -> str:
 
 def redirect(request: Request, to: str) -> RedirectResponse:
     """303 to a dashboard path: the browser follows with a GET (post/redirect/get)."""
-    return RedirectResponse(base(request) + to, status_code=303, headers=HEADERS)
+    return RedirectResponse(base(request) + to, status_code=303)
 
 
 async def form(request: Request, viewer: Viewer | None, *, action: bool = True) -> dict[str, str]:
@@ -124,9 +133,7 @@ async def form(request: Request, viewer: Viewer | None, *, action: bool = True) 
     session's CSRF token in the form (403 otherwise, before anything is read)."""
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
         raise PageError(400, "expected a form (application/x-www-form-urlencoded)")
-    body = await request.body()
-    if len(body) > MAX_FORM_BYTES:
-        raise PageError(400, "form too large")
+    body = await request.body()  # bounded by celery_lease.ops.guard before it was read
     try:
         fields = dict(parse_qsl(body.decode(), keep_blank_values=True))
     except (UnicodeDecodeError, ValueError):
