@@ -114,6 +114,28 @@ KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, 
 TCP_USER_TIMEOUT_MS = 60_000
 
 
+def _host_list(url: sa.URL, source: str) -> sa.URL:
+    """A PostgreSQL URL whose hosts libpq will read as meant.
+
+    libpq's multi-host form (a primary and its standbys, with
+    ``target_session_attrs=read-write``: after a failover it connects to the promoted
+    one) is written ``?host=h1:p1,h2:p2`` in one parameter in most guides; SQLAlchemy
+    hands that to libpq as one host named "h1:p1,h2:p2" with a port list of commas,
+    which never connects. It is rewritten as ``host=h1:p1&host=h2:p2``, the form
+    SQLAlchemy splits (``host=h1,h2&port=p1,p2`` already works). A URL mixing the forms
+    is refused here rather than at the first connection."""
+    hosts = url.query.get("host")
+    if isinstance(hosts, str) and "," in hosts and ":" in hosts and "port" not in url.query:
+        url = url.update_query_dict({"host": tuple(h.strip() for h in hosts.split(","))})
+    try:
+        url.get_dialect()().create_connect_args(url)
+    except (sa_exc.ArgumentError, ValueError):
+        raise ConfigurationError(
+            f"{source} lists its hosts in two forms at once: write ?host=h1:p1&host=h2:p2 (or ?host=h1,h2&port=p1,p2)"
+        ) from None
+    return url
+
+
 #: Query-string parameters of a database URL that carry a secret (libpq accepts both).
 SECRET_QUERY_KEYS = frozenset({"password", "sslpassword"})
 
@@ -185,6 +207,8 @@ class Database:
                 f"{source}: the database driver of {parsed.drivername!r} is not installed ({type(exc).__name__}): "
                 f"{fix}, or name an installed driver in the URL, e.g. {POSTGRESQL_DRIVER}://user@host/db"
             ) from None
+        if parsed.get_backend_name() == "postgresql":
+            parsed = _host_list(parsed, source)
         return parsed
 
     # --- engines ---------------------------------------------------------------------
