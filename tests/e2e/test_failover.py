@@ -26,6 +26,7 @@ import time
 import pytest
 import sqlalchemy as sa
 
+from celery_lease.db.statements import landing
 from celery_lease.errors import DatabaseUnavailable
 from tests.e2e import history
 from tests.e2e.chaos import LEASE_CONF, LEASE_QUEUES
@@ -66,6 +67,16 @@ def history_url():
         history_metadata.create_all(engine)
         engine.dispose()
         yield url
+
+
+def committed_mark(primary: pgcluster.PrivateCluster) -> tuple:
+    """The Landing's mark (xid, server process, server start) of a transaction committed
+    on ``primary``."""
+    engine = sa.create_engine(primary.url("jobs"), poolclass=sa.pool.NullPool)
+    with engine.begin() as conn:
+        mark = tuple(conn.execute(landing.transaction_mark(False)).one())
+    engine.dispose()
+    return mark
 
 
 def migrated(primary: pgcluster.PrivateCluster) -> None:
@@ -126,6 +137,7 @@ def test_a_promoted_standby_takes_over_without_a_worker_restart(pair, history_ur
     submitter.start()
     try:
         wait_for(lambda: len(ops) >= 15, timeout=30, what="jobs submitted")
+        mark = committed_mark(primary)
         killed_at: list[float] = []
 
         def kill_primary() -> None:
@@ -148,6 +160,13 @@ def test_a_promoted_standby_takes_over_without_a_worker_restart(pair, history_ur
         stop.set()
         submitter.join(timeout=30)
     assert not primary.is_running()
+    # The Landing's server identity (db/statements/landing.py): the promoted standby has
+    # replayed the primary's transaction, so its xid alone reads "committed" there; the
+    # postmaster is another one, so the question is answered "restarted" (an xid whose
+    # commit was asynchronous may not have been replicated, and may be handed out again).
+    with mod.leases.store.durable.connect() as conn:
+        assert conn.execute(sa.text("SELECT pg_xact_status(CAST(:xid AS xid8))"), {"xid": mark[0]}).scalar() == "committed"
+        assert conn.execute(landing.transaction_status(), {"xid": mark[0], "started": mark[2]}).scalar() == "restarted"
 
     # Drain: every job submitted ends.
     def pending() -> int:
