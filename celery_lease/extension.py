@@ -29,8 +29,9 @@ from celery_lease.beat.maintenance import Maintenance
 from celery_lease.beat.periodic import BeatJobs, Periodic
 from celery_lease.canvas import Canvas
 from celery_lease.db import migrate
-from celery_lease.db.engine import Database, Timeouts, resolve_database_url
+from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.store import Store
+from celery_lease.db.urls import resolve_database_url
 from celery_lease.errors import UnknownKind
 from celery_lease.flow.control import FlowControl
 from celery_lease.flow.limits import Limits
@@ -111,14 +112,9 @@ class CeleryLease:
         if self._store is None:
             url, source = resolve_database_url(self._database_url, self.app.conf)
             s = self.settings
-            timeouts = Timeouts(
-                connect=s.connect_timeout,
-                statement=s.statement_timeout,
-                heartbeat=s.heartbeat_timeout,
-                lock=s.lock_timeout,
-                idle_in_transaction=s.idle_in_transaction_timeout,
+            self._store = Store(
+                url, source=source, prepare_statements=s.prepare_statements, timeouts=Timeouts.of(s), read_url=s.read_database_url
             )
-            self._store = Store(url, source=source, prepare_statements=s.prepare_statements, timeouts=timeouts)
         return self._store
 
     @property

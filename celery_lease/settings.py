@@ -9,8 +9,9 @@ argument, which takes precedence. They are read when first needed, not when
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from celery_lease.payload import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
@@ -70,6 +71,15 @@ class Settings:
     #: the dashboard's session cookie is always Secure (else only when the request came
     #: over HTTPS, as seen by serve: behind a TLS proxy, see serve --proxy-headers)
     dashboard_secure_cookie: bool = False
+    #: PostgreSQL: a replica (e.g. a streaming standby) for the reads that may lag: the
+    #: dashboard's job list, counts and throughput, /metrics, the API's and CLI's job
+    #: lists. Never a claim, an outcome, a submit, a cancel, any write, nor a read that
+    #: decides one (a bulk action's selection, a job's own page). Empty: the primary
+    #: serves them. Also CELERY_LEASE_READ_DATABASE_URL.
+    read_database_url: str = ""
+
+    #: Settings that the environment may give when neither an argument nor app.conf does.
+    ENVIRONMENT: ClassVar[dict[str, str]] = {"read_database_url": "CELERY_LEASE_READ_DATABASE_URL"}
 
     @classmethod
     def names(cls) -> list[str]:
@@ -91,6 +101,8 @@ class Settings:
             value = overrides.get(field.name)
             if value is None:
                 value = conf.get(f"lease_{field.name}")
+            if value is None and field.name in cls.ENVIRONMENT:
+                value = os.environ.get(cls.ENVIRONMENT[field.name]) or None
             if value is not None:
                 kind: Any = type(field.default)
                 values[field.name] = value if kind is bool else kind(value)

@@ -1,5 +1,8 @@
 """The dashboard's reads and writes: one method per statement of
-:mod:`celery_lease.db.statements.dashboard`, run on the job store's durable engine.
+:mod:`celery_lease.db.statements.dashboard`, run on the job store's durable engine;
+the job list, counts and throughput, which may lag, on its ``lagging`` one (the replica
+of lease_read_database_url, when set). A read that decides an action (a bulk action's
+selection, a job's own page with its buttons) stays on the primary.
 
 Rows come back as dicts with ids as strings and times as aware UTC (SQLite returns
 them naive), like the API's views.
@@ -23,7 +26,7 @@ class DashboardStore:
     def __init__(self, store: Store) -> None:
         self._store = store
 
-    def _read(self, fn):
+    def _read(self, fn, *, may_lag: bool = False):
         serial = self._store.dialect == "postgresql"
 
         def work(conn: Connection):
@@ -31,7 +34,7 @@ class DashboardStore:
                 conn.execute(dq.serial_reads())
             return fn(conn)
 
-        return self._store.transaction(self._store.durable, work)
+        return self._store.transaction(self._store.lagging if may_lag else self._store.durable, work)
 
     def _rows(self, stmt, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         return self._read(lambda c: [_view(r) for r in c.execute(stmt, params or {}).mappings()])
@@ -54,10 +57,11 @@ class DashboardStore:
     # --- jobs ----------------------------------------------------------------------------
 
     def page(
-        self, f: dq.Filter, *, after: tuple[Any, str] | None, scan: int, limit: int
+        self, f: dq.Filter, *, after: tuple[Any, str] | None, scan: int, limit: int, may_lag: bool = False
     ) -> tuple[list[dict[str, Any]], tuple[datetime, str] | None]:
         """Up to ``limit`` + 1 matching jobs among the next ``scan``, and, when fewer than
-        ``limit`` + 1 matched, where that window ended (None: no job is left to scan)."""
+        ``limit`` + 1 matched, where that window ended (None: no job is left to scan).
+        ``may_lag``: for showing only (the replica may serve it)."""
 
         def work(conn: Connection):
             rows = [_view(r) for r in conn.execute(dq.scan_jobs(f, after=after, scan=scan, limit=limit + 1)).mappings()]
@@ -69,7 +73,7 @@ class DashboardStore:
                     end = (view["created_at"], view["id"])
             return rows, end
 
-        return self._read(work)
+        return self._read(work, may_lag=may_lag)
 
     def job(self, job_id: str, *, tenant: str | None, cap: int, payloads: bool = False) -> dict[str, Any] | None:
         rows = self._rows(dq.get_job_detail(job_id, tenant=tenant, cap=cap, payloads=payloads))
@@ -94,7 +98,7 @@ class DashboardStore:
                 "terminal": [dict(r) for r in conn.execute(dq.terminal_counts(tenant), {"window": window}).mappings()],
             }
 
-        return self._read(work)
+        return self._read(work, may_lag=True)
 
     def live(self, *, tenant: str | None, window: float, cap: int) -> dict[str, Any]:
         """The database's time and minute; (kind, minute, count) of recent submits;
@@ -111,7 +115,7 @@ class DashboardStore:
                 "finishes": [tuple(r) for r in conn.execute(dq.recent_finishes(tenant), params)],
             }
 
-        return self._read(work)
+        return self._read(work, may_lag=True)
 
     def rate_budgets(self) -> dict[str, dict[str, Any]]:
         """Kind -> its rate, window and the claims counted in the current window."""

@@ -14,6 +14,9 @@ Two kinds of commit share one database:
   durable in the catalogue (:mod:`celery_lease.db.durability`) commits synchronously
   even there.
 
+Reads that may lag (lists, counts, metrics) may run on a replica instead
+(``lagging``: lease_read_database_url); nothing else does.
+
 Database errors never carry the driver's text outward (it can hold host names or
 credentials): they surface as DatabaseUnavailable naming the setting.
 """
@@ -30,41 +33,22 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import Connection, Engine
 
 from celery_lease import green
-from celery_lease.db import durability
+from celery_lease.db import durability, urls
 from celery_lease.db.prepared import Prepared
-from celery_lease.errors import ConfigurationError, DatabaseUnavailable
+from celery_lease.errors import DatabaseUnavailable
 
 log = logging.getLogger("celery_lease")
 
 T = TypeVar("T")
 
-DEFAULT_SQLITE_PATH = "celery-lease.sqlite3"
 #: How often a statement is retried when its connection was dropped.
 RECONNECT_ATTEMPTS = 3
 #: Seconds between tries of a write while the database is unreachable (the last repeats):
 #: an attempt's writes try until its lease lapses by its own clock, others for their sum.
 BLIP_WAITS = (0.1, 0.25, 0.5, 1.0)
-#: The driver behind a bare ``postgresql://`` (or ``postgres://``) URL: the one
-#: celery-lease installs and is tested with. (SQLAlchemy 2.1 would pick psycopg 3,
-#: which it does not install.) Name another in the URL to use it: postgresql+psycopg://.
-POSTGRESQL_DRIVER = "postgresql+psycopg2"
-
-
-def resolve_database_url(explicit: str | None, app_conf: Any) -> tuple[str, str]:
-    """Return (url, where it came from). Precedence: argument, app.conf, environment,
-    then a SQLite file in the working directory."""
-    if explicit:
-        return explicit, "database_url"
-    conf_value = app_conf.get("lease_database_url") if app_conf is not None else None
-    if conf_value:
-        return conf_value, "app.conf.lease_database_url"
-    env_value = os.environ.get("CELERY_LEASE_DATABASE_URL")
-    if env_value:
-        return env_value, "CELERY_LEASE_DATABASE_URL"
-    return f"sqlite:///{os.path.abspath(DEFAULT_SQLITE_PATH)}", "default SQLite file"
 
 
 def _on_sqlite_connect(dbapi_conn, _record) -> None:
@@ -104,6 +88,12 @@ class Timeouts:
     #: that keeps it idle longer fails the attempt, which is retried.)
     idle_in_transaction: float = 120.0
 
+    @classmethod
+    def of(cls, settings: Any) -> Timeouts:
+        """The timeouts of a celery_lease.settings.Settings (its ``*_timeout`` fields)."""
+        s = settings
+        return cls(s.connect_timeout, s.statement_timeout, s.heartbeat_timeout, s.lock_timeout, s.idle_in_transaction_timeout)
+
 
 #: Pool size outside a worker (a web app, beat, the CLI); a worker sizes its pools from
 #: its concurrency (Database.size_for_concurrency).
@@ -117,20 +107,25 @@ KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, 
 TCP_USER_TIMEOUT_MS = 60_000
 
 
-#: Query-string parameters of a database URL that carry a secret (libpq accepts both).
-SECRET_QUERY_KEYS = frozenset({"password", "sslpassword"})
+#: The engines key of the replica's engine.
+REPLICA = (False, False, False, True)
 
 
 class Database:
     """One job database: its engines, pooled connections and transactions."""
 
-    def __init__(self, url: str, *, source: str = "database_url", timeouts: Timeouts | None = None) -> None:
+    def __init__(
+        self, url: str, *, source: str = "database_url", timeouts: Timeouts | None = None, read_url: str | None = None
+    ) -> None:
         parsed = self.parse_url(url, source)
         self.url = parsed
         self.source = source
-        self.dialect = parsed.get_backend_name()
+        self.dialect: str = parsed.get_backend_name()
+        #: The replica for reads that may lag (``lagging``); None: the primary serves them.
+        self.read_url = urls.parse_read_url(read_url, parsed) if read_url else None
         self.timeouts = timeouts or Timeouts()
-        self._engines: dict[tuple[bool, bool, bool], Engine] = {}
+        #: (fast, single, heartbeat, replica) -> engine
+        self._engines: dict[tuple[bool, bool, bool, bool], Engine] = {}
         self._hot = threading.local()  # per thread: a held connection for prepared statements
         self._pid = os.getpid()
         self._pool_size = DEFAULT_POOL_SIZE
@@ -161,34 +156,8 @@ class Database:
         self._pin = not is_green
         self.dispose()
 
-    @staticmethod
-    def parse_url(url: str, source: str = "database_url") -> sa.URL:
-        """Check a database URL at the boundary; ConfigurationError names the setting
-        and never echoes the URL (it may carry a password)."""
-        try:
-            parsed = make_url(url)
-        except (sa_exc.ArgumentError, ValueError, TypeError):
-            # ValueError: a non-numeric port, e.g. the password of "postgresql://user:pw"
-            # read as host:port; its text would quote it.
-            raise ConfigurationError(
-                f"{source} is not a valid database URL (expected e.g. postgresql+psycopg2://user@host/db or sqlite:///path)"
-            ) from None
-        if parsed.drivername in ("postgresql", "postgres"):
-            parsed = parsed.set(drivername=POSTGRESQL_DRIVER)
-        if parsed.get_backend_name() not in ("postgresql", "sqlite"):
-            raise ConfigurationError(
-                f"{source} names the unsupported database {parsed.get_backend_name()!r}: "
-                "celery-lease runs on PostgreSQL or SQLite"
-            )
-        try:
-            parsed.get_dialect().import_dbapi()
-        except (sa_exc.NoSuchModuleError, ImportError) as exc:
-            fix = "pip install psycopg2-binary" if parsed.drivername == POSTGRESQL_DRIVER else "install it"
-            raise ConfigurationError(
-                f"{source}: the database driver of {parsed.drivername!r} is not installed ({type(exc).__name__}): "
-                f"{fix}, or name an installed driver in the URL, e.g. {POSTGRESQL_DRIVER}://user@host/db"
-            ) from None
-        return parsed
+    #: Check a database URL at the boundary (celery_lease/db/urls.py).
+    parse_url = staticmethod(urls.parse_url)
 
     # --- engines ---------------------------------------------------------------------
 
@@ -196,10 +165,9 @@ class Database:
     def display_url(self) -> str:
         """The URL for messages and logs: the password masked, whether it is in the
         userinfo or in the query string (``?password=``, libpq's ``sslpassword``)."""
-        secret = {k: "***" for k in self.url.query if k.lower() in SECRET_QUERY_KEYS}
-        return self.url.update_query_dict(secret).render_as_string(hide_password=True)
+        return urls.masked(self.url)
 
-    def _create_engine(self, *, fast: bool, single: bool, heartbeat: bool) -> Engine:
+    def _create_engine(self, *, fast: bool, single: bool, heartbeat: bool, replica: bool = False) -> Engine:
         kwargs: dict[str, Any] = {}
         if self.dialect == "sqlite":
             kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
@@ -234,7 +202,8 @@ class Database:
             if single or heartbeat:
                 # One statement is its own transaction: no BEGIN and COMMIT round trips.
                 kwargs["isolation_level"] = "AUTOCOMMIT"
-        engine = sa.create_engine(self.url, **kwargs)  # parse_url made sure its driver imports
+        url = self.read_url if replica and self.read_url is not None else self.url
+        engine = sa.create_engine(url, **kwargs)  # parse_url made sure its driver imports
         if self.dialect == "sqlite":
             sa.event.listen(engine, "connect", _on_sqlite_connect)
             sa.event.listen(engine, "begin", _on_sqlite_begin)
@@ -242,9 +211,10 @@ class Database:
             sa.event.listen(engine, "before_cursor_execute", durability.on_cursor_execute, retval=True)
         return engine
 
-    def engine(self, *, fast: bool = False, single: bool = False, heartbeat: bool = False) -> Engine:
+    def engine(self, *, fast: bool = False, single: bool = False, heartbeat: bool = False, replica: bool = False) -> Engine:
         """The engine for durable or fast commits, transactional or single-statement,
-        or the heartbeat's own (one connection, short timeouts).
+        or the heartbeat's own (one connection, short timeouts), or the replica's
+        (``replica``: lease_read_database_url; only ``lagging`` asks for it).
 
         SQLite has one engine: one file, no asynchronous commit, no network round trip.
         """
@@ -256,9 +226,10 @@ class Database:
             self._engines.clear()
             self._hot = threading.local()
             self._pid = os.getpid()
-        key = (False, False, False) if self.dialect == "sqlite" else (fast, single, heartbeat)
+        assert not replica or self.read_url is not None
+        key = (False, False, False, False) if self.dialect == "sqlite" else (fast, single, heartbeat, replica)
         if key not in self._engines:
-            self._engines[key] = self._create_engine(fast=key[0], single=key[1], heartbeat=key[2])
+            self._engines[key] = self._create_engine(fast=key[0], single=key[1], heartbeat=key[2], replica=key[3])
         engine = self._engines[key]
         return engine
 
@@ -269,6 +240,14 @@ class Database:
     @property
     def fast(self) -> Engine:
         return self.engine(fast=True)
+
+    @property
+    def lagging(self) -> Engine:
+        """The engine for reads that may lag behind the primary (lists, counts,
+        metrics): the replica of lease_read_database_url when set, else the primary's.
+        Nothing that writes, nor a read that decides a write, runs here: a replica
+        may not have the latest commits yet, and refuses writes."""
+        return self.engine(replica=True) if self.read_url is not None else self.durable
 
     def dispose(self) -> None:
         for slot in ("fast", "durable"):
@@ -283,6 +262,10 @@ class Database:
     def ping(self) -> None:
         """Connect once; raise DatabaseUnavailable naming the setting on failure."""
         self.transaction(self.durable, lambda c: c.execute(sa.text("SELECT 1")))
+
+    def ping_lagging(self) -> None:
+        """ping() for the engine of reads that may lag (the replica, when one is set)."""
+        self.transaction(self.lagging, lambda c: c.execute(sa.text("SELECT 1")))
 
     # --- transactions ----------------------------------------------------------------
 
@@ -315,18 +298,22 @@ class Database:
                         on_retry()
                     time.sleep(0.05 * attempt)
                     continue
-                raise self.translate(exc) from None
+                raise self.translate(exc, replica=self.read_url is not None and engine is self._engines.get(REPLICA)) from None
         raise AssertionError("unreachable")
 
-    def translate(self, exc: sa_exc.DBAPIError) -> Exception:
+    def translate(self, exc: sa_exc.DBAPIError, *, replica: bool = False) -> Exception:
         """A database error as the caller sees it: DatabaseUnavailable, naming the
         setting and never the driver's text, for a lost or refusing server (a lock
-        timeout included); the error itself otherwise."""
+        timeout included); the error itself otherwise. ``replica``: it came from the
+        replica's engine."""
         if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
             log.warning("celery-lease: database error: %s", exc.orig)
-            return DatabaseUnavailable(
-                f"cannot reach the job database {self.display_url} ({self.source}): {type(exc.orig).__name__}"
-            )
+            if replica:
+                assert self.read_url is not None
+                where = f"the job database's replica {urls.masked(self.read_url)} ({urls.READ_SOURCE})"
+            else:
+                where = f"the job database {self.display_url} ({self.source})"
+            return DatabaseUnavailable(f"cannot reach {where}: {type(exc.orig).__name__}")
         return exc
 
     def execute_prepared(

@@ -34,6 +34,8 @@ class Reads:
     """Reads of a :class:`~celery_lease.db.engine.Database` (``transaction``, ``durable``)."""
 
     durable: Engine
+    #: Reads that may lag (lists, metrics) run here: the replica, when one is set.
+    lagging: Engine
     transaction: Any
 
     def get(self, job_id: str) -> Job | None:
@@ -44,8 +46,9 @@ class Reads:
         return self.transaction(self.durable, work)
 
     def list_jobs(self, **filters) -> list[Job]:
+        """A list that may lag (lease_read_database_url): for showing, never for deciding."""
         return self.transaction(
-            self.durable, lambda c: [Job.from_row(r) for r in c.execute(reads.list_jobs(**filters)).mappings()]
+            self.lagging, lambda c: [Job.from_row(r) for r in c.execute(reads.list_jobs(**filters)).mappings()]
         )
 
     def get_view(self, job_id: str, *, tenant: str | None = None) -> dict[str, Any] | None:
@@ -61,7 +64,7 @@ class Reads:
         """list_jobs reading only the API columns, result and progress bounded (see
         reads.list_job_summaries)."""
         stmt = reads.list_job_summaries(max_value_bytes=max_value_bytes, **filters)
-        return self.transaction(self.durable, lambda c: [_view(r) for r in c.execute(stmt).mappings()])
+        return self.transaction(self.lagging, lambda c: [_view(r) for r in c.execute(stmt).mappings()])
 
     def run_visible(self, run_id: str, *, tenant: str | None = None) -> bool:
         return self.transaction(self.durable, lambda c: c.execute(reads.run_visible(run_id, tenant=tenant)).first() is not None)
@@ -85,4 +88,4 @@ class Reads:
                 "leases": tuple(conn.execute(metrics_sql.lease_health(), {"stale_seconds": stale_seconds}).one()),
             }
 
-        return self.transaction(self.durable, work)
+        return self.transaction(self.lagging, work)

@@ -38,9 +38,15 @@ def _event_source(job: Any) -> tuple[Any, Any, int]:
 
 class Store(Reads, Chords, Database):
     def __init__(
-        self, url: str, *, source: str = "database_url", prepare_statements: bool = True, timeouts: Timeouts | None = None
+        self,
+        url: str,
+        *,
+        source: str = "database_url",
+        prepare_statements: bool = True,
+        timeouts: Timeouts | None = None,
+        read_url: str | None = None,
     ) -> None:
-        super().__init__(url, source=source, timeouts=timeouts)
+        super().__init__(url, source=source, timeouts=timeouts, read_url=read_url)
         #: The per-job statements, prepared server-side (PostgreSQL only).
         self._prepared: dict[str, Prepared] | None = None
         if self.dialect == "postgresql" and prepare_statements:

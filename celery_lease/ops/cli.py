@@ -388,6 +388,7 @@ def serve(ctx: click.Context, host: str, port: int, proxy_headers: bool, forward
     except ImportError:
         raise CliError("the HTTP API needs the api extra: pip install 'celery-lease[api]'") from None
     leases.store.ping()  # refuse to start against a database that does not answer
+    leases.store.ping_lagging()  # nor against a replica (lease_read_database_url) that does not
     # From here on the server's log is the place for the store's warnings.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api.serve(leases, host, port, proxy_headers=proxy_headers, forwarded_allow_ips=peers or "127.0.0.1")

@@ -402,46 +402,50 @@ class Run:
             engine.dispose()
 
     def _read(self) -> History:
-        from celery_lease.db.schema import events, jobs
-        from tests.apps.history_tables import bodies, effects, writes
-
-        def epoch(value):
-            return value.timestamp() if value is not None else None
-
-        engine = sa.create_engine(self.jobs_url, poolclass=sa.pool.NullPool)
-        with engine.connect() as conn:
-            cols = [jobs.c[c] for c in ("id", "kind", "status", "attempt", "lease_generation", "error", "parent_id")]
-            cols += [jobs.c.canvas, jobs.c.payload, jobs.c.created_at, jobs.c.finished_at]
-            job_rows = {}
-            for r in conn.execute(sa.select(*cols)).mappings():
-                row = dict(r)
-                row["id"], row["parent_id"] = str(row["id"]), row["parent_id"] and str(row["parent_id"])
-                row["created_at"], row["finished_at"] = epoch(row["created_at"]), epoch(row["finished_at"])
-                job_rows[row["id"]] = row
-            event_rows = [
-                {"job_id": str(r.job_id), "event": r.event, "attempt": r.attempt, "detail": r.detail, "at": epoch(r.created_at)}
-                for r in conn.execute(sa.select(events).order_by(events.c.id))
-            ]
-            effect_rows = [dict(r) for r in conn.execute(sa.select(effects)).mappings()]
-        engine.dispose()
-        engine = sa.create_engine(self.history_url, poolclass=sa.pool.NullPool)
-        with engine.connect() as conn:
-            body_rows = [dict(r) for r in conn.execute(sa.select(bodies).order_by(bodies.c.id)).mappings()]
-            write_rows = [dict(r) for r in conn.execute(sa.select(writes).order_by(writes.c.id)).mappings()]
-        engine.dispose()
         for e in list(self.proxy.events):
             self.ops.append(Op(e.at, "fault", None, {"fault": e.fault, "match": e.match, "statement": e.statement[:100]}))
         self.ops.sort(key=lambda op: op.at)
-        return History(
-            ops=self.ops,
-            jobs=job_rows,
-            events=event_rows,
-            bodies=body_rows,
-            writes=write_rows,
-            effects=effect_rows,
+        return read_history(
+            self.jobs_url,
+            self.history_url,
+            self.ops,
             concurrency={"h_limited": 2, "h_timeout": 2},
             rates={"h_rated": (5, 1)},
             effect_kinds=frozenset({"h_plain", "h_limited", "h_rated", "h_snooze", "h_timeout", "h_sum", "h_errback"}),
             node_kills=dict(self.node_kills),
             pid_kills=dict(self.pid_kills),
         )
+
+
+def read_history(jobs_url: str, history_url: str, ops: list[Op], **kinds: Any) -> History:
+    """Read back a run: the job rows, run events and effects of the jobs' database, the
+    bodies and fenced writes of the history database. ``kinds``: the History's fields
+    that describe the workload (concurrency, rates, effect_kinds, node_kills, pid_kills)."""
+    from celery_lease.db.schema import events, jobs
+    from tests.apps.history_tables import bodies, effects, writes
+
+    def epoch(value):
+        return value.timestamp() if value is not None else None
+
+    engine = sa.create_engine(jobs_url, poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        cols = [jobs.c[c] for c in ("id", "kind", "status", "attempt", "lease_generation", "error", "parent_id")]
+        cols += [jobs.c.canvas, jobs.c.payload, jobs.c.created_at, jobs.c.finished_at]
+        job_rows = {}
+        for r in conn.execute(sa.select(*cols)).mappings():
+            row = dict(r)
+            row["id"], row["parent_id"] = str(row["id"]), row["parent_id"] and str(row["parent_id"])
+            row["created_at"], row["finished_at"] = epoch(row["created_at"]), epoch(row["finished_at"])
+            job_rows[row["id"]] = row
+        event_rows = [
+            {"job_id": str(r.job_id), "event": r.event, "attempt": r.attempt, "detail": r.detail, "at": epoch(r.created_at)}
+            for r in conn.execute(sa.select(events).order_by(events.c.id))
+        ]
+        effect_rows = [dict(r) for r in conn.execute(sa.select(effects)).mappings()]
+    engine.dispose()
+    engine = sa.create_engine(history_url, poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        body_rows = [dict(r) for r in conn.execute(sa.select(bodies).order_by(bodies.c.id)).mappings()]
+        write_rows = [dict(r) for r in conn.execute(sa.select(writes).order_by(writes.c.id)).mappings()]
+    engine.dispose()
+    return History(ops=ops, jobs=job_rows, events=event_rows, bodies=body_rows, writes=write_rows, effects=effect_rows, **kinds)

@@ -10,6 +10,12 @@ its own ``postgres`` from a temporary directory on a free port instead:
         pg.crash()                         # pg_ctl stop -m immediate: no checkpoint
         pg.start()                         # crash recovery replays the WAL
 
+    with replicated_pair() as (primary, standby):   # a synchronous streaming standby
+        url = primary.create_database("jobs")       # replicated to the standby
+        failover = multi_host_url("jobs", primary, standby)  # libpq's host list, read-write
+        primary.crash()
+        standby.promote()                           # now the read-write one
+
 The cluster is durable the way production is (``fsync=on``, ``synchronous_commit=on``),
 so what a test sees after ``crash()`` is what a real server would keep. Access is
 ``trust`` over 127.0.0.1 and the unix socket in the temporary directory, and the
@@ -120,7 +126,11 @@ class PrivateCluster:
         shared_buffers: str = "16MB",
         max_connections: int = 100,
         settings: dict[str, object] | None = None,
+        standby_of: PrivateCluster | None = None,
     ) -> None:
+        """``standby_of``: instead of an empty cluster, a streaming standby of that
+        (running) cluster, copied from it by pg_basebackup (``settings`` are added to
+        the copied configuration)."""
         _sweep_stale_clusters()
         self.bindir = find_bindir()
         self.user = pwd.getpwuid(os.getuid()).pw_name  # the role that URLs name
@@ -140,7 +150,10 @@ class PrivateCluster:
                 os.chown(self.dir, server_user.pw_uid, server_user.pw_gid)
                 # Its parents must let the postgres user through (e.g. a TMPDIR under /root).
                 self._run(["test", "-w", str(self.dir)], what=f"access to {self.dir} as {SERVER_OS_USER} (set TMPDIR?)")
-            self._initdb(shared_buffers, max_connections, settings or {})
+            if standby_of is None:
+                self._initdb(shared_buffers, max_connections, settings or {})
+            else:
+                self._basebackup(standby_of, settings or {})
         except BaseException:
             self.close()
             raise
@@ -175,6 +188,22 @@ class PrivateCluster:
         if downtime > 0:
             time.sleep(downtime)
         return self.start()
+
+    def promote(self, timeout: float = 30.0) -> None:
+        """``pg_ctl promote``: a standby ends recovery and accepts writes (on a new
+        timeline); waits until it does."""
+        self._pg_ctl("promote", "-w", "-t", str(int(timeout)), timeout=timeout + 10)
+        self._wait_ready(timeout)
+
+    def in_recovery(self) -> bool:
+        """Whether the server is a standby (pg_is_in_recovery())."""
+        conn = self.connect()
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_is_in_recovery()")
+                return bool(cur.fetchone()[0])
+        finally:
+            conn.close()
 
     def is_running(self) -> bool:
         if not (self.data_dir / "postmaster.pid").exists():
@@ -302,23 +331,53 @@ class PrivateCluster:
             "log_line_prefix": "%m [%p] ",
             **settings,
         }
+        hba = (
+            "# tests/harness/pgcluster.py: trust on the socket and 127.0.0.1 only\n"
+            "local all all trust\n"
+            "host  all all 127.0.0.1/32 trust\n"
+            "local replication all trust\n"
+            "host  replication all 127.0.0.1/32 trust\n"
+        )
+        self._append_conf(conf)
+        self._run(["sh", "-c", 'cat > "$1"', "sh", str(self.data_dir / "pg_hba.conf")], input=hba, what="write pg_hba.conf")
+
+    def _basebackup(self, primary: PrivateCluster, settings: dict) -> None:
+        # -R: standby.signal and primary_conninfo (streaming from the primary);
+        # --checkpoint=fast: do not wait for the primary's next spread checkpoint.
+        self._run(
+            [
+                str(self.bindir / "pg_basebackup"),
+                "-D",
+                str(self.data_dir),
+                "-h",
+                primary.host,
+                "-p",
+                str(primary.port),
+                "-U",
+                primary.user,
+                "-R",
+                "--checkpoint=fast",
+                "--no-sync",
+            ],
+            timeout=120,
+            what="pg_basebackup",
+        )
+        # The copied postgresql.conf names the primary's port and socket directory:
+        # later lines of the file win.
+        self._append_conf({"port": self.port, "unix_socket_directories": str(self.dir), **settings})
+
+    def _append_conf(self, conf: dict) -> None:
         lines = ["", "# tests/harness/pgcluster.py"]
         for key, value in conf.items():
             if isinstance(value, str):
                 value = "'" + value.replace("'", "''") + "'"
             lines.append(f"{key} = {value}")
-        hba = (
-            "# tests/harness/pgcluster.py: trust on the socket and 127.0.0.1 only\n"
-            "local all all trust\n"
-            "host  all all 127.0.0.1/32 trust\n"
-        )
         # Files in the data directory belong to the server user: write them as it.
         self._run(
             ["sh", "-c", 'cat >> "$1"', "sh", str(self.data_dir / "postgresql.conf")],
             input="\n".join(lines) + "\n",
             what="write postgresql.conf",
         )
-        self._run(["sh", "-c", 'cat > "$1"', "sh", str(self.data_dir / "pg_hba.conf")], input=hba, what="write pg_hba.conf")
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -338,6 +397,15 @@ class PrivateCluster:
             conn.autocommit = True
             with conn.cursor() as cur:
                 cur.execute(sql)
+        finally:
+            conn.close()
+
+    def _sync_standbys(self) -> int:
+        conn = self.connect()
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming' AND sync_state = 'sync'")
+                return int(cur.fetchone()[0])
         finally:
             conn.close()
 
@@ -410,6 +478,41 @@ def private_cluster(**kwargs) -> Iterator[PrivateCluster]:
         yield cluster
     finally:
         cluster.close()
+
+
+def multi_host_url(dbname: str, *clusters: PrivateCluster) -> str:
+    """One URL naming every cluster, in order, in libpq's multi-host form, that connects
+    only to the one accepting writes (``target_session_attrs=read-write``): after a
+    failover it finds the promoted standby."""
+    first = clusters[0]
+    hosts = "&".join(f"host={c.host}:{c.port}" for c in clusters)
+    return f"postgresql+psycopg2://{first.user}@/{dbname}?{hosts}&target_session_attrs=read-write"
+
+
+@contextmanager
+def replicated_pair(*, sync_timeout: float = 30.0, **kwargs) -> Iterator[tuple[PrivateCluster, PrivateCluster]]:
+    """A started primary and its started streaming standby, the standby synchronous
+    (``synchronous_standby_names = '*'``, ``synchronous_commit = on``): a commit the
+    primary acknowledged is on the standby, so a promoted standby has it. ``kwargs``
+    as for ``private_cluster`` (the standby copies the primary's configuration).
+
+    The standby's own configuration has no synchronous_standby_names (set on the
+    primary by ALTER SYSTEM after the copy): once promoted, with no standby of its
+    own, its commits do not wait for one."""
+    with private_cluster(**kwargs) as primary:
+        standby = PrivateCluster(standby_of=primary)
+        try:
+            standby.start()
+            primary._admin_sql("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            primary._admin_sql("SELECT pg_reload_conf()")
+            deadline = time.monotonic() + sync_timeout
+            while not primary._sync_standbys():
+                if time.monotonic() > deadline:
+                    raise ClusterError("the standby did not become synchronous\n" + standby.log()[-3000:])
+                time.sleep(0.05)
+            yield primary, standby
+        finally:
+            standby.close()
 
 
 @atexit.register

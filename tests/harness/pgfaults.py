@@ -13,6 +13,9 @@ statement goes wrong and how, at run time:
     rule = proxy.delay("lease_expires_at", 3.0)     # reaches the server 3 s late
     rule = proxy.hold("SET status", 3.0)            # runs, then its transaction stays open
                                                      # 3 s: whoever needs its rows waits
+    rule = proxy.lose_reply("SET status", then=primary.crash)  # the server dies after
+                                                     # the commit, before the client
+                                                     # learns its connection dropped
     rule.wait(timeout=20)                           # it acted (rule.hits counts)
     proxy.events                                    # what acted, when, on which statement
 
@@ -48,6 +51,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tests.harness.tcpproxy import TcpProxy, _drop
@@ -73,6 +77,9 @@ class Rule:
     times: int | None = 1
     seconds: float = 0.0
     error: str | None = None
+    #: lose_reply: called (in the proxy's thread) once the reply is swallowed and before
+    #: the connection drops, so it happens before the client can react to the loss.
+    then: Callable[[], None] | None = None
     #: How many times it acted (for lose_reply: replies really lost, after the commit).
     hits: int = 0
     #: lose_reply matches waiting for their transaction's COMMIT.
@@ -140,8 +147,8 @@ class PgFaultProxy(TcpProxy):
     def fail(self, match: str, *, times: int | None = 1, error: str | None = None) -> Rule:
         return self._add(Rule(FAIL, match, times, error=error))
 
-    def lose_reply(self, match: str, *, times: int | None = 1) -> Rule:
-        return self._add(Rule(LOSE_REPLY, match, times))
+    def lose_reply(self, match: str, *, times: int | None = 1, then: Callable[[], None] | None = None) -> Rule:
+        return self._add(Rule(LOSE_REPLY, match, times, then=then))
 
     def delay(self, match: str, seconds: float, *, times: int | None = 1) -> Rule:
         return self._add(Rule(DELAY, match, times, seconds=seconds))
@@ -265,6 +272,8 @@ class PgFaultProxy(TcpProxy):
                             conn.lose_at = None
                             rule.pending -= 1
                             rule.hits += 1
+                        if rule.then is not None:
+                            rule.then()
                         self._record(conn, rule, lose[2])
                         return
                     continue

@@ -310,3 +310,28 @@ def test_a_database_url_whose_driver_is_missing_names_the_fix(url):
 def test_api_fields_match_the_view_columns():
     assert [c.name for c in reads.VIEW_COLUMNS] == list(listing.API_FIELDS)
     assert isinstance(reads.run_visible(ID), sa.Select)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "host=db1:5432,db2:5433&target_session_attrs=read-write",  # libpq's list in one parameter
+        "host=db1:5432&host=db2:5433&target_session_attrs=read-write",
+        "host=db1,db2&port=5432,5433&target_session_attrs=read-write",
+    ],
+)
+def test_a_multi_host_url_reaches_libpq_as_a_host_list_and_a_port_list(query):
+    """libpq's failover form, as every guide writes it. (``host=h1:p1,h2:p2`` reached
+    libpq as one host named "db1:5432,db2:5433" and the port list ",": it never
+    connected.)"""
+    url = Database.parse_url(f"postgresql+psycopg2://shop:pw@/shop?{query}")
+    _, args = url.get_dialect()().create_connect_args(url)
+    assert (args["host"], args["port"]) == ("db1,db2", "5432,5433")
+    assert args["target_session_attrs"] == "read-write"
+    assert "pw" not in Database(url.render_as_string(hide_password=False)).display_url
+
+
+def test_a_url_mixing_two_host_list_forms_is_refused_at_the_boundary():
+    with pytest.raises(ConfigurationError) as caught:
+        Database.parse_url("postgresql+psycopg2://shop:hunter2@/shop?host=db1:5432&host=db2:5433&port=5432", "database_url")
+    assert "two forms" in str(caught.value) and "hunter2" not in str(caught.value)

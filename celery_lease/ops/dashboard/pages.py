@@ -171,7 +171,7 @@ def register(app: FastAPI, board: Board) -> None:
             after = listing.decode_cursor(params.get("cursor") or None)
         except ValueError as exc:
             raise PageError(400, str(exc)) from None
-        rows, end = board.store.page(f, after=after, scan=SCAN, limit=PAGE)
+        rows, end = board.store.page(f, after=after, scan=SCAN, limit=PAGE, may_lag=True)
         more = len(rows) > PAGE
         rows = rows[:PAGE]
         older = listing.encode_cursor(rows[-1]) if more else None
