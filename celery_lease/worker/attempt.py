@@ -64,11 +64,9 @@ def owner_of(node: str | None) -> str:
     """The lease owner written by a claim: ``node/pid/boot``, or ``node/pid.T/boot`` for
     a claim made by a thread (or greenlet) T other than the process's main thread.
 
-    Invariant: one owner claims one job at a time. A claim whose reply was lost adopts the
-    row running under its owner that no attempt of this process holds
-    (lifecycle.claim.LandedClaim); with one owner for a threads pool's sixteen threads,
-    another thread's claim in progress made every such row ambiguous, so nothing was
-    adopted and the job sat running with no body for a whole lease. Restart recovery
+    One owner claims one job at a time, so a row running under it names the thread that
+    runs its body (a claim whose reply was lost finds its own rows by its claim token
+    instead: lifecycle.claim.LandedClaim). Restart recovery
     matches the ``node/`` prefix and ``/boot`` suffix
     (statements.maintenance.recover_restarted); the process is ``pid`` before the dot
     (worker/lost.py)."""
@@ -107,6 +105,11 @@ class Attempt:
     outcome: Any = None
     #: Set once the lease is known lost (cancelled, reaped, heartbeat gave up).
     lost: threading.Event = field(default_factory=threading.Event)
+    #: The lease is gone for sure (mark_lost: a fenced write or a renewal matched no row,
+    #: or the attempt was stopped), not merely lapsed by this process's clock. A body that
+    #: finished before its clock lapsed still has its success written (fenced: it lands
+    #: only while no one took the job), never dropped while its row runs under this owner.
+    gone: bool = False
     #: monotonic time at which the last claim or renewal that the database confirmed
     #: was sent.
     renewed_at: float = field(default_factory=time.monotonic)
@@ -173,6 +176,7 @@ class Attempt:
         return False
 
     def mark_lost(self) -> None:
+        self.gone = True
         self.lost.set()
 
     def ride_out(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:
