@@ -267,6 +267,12 @@ class BatchSuccesses:
         items, self._items = self._items, []
         if not items:
             return
+        heartbeat = self._batches._state.heartbeat
+        for attempt, _, _ in items:
+            # No renewal from here on: one that ran after this statement committed found
+            # the row succeeded and, the attempt still held, logged a false "lease lost
+            # (cancelled or reaped)". (Its body is over; the write is fenced and brief.)
+            heartbeat.remove(attempt)
         try:
             self._batches.complete(items)
         except Exception:

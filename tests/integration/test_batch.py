@@ -256,3 +256,30 @@ def test_a_batch_claim_rerun_after_a_lost_reply_and_a_restart_adopts_its_first_r
         mod.leases.worker.end(lead)
         assert [r.status for r in rows(url, ids)] == ["succeeded"] * 4 + ["pending"] * 4
         mod.leases.store.dispose()
+
+
+def test_a_renewal_after_a_batch_success_landed_warns_of_no_lost_lease(pg, mod, caplog):
+    """Issue #27 item 7: the batch's attempts stayed in the heartbeat until their success
+    statement returned, so a renewal that ran just after it committed found the rows
+    succeeded and logged "lease lost (cancelled or reaped)" for jobs that had succeeded
+    on their first attempt. Here that renewal runs right after the commit."""
+    from celery_lease.worker.batch import Batches
+
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(4)])]
+    worker = mod.leases.worker
+    lead = _claim(mod, ids[0])
+    complete = Batches.complete
+
+    def complete_then_renew(self, items):
+        complete(self, items)
+        worker.heartbeat._renew([a for a in lead.batch if a.key in worker.heartbeat._attempts])
+
+    Batches.complete = complete_then_renew  # type: ignore[method-assign]
+    try:
+        with caplog.at_level("WARNING", logger="celery_lease"):
+            worker.execute(mod.b_note.spec, lead)
+    finally:
+        Batches.complete = complete  # type: ignore[method-assign]
+    worker.end(lead)
+    assert [r.status for r in rows(pg, ids)] == ["succeeded"] * 4
+    assert not [r.message for r in caplog.records if "lease lost" in r.message]
