@@ -59,6 +59,7 @@ def _claim_before_flow_control():
 def statements(leases, tasks, samples: int) -> dict:
     from celery_lease.db.prepared import Prepared
     from celery_lease.db.statements import attempt
+    from celery_lease.lifecycle.claim import new_token
 
     store, flow = leases.store, leases.flow
     before = Prepared(_claim_before_flow_control())
@@ -78,7 +79,8 @@ def statements(leases, tasks, samples: int) -> dict:
             job_id = next(queues[name])
             started = time.perf_counter()
             if name == "before":
-                row = store.execute_prepared(before, {"job_id": job_id, "owner": OWNER, "wakeup_task": specs["noop"].task})[0]
+                params = {"job_id": job_id, "owner": OWNER, "wakeup_task": specs["noop"].task, "token": new_token()}
+                row = store.execute_prepared(before, params)[0]
             else:
                 row = flow.claim(job_id, specs[name], OWNER)
             elapsed = time.perf_counter() - started

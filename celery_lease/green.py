@@ -19,6 +19,13 @@ counts its lease lost by its own clock, the reaper requeues the jobs once the le
 elapse, and whatever the stalled handlers write afterwards is refused by the lease
 generation. Run such kinds on a prefork or threads worker (a queue of their own).
 
+A module that bound ``time.sleep`` before the hub patched it keeps the blocking one:
+kombu's ``retry_over_time`` (``from time import sleep``), which Celery's consumer runs to
+reconnect to a lost broker, slept the whole process for a second at a time, so a broker
+restart froze every greenlet, the heartbeat too, and the jobs' leases lapsed (issue #27,
+item 6: the lease lives in PostgreSQL, no broker outage may cost one). :func:`cooperate`
+rebinds such a module's ``sleep`` to the hub's.
+
 eventlet's own ``monkey_patch()`` already makes psycopg2 green; an installed wait
 callback (eventlet's, psycogreen's, the application's) is left as it is. In green mode
 psycopg2 does not run COPY (a handler's own ``copy_expert`` in an effect fails there).
@@ -48,6 +55,7 @@ def cooperate() -> str | None:
     name = hub()
     if name is None:
         return None
+    _green_sleeps(name)
     try:
         from psycopg2 import extensions
     except ImportError:  # SQLite only: nothing to make green
@@ -55,6 +63,32 @@ def cooperate() -> str | None:
     if extensions.get_wait_callback() is None:
         extensions.set_wait_callback(_gevent_wait if name == "gevent" else _eventlet_wait)
     return name
+
+
+def _green_sleeps(name: str) -> list[str]:
+    """Rebind to the hub's sleep the ``sleep`` of every loaded module that holds the
+    blocking one (bound before the hub patched ``time``); returns their names. The
+    hubs' own modules keep theirs (they block on purpose, off the hub)."""
+    import time
+
+    if name == "gevent":
+        from gevent import monkey
+
+        blocking = monkey.get_original("time", "sleep")
+    else:
+        from eventlet import patcher
+
+        blocking = patcher.original("time").sleep
+    if time.sleep is blocking:  # time itself not patched: nothing is green
+        return []
+    rebound = []
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith(("gevent", "eventlet", "greenlet", "__original")) or module_name == "time":
+            continue
+        if getattr(module, "sleep", None) is blocking:
+            vars(module)["sleep"] = time.sleep
+            rebound.append(module_name)
+    return rebound
 
 
 def _gevent_wait(conn: Any, timeout: float | None = None) -> None:

@@ -53,6 +53,10 @@ jobs = sa.Table(
     # Every write of an attempt is guarded by the generation it claimed.
     sa.Column("lease_generation", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("lease_owner", sa.String(255)),  # "node/pid/boot"
+    # A random number each claim writes (one per claim call, the same for its retries):
+    # a claim whose reply was lost finds exactly the rows its own first try took by it
+    # (lifecycle.claim, worker/batch.py), never "any running row of this owner".
+    sa.Column("claim_token", sa.BigInteger),
     sa.Column("lease_expires_at", TS),
     # Lease losses (reaped, interrupted) are counted apart from handler errors, so an
     # operator can tell a job that gets OOM-killed from a buggy one.

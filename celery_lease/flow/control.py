@@ -83,7 +83,6 @@ class FlowControl:
         spec: JobKind,
         owner: str,
         *,
-        may_adopt: Callable[[str, int], bool] | None = None,
         successes: RidingSuccesses | None = None,
         follow_ups: ClaimFollowUps | None = None,
     ) -> dict[str, Any] | None:
@@ -91,7 +90,7 @@ class FlowControl:
         claimed. Held jobs are marked; whatever must be woken is published, always to
         the queue stored in the job's row (never the delivery's routing key: a
         message is untrusted input).
-        ``may_adopt``, ``successes``, ``follow_ups``: see celery_lease.lifecycle.claim
+        ``successes``, ``follow_ups``: see celery_lease.lifecycle.claim
         (a limited kind's claim, which may wait for its kind's lock, carries no
         successes: the caller keeps them out of it). A priority swap's new wakeup for
         the delivered job is one of the claim's follow-ups."""
@@ -105,14 +104,12 @@ class FlowControl:
         f = dataclasses.replace(follow_ups or ClaimFollowUps(), swapped=swapped)
         for _ in range(3):  # again only when nothing held a claimable job (a slot freed meanwhile)
             if limits is None:
-                row = claim_delivery(
-                    self._store, job_id, owner, spec.task, may_adopt=may_adopt, successes=successes, follow_ups=f
-                )
+                row = claim_delivery(self._store, job_id, owner, spec.task, successes=successes, follow_ups=f)
                 successes = None  # written (or not) by the first claim
                 result = ClaimResult(row=row) if row is not None else self._db.hold(job_id, spec.task)
             else:
                 assert successes is None, "successes must not wait for a limited kind's lock"
-                result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits, may_adopt=may_adopt, follow_ups=f)
+                result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits, follow_ups=f)
             if not result.retry:
                 break
         row = result.row

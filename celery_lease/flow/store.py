@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db.prepared import Prepared, PreparedScript
@@ -82,14 +82,13 @@ class FlowStore:
         task: str,
         limits: Limits,
         *,
-        may_adopt: Callable[[str, int], bool] | None = None,
         follow_ups: ClaimFollowUps | None = None,
     ) -> ClaimResult:
         """The claim of a limited kind: the CLAIM_LIMITED transition (lock_limits, then
         the limited claim with its run event and the rate window's count, in one
-        transaction; a lost reply settled by what landed: ``may_adopt``, see
-        LandedClaim); refused, hold_job under the lock again (the reason is decided on
-        what a release would see). A claim that opened a rate window wakes the jobs
+        transaction; a lost reply settled by what landed, see LandedClaim); refused,
+        hold_job under the lock again (the reason is decided on what a release would
+        see). A claim that opened a rate window wakes the jobs
         held for it, as its follow-up (with the caller's ``follow_ups``)."""
         rate = limits.rate
         params = {
@@ -115,7 +114,7 @@ class FlowStore:
 
         build = {"concurrency": limits.concurrency is not None, "rate": rate is not None}
         f = dataclasses.replace(follow_ups or ClaimFollowUps(), window_opened=window_opened)
-        row = lifecycle_claim.execute(self._store, CLAIM_LIMITED, params, build=build, may_adopt=may_adopt, follow_ups=f)
+        row = lifecycle_claim.execute(self._store, CLAIM_LIMITED, params, build=build, follow_ups=f)
         if row is not None:
             result.row = row
             return result

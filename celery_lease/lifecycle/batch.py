@@ -14,9 +14,19 @@ its guard leaves the others moved. The caller decides what a missing row means
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
 from celery_lease.db.statements import batch
+from celery_lease.lifecycle.claim import ClaimLanded, landed_rows, new_token
 from celery_lease.lifecycle.transition import Transition
 from celery_lease.status import Event
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from celery_lease.db.store import Store
+    from celery_lease.lifecycle.pipeline import Pipeline
 
 #: pending -> running for up to :n due jobs of a kind and queue (or cancelled, for a
 #: job of a cancelled run); the statement appends the run events itself.
@@ -34,3 +44,35 @@ SUCCEED_BATCH = Transition(
     Event.SUCCEEDED,
     releases=False,
 )
+
+
+def claim_batch(pipeline: Pipeline, store: Store, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Execute CLAIM_BATCH for ``params`` (job_id, wakeup_task, owner, n) under a new
+    claim token; return its rows (one row of NULLs but ``paused`` when nothing was
+    claimed).
+
+    A re-run adopts by identity: when the first try's reply was lost and the Landing
+    cannot tell whether it committed (the server restarted since), the claim runs
+    again; before it does, in its transaction, the rows running under this owner with
+    this claim's token are looked for, and if the first try had landed they are the
+    result (ClaimLanded ends the re-run, which claims nothing more). Blindly re-run, the
+    claim took other rows and left the first try's running with no body until the
+    reaper spent their attempt. The first try pays nothing for this."""
+    params = {**params, "token": new_token()}
+    tries = 0
+
+    def adopt_on_rerun(conn: Connection) -> None:
+        nonlocal tries
+        tries += 1
+        if tries > 1:
+            rows = landed_rows(store, conn, params)
+            if rows:
+                raise ClaimLanded(rows)
+
+    try:
+        return pipeline.execute(CLAIM_BATCH, params, before=adopt_on_rerun)
+    except ClaimLanded as landed:
+        # (Raised inside the re-run's transaction: the lease restarts roll back; the
+        # leases stand from the first try, after the moment the attempts count from.
+        # ``next_id`` is not known: what is left of the kind waits for the sweeper.)
+        return [{**row, "next_id": None, "paused": False} for row in landed.rows]

@@ -8,10 +8,13 @@ It keeps the rules of every transition (celery_lease/lifecycle/transition.py):
   form) and **its durability is declared there** (``durable``: the generation it
   issues is a fencing token that must never be issued twice, also across a crash):
   :func:`execute` refuses a statement that is not;
-* **a lost reply is settled by what landed**: before a retry, and when the retry
-  claimed nothing, :class:`LandedClaim` runs ADOPT, which finds the job the first try
-  claimed running under this very owner (the delivered job, or the one a priority swap
-  took) and adopts it; successes riding on it that landed are read back;
+* **a lost reply is settled by what landed, by identity**: each claim call writes its
+  own random ``claim_token`` (:func:`new_token`; the same for its retries); before a
+  retry, and when the retry claimed nothing, :class:`LandedClaim` runs ADOPT, which
+  finds the row running under this owner with this very token (the delivered job, or
+  the one a priority swap took) and adopts it, never another row of the owner (a job
+  whose success waits to be written runs under it too); successes riding on it that
+  landed are read back;
 * **follow-ups run after the one commit that counts, once**, each best-effort
   (:class:`ClaimFollowUps`): a claim-time cancel's errbacks and chord removal, a new
   rate window's wake of the jobs held for it, a priority swap's new wakeup for the
@@ -26,6 +29,7 @@ claim, so a claim settles a lost reply by looking at the row it claimed instead.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -77,7 +81,8 @@ CLAIM_LIMITED = Claim(
     limited=True,
 )
 #: A claim whose reply was lost may have landed: the job it claimed, running under the
-#: same owner, gets its lease restarted and is adopted (LandedClaim).
+#: same owner with the claim's own token, gets its lease restarted and is adopted
+#: (LandedClaim).
 ADOPT = Claim("adopt a landed claim", lambda dialect: claim.adopt_claim())
 
 #: Every claim, for docs/lifecycle.md and the tests that hold them to the rules above.
@@ -111,43 +116,50 @@ class RidingSuccesses:
     done: set[str] | None = None
 
 
-class ClaimLanded(Exception):
-    """A claim's first try had landed before its reply was lost: ``row`` is adopted."""
+def new_token() -> int:
+    """A claim's identity (``claim_token``): random, so no other claim, of this process
+    or any, writes the same one; what its retries and their adoption look for."""
+    return secrets.randbits(63)
 
-    def __init__(self, row: Row) -> None:
+
+class ClaimLanded(Exception):
+    """A claim's first try had landed before its reply was lost: ``rows`` (what it
+    claimed, found by its token) are adopted."""
+
+    def __init__(self, rows: list[Row]) -> None:
         super().__init__("claim landed")
-        self.row = row
+        self.rows = rows
+
+
+def landed_rows(store: Store, conn: Connection, params: Mapping[str, Any]) -> list[Row]:
+    """The rows a claim's first try took, if it landed: running under its ``owner`` with
+    its ``claim_token`` (ADOPT restarts their leases)."""
+    rows = [dict(r) for r in conn.execute(ADOPT.statement(store.dialect), dict(params)).mappings()]
+    if rows:
+        log.warning("celery-lease: job(s) %s: claimed before the reply was lost; adopted", ", ".join(str(r["id"]) for r in rows))
+    return rows
 
 
 class LandedClaim:
     """Called before a claim is retried after a lost reply (and when the retry claimed
-    nothing): the job the first try claimed is running under this ``owner``: the
-    delivered job, or (a priority swap) another of its kind. ADOPT finds it; it is
-    adopted (ClaimLanded is raised with its row, which ends the retries) if
-    ``may_adopt(its id, its generation)``: no attempt of it lives in this process and
-    no other claim is in progress here (the owner is one process), so the row can only
-    be that claim's. Without ``may_adopt`` nothing is adopted."""
+    nothing): the row the first try claimed, if it landed, is running under this owner
+    with this claim's token; it is adopted (ClaimLanded is raised with it, which ends
+    the retries)."""
 
-    def __init__(self, store: Store, job_id: str, owner: str, may_adopt: Callable[[str, int], bool] | None) -> None:
-        self._store, self._may_adopt = store, may_adopt
-        self._params = {"job_id": job_id, "owner": owner}
+    def __init__(self, store: Store, params: Mapping[str, Any]) -> None:
+        self._store = store
+        self._params = {"owner": params["owner"], "token": params["token"]}
         self.retried = False
 
     def __call__(self) -> None:
         self.retried = True
-        if self._may_adopt is None:
-            return
-        stmt = ADOPT.statement(self._store.dialect)
+        store = self._store
         try:
-            rows = self._store.transaction(
-                self._store.engine(single=True), lambda c: [dict(r) for r in c.execute(stmt, self._params).mappings()]
-            )
+            rows = store.transaction(store.engine(single=True), lambda c: landed_rows(store, c, self._params))
         except DatabaseUnavailable:
             return  # still unreachable: the retry finds out
-        for row in rows:
-            if self._may_adopt(str(row["id"]), row["lease_generation"]):
-                log.warning("celery-lease: job %s: its claim had landed before the reply was lost; adopted", row["id"])
-                raise ClaimLanded(row)
+        if rows:
+            raise ClaimLanded(rows)
 
 
 def execute(
@@ -156,7 +168,6 @@ def execute(
     params: Mapping[str, Any],
     *,
     build: Mapping[str, Any] | None = None,
-    may_adopt: Callable[[str, int], bool] | None = None,
     successes: RidingSuccesses | None = None,
     follow_ups: ClaimFollowUps | None = None,
 ) -> Row | None:
@@ -164,17 +175,18 @@ def execute(
     and a limited claim's limits); return the row claimed, or None when nothing was
     (a duplicate delivery, one for another task, or a limit, rate or pause refused it).
     A row whose ``status`` is ``cancelled`` is a job the claim found in a cancelled run
-    (and cancelled): it must not start. ``may_adopt``: see LandedClaim; ``successes``:
-    with CLAIM_RIDING (see RidingSuccesses for what the caller learns)."""
+    (and cancelled): it must not start. ``successes``: with CLAIM_RIDING (see
+    RidingSuccesses for what the caller learns)."""
     stmt = t.statement(store.dialect, **(build or {}))
     assert durability.is_durable(stmt), f"the {t.name} statement must be declared durable"
-    check = LandedClaim(store, params["job_id"], params["owner"], may_adopt)
+    params = {**params, "token": new_token()}
+    check = LandedClaim(store, params)
     try:
         row = _run(store, t, stmt, params, check, successes, build or {})
         if row is None and check.retried:
             check()  # the retry claimed nothing: the first try may have
     except ClaimLanded as landed:
-        row = landed.row
+        (row,) = landed.rows  # (a single claim takes one row)
     if row is not None and follow_ups is not None:
         _after(t, row, params, follow_ups)
     return row
@@ -276,7 +288,6 @@ def claim_delivery(
     owner: str,
     task: str,
     *,
-    may_adopt: Callable[[str, int], bool] | None = None,
     successes: RidingSuccesses | None = None,
     follow_ups: ClaimFollowUps | None = None,
 ) -> Row | None:
@@ -285,7 +296,7 @@ def claim_delivery(
     for another reason than a lost connection (a value it would not take) is sent again
     alone, and ``successes.done`` stays None."""
     params = {"job_id": job_id, "owner": owner, "wakeup_task": task}
-    kw: dict[str, Any] = {"may_adopt": may_adopt, "follow_ups": follow_ups}
+    kw: dict[str, Any] = {"follow_ups": follow_ups}
     if successes is not None and store.prepares:
         try:
             return execute(store, CLAIM_RIDING, params, build={"count": successes.count}, successes=successes, **kw)

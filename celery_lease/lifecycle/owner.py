@@ -29,11 +29,9 @@ def owner_of(node: str | None) -> str:
     """The lease owner written by a claim: ``node/pid/boot``, or ``node/pid.T/boot`` for
     a claim made by a thread (or greenlet) T other than the process's main thread.
 
-    Invariant: one owner claims one job at a time. A claim whose reply was lost adopts the
-    row running under its owner that no attempt of this process holds
-    (lifecycle.claim.LandedClaim); with one owner for a threads pool's sixteen threads,
-    another thread's claim in progress made every such row ambiguous, so nothing was
-    adopted and the job sat running with no body for a whole lease. Restart recovery
+    One owner claims one job at a time, so a row running under it names the thread that
+    runs its body (a claim whose reply was lost finds its own rows by its claim token
+    instead: lifecycle.claim.LandedClaim). Restart recovery
     matches the ``node/`` prefix and ``/boot`` suffix
     (statements.maintenance.recover_restarted); the process is ``pid`` before the dot
     (worker/lost.py)."""

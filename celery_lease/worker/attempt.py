@@ -62,6 +62,11 @@ class Attempt:
     outcome: Any = None
     #: Set once the lease is known lost (cancelled, reaped, heartbeat gave up).
     lost: threading.Event = field(default_factory=threading.Event)
+    #: The lease is gone for sure (mark_lost: a fenced write or a renewal matched no row,
+    #: or the attempt was stopped), not merely lapsed by this process's clock. A body that
+    #: finished before its clock lapsed still has its success written (fenced: it lands
+    #: only while no one took the job), never dropped while its row runs under this owner.
+    gone: bool = False
     #: monotonic time at which the last claim or renewal that the database confirmed
     #: was sent.
     renewed_at: float = field(default_factory=time.monotonic)
@@ -128,6 +133,7 @@ class Attempt:
         return False
 
     def mark_lost(self) -> None:
+        self.gone = True
         self.lost.set()
 
     def ride_out(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:

@@ -47,7 +47,7 @@ from celery.exceptions import Retry
 
 from celery_lease.errors import DatabaseUnavailable, JobFailed, JobRefused, LeaseLost
 from celery_lease.lifecycle import transition as tr
-from celery_lease.lifecycle.batch import CLAIM_BATCH, SUCCEED_BATCH
+from celery_lease.lifecycle.batch import SUCCEED_BATCH, claim_batch
 from celery_lease.lifecycle.owner import owner_of
 from celery_lease.producer import refused_value
 from celery_lease.worker import shutdown
@@ -86,12 +86,9 @@ class Batches:
         sent_at = time.monotonic()
         owner = owner_of(hostname)
         params = {"job_id": job_id, "wakeup_task": spec.task, "owner": owner, "n": spec.batch}
-        # Not counted in WorkerState._claiming: a single claim whose reply was lost adopts
-        # only rows of its own kind (claim.adopt_claim), and a batched kind is never claimed
-        # singly here, so no row this claim takes can be mistaken for that claim's. (Counted,
-        # a batch claim settling its own lost reply kept a single claim from adopting its
-        # landed row: the job stayed running with no body until the reaper took it.)
-        found = state.pipeline.execute(CLAIM_BATCH, params)
+        # A re-run of the claim after a lost reply adopts the rows its first try took, by
+        # the claim's token, never other rows (lifecycle.batch.claim_batch).
+        found = claim_batch(state.pipeline, state.store, params)
         rows = [r for r in found if r["id"] is not None]  # (nothing claimed: one row of NULLs)
         with state._lock:
             state._live.update((str(r["id"]), r["lease_generation"]) for r in rows if r["status"] != _CANCELLED)
@@ -271,6 +268,12 @@ class BatchSuccesses:
         items, self._items = self._items, []
         if not items:
             return
+        heartbeat = self._batches._state.heartbeat
+        for attempt, _, _ in items:
+            # No renewal from here on: one that ran after this statement committed found
+            # the row succeeded and, the attempt still held, logged a false "lease lost
+            # (cancelled or reaped)". (Its body is over; the write is fenced and brief.)
+            heartbeat.remove(attempt)
         try:
             self._batches.complete(items)
         except Exception:

@@ -15,7 +15,10 @@ the success waits here, at most LINGER seconds, for one of two rides:
 * else this thread, which writes every success gathered in one ``complete_jobs``.
 
 Either way the write is synchronous (durable) and fenced, and a success missing from
-its statement's result is re-checked alone (:meth:`BatchCompleter._confirm`). If the
+its statement's result is re-checked alone (:meth:`BatchCompleter._confirm`). A success
+whose lease lapsed by its own clock while it waited (the database away) is still
+written when the database answers: the body is over, and the fence lets it land only
+if no one took the job; only a lease known gone (Attempt.gone) drops it. If the
 process dies before the write, the job is still running under its lease and the
 reaper requeues it, exactly as if it had died a moment earlier inside the body. Warm
 exits flush (``worker_process_shutdown``).
@@ -162,12 +165,12 @@ class BatchCompleter:
                 return None
             items, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
             self._inflight += len(items)
-        # As the thread does (_record): a success whose lease lapsed by its own clock
-        # is not written; the reaper requeues its job.
+        # As the thread does (_record): a success whose lease is gone is not written; one
+        # whose lease only lapsed by its own clock (the database was away) still is.
         live: list[Item] = []
         lost: list[Item] = []
         for item in items:
-            (lost if item[0].is_lost else live).append(item)
+            (lost if item[0].gone else live).append(item)
         if lost:
             self._written(lost)
         return Riding(live) if live else None
@@ -184,7 +187,7 @@ class BatchCompleter:
                 self._cond.notify_all()  # the thread (a flush may be waiting too)
             return
         try:
-            self._confirm([item for item in riding.items if not item[0].is_lost], riding.done)
+            self._confirm([item for item in riding.items if not item[0].gone], riding.done)
         except Exception:
             log.exception("celery-lease: cannot confirm %d success(es); the reaper will requeue any lost", len(riding.items))
         finally:
@@ -247,10 +250,12 @@ class BatchCompleter:
     def _record(self, batch: list[Item]) -> None:
         waits = iter(BLIP_WAITS)
         while True:
-            # While the database is unreachable, try again with the attempts whose
-            # leases have not lapsed; the others are left to the reaper, exactly as
-            # if their process had died a moment earlier inside the body.
-            live = [item for item in batch if not item[0].is_lost]
+            # While the database is unreachable, try again until it answers, also for
+            # the attempts whose leases lapsed by their own clocks meanwhile: their
+            # bodies finished, and the statement is fenced (a job the reaper took is
+            # not written). Dropped, the success was lost while its row stayed running
+            # under this process (issue #27, item 4); only a lease known gone is.
+            live = [item for item in batch if not item[0].gone]
             if not live:
                 return
             try:

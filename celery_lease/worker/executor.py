@@ -7,11 +7,9 @@ The Celery signals in :mod:`celery_lease.worker.signals` call these at their mom
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +54,7 @@ log = logging.getLogger("celery_lease.worker")
 #: The run event detail of a job handed back by a claim whose reply came too late.
 CLAIMED_LATE = "claimed too late in its lease"
 
-_RUNNING, _CANCELLED = Status.RUNNING.value, Status.CANCELLED.value  # (an enum's .value is a slow lookup)
+_CANCELLED = Status.CANCELLED.value  # (an enum's .value is a slow lookup)
 
 
 class WorkerState:
@@ -96,23 +94,14 @@ class WorkerState:
         self.completer: Completer = completer_for(store, self.pipeline, on_written=self._release)
         #: The deliveries of batched kinds: claimed, run and completed many at a time.
         self.batches = Batches(self)
-        #: What a claim whose reply was lost needs to know before it adopts a job found
-        #: running under this process (lifecycle.claim.LandedClaim): the claims in progress
-        #: here, and the attempts that live here until their outcome is written.
-        self._claiming: Counter[str] = Counter()
+        #: The attempts of batched kinds that live here until their outcome is written
+        #: (a delivery of one of them is a duplicate: worker/batch.py).
         self._live: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
 
     def _release(self, attempt: Attempt) -> None:
         with self._lock:
             self._live.discard(attempt.key)
-
-    def _may_adopt(self, owner: str, job_id: str, generation: int) -> bool:
-        """A row running under ``owner`` (this thread's: lifecycle/owner.owner_of) is the
-        lost claim's when no attempt of it lives here and no other claim of that owner is
-        in progress (whose reply, not yet recorded in _live, could be that row)."""
-        with self._lock:
-            return self._claiming[owner] == 1 and (job_id, generation) not in self._live
 
     # --- task_prerun / task_postrun ------------------------------------------------
 
@@ -133,9 +122,6 @@ class WorkerState:
             return self.batches.begin(job_id, spec, hostname)
         sent_at = time.monotonic()
         owner = owner_of(hostname)
-        with self._lock:
-            self._claiming[owner] += 1
-        may_adopt = functools.partial(self._may_adopt, owner)
         # This process's waiting successes ride on the claim (Completer.take), but not
         # on a limited kind's, which may wait for its kind's lock: they would wait too,
         # unrenewed (the completer's thread writes them meanwhile).
@@ -145,19 +131,10 @@ class WorkerState:
         follow_ups = ClaimFollowUps(cancelled=self.pipeline.claim_cancelled)
         try:
             if self.flow is not None:
-                row = self.flow.claim(job_id, spec, owner, may_adopt=may_adopt, successes=riding, follow_ups=follow_ups)
+                row = self.flow.claim(job_id, spec, owner, successes=riding, follow_ups=follow_ups)
             else:
-                row = claim_delivery(
-                    self.store, job_id, owner, spec.task, may_adopt=may_adopt, successes=riding, follow_ups=follow_ups
-                )
-            if row is not None and row.get("status", _RUNNING) == _RUNNING:
-                with self._lock:
-                    self._live.add((str(row["id"]), row["lease_generation"]))
+                row = claim_delivery(self.store, job_id, owner, spec.task, successes=riding, follow_ups=follow_ups)
         finally:
-            with self._lock:
-                self._claiming[owner] -= 1
-                if not self._claiming[owner]:
-                    del self._claiming[owner]
             if riding is not None:
                 self.completer.settle(riding)
         if row is None or row.get("status") == _CANCELLED:

@@ -234,7 +234,7 @@ def _killed(h: History, owner: str | None, at: float) -> bool:
 def _attempts(h: History) -> list[Violation]:
     out = []
     ran: dict[str, set[int]] = defaultdict(set)
-    crashes = [op.at for op in h.ops if op.op == "fault" and op.detail.get("fault") == "pg_crash"]
+    crashes = [op.at for op in h.ops if op.op == "fault" and op.detail.get("fault") in ("pg_crash", "pg_restart")]
     reaped = {(e["job_id"], e["attempt"]): e["at"] for e in h.events if e["event"] == "reaped"}
     for b in h.bodies:
         # A snoozed body spends nothing, unless its process died before the snooze

@@ -37,3 +37,19 @@ def test_a_pool_child_killed_mid_batch_loses_nothing_and_reruns_nothing_finished
         assert mod.leases.get(i).attempt == 1 and not (marker_dir / f"start-{i}-2").exists()
     for i in ids[3:]:  # not started at the kill: requeued by the reaper and run
         assert mod.leases.get(i).attempt == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_stop_of_a_batched_worker_under_load_warns_of_no_lost_lease(pg, broker, client_app, workers):
+    """Issue #27 item 7: a job that succeeded on its first attempt logged "lease lost
+    (cancelled or reaped)" (a renewal that ran after its batch's success committed).
+    (The item's 30 s longer stop is not asserted here: it is not fixed; it sits in
+    Celery's main process after the pool has exited, see the branch's report.)"""
+    mod = client_app(pg, broker, module="tests.apps.app_batch")
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i, "sleep": 0.02} for i in range(600)])]
+    w1 = workers(pg, broker, name="w1", module="tests.apps.app_batch", concurrency=2)
+    wait_for(lambda: sum(mod.leases.get(i).status is Status.SUCCEEDED for i in ids[::20]) >= 5, timeout=60, what="a third done")
+    assert w1.stop(timeout=60) == 0
+    succeeded = {i for i in ids if mod.leases.get(i).status is Status.SUCCEEDED}
+    losses = [line for line in w1.log().splitlines() if "lease lost (cancelled or reaped)" in line]
+    assert not [line for line in losses if line.split("job ")[1][:36] in succeeded], losses

@@ -96,6 +96,7 @@ def test_history_long(history_dbs, broker, redis_server, client_app, tmp_path, r
         items=int(seconds * 4),
         seconds=seconds,
         pg_crash_at=seconds / 2,
+        batch_restart_at=seconds / 4,
         drain_seconds=180.0,
     )
     _run(w, history_dbs, broker, redis_server, client_app, tmp_path, request)

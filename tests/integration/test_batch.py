@@ -208,3 +208,78 @@ def test_a_job_of_a_cancelled_run_is_cancelled_by_the_batch_claim_never_started(
     assert [r.status for r in rows(pg, [first, late, plain])] == ["cancelled", "cancelled", "running"]
     mod.leases.worker.execute(mod.b_note.spec, lead)
     mod.leases.worker.end(lead)
+
+
+def test_a_batch_claim_rerun_after_a_lost_reply_and_a_restart_adopts_its_first_rows(broker, client_app):
+    """Issue #27 item 2: claim_batch commits, its reply is lost, and PostgreSQL restarts
+    before the Landing can ask whether it committed, so the claim runs again. Its guard
+    ("any due pending job of the kind") took the next four jobs, and the first try's
+    four stayed running under this process with no body until the reaper spent their
+    attempt. The re-run adopts the first try's rows by the claim's token instead."""
+    import psycopg2
+
+    from celery_lease.db import migrate
+    from celery_lease.db.store import Store
+    from tests.harness import pgcluster
+
+    if not pgcluster.available():
+        pytest.skip("needs PostgreSQL server binaries (bash dev.sh test installs them)")
+    with pgcluster.private_cluster() as cluster:
+        url = cluster.create_database("jobs")
+        store = Store(url)
+        migrate.upgrade(store)
+        store.dispose()
+        mod = client_app(url, broker, module="tests.apps.app_batch")
+        ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(8)])]
+        dialect = mod.leases.store.durable.dialect
+        original = dialect.do_commit
+        restarted: list[int] = []
+
+        def do_commit(dbapi_connection):
+            original(dbapi_connection)  # the claim's durable COMMIT lands
+            if not restarted:
+                restarted.append(1)
+                dbapi_connection.close()
+                cluster.restart()  # before the Landing can ask: its question is void
+                raise psycopg2.OperationalError("server closed the connection unexpectedly")
+
+        dialect.do_commit = do_commit
+        try:
+            lead = mod.leases.worker.begin(ids[0], mod.b_note.spec, HOST)
+        finally:
+            dialect.do_commit = original
+        assert restarted == [1]
+        assert lead is not None and lead.batch is not None
+        assert [(a.job_id, a.attempt, a.generation) for a in lead.batch] == [(i, 1, 1) for i in ids[:4]]
+        assert [(r.status, r.lease_generation) for r in rows(url, ids)] == [("running", 1)] * 4 + [("pending", 0)] * 4
+        mod.leases.worker.execute(mod.b_note.spec, lead)
+        mod.leases.worker.end(lead)
+        assert [r.status for r in rows(url, ids)] == ["succeeded"] * 4 + ["pending"] * 4
+        mod.leases.store.dispose()
+
+
+def test_a_renewal_after_a_batch_success_landed_warns_of_no_lost_lease(pg, mod, caplog):
+    """Issue #27 item 7: the batch's attempts stayed in the heartbeat until their success
+    statement returned, so a renewal that ran just after it committed found the rows
+    succeeded and logged "lease lost (cancelled or reaped)" for jobs that had succeeded
+    on their first attempt. Here that renewal runs right after the commit."""
+    from celery_lease.worker.batch import Batches
+
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(4)])]
+    worker = mod.leases.worker
+    lead = _claim(mod, ids[0])
+    complete = Batches.complete
+
+    def complete_then_renew(self, items):
+        complete(self, items)
+        worker.heartbeat._renew([a for a in lead.batch if a.key in worker.heartbeat._attempts])
+
+    Batches.complete = complete_then_renew  # type: ignore[method-assign]
+    try:
+        with caplog.at_level("WARNING", logger="celery_lease"):
+            worker.execute(mod.b_note.spec, lead)
+    finally:
+        Batches.complete = complete  # type: ignore[method-assign]
+    worker.end(lead)
+    assert [r.status for r in rows(pg, ids)] == ["succeeded"] * 4
+    assert not [r.message for r in caplog.records if "lease lost" in r.message]

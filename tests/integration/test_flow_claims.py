@@ -166,9 +166,9 @@ def test_a_claim_whose_reply_was_lost_is_adopted(pg, make_job, pg_proxy, limits_
     try:
         pg_proxy.cut_reply_to(delivered.encode())  # the first statement naming the job: its claim
         if limits_ is None:
-            row = claim_delivery(store, delivered, OWNER, "t", may_adopt=lambda job_id, generation: True)
+            row = claim_delivery(store, delivered, OWNER, "t")
         else:
-            row = flow.claim_limited(delivered, OWNER, "k", "t", limits_, may_adopt=lambda job_id, generation: True).row
+            row = flow.claim_limited(delivered, OWNER, "k", "t", limits_).row
         assert pg_proxy.cuts == 1  # the reply really was lost
     finally:
         store.dispose()
@@ -179,20 +179,41 @@ def test_a_claim_whose_reply_was_lost_is_adopted(pg, make_job, pg_proxy, limits_
     assert rows_of(pg, expected) == expected
 
 
-def test_a_lost_claim_reply_is_not_adopted_while_this_process_holds_the_row(pg, make_job, pg_proxy):
-    """may_adopt refuses (an attempt of this process holds the running row): nothing is
-    adopted, the delivery counts as a duplicate."""
-    from celery_lease.db.store import Store
+@pytest.mark.parametrize("landed", [True, False], ids=["claim-landed", "claimed-nothing"])
+def test_a_lost_claim_reply_adopts_what_the_claim_took_never_another_row_of_its_owner(
+    pg, broker, client_app, make_job, pg_proxy, landed
+):
+    """Issue #27 item 4: a job of the kind already runs under this worker's owner (its
+    body finished; its success, waiting for the database, not yet written). The next
+    claim's reply is lost. Adoption took ANY running row of the kind under the owner
+    that the process did not hold: the finished job, run a second time with the same
+    fencing token, while the delivered job waited for the sweeper. By the claim's token,
+    the retry adopts the delivered job if its claim landed, and nothing if it claimed
+    nothing (here: not due yet)."""
+    from celery_lease.worker.attempt import owner_of
 
-    job = make_job(pg, kind="k", task="t")
-    store = Store(pg_proxy.url_for(pg))
-    try:
-        pg_proxy.cut_reply_to(job.encode())
-        assert claim_delivery(store, job, OWNER, "t", may_adopt=lambda job_id, generation: False) is None
-        assert pg_proxy.cuts == 1
-    finally:
-        store.dispose()
-    assert rows_of(pg, [job]) == {job: ("running", 1)}
+    mod = client_app(pg_proxy.url_for(pg), broker)
+    host = "w@host"
+    finished = make_job(
+        pg,
+        status="running",
+        attempt=1,
+        lease_generation=1,
+        lease_owner=owner_of(host),
+        lease_expires_at=sa.text("now() + interval '1 hour'"),
+    )
+    delivered = make_job(pg) if landed else make_job(pg, run_after=sa.text("now() + interval '1 hour'"))
+    before = rows_of(pg, [finished])
+    pg_proxy.cut_reply_to(delivered.encode())  # the first statement naming the job: its claim
+    attempt = mod.leases.worker.begin(delivered, mod.echo.spec, host)
+    assert pg_proxy.cuts == 1  # the reply really was lost
+    if landed:
+        assert attempt is not None and (attempt.job_id, attempt.generation) == (delivered, 1)
+        assert rows_of(pg, [delivered]) == {delivered: ("running", 1)}
+    else:
+        assert attempt is None
+        assert rows_of(pg, [delivered]) == {delivered: ("pending", 0)}
+    assert rows_of(pg, [finished]) == before  # untouched: not adopted
 
 
 # --- #18 item 5 and the clock stepping back: a rate window never freezes -----------------------

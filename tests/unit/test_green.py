@@ -37,3 +37,26 @@ def _probe(patch: str) -> list[str]:
 )
 def test_cooperate_makes_psycopg2_green_only_in_a_green_process(patch, expected):
     assert _probe(patch) == expected
+
+
+SLEEPS = """
+import sys
+sys.argv = ["celery", "-A", "tests.apps.app", "worker", "-P", "gevent"]
+import celery
+celery.maybe_patch_concurrency()  # what `celery worker -P gevent` does first
+import time
+import kombu.utils.functional as functional
+blocking_before = functional.sleep is not time.sleep
+from celery_lease import green
+green.cooperate()
+print(blocking_before, functional.sleep is time.sleep)
+"""
+
+
+def test_cooperate_makes_kombus_reconnect_sleep_green():
+    """Issue #27 item 6: kombu bound the blocking time.sleep before Celery patched it, and
+    Celery's consumer sleeps in it while it reconnects to a lost broker: every greenlet
+    of a gevent worker, the heartbeat too, stood still, and leases lapsed."""
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", SLEEPS], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]

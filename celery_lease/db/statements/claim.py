@@ -2,7 +2,8 @@
 
 Every form of claim (plain, logged, with riding successes, limited, a priority swap,
 its rate window's count) is built by ONE plain function, :func:`claim`, from the same
-parts; :func:`adopt_claim` takes over a claim whose reply was lost. Each is durable
+parts; :func:`adopt_claim` takes over the rows of a claim whose reply was lost, by the claim's
+token. Each is durable
 (:mod:`celery_lease.db.durability`): its generation is a fencing token that must never
 be issued twice, also across a crash of PostgreSQL.
 
@@ -144,6 +145,8 @@ def claimed_values(cancelled: sa.ColumnElement[bool]) -> dict[str, Any]:
         "attempt": unless_cancelled(_c.attempt + 1, _c.attempt),
         "lease_generation": _c.lease_generation + 1,
         "lease_owner": unless_cancelled(sa.bindparam("owner", type_=_c.lease_owner.type), sa.null()),
+        # The claim's identity: what a retry of this very claim adopts (adopt_claim).
+        "claim_token": sa.bindparam("token", type_=_c.claim_token.type),
         "lease_expires_at": unless_cancelled(db_now_plus(_c.lease_seconds), sa.null()),
         "started_at": unless_cancelled(sa.func.coalesce(_c.started_at, db_now()), _c.started_at),
         "finished_at": unless_cancelled(_c.finished_at, db_now()),
@@ -181,15 +184,18 @@ def _better_job() -> sa.ScalarSelect:
 
 @functools.cache
 def adopt_claim() -> sa.Update:
-    """adopt_claim: a claim whose reply was lost may have landed. The job it claimed is
-    running under this very :owner: the delivered :job_id, or (a priority swap) another
-    job of its kind. Restarts the lease of each such row from now, as the claim would
-    have, and returns them (attempt number and generation): the caller adopts the one
-    that no attempt of its process holds (the owner is one process; see lifecycle.claim.LandedClaim)."""
-    kind = sa.select(_c.kind).where(_c.id == sa.bindparam("job_id", type_=ID)).scalar_subquery()
+    """adopt_claim: a claim whose reply was lost may have landed. The rows it claimed
+    are running under its :owner with its own :token (one per claim call, the
+    same for its retries): exactly what its first try took, never another row of this
+    owner (one whose success waits to be written is running under it too). Restarts the
+    lease of each from now, as the claim would have, and returns them."""
     return durable(
         sa.update(jobs)
-        .where(_c.status == Status.RUNNING.value, _c.lease_owner == sa.bindparam("owner"), _c.kind == kind)
+        .where(
+            _c.status == Status.RUNNING.value,
+            _c.lease_owner == sa.bindparam("owner"),
+            _c.claim_token == sa.bindparam("token", type_=_c.claim_token.type),
+        )
         .values(lease_expires_at=db_now_plus(_c.lease_seconds), updated_at=db_now())
         .returning(*CLAIMED_COLUMNS)
     )
