@@ -10,6 +10,7 @@ statement goes wrong and how, at run time:
                                                      # an ErrorResponse instead)
     rule = proxy.lose_reply("SET status")           # runs and commits; the client never
                                                      # hears back and the connection drops
+                                                     # (then_pause=True: and the proxy pauses)
     rule = proxy.delay("lease_expires_at", 3.0)     # reaches the server 3 s late
     rule = proxy.hold("SET status", 3.0)            # runs, then its transaction stays open
                                                      # 3 s: whoever needs its rows waits
@@ -73,6 +74,8 @@ class Rule:
     times: int | None = 1
     seconds: float = 0.0
     error: str | None = None
+    #: lose_reply: the proxy pauses (a partition) right after the reply is lost.
+    then_pause: bool = False
     #: How many times it acted (for lose_reply: replies really lost, after the commit).
     hits: int = 0
     #: lose_reply matches waiting for their transaction's COMMIT.
@@ -140,8 +143,10 @@ class PgFaultProxy(TcpProxy):
     def fail(self, match: str, *, times: int | None = 1, error: str | None = None) -> Rule:
         return self._add(Rule(FAIL, match, times, error=error))
 
-    def lose_reply(self, match: str, *, times: int | None = 1) -> Rule:
-        return self._add(Rule(LOSE_REPLY, match, times))
+    def lose_reply(self, match: str, *, times: int | None = 1, then_pause: bool = False) -> Rule:
+        """``then_pause``: the proxy pauses the moment the reply is lost (``resume()``
+        ends it), so the client cannot ask the server what became of its commit."""
+        return self._add(Rule(LOSE_REPLY, match, times, then_pause=then_pause))
 
     def delay(self, match: str, seconds: float, *, times: int | None = 1) -> Rule:
         return self._add(Rule(DELAY, match, times, seconds=seconds))
@@ -265,6 +270,8 @@ class PgFaultProxy(TcpProxy):
                             conn.lose_at = None
                             rule.pending -= 1
                             rule.hits += 1
+                        if rule.then_pause:
+                            self.pause()
                         self._record(conn, rule, lose[2])
                         return
                     continue
