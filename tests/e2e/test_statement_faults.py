@@ -11,19 +11,10 @@ import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
 from tests.conftest import wait_for
-from tests.harness.pgfaults import PgFaultProxy
 
 FLOW = "tests.apps.app_flow"
 NATIVE = "tests.apps.app_native"
 MODES = [pytest.param(True, id="prepared"), pytest.param(False, id="unprepared")]
-
-
-@pytest.fixture
-def proxy(pg):
-    url = sa.engine.make_url(pg)
-    p = PgFaultProxy(url.host or "127.0.0.1", url.port or 5432).start()
-    yield p
-    p.close()
 
 
 def _row(pg: str, job_id: str) -> dict:
