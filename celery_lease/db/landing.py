@@ -112,6 +112,11 @@ class Landing(Generic[T]):
                     time.sleep(0.05 * attempt)
         raise DatabaseUnavailable(f"cannot reach the job database {self._db.display_url} ({self._db.source})")
 
+    @property
+    def unsettled(self) -> bool:
+        """Whether a try's reply was lost and its fate is not known yet."""
+        return self._sent is not None
+
     def settle_now(self) -> T | None:
         """The value of the try whose reply was lost, if it is found committed now; None
         when no question is kept, the try did not commit, or the server still cannot be

@@ -176,6 +176,10 @@ class Pipeline:
             # what it set off still goes out: the outbox and the sweepers.
             landed = landing.settle_now()
             if landed is None:
+                if landing.unsettled:  # the server still cannot be asked
+                    log.warning(
+                        "celery-lease: %s: given up with its commit unknown; if it landed, its follow-ups still go out", t.name
+                    )
                 raise
             rows, created = landed
         moved = {str(r["id"]) for r in rows}
