@@ -217,7 +217,7 @@ class Canvas:
             payload = from_json(row["payload"])
             if _apply(signature(payload["sig"], app=self._app), tuple(payload["args"]), payload["options"]):
                 sent.append(str(row["id"]))
-        self._store().delete_outbox(sent)
+        _delete_sent(self._store(), sent)
         return len(sent)
 
 
@@ -239,10 +239,8 @@ class Followup:
         self.sends: list[tuple[Signature, tuple, dict[str, Any]]] = []
         self.chord_member: str | None = None
         self.chord_failed: str | None = None
-        #: What was planned before the transaction (write() starts from it on every try).
-        self._planned: tuple[list, list] | None = None
-        #: The outbox rows of the plain ones (none in eager mode: applied at once).
-        self._outbox: list[str] = []
+        self._planned: tuple[list, list] | None = None  # write() starts each try from it
+        self._outbox: list[str] = []  # the plain ones' rows (none when eager: applied at once)
 
     def _lineage(self, canvas: dict) -> dict[str, Any]:
         return {"root_id": canvas.get("root_id") or self._attempt.job_id, "parent_id": self._attempt.job_id}
@@ -323,17 +321,21 @@ class Followup:
             payload = body.args[0] if body.immutable and body.args else results
             self.rows.append(self._row(spec, body, payload, {}))
 
-    def send(self) -> None:
-        """Apply the plain signatures, then delete their outbox rows; a failure is logged
-        (the outcome is committed; the sweeper applies what is left in the outbox)."""
-        if all([_apply(sig, args, options, eager=self._eager) for sig, args, options in self.sends]) and self._outbox:
-            try:
-                self._canvas._store().delete_outbox(self._outbox)
-            except Exception:
-                log.warning(
-                    "celery-lease: job %s: its follow-ups were sent; the sweeper may send them again", self._attempt.job_id
-                )
+    def send(self, *, delete: bool = True) -> list[str]:
+        """Apply the plain signatures and delete their outbox rows (``delete=False``: return
+        them); a failure is logged: the sweeper applies what the outbox keeps."""
+        sent = self._outbox if all([_apply(s, a, o, eager=self._eager) for s, a, o in self.sends]) else []
         self._outbox = []
+        if delete:
+            _delete_sent(self._canvas._store(), sent)
+        return sent
+
+
+def _delete_sent(store: Store, ids: list[str]) -> None:
+    try:
+        store.delete_outbox(ids)
+    except Exception:
+        log.warning("celery-lease: %d follow-up(s) were sent; the sweeper may send them again", len(ids))
 
 
 def _apply(sig: Signature, args: tuple, options: dict[str, Any], *, eager: bool = False) -> bool:
@@ -392,6 +394,6 @@ class Endings:
     def send(self) -> None:
         if self._created:
             self._canvas._producer().publish_wakeups(self._created)
-        for follow in self._followups:
-            follow.send()
+        # One delete for all their outbox rows (a reap or a cancelled run ends many jobs).
+        _delete_sent(self._canvas._store(), [i for follow in self._followups for i in follow.send(delete=False)])
         self._followups, self._created = [], []
