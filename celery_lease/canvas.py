@@ -42,13 +42,14 @@ import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Celery
 from celery.canvas import Signature, signature
 from kombu.utils import json as kombu_json
 
+from celery_lease.db.statements.outbox import KIND_CELERY
 from celery_lease.job import parse_job_id
 from celery_lease.kinds import JobKind, Registry
 from celery_lease.status import Event
@@ -208,13 +209,26 @@ class Canvas:
         ``run_cancelled``: the jobs' run was cancelled with them (see Endings)."""
         return Endings(self, error, run_cancelled=run_cancelled, eager=eager)
 
+    def send_outbox(self, rows: Sequence[Mapping[str, Any]]) -> int:
+        """Apply the plain signatures of outbox ``rows`` whose writer did not (the sweeper:
+        its commit was not heard, or it died) and delete those sent; returns how many."""
+        sent = []
+        for row in rows:
+            payload = from_json(row["payload"])
+            if _apply(signature(payload["sig"], app=self._app), tuple(payload["args"]), payload["options"]):
+                sent.append(str(row["id"]))
+        _delete_sent(self._store(), sent)
+        return len(sent)
+
 
 class Followup:
     """The jobs and messages one job's outcome sets off.
 
     ``write(conn)`` runs inside the transaction that records the outcome (after its fenced
-    update matched): it inserts the leased next steps and counts the chord down.
-    ``send()`` runs after that commit: it applies the plain ones.
+    update matched): it inserts the leased next steps, counts the chord down, and writes
+    the plain ones to the outbox. ``send()`` runs after that commit is heard: it applies
+    them and deletes their outbox rows; else (a lost reply, a crash) the sweeper does
+    (:meth:`Canvas.send_outbox`). A plain one is applied at least once.
     """
 
     def __init__(self, canvas: Canvas, attempt: Source, *, eager: bool) -> None:
@@ -225,6 +239,8 @@ class Followup:
         self.sends: list[tuple[Signature, tuple, dict[str, Any]]] = []
         self.chord_member: str | None = None
         self.chord_failed: str | None = None
+        self._planned: tuple[list, list] | None = None  # write() starts each try from it
+        self._outbox: list[str] = []  # the plain ones' rows (none when eager: applied at once)
 
     def _lineage(self, canvas: dict) -> dict[str, Any]:
         return {"root_id": canvas.get("root_id") or self._attempt.job_id, "parent_id": self._attempt.job_id}
@@ -269,6 +285,10 @@ class Followup:
             self.rows.append(self._row(spec, sig, payload, self._lineage(canvas)))
 
     def write(self, conn: Connection) -> list[Job]:
+        # A transaction tried again after a dropped connection calls this again.
+        if self._planned is None:
+            self._planned = (list(self.rows), list(self.sends))
+        self.rows, self.sends = list(self._planned[0]), list(self._planned[1])
         store = self._canvas._store()
         if self.chord_member is not None:
             row = store.count_down_chord(conn, self.chord_member)
@@ -283,6 +303,10 @@ class Followup:
                 body_sig = signature(from_json(body), app=self._canvas._app)
                 for errback in _as_list(body_sig.options.get("link_error")):
                     self.errback(signature(errback, app=self._canvas._app), "a chord header job failed", {})
+        if not self._eager:
+            self._outbox = store.write_outbox(
+                conn, KIND_CELERY, [to_json({"sig": g, "args": a, "options": o}) for g, a, o in self.sends]
+            )
         if not self.rows:
             return []
         # keyed: a step whose frozen id already made a job is that job, created once.
@@ -297,16 +321,34 @@ class Followup:
             payload = body.args[0] if body.immutable and body.args else results
             self.rows.append(self._row(spec, body, payload, {}))
 
-    def send(self) -> None:
-        """Apply the plain signatures; a failure is logged (the outcome is committed)."""
-        for sig, args, options in self.sends:
-            try:
-                if self._eager:
-                    sig.apply(args, **options)
-                else:
-                    sig.apply_async(args, **options)
-            except Exception:
-                log.exception("celery-lease: job %s: cannot apply %s after its outcome", self._attempt.job_id, sig.get("task"))
+    def send(self, *, delete: bool = True) -> list[str]:
+        """Apply the plain signatures and delete their outbox rows (``delete=False``: return
+        them); a failure is logged: the sweeper applies what the outbox keeps."""
+        sent = self._outbox if all([_apply(s, a, o, eager=self._eager) for s, a, o in self.sends]) else []
+        self._outbox = []
+        if delete:
+            _delete_sent(self._canvas._store(), sent)
+        return sent
+
+
+def _delete_sent(store: Store, ids: list[str]) -> None:
+    try:
+        store.delete_outbox(ids)
+    except Exception:
+        log.warning("celery-lease: %d follow-up(s) were sent; the sweeper may send them again", len(ids))
+
+
+def _apply(sig: Signature, args: tuple, options: dict[str, Any], *, eager: bool = False) -> bool:
+    """Apply one plain signature; False (logged) when it could not be sent."""
+    try:
+        if eager:
+            sig.apply(args, **options)
+        else:
+            sig.apply_async(args, **options)
+        return True
+    except Exception:
+        log.exception("celery-lease: cannot apply %s after an outcome", sig.get("task"))
+        return False
 
 
 class Endings:
@@ -352,6 +394,6 @@ class Endings:
     def send(self) -> None:
         if self._created:
             self._canvas._producer().publish_wakeups(self._created)
-        for follow in self._followups:
-            follow.send()
+        # One delete for all their outbox rows (a reap or a cancelled run ends many jobs).
+        _delete_sent(self._canvas._store(), [i for follow in self._followups for i in follow.send(delete=False)])
         self._followups, self._created = [], []

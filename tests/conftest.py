@@ -81,6 +81,8 @@ TABLES = (
     "celery_lease_chords",
     "celery_lease_limits",
     "celery_lease_pauses",
+    "celery_lease_landings",
+    "celery_lease_outbox",
     "test_effects",
 )
 

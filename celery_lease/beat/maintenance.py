@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from celery_lease.db.landing import LANDING_RETENTION
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.owner import BOOT_ID
 from celery_lease.status import Status
@@ -26,6 +27,9 @@ log = logging.getLogger("celery_lease.maintenance")
 
 #: Upper bound on statements one call issues; what is left waits for the next tick.
 MAX_BATCHES = 20
+#: Seconds an outbox row is left to the worker that wrote it (which sends it right after
+#: the commit it heard) before the sweeper sends it.
+OUTBOX_AGE = 5.0
 
 
 def _batches(step: Callable[[], tuple[list, bool]]) -> list:
@@ -101,6 +105,22 @@ class Maintenance:
             sent += self._flow.sweep()
         if rows:
             log.debug("celery-lease: swept %d wakeup(s), %d published", len(rows), sent)
+        return sent + self.drain_outbox()
+
+    def drain_outbox(self) -> int:
+        """Apply the follow-ups left in the outbox for OUTBOX_AGE seconds: their
+        transition committed, and its writer did not hear it or died before sending."""
+        limit = self._settings.batch_size
+
+        def step():
+            rows = self._store.take_outbox(OUTBOX_AGE, limit)
+            return rows, len(rows) == limit
+
+        rows = _batches(step)
+        if not rows:
+            return 0
+        sent = self._lifecycle.send_outbox(rows)
+        log.warning("celery-lease: sent %d of %d follow-up(s) whose transition's writer did not", sent, len(rows))
         return sent
 
     def prune(self, older_than: float | None = None) -> int:
@@ -119,8 +139,13 @@ class Maintenance:
             n = self._store.prune_chords(age, limit)
             return [None] * n, n == limit
 
+        def landing_step():
+            n = self._store.prune_landings(LANDING_RETENTION, limit)
+            return [None] * n, n == limit
+
         pruned = len(_batches(step))
         chords = len(_batches(chord_step))
+        _batches(landing_step)
         if chords:
             log.info("celery-lease: pruned %d chord counter(s) whose header can no longer complete", chords)
         return pruned

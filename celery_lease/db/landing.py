@@ -1,23 +1,25 @@
-"""A transaction whose lost reply is settled by asking the server, never by guessing.
+"""A transaction whose lost reply is settled by what it wrote, never by guessing.
 
 When the connection drops while COMMIT is on its way (or its answer is), the client
 cannot tell whether the transaction committed. Re-running it is wrong both ways: if it
 had committed, the retry matches nothing (the job already moved) and whatever the first
-try set off after its commit (errbacks, a chord's count-down, a slot's release, wakeups,
-cancel notices) is never done; if it had not, the retry is right.
+try set off after its commit is never done; if it had not, the retry is right.
 
-So a :class:`Landing` takes the transaction's id and server process before COMMIT
-(landing.transaction_mark, in the transaction's first round trip) and keeps what the
-transaction's work returned. After a dropped connection it asks the server
-(landing.transaction_status): committed -> that first try's value is the result, and
-nothing runs again; aborted -> the work runs again; still in progress (the server has
-not noticed its client is gone) -> that server process is ended
-(landing.end_stranded_transaction), which aborts it, and the question asked again;
-the server restarted since (a crash) -> the xid no longer names our transaction, so
-the work runs again: every transition is guarded by the row's state (and an attempt's
-by its fencing generation), so one that had committed matches nothing the second time
-and is not applied twice (its follow-ups are then left to the sweepers: the price of
-a crash inside a commit's window).
+So the first statement of a :class:`Landing`'s transaction inserts a marker row under a
+token the client made (landing.transaction_mark, which also takes the transaction's
+server process and id), and the Landing keeps what the transaction's work returned.
+After a dropped connection it asks by inserting the same token (landing.settle_mark):
+the key is taken -> the transaction committed, and the first try's value is the result;
+free -> it aborted (or a crash forgot it: the server may even have handed its xid to
+another transaction, which is why no xid is ever asked about) and the work runs again
+under a new token; still in progress (the server has not noticed its client is gone)
+-> the question waits on the key, that server process is ended
+(landing.end_stranded_transaction), which aborts it, and the question is asked again.
+A commit is taken from nothing but its own row. The pruner deletes marker rows after
+LANDING_RETENTION (beat/maintenance.py): a question kept longer than that (a process
+cut off from the database for an hour) is answered "aborted", and the work runs again,
+guarded (every transition matches the row's state, an attempt's its fencing
+generation, so one that had committed matches nothing and is not applied twice).
 While the server cannot be asked, :meth:`Landing.run` raises DatabaseUnavailable and
 keeps the question for its next call: a caller riding out a blip calls it again.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -44,22 +47,31 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("celery_lease")
 
+#: SQLSTATE of a lock wait that exceeded lock_timeout.
+LOCK_NOT_AVAILABLE = "55P03"
+
 T = TypeVar("T")
 
 #: How often a try whose connection dropped before COMMIT is made again within one run().
 TRIES = 3
 #: Seconds to wait for a stranded transaction to end once its server process is told to.
 STRANDED_WAIT = 5.0
+#: Milliseconds one question waits for a transaction still in progress (then its server
+#: process is ended, and the question asked again).
+QUESTION_WAIT_MS = 200
+#: Seconds a marker row is kept (the pruner's bound): longer than any question is kept.
+LANDING_RETENTION = 3600.0
 
 
 @dataclass
 class _Sent(Generic[T]):
     """A try whose COMMIT was sent: its transaction and what its work returned."""
 
-    xid: str
+    #: The marker row's key: the question after a lost reply.
+    token: str
+    #: Its server process and transaction id: to end it if it is still in progress.
     pid: int
-    #: pg_postmaster_start_time() of the server that ran it (epoch seconds, as text).
-    started: str
+    xid: str
     value: T
 
 
@@ -100,19 +112,38 @@ class Landing(Generic[T]):
                     time.sleep(0.05 * attempt)
         raise DatabaseUnavailable(f"cannot reach the job database {self._db.display_url} ({self._db.source})")
 
+    @property
+    def unsettled(self) -> bool:
+        """Whether a try's reply was lost and its fate is not known yet."""
+        return self._sent is not None
+
+    def settle_now(self) -> T | None:
+        """The value of the try whose reply was lost, if it is found committed now; None
+        when no question is kept, the try did not commit, or the server still cannot be
+        asked. For a caller about to give up (an attempt whose lease lapsed while the
+        server was away): a commit that landed is then not reported as discarded."""
+        sent = self._sent
+        if sent is None:
+            return None
+        try:
+            return self._landed(sent) if self._settle(sent) else None
+        except DatabaseUnavailable:
+            return None
+
     def _try(self, work: Callable[[Connection], T]) -> T:
         postgres = self._db.dialect == "postgresql"
         with self._engine.begin() as conn:
             mark = None
+            token = str(uuid.uuid4())
             if postgres:
-                params: dict[str, Any] = {}
+                params: dict[str, Any] = {"token": token}
                 if self._lock_timeout is not None:
                     params["lock_timeout_ms"] = int(self._lock_timeout * 1000)
                 mark = conn.execute(landing.transaction_mark(self._lock_timeout is not None), params).one()
             value = work(conn)
             # COMMIT is sent when the block exits: from here its outcome may be unknown.
             if mark is not None:
-                self._sent = _Sent(str(mark[0]), int(mark[1]), str(mark[2]), value)
+                self._sent = _Sent(token, int(mark[0]), str(mark[1]), value)
         self._sent = None
         return value
 
@@ -128,15 +159,10 @@ class Landing(Generic[T]):
         deadline = time.monotonic() + STRANDED_WAIT
         ended = False
         while True:
-            status = self._db.transaction(
-                self._db.engine(single=True),
-                lambda c: c.execute(landing.transaction_status(), {"xid": sent.xid, "started": sent.started}).scalar(),
-            )
-            if status == "restarted":
-                log.warning("celery-lease: the database restarted before a transition's reply; running it again, fenced")
-            if status != "in progress":
+            committed = self._ask(sent.token)
+            if committed is not None:
                 self._sent = None
-                return status == "committed"
+                return committed
             if not ended:
                 xid32 = str(int(sent.xid) % 2**32)
                 self._db.transaction(
@@ -146,4 +172,19 @@ class Landing(Generic[T]):
                 ended = True
             if time.monotonic() >= deadline:
                 raise DatabaseUnavailable("a transaction of the job database is still in progress after its connection dropped")
-            time.sleep(0.05)
+
+    def _ask(self, token: str) -> bool | None:
+        """Whether the transaction that inserted ``token`` committed; None while it is
+        still in progress (the question waited QUESTION_WAIT_MS on its key)."""
+        for attempt in range(1, TRIES + 1):
+            try:
+                with self._db.engine(single=True).begin() as conn:
+                    conn.execute(landing.settle_wait(QUESTION_WAIT_MS))
+                    return conn.execute(landing.settle_mark(), {"token": token}).first() is None
+            except sa_exc.DBAPIError as exc:
+                if getattr(exc.orig, "pgcode", None) == LOCK_NOT_AVAILABLE:
+                    return None
+                if not exc.connection_invalidated or attempt == TRIES:
+                    raise self._db.translate(exc) from None
+                time.sleep(0.05 * attempt)  # the pool's other connections died with this one
+        raise AssertionError("unreachable")

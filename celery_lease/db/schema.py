@@ -239,3 +239,31 @@ sessions = sa.Table(
     sa.Column("expires_at", TS, nullable=False),
 )
 sa.Index("celery_lease_sessions_expires", sessions.c.expires_at)
+
+# --- what a transition leaves behind it ----------------------------------------------
+
+landings = sa.Table(
+    "celery_lease_landings",
+    metadata,
+    # One row per transaction of a Landing (db/landing.py), inserted first in it under a
+    # token the client made: after a lost reply, whether the row exists is whether that
+    # transaction committed. Nothing else reads it; the pruner deletes rows older than
+    # LANDING_RETENTION (beat/maintenance.py).
+    sa.Column("token", ID, primary_key=True),
+    sa.Column("created_at", TS, nullable=False),
+)
+
+outbox = sa.Table(
+    "celery_lease_outbox",
+    metadata,
+    # A follow-up that leaves the database (a plain Celery callback or errback), written
+    # in the transaction of the transition that sets it off: what committed is what goes
+    # out, whether or not its client heard the commit. The worker deletes a row once it
+    # sent it; the sweeper sends and deletes any left older than OUTBOX_AGE. So each is
+    # sent at least once.
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("kind", sa.String(32), nullable=False),  # outbox.KIND_* (db/statements/outbox.py)
+    sa.Column("payload", JSON, nullable=False),
+    sa.Column("created_at", TS, nullable=False),
+)
+sa.Index("celery_lease_outbox_created", outbox.c.created_at)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -23,7 +24,7 @@ from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.prepared import Prepared
 from celery_lease.db.reads import Reads
 from celery_lease.db.statements import attempt as attempt_sql
-from celery_lease.db.statements import cancel, canvas, events, maintenance, submit
+from celery_lease.db.statements import cancel, canvas, events, landing, maintenance, outbox, submit
 from celery_lease.job import Job
 from celery_lease.status import Event
 
@@ -264,6 +265,33 @@ class Store(Reads, Chords, Database):
             return len(ids)
 
         return self.transaction(self.durable, work)
+
+    def prune_landings(self, older_than_seconds: float, limit: int) -> int:
+        """Delete a Landing's marker rows (db/landing.py) older than ``older_than_seconds``;
+        PostgreSQL only (SQLite has no lost reply, and no marker)."""
+        if self.dialect != "postgresql":
+            return 0
+        params = {"cutoff_seconds": older_than_seconds, "limit": limit}
+        return self.transaction(self.durable, lambda c: c.execute(landing.prune_marks(), params).rowcount)
+
+    # --- the outbox ---------------------------------------------------------------------
+
+    def write_outbox(self, conn: Connection, kind: str, payloads: Sequence[Any]) -> list[str]:
+        """Insert follow-ups in the caller's transaction; returns their ids."""
+        rows = [{"id": str(uuid.uuid4()), "kind": kind, "payload": p} for p in payloads]
+        if rows:
+            conn.execute(outbox.insert_outbox(), rows)
+        return [r["id"] for r in rows]
+
+    def delete_outbox(self, ids: Sequence[str]) -> None:
+        if ids:
+            self.transaction(self.fast, lambda c: c.execute(outbox.delete_outbox(ids)))
+
+    def take_outbox(self, age_seconds: float, limit: int) -> list[dict]:
+        """Follow-ups older than ``age_seconds`` (see statements.outbox.take_outbox)."""
+        params = {"age_seconds": age_seconds, "limit": limit}
+        stmt = outbox.take_outbox(self.dialect)
+        return self.transaction(self.durable, lambda c: [dict(r) for r in c.execute(stmt, params).mappings()])
 
     def make_due(self, job_id: str) -> None:
         self.guarded(canvas.make_due(), {"job_id": job_id})

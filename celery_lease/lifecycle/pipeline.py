@@ -168,7 +168,20 @@ class Pipeline:
             store, store.durable if t.durable else store.fast, lock_timeout=t.lock_timeout
         )
         ride = attempt.ride_out if attempt is not None else _ride_batch(batch) if batch else ride_briefly
-        rows, created = ride(lambda: landing.run(work))
+        try:
+            rows, created = ride(lambda: landing.run(work))
+        except LeaseLost:
+            # Given up (the lease lapsed by its own clock) with a commit's fate unknown:
+            # asked once more, a commit that landed is not reported discarded. Unasked,
+            # what it set off still goes out: the outbox and the sweepers.
+            landed = landing.settle_now()
+            if landed is None:
+                if landing.unsettled:  # the server still cannot be asked
+                    log.warning(
+                        "celery-lease: %s: given up with its commit unknown; if it landed, its follow-ups still go out", t.name
+                    )
+                raise
+            rows, created = landed
         moved = {str(r["id"]) for r in rows}
         for a in batch:
             if a.job_id not in moved:
@@ -222,6 +235,11 @@ class Pipeline:
         except Exception:
             # Never fails the delivery; the job is cancelled whatever happens here.
             log.exception("celery-lease: job %s: the errbacks of its cancel at claim could not be sent", row["id"])
+
+    def send_outbox(self, rows: Sequence[Mapping[str, Any]]) -> int:
+        """Send the follow-ups ``rows`` of the outbox hold (the sweeper's: their
+        transitions committed and nobody sent them); returns how many went out."""
+        return self._canvas.send_outbox(rows) if self._canvas is not None else 0
 
     def _release(self, rows: list[dict[str, Any]]) -> None:
         assert self._flow is not None

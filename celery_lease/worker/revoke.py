@@ -26,7 +26,10 @@ one statement for everything queued (a broadcast of thousands of ids included), 
 lock timeout; an id that is not a job id (not a UUID) costs nothing, one that names no
 job an index probe. Cancelling a terminal job changes nothing. A revoke broadcast while
 no worker runs reaches nobody, as in Celery: ``leases.cancel(id)`` or
-``LeaseResult.revoke()`` cancel in the database directly.
+``LeaseResult.revoke()`` cancel in the database directly. A revoke whose cancel cannot
+be written for GIVE_UP seconds (the database away) is given up, and its id taken out of
+Celery's revoked ids again: the job, still pending in its row, runs on its next wakeup
+instead of having every wakeup discarded until Celery forgets the revoke (3 h).
 """
 
 from __future__ import annotations
@@ -117,9 +120,23 @@ class Revoker:
                 with self._cond:
                     for job_id, since in kept.items():
                         self._ids.setdefault(job_id, since)
+                self._forget([i for i in batch if i not in kept])
                 time.sleep(self.RETRY)
             except Exception:
                 log.exception("celery-lease: revoke of %d id(s) not recorded in the job table", len(batch))
+                self._forget(list(batch))
+
+    def _forget(self, ids: list[str]) -> None:
+        """Revokes whose cancel did not happen no longer block their jobs. Celery keeps a
+        revoked id in memory (3 h) and discards every delivery of it meanwhile: the
+        sweeper's wakeups of a job whose row, the truth, is still pending would all be
+        dropped, on every worker that got the broadcast. Each of them runs its own
+        Revoker and gives up on its own clock, so each forgets the id itself."""
+        for job_id in ids:
+            worker_state.revoked.discard(job_id)
+            self.named.discard(job_id)
+        if ids:
+            log.warning("celery-lease: revoke of %d job(s) given up; their wakeups run them again", len(ids))
 
 
 def _install_control_command() -> None:

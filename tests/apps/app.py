@@ -35,6 +35,12 @@ if os.environ.get("CL_TEST_COMPLETION_LINGER"):
 
     BatchCompleter.LINGER = float(os.environ["CL_TEST_COMPLETION_LINGER"])
 
+if os.environ.get("CL_TEST_REVOKE_GIVE_UP"):
+    # Give a revoke up sooner while the database is away (tests of what follows).
+    from celery_lease.worker.revoke import Revoker
+
+    Revoker.GIVE_UP = float(os.environ["CL_TEST_REVOKE_GIVE_UP"])
+
 # The handler's own rows: written through ctx.effect, in the success transaction.
 test_metadata = sa.MetaData()
 effects = sa.Table(

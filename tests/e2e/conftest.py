@@ -1,11 +1,23 @@
 """End-to-end tier hooks: a failed test that drove a browser keeps a screenshot of what
-the browser showed, in test-artifacts/<test name>.png (see tests/e2e/browser.py)."""
+the browser showed, in test-artifacts/<test name>.png (see tests/e2e/browser.py); the
+``proxy`` fixture (a PgFaultProxy to the test database, tests/harness/pgfaults.py)."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+import sqlalchemy as sa
+
+from tests.harness.pgfaults import PgFaultProxy
+
+
+@pytest.fixture
+def proxy(pg):
+    url = sa.engine.make_url(pg)
+    p = PgFaultProxy(url.host or "127.0.0.1", url.port or 5432).start()
+    yield p
+    p.close()
 
 
 @pytest.hookimpl(wrapper=True)

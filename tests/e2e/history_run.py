@@ -10,8 +10,10 @@ record their bodies and fenced writes in a history database on a second private 
 Everything random comes from ``Workload.seed``: the mix of jobs, when they are
 submitted, which are cancelled or revoked, and the faults (worker and pool-child
 SIGKILLs, every connection cut, a statement failing, losing its reply, arriving late or
-holding its locks, PostgreSQL crashing once). Timing still varies from run to run; the
-seed replays the same plan.
+holding its locks, one backend SIGKILLed (preferably while its COMMIT waits in
+``commit_delay``), PostgreSQL crashing once, and once a COMMIT's reply lost with the
+workers and beat then cut off for longer than the lease). Timing still varies from run
+to run; the seed replays the same plan.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ TARGETS = (
     "celery_lease_events",
 )
 #: Fault kinds and their relative frequency.
-FAULTS = {"kill_worker": 2, "kill_child": 2, "cut_all": 2, "lose_reply": 4, "fail": 2, "hold": 1, "delay": 1}
+FAULTS = {"kill_worker": 2, "kill_child": 2, "cut_all": 2, "lose_reply": 4, "fail": 2, "hold": 1, "delay": 1, "kill_backend": 1}
 #: Items of the mix and their relative frequency.
 MIX = {
     "plain": 4,
@@ -90,6 +92,9 @@ class Workload:
     #: outage also costs the attempt of a limited claim whose follow-up it stalls past
     #: half its lease (seed 594013, not fixed yet), which the default run must not hit.
     batch_restart_at: float | None = None
+    #: When a COMMIT's reply is lost and the workers and beat are cut off from the
+    #: database for longer than the lease (the proxy pauses), once per run.
+    partition_at: float | None = 1.5
     cancel_share: float = 0.08
     revoke_share: float = 0.04
 
@@ -112,7 +117,9 @@ def databases() -> Iterator[tuple[pgcluster.PrivateCluster, str, str]]:
 
     # A commit made with synchronous_commit=off reaches the disk only when the WAL
     # writer wakes (every 10 s here) or a synchronous commit flushes past it.
-    settings = {"wal_writer_delay": "10s", "wal_writer_flush_after": 0}
+    # Every durable commit waits 20 ms before its flush (commit_delay, with no sibling
+    # needed): a backend killed (kill_backend) is then often one whose COMMIT waits.
+    settings = {"wal_writer_delay": "10s", "wal_writer_flush_after": 0, "commit_delay": 20000, "commit_siblings": 0}
     with (
         pgcluster.private_cluster(max_connections=200, settings=settings) as cluster,
         pgcluster.private_cluster(settings={"synchronous_commit": "off", "fsync": "off"}) as recorder,
@@ -191,6 +198,7 @@ class Run:
             self.proxy.clear()
             for thread in self._restarts:
                 thread.join(timeout=60)
+            self.proxy.resume()  # whatever a partition's thread did
             submitter.join(timeout=120)
             if failed:
                 raise failed[0]
@@ -311,6 +319,7 @@ class Run:
         started = time.monotonic()
         crash_at = None if self.w.pg_crash_at is None else started + self.w.pg_crash_at
         restart_at = None if self.w.batch_restart_at is None else started + self.w.batch_restart_at
+        partition_at = None if self.w.partition_at is None else started + self.w.partition_at
         while time.monotonic() - started < self.w.seconds:
             time.sleep(rng.uniform(0.5, 1.5) * self.w.fault_every)
             if restart_at is not None and time.monotonic() >= restart_at:
@@ -325,12 +334,17 @@ class Run:
                     time.sleep(0.5)
                     self.cluster.start()
                 continue
+            if partition_at is not None and time.monotonic() >= partition_at:
+                partition_at = None
+                self._partition_after_lost_reply()
             kind = rng.choices(kinds, weights)[0]
             target = rng.choice(TARGETS)
             if kind == "kill_worker":
                 self._kill_worker(rng.randrange(len(self.fleet.workers)))
             elif kind == "kill_child":
                 self._kill_child(rng)
+            elif kind == "kill_backend":
+                self._kill_backend()
             elif kind == "cut_all":
                 self.op("fault", fault="cut_all", sockets=self.proxy.cut_all())
             elif kind == "lose_reply":
@@ -350,7 +364,7 @@ class Run:
         void and the claim runs again (it must adopt its first rows, not claim others).
         In the background: the next faults do not wait for it."""
         # (Every Landing's question while armed: one of them is the claim's.)
-        question = self.proxy.delay("THEN 'restarted'", 2.0, times=None)
+        question = self.proxy.delay("DO NOTHING RETURNING token", 2.0, times=None)  # landing.settle_mark
         lost = self.proxy.lose_reply("next_id")  # (only claim_batch returns next_id)
         self.op("armed", fault="batch_reply_restart", match="next_id")
 
@@ -365,6 +379,46 @@ class Run:
                 self.proxy.remove(question)
 
         threading.Thread(target=restart, name="history-batch-restart", daemon=True).start()
+
+    def _kill_backend(self) -> None:
+        """SIGKILL one server process (the OOM killer, a segfault): one whose COMMIT waits
+        if any, else one in a transaction that wrote, else any. The postmaster resets
+        every backend and replays the WAL without restarting, forgetting the xids whose
+        WAL was not flushed."""
+        conn = self.cluster.connect("jobs")
+        try:
+            with conn.cursor() as cur:
+                cur.execute(
+                    "SELECT pid, query FROM pg_stat_activity WHERE datname = 'jobs' AND pid <> pg_backend_pid()"
+                    " ORDER BY (state = 'active' AND query ILIKE 'COMMIT%') DESC, backend_xid IS NOT NULL DESC LIMIT 1"
+                )
+                row = cur.fetchone()
+        finally:
+            conn.close()
+        if row is None:
+            return
+        with self._client_lock:
+            self.op("fault", fault="kill_backend", pid=row[0], query=row[1][:60])
+            self.cluster.kill_backend(row[0])
+
+    def _partition_after_lost_reply(self) -> None:
+        """The next COMMIT's reply is lost, and the proxy pauses at that moment for longer
+        than the lease: nobody behind it can ask what became of the commit."""
+        rule = self.proxy.lose_reply("COMMIT", then_pause=True)
+        self.op("armed", fault="lose_reply+partition", match="COMMIT")
+
+        def partition() -> None:
+            rule.wait(10.0)
+            self.proxy.remove(rule)  # a connection it armed still loses its reply
+            wait_for(lambda: rule.pending == 0, timeout=10, interval=0.05, what="an armed lost reply to end")
+            if rule.hits:
+                self.op("fault", fault="partition", seconds=LEASE + 1.0)
+                time.sleep(LEASE + 1.0)
+                self.proxy.resume()
+
+        thread = threading.Thread(target=partition, name="history-partition", daemon=True)
+        thread.start()
+        self._restarts.append(thread)
 
     def _kill_worker(self, index: int) -> None:
         """SIGKILL a worker (its pool too) and boot it again under the same name, in the

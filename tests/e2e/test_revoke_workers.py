@@ -93,3 +93,26 @@ def test_a_broadcast_of_3000_unknown_ids_keeps_workers_answering_and_running_job
     # (Margins for a loaded machine: measured 0.1-0.2 s pings and 0.5 s for the job.)
     assert all(p is not None for p in pings.values()), pings  # before: no answer within 5 s
     assert done.status is Status.SUCCEEDED and finished < 5.0, finished
+
+
+def test_a_revoke_given_up_during_an_outage_does_not_keep_discarding_the_jobs_wakeups(pg, broker, client_app, workers, proxy):
+    """A revoke arrives while the database refuses its cancel (an outage: every try's
+    connection drops); the cancel is given up. Before, the id stayed in Celery's
+    in-memory revoked ids, so the worker discarded every wakeup of the job, still
+    pending in its row, until the revoke expired (3 h)."""
+    mod = client_app(pg, broker)
+    w = workers(proxy.url_for(pg), broker, concurrency=1, extra_env={"CL_TEST_REVOKE_GIVE_UP": "2"})
+    job = mod.echo.submit({"value": "revoked in an outage"}, run_after=600)  # pending, no wakeup yet
+    outage = proxy.fail(job.id, times=None)  # the revoke's cancel names the job
+    mod.app.control.revoke(job.id)
+    wait_for(lambda: "0 kept" in w.log(), timeout=60, what="the worker to give the revoke up")
+    proxy.remove(outage)
+    assert mod.leases.get(job.id).status is Status.PENDING  # the cancel never happened
+    mod.leases.store.make_due(job.id)
+
+    def ran() -> bool:
+        mod.leases.sweep()  # play beat: the wakeup, re-sent while the job is pending
+        return mod.leases.get(job.id).terminal
+
+    wait_for(ran, timeout=30, interval=1.0, what="the job to run on a wakeup after the outage")
+    assert mod.leases.get(job.id).status is Status.SUCCEEDED

@@ -11,19 +11,10 @@ import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
 from tests.conftest import wait_for
-from tests.harness.pgfaults import PgFaultProxy
 
 FLOW = "tests.apps.app_flow"
 NATIVE = "tests.apps.app_native"
 MODES = [pytest.param(True, id="prepared"), pytest.param(False, id="unprepared")]
-
-
-@pytest.fixture
-def proxy(pg):
-    url = sa.engine.make_url(pg)
-    p = PgFaultProxy(url.host or "127.0.0.1", url.port or 5432).start()
-    yield p
-    p.close()
 
 
 def _row(pg: str, job_id: str) -> dict:
@@ -129,3 +120,29 @@ def test_a_lost_claim_reply_is_adopted_while_another_thread_claims(pg, broker, c
     assert (row["status"], row["attempt"], row["lease_losses"]) == ("succeeded", 1, 0)
     assert len((tmp_path / f"echo-{job.id}").read_text().split()) == 1  # the body ran once
     assert _ended(pg, other.id, timeout=15)["status"] == "succeeded"
+
+
+def test_a_failure_whose_commit_reply_was_lost_before_a_partition_sends_its_plain_errback(
+    pg, broker, client_app, workers, proxy, tmp_path
+):
+    """A job fails; its transaction commits, the reply is lost, and the database stays
+    out of reach past 0.8 x the lease: the attempt is given up with the question it
+    kept unasked. The failure had committed, so its plain errback must still be sent
+    (at least once) when the database is back. (Before: the attempt raised LeaseLost,
+    the errback was never applied, and nothing else knew of it.)"""
+    conf = {"lease_connect_timeout": 1}
+    mod = client_app(pg, broker, module=NATIVE)
+    workers(proxy.url_for(pg), broker, conf=conf, module=NATIVE, extra_env={"CL_TEST_LEASE": "3"})
+    lost = proxy.lose_reply("step 1 failed", then_pause=True)  # the failure's error text
+    job = mod.inc.apply_async(({"n": 1, "fail_at": 1},), link_error=[mod.plain_errback.s(str(tmp_path))])
+    assert lost.wait(30), "the failure never committed through the proxy"
+    time.sleep(5.0)  # past 0.8 x the 3 s lease, and past the worker's tries to ask
+    proxy.resume()
+    assert _row(pg, job.id)["status"] == "failed"
+    marker = tmp_path / f"errback-{job.id}"
+
+    def sent() -> bool:
+        mod.leases.sweep()  # what beat's sweep does: an outbox row older than a few seconds
+        return marker.exists()
+
+    wait_for(sent, timeout=30, interval=1.0, what="the plain errback of the committed failure")

@@ -40,6 +40,7 @@ import pwd
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -181,6 +182,18 @@ class PrivateCluster:
         """``pg_ctl stop -m immediate``: every backend quits at once, no shutdown
         checkpoint; the next ``start()`` runs crash recovery from the WAL."""
         self.stop(mode="immediate")
+
+    def kill_backend(self, pid: int, timeout: float = 30.0) -> None:
+        """SIGKILL one server process (as the OOM killer would) and wait until the server
+        takes connections again: the postmaster ends every other backend and replays
+        the WAL without restarting (pg_postmaster_start_time() does not change)."""
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        time.sleep(0.2)  # the postmaster reaps the child and starts the reset
+        while not self.is_ready():
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the server did not come back after backend {pid} was killed")
+            time.sleep(0.1)
 
     def restart(self, downtime: float = 0.0, *, crash: bool = False) -> PrivateCluster:
         """Stop (``crash=True``: crash), stay down for ``downtime`` seconds, start."""

@@ -10,6 +10,7 @@ statement goes wrong and how, at run time:
                                                      # an ErrorResponse instead)
     rule = proxy.lose_reply("SET status")           # runs and commits; the client never
                                                      # hears back and the connection drops
+                                                     # (then_pause=True: and the proxy pauses)
     rule = proxy.delay("lease_expires_at", 3.0)     # reaches the server 3 s late
     rule = proxy.hold("SET status", 3.0)            # runs, then its transaction stays open
                                                      # 3 s: whoever needs its rows waits
@@ -80,6 +81,8 @@ class Rule:
     #: lose_reply: called (in the proxy's thread) once the reply is swallowed and before
     #: the connection drops, so it happens before the client can react to the loss.
     then: Callable[[], None] | None = None
+    #: lose_reply: the proxy pauses (a partition) right after the reply is lost.
+    then_pause: bool = False
     #: How many times it acted (for lose_reply: replies really lost, after the commit).
     hits: int = 0
     #: lose_reply matches waiting for their transaction's COMMIT.
@@ -147,8 +150,13 @@ class PgFaultProxy(TcpProxy):
     def fail(self, match: str, *, times: int | None = 1, error: str | None = None) -> Rule:
         return self._add(Rule(FAIL, match, times, error=error))
 
-    def lose_reply(self, match: str, *, times: int | None = 1, then: Callable[[], None] | None = None) -> Rule:
-        return self._add(Rule(LOSE_REPLY, match, times, then=then))
+    def lose_reply(
+        self, match: str, *, times: int | None = 1, then: Callable[[], None] | None = None, then_pause: bool = False
+    ) -> Rule:
+        """``then``: called once the reply is swallowed, before the connection drops.
+        ``then_pause``: the proxy pauses the moment the reply is lost (``resume()`` ends
+        it), so the client cannot ask the server what became of its commit."""
+        return self._add(Rule(LOSE_REPLY, match, times, then=then, then_pause=then_pause))
 
     def delay(self, match: str, seconds: float, *, times: int | None = 1) -> Rule:
         return self._add(Rule(DELAY, match, times, seconds=seconds))
@@ -274,6 +282,8 @@ class PgFaultProxy(TcpProxy):
                             rule.hits += 1
                         if rule.then is not None:
                             rule.then()
+                        if rule.then_pause:
+                            self.pause()
                         self._record(conn, rule, lose[2])
                         return
                     continue

@@ -190,7 +190,7 @@ def test_a_lost_claim_reply_adopts_what_the_claim_took_never_another_row_of_its_
     fencing token, while the delivered job waited for the sweeper. By the claim's token,
     the retry adopts the delivered job if its claim landed, and nothing if it claimed
     nothing (here: not due yet)."""
-    from celery_lease.worker.attempt import owner_of
+    from celery_lease.lifecycle.owner import owner_of
 
     mod = client_app(pg_proxy.url_for(pg), broker)
     host = "w@host"

@@ -17,8 +17,12 @@ import contextlib
 from collections.abc import Iterator
 
 import psycopg2
+import sqlalchemy as sa
 
-from celery_lease.db.schema import jobs
+from celery_lease.beat.maintenance import OUTBOX_AGE
+from celery_lease.db.landing import LANDING_RETENTION
+from celery_lease.db.schema import jobs, landings, outbox
+from celery_lease.db.statements.outbox import KIND_CELERY
 from tests.integration.test_native_canvas import NATIVE, _expire, _queued, _rows, in_a_run_cancelled_behind_it
 
 
@@ -115,3 +119,53 @@ def test_a_claim_time_cancel_whose_errbacks_reply_was_lost_fires_them_once(pg, b
     assert errback["payload"] == {"job_id": job.id, "error": "cancelled"}
     plain = [m for m in _queued(broker) if m["headers"]["task"] == "tests.plain_errback"]
     assert len(plain) == 1
+
+
+def _all(pg: str, table: sa.Table) -> list[dict]:
+    engine = sa.create_engine(pg)
+    try:
+        with engine.connect() as conn:
+            return [dict(r) for r in conn.execute(sa.select(table)).mappings()]
+    finally:
+        engine.dispose()
+
+
+def test_what_a_transition_leaves_behind_is_sent_or_pruned(pg, broker, client_app, tmp_path):
+    """A plain errback whose commit was heard is sent by its writer and its outbox row
+    deleted (the sweep does not send it again); one left in the outbox (its writer never
+    heard the commit) is sent by the sweep after OUTBOX_AGE, once; a Landing's marker
+    rows are pruned after LANDING_RETENTION."""
+    mod = client_app(pg, broker, module=NATIVE)
+    job = mod.inc.apply_async(({"n": 1},), countdown=600, link_error=[mod.plain_errback.s(str(tmp_path))])
+    _queued(broker)
+    assert mod.leases.cancel(job.id) is True
+    assert [m["headers"]["task"] for m in _queued(broker)] == ["tests.plain_errback"]
+    assert _all(pg, outbox) == []
+    assert len(_all(pg, landings)) == 1  # the cancel's
+
+    # A follow-up whose writer did not send it: the sweep sends it once it is old enough.
+    payload = {"sig": dict(mod.plain_errback.s(str(tmp_path))), "args": [job.id], "options": {}}
+    left = mod.leases.store.transaction(
+        mod.leases.store.durable, lambda conn: mod.leases.store.write_outbox(conn, KIND_CELERY, [payload])
+    )
+    mod.leases.sweep()
+    assert _queued(broker) == []  # younger than OUTBOX_AGE: still its writer's to send
+    _age(pg, "celery_lease_outbox", OUTBOX_AGE + 1)
+    mod.leases.sweep()
+    assert [(m["headers"]["task"], m["headers"]["id"] is not None) for m in _queued(broker)] == [("tests.plain_errback", True)]
+    assert len(left) == 1 and _all(pg, outbox) == []  # sent, then deleted
+    mod.leases.sweep()
+    assert _queued(broker) == []
+
+    _age(pg, "celery_lease_landings", LANDING_RETENTION + 1)
+    mod.leases.prune()
+    assert _all(pg, landings) == []
+
+
+def _age(pg: str, table: str, seconds: float) -> None:
+    engine = sa.create_engine(pg)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"UPDATE {table} SET created_at = created_at - make_interval(secs => :s)"), {"s": seconds})
+    finally:
+        engine.dispose()

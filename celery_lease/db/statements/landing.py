@@ -1,49 +1,51 @@
-"""A transaction's fate after a lost reply (celery_lease/db/landing.py)."""
+"""A transaction's fate after a lost reply (celery_lease/db/landing.py). PostgreSQL only:
+SQLite has no lost reply."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import sqlalchemy as sa
 
 
 @functools.cache
-def transaction_mark(lock_timeout: bool) -> sa.Select:
-    """The current transaction's id (as text: an xid8), its server process and when
-    that server started (epoch seconds, as text), taken before COMMIT so a lost reply
-    can be settled by asking the server; with ``lock_timeout``, also ``SET LOCAL
-    lock_timeout = :lock_timeout_ms`` in the same round trip (background transitions
-    never wait on a row lock for long)."""
-    columns: list[Any] = [
-        sa.cast(sa.func.pg_current_xact_id(), sa.Text),
-        sa.func.pg_backend_pid(),
-        # As the epoch (numeric, exact to the microsecond), not timestamptz text, which
-        # follows the session's TimeZone and DateStyle.
-        sa.cast(sa.extract("epoch", sa.func.pg_postmaster_start_time()), sa.Text),
-    ]
+def transaction_mark(lock_timeout: bool) -> sa.TextClause:
+    """Insert the transaction's marker row under the client's :token, and return its
+    server process and id (an xid8, as text) so a transaction left in progress by a lost
+    client can be ended; with ``lock_timeout``, also ``SET LOCAL lock_timeout =
+    :lock_timeout_ms``. One round trip, the transaction's first. The token (a fresh UUID)
+    never conflicts, so the insert waits on nothing."""
+    returning = "pg_backend_pid(), CAST(pg_current_xact_id() AS text)"
     if lock_timeout:
-        columns.append(sa.func.set_config("lock_timeout", sa.cast(sa.bindparam("lock_timeout_ms"), sa.Text), True))
-    return sa.select(*columns)
+        returning += ", set_config('lock_timeout', CAST(:lock_timeout_ms AS text), true)"
+    return sa.text(f"INSERT INTO celery_lease_landings (token, created_at) VALUES (:token, now()) RETURNING {returning}")
 
 
 @functools.cache
-def transaction_status() -> sa.TextClause:
-    """'committed', 'aborted' or 'in progress' of transaction :xid (NULL: too old to
-    know), or 'restarted' when the server is no longer the one that started at
-    :started.
+def settle_mark() -> sa.TextClause:
+    """Whether the transaction that inserted :token committed, asked by inserting the
+    same token: a row back means the token was free (it aborted, or a crash forgot it),
+    and it now never can commit; no row means it committed. A transaction still in
+    progress holds the key: the insert waits for it to end (bounded by the lock timeout
+    the caller sets).
 
-    Why 'restarted' wins: an xid whose WAL never reached the disk is forgotten by a
-    crash, and the recovered server hands it out again. Before another transaction
-    takes it, pg_xact_status raises "transaction ID is in the future" (SQLSTATE 22023,
-    seen in the history test); after, it answers for that other transaction, so a
-    'committed' would be somebody else's. Across a restart the xid says nothing about
-    our transaction: the caller runs its work again, fenced (a transition that had
-    committed then matches no row)."""
+    Why not pg_xact_status(xid): a backend killed by a signal (the OOM killer, a
+    segfault) makes the postmaster reset every backend and replay the WAL without a
+    restart; an xid whose WAL never reached the disk is forgotten and handed out again,
+    so the server answers "transaction ID is in the future" (SQLSTATE 22023), or for
+    whichever transaction took that xid since ('committed'). A marker row cannot be
+    forgotten without its transaction: a page never reaches the disk before its WAL."""
     return sa.text(
-        "SELECT CASE WHEN extract(epoch FROM pg_postmaster_start_time()) <> CAST(:started AS numeric) THEN 'restarted'"
-        " ELSE pg_xact_status(CAST(:xid AS xid8)) END"
+        "INSERT INTO celery_lease_landings (token, created_at) VALUES (:token, now())"
+        " ON CONFLICT (token) DO NOTHING RETURNING token"
     )
+
+
+@functools.cache
+def settle_wait(ms: int) -> sa.TextClause:
+    """SET LOCAL lock_timeout for the question (settle_mark): how long it waits for a
+    transaction still in progress before its server process is ended."""
+    return sa.text(f"SET LOCAL lock_timeout = {int(ms)}")
 
 
 @functools.cache
@@ -54,4 +56,15 @@ def end_stranded_transaction() -> sa.TextClause:
     return sa.text(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
         " WHERE pid = :pid AND backend_xid IS NOT NULL AND backend_xid::text = :xid32"
+    )
+
+
+@functools.cache
+def prune_marks() -> sa.TextClause:
+    """Delete marker rows older than :cutoff_seconds (at most :limit; several beats skip
+    each other's); returns how many."""
+    return sa.text(
+        "WITH old AS (SELECT token FROM celery_lease_landings WHERE created_at < now() - make_interval(secs => :cutoff_seconds)"
+        " LIMIT :limit FOR UPDATE SKIP LOCKED)"
+        " DELETE FROM celery_lease_landings l USING old WHERE l.token = old.token"
     )
