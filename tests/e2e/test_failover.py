@@ -11,10 +11,9 @@ body, one effect per success.
 
 The reply in flight: the proxy swallows the reply to a success's COMMIT and kills the
 primary before the worker's connection drops, so the worker can only ask the promoted
-standby whether its transaction landed (db/landing.py). The standby is another
-postmaster: pg_postmaster_start_time() differs, so the question is answered
-"restarted" and the transition runs again, fenced (it had committed and been
-replicated: the second try matches nothing).
+standby whether its transaction landed (db/landing.py). The transaction's marker row
+committed with it and was replicated synchronously, so the standby answers
+"committed": the transition is not run again and its follow-ups go out.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import uuid
 
 import pytest
 import sqlalchemy as sa
@@ -69,14 +69,15 @@ def history_url():
         yield url
 
 
-def committed_mark(primary: pgcluster.PrivateCluster) -> tuple:
-    """The Landing's mark (xid, server process, server start) of a transaction committed
-    on ``primary``."""
+def committed_mark(primary: pgcluster.PrivateCluster) -> str:
+    """The token of a Landing's marker row (db/statements/landing.py) committed on
+    ``primary``."""
+    token = str(uuid.uuid4())
     engine = sa.create_engine(primary.url("jobs"), poolclass=sa.pool.NullPool)
     with engine.begin() as conn:
-        mark = tuple(conn.execute(landing.transaction_mark(False)).one())
+        conn.execute(landing.transaction_mark(False), {"token": token})
     engine.dispose()
-    return mark
+    return token
 
 
 def migrated(primary: pgcluster.PrivateCluster) -> None:
@@ -160,13 +161,11 @@ def test_a_promoted_standby_takes_over_without_a_worker_restart(pair, history_ur
         stop.set()
         submitter.join(timeout=30)
     assert not primary.is_running()
-    # The Landing's server identity (db/statements/landing.py): the promoted standby has
-    # replayed the primary's transaction, so its xid alone reads "committed" there; the
-    # postmaster is another one, so the question is answered "restarted" (an xid whose
-    # commit was asynchronous may not have been replicated, and may be handed out again).
-    with mod.leases.store.durable.connect() as conn:
-        assert conn.execute(sa.text("SELECT pg_xact_status(CAST(:xid AS xid8))"), {"xid": mark[0]}).scalar() == "committed"
-        assert conn.execute(landing.transaction_status(), {"xid": mark[0], "started": mark[2]}).scalar() == "restarted"
+    # The Landing's question (db/statements/landing.py, settle_mark): a transaction
+    # committed on the primary left its marker row, replicated synchronously, so the
+    # promoted standby answers "committed" (no row back from the settling insert).
+    with mod.leases.store.durable.begin() as conn:
+        assert conn.execute(landing.settle_mark(), {"token": mark}).first() is None
 
     # Drain: every job submitted ends.
     def pending() -> int:
@@ -205,9 +204,9 @@ def test_a_promoted_standby_takes_over_without_a_worker_restart(pair, history_ur
     # The success whose reply was lost: committed on the primary and (synchronous)
     # replicated before the reply was swallowed, so the promoted standby has it: it
     # stands, once, and the job is neither run again nor given another attempt. The
-    # worker learns it either from the standby ("restarted": another server, the
-    # transition run again, fenced, matches nothing) or from its heartbeat, which
-    # finds the job no longer running under its lease, whichever asks first.
+    # worker learns it either from the standby (its marker row is there: "committed",
+    # not run again) or from its heartbeat, which finds the job no longer running under
+    # its lease, whichever asks first.
     (event,) = [e for e in proxy.events if e.fault == "lose_reply"]
     found = UUID.search(event.statement)
     assert found is not None, event.statement
@@ -216,8 +215,8 @@ def test_a_promoted_standby_takes_over_without_a_worker_restart(pair, history_ur
     assert [(e["attempt"], e["generation"]) for e in h.effects if e["job_id"] == job["id"]] == [(1, job["lease_generation"])]
     assert len([b for b in h.bodies if b["job_id"] == job["id"]]) == 1
     logs = "".join(w.log() for w in fleet)
-    settled = ("the database restarted before a transition's reply; running it again, fenced", f"job {job['id']}: lease lost")
-    how = [name for name, text in zip(("restarted", "heartbeat"), settled) if text in logs]
+    settled = ("a transition had committed before its reply was lost; not run again", f"job {job['id']}: lease lost")
+    how = [name for name, text in zip(("committed", "heartbeat"), settled) if text in logs]
     assert how, "\n".join(line for line in logs.splitlines() if "celery-lease:" in line)[-3000:]
 
     line = (
