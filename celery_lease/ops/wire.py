@@ -51,6 +51,11 @@ class CancelOut(BaseModel):
     status: str
 
 
+class RetryOut(BaseModel):
+    #: The new job: same kind, payload, queue, priority, run and tenant as the retried one.
+    job_id: str
+
+
 class EventOut(BaseModel):
     #: The event's id; for a tenant token, its number among the tenant's events of the run.
     id: int

@@ -134,6 +134,7 @@ def test_every_api_route_needs_a_valid_bearer_token(server, pg, make_job):
     routes = [
         ("GET", f"/api/v1/jobs/{job}"),
         ("POST", f"/api/v1/jobs/{job}/cancel"),
+        ("POST", f"/api/v1/jobs/{job}/retry"),
         ("GET", "/api/v1/jobs"),
         ("GET", f"/api/v1/runs/{run}/events"),
     ]
@@ -226,6 +227,44 @@ def test_cancel_over_http(admin, pg, make_job):
     r = admin.post(f"/api/v1/jobs/{done}/cancel")
     assert r.json() == {"id": done, "cancelled": False, "status": "succeeded"}
     assert _row(pg, done)["status"] == "succeeded"
+
+
+def test_retry_over_http_makes_a_new_job_fenced_above_the_original(server, admin, pg, make_job):
+    ended = {"finished_at": sa.func.now(), "attempt": 3}
+    original = make_job(
+        pg, status="failed", error="internal error", lease_generation=7, payload={"n": 1}, queue="q2", priority=4, **ended
+    )
+    r = admin.post(f"/api/v1/jobs/{original}/retry")
+    assert r.status_code == 200, r.text
+    assert set(r.json()) == {"job_id"}
+    new, old = _row(pg, r.json()["job_id"]), _row(pg, original)
+    for same in ("kind", "task", "payload", "queue", "priority", "tenant", "run_id", "max_attempts"):
+        assert new[same] == old[same], same
+    assert (new["status"], new["attempt"], new["parent_id"]) == ("pending", 0, original)
+    # Its first claim's token (generation + 1) is above every token the original handed out.
+    assert new["lease_generation"] == 7
+    assert old["status"] == "failed"  # the original never changes
+    # Only an ended job that did not succeed is retried; nothing changes otherwise.
+    for status in ("pending", "running", "succeeded"):
+        job = make_job(pg, status=status)
+        r = admin.post(f"/api/v1/jobs/{job}/retry")
+        assert (r.status_code, r.json()["error"]) == (409, "conflict"), status
+        assert _row(pg, job)["status"] == status
+    assert admin.post(f"/api/v1/jobs/{uuid.uuid4()}/retry").status_code == 404
+    assert admin.post("/api/v1/jobs/not-a-uuid/retry").json()["error"] == "bad_request"
+    # Tenant and read-only tokens may not retry (as they may not set limits).
+    mine = make_job(pg, status="cancelled", tenant="acme", finished_at=sa.func.now())
+    before = _count_jobs(pg)
+    for token in (ACME, READER):
+        with server.client(token) as c:
+            r = c.post(f"/api/v1/jobs/{mine}/retry")
+            assert (r.status_code, r.json()["error"]) == (403, "forbidden"), token
+    assert _count_jobs(pg) == before
+
+
+def _count_jobs(db: str) -> int:
+    with sa.create_engine(db).connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(jobs)).scalar_one()
 
 
 def test_a_read_only_token_reads_but_cannot_cancel(server, pg, make_job):
@@ -583,6 +622,7 @@ def test_openapi_schema_declares_the_routes_and_bearer_auth(server):
     assert {
         "/api/v1/jobs/{job_id}",
         "/api/v1/jobs/{job_id}/cancel",
+        "/api/v1/jobs/{job_id}/retry",
         "/api/v1/jobs",
         "/api/v1/runs/{run_id}/events",
         "/api/v1/limits",
