@@ -232,7 +232,8 @@ def create_app(leases: CeleryLease) -> FastAPI:
 
     @api.get("/api/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, description=STRICT_QUERY)
     def get_job(job_id: str = JOB_ID, who: Caller = Security(caller)):
-        return listing.api_view(visible_job(job_id, who))
+        job = visible_job(job_id, who)
+        return {**listing.api_view(job), "attempts": listing.attempts_view(job["attempts"], show_worker=who.tenant is None)}
 
     @api.post("/api/v1/jobs/{job_id}/cancel", response_model=CancelOut, responses=_ERRORS)
     def cancel_job(job_id: str = JOB_ID, who: Caller = Security(caller)):

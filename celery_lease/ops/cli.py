@@ -180,11 +180,15 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
     data = job.to_dict()
     width = max(len(k) for k in data)
     # JSON values are shown as JSON (json.dumps escapes control characters); text is
-    # escaped by printable().
+    # escaped by printable(). The attempts follow, one line each.
     text = "\n".join(
         f"{k.ljust(width)}  {json.dumps(v) if isinstance(v, (dict, list)) else ('' if v is None else printable(str(v)))}"
         for k, v in data.items()
+        if k != "attempts"
     )
+    for a in data["attempts"]:
+        ended = a["ended_at"] or "(running)"
+        text += f"\n  attempt {a['attempt']}  {printable(a['worker'])}  {a['started_at']} -> {ended}  {a['outcome']}"
     _emit(as_json, data, text)
 
 

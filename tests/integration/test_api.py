@@ -191,11 +191,40 @@ def test_get_job_returns_its_fields(admin, pg, make_job):
     r = admin.get(f"/api/v1/jobs/{job}")
     assert r.status_code == 200
     body = r.json()
-    assert set(body) == JOB_FIELDS  # the payload and lease internals are not exposed
+    assert set(body) == JOB_FIELDS | {"attempts"}  # the payload and lease internals are not exposed
+    assert body["attempts"] == []  # made as succeeded: never claimed, no attempt log
     assert body["id"] == job and body["status"] == "succeeded" and body["kind"] == "echo"
     assert body["result"] == {"rows": 10} and body["progress"] == {"done": 10}
     assert body["attempt"] == 2 and body["max_attempts"] == 3
     assert datetime.fromisoformat(body["finished_at"]).tzinfo is not None
+
+
+def test_get_job_lists_its_attempts_and_hides_the_worker_from_a_tenant(server, admin, pg, make_job):
+    log = [
+        {
+            "attempt": 1,
+            "owner": "w1@host-a/41/b00t",
+            "started_at": "2026-11-30T10:00:00+00:00",
+            "ended_at": "2026-11-30T10:01:00+00:00",
+            "outcome": "lease expired",
+        },
+        {
+            "attempt": 2,
+            "owner": "w2@host-b/7.T/b00u",
+            "started_at": "2026-11-30T10:02:00+00:00",
+            "ended_at": None,
+            "outcome": "running",
+        },
+    ]
+    job = make_job(pg, status="running", attempt=2, tenant="acme", attempts=log)
+    attempts = admin.get(f"/api/v1/jobs/{job}").json()["attempts"]
+    assert [(a["attempt"], a["worker"], a["outcome"], a["ended_at"]) for a in attempts] == [
+        (1, "w1@host-a", "lease expired", "2026-11-30T10:01:00Z"),
+        (2, "w2@host-b", "running", None),
+    ]
+    with server.client(ACME) as acme:
+        seen = acme.get(f"/api/v1/jobs/{job}").json()["attempts"]
+    assert [(a["attempt"], a["worker"], a["outcome"]) for a in seen] == [(1, None, "lease expired"), (2, None, "running")]
 
 
 def test_unknown_job_is_404_and_malformed_ids_are_400(admin, pg):
@@ -630,7 +659,14 @@ def test_openapi_schema_declares_the_routes_and_bearer_auth(server):
         "/metrics",
     } <= set(schema["paths"])
     assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    assert set(schema["components"]["schemas"]["JobOut"]["properties"]) == JOB_FIELDS
+    assert set(schema["components"]["schemas"]["JobOut"]["properties"]) == JOB_FIELDS | {"attempts"}
+    assert set(schema["components"]["schemas"]["AttemptOut"]["properties"]) == {
+        "attempt",
+        "worker",
+        "started_at",
+        "ended_at",
+        "outcome",
+    }
 
 
 # --- property-based: no input makes a 500 -----------------------------------------------

@@ -111,6 +111,7 @@ def test_exceptions_retry_then_fail_as_internal_error_without_leaking(pg, broker
         rows = conn.execute(sa.select(events.c.event, events.c.detail).where(events.c.job_id == job.id).order_by(events.c.id))
         ended = [(r.event, r.detail) for r in rows if r.event not in ("dispatched", "claimed")]
     assert [e for e, _ in ended] == ["retried", "retried", "failed"]
+    assert [(a["attempt"], a["outcome"]) for a in done.attempts] == [(1, "retried"), (2, "retried"), (3, "failed")]
     # Each retry's event says which exception ended its attempt.
     assert all(d.startswith("internal error: ConnectionError (ref ") for _, d in ended), ended
 

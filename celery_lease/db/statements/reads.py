@@ -40,11 +40,12 @@ VIEW_COLUMNS = (
 
 
 def get_job_view(job_id: str, *, tenant: str | None = None) -> sa.Select:
-    """get_job_view: one job's API columns; with ``tenant``, only that tenant's job.
+    """get_job_view: one job's API columns and its attempt log; with ``tenant``, only
+    that tenant's job.
 
     The tenant is in the WHERE clause: another tenant's job reads no more than a
     missing one (one primary-key probe, none of its large columns)."""
-    stmt = sa.select(*VIEW_COLUMNS).where(_c.id == job_id)
+    stmt = sa.select(*VIEW_COLUMNS, _c.attempts).where(_c.id == job_id)
     return stmt if tenant is None else stmt.where(_c.tenant == tenant)
 
 
