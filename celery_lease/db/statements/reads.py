@@ -20,6 +20,12 @@ def get_job(job_id: str) -> sa.Select:
     return sa.select(jobs).where(_c.id == job_id)
 
 
+def ids_between(low: str, high: str, limit: int) -> sa.Select:
+    """ids_between: the first ``limit`` job ids from ``low`` to ``high`` (a prefix's
+    range: a range scan of the primary key, never a scan of the table)."""
+    return sa.select(_c.id).where(_c.id >= low, _c.id <= high).order_by(_c.id).limit(limit)
+
+
 #: What the HTTP API shows of a job: never the payload, checkpoint or lease internals,
 #: which may be megabytes (and the lease owner names a worker host).
 VIEW_COLUMNS = (

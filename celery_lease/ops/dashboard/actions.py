@@ -5,7 +5,8 @@ token before anything is read, and limited to the viewer's tenant (another tenan
 job is a 404, as if it did not exist).
 
 - **cancel**: :meth:`CeleryLease.cancel` (pending or running -> cancelled; the worker
-  learns at its next heartbeat).
+  learns at its next heartbeat). The job page's Cancel is a GET of a confirmation page
+  (no script: the CSP allows none), whose form posts the cancel.
 - **retry** a failed, expired or cancelled job: a *new* job (the ``retry as new job``
   transition, statement ``retry_as_new_job``) with the same kind, payload, queue, tenant and run, a fresh
   attempt budget, and the old job as its ``parent_id``; the old one stays as it ended
@@ -106,6 +107,16 @@ def register(app: FastAPI, board: Board) -> None:
         if row is None:
             raise PageError(404, "no such job")
         return row
+
+    @app.get("/jobs/{job}/cancel", response_class=HTMLResponse)
+    def cancel_confirm(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:
+        """The job page's Cancel asks first: this page's form is what cancels."""
+        if not viewer.can_act:
+            raise PageError(403, "this token is read-only: it can look, not act")
+        row = visible(job, viewer)
+        if row["status"] not in ACTIONS["cancel"]:
+            return redirect(request, f"/jobs/{row['id']}")  # nothing left to cancel
+        return board.render(request, "confirm_cancel.html", viewer, job=row)
 
     @app.post("/jobs/{job}/cancel")
     async def cancel(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:
