@@ -291,8 +291,12 @@ class WorkerState:
             elif status is Outcome.ERROR and attempt.attempt < attempt.max_attempts:
                 delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
                 self.record.retry(attempt, delay, why=str(value))
-                # Celery's RETRY state (Flower) shows the same text-free error as the table.
-                signal = Retry(f"attempt {attempt.attempt} of {attempt.max_attempts} failed ({value}); retrying in {delay:.1f}s")
+                # Celery's log line and its task-retried event (Flower's RETRY "exception",
+                # which is Retry.exc) carry the same text-free error as the run's event.
+                signal = Retry(
+                    f"attempt {attempt.attempt} of {attempt.max_attempts} failed ({value}); retrying in {delay:.1f}s",
+                    exc=JobFailed(str(value)),
+                )
             else:
                 error = str(value)
                 self.record.fail(attempt, error)
