@@ -719,7 +719,7 @@ def _fuzz(server, seeded, *, max_examples: int, derandomize: bool) -> None:
     # sent with a valid one and count as "invalid data accepted".
     api.config.generation.update(with_security_parameters=False)
     operations = [result.ok() for result in api.get_all_operations()]
-    assert len(operations) == 7
+    assert len(operations) == 8
 
     for operation, mode in itertools.product(operations, GenerationMode):
         # A cursor is opaque: a string the schema allows is still refused (400) unless
@@ -758,6 +758,7 @@ def test_every_route_refuses_query_parameters_it_does_not_declare(admin, seeded)
     for method, path in (
         ("GET", f"/api/v1/jobs/{job}"),
         ("POST", f"/api/v1/jobs/{uuid.uuid4()}/cancel"),
+        ("POST", f"/api/v1/jobs/{uuid.uuid4()}/retry"),
         ("GET", "/api/v1/jobs"),
         ("GET", f"/api/v1/runs/{run}/events"),
         ("GET", "/api/v1/limits"),
