@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from celery_lease.job import Job
+from celery_lease.job import Job, attempt_history
 from celery_lease.status import Status
 
 if TYPE_CHECKING:
@@ -191,6 +191,11 @@ def summary_view(row: Mapping[str, Any]) -> dict[str, Any]:
         out[f"{name}_bytes"] = size
         out[f"{name}_omitted"] = size is not None and size > SUMMARY_VALUE_BYTES
     return out
+
+
+def attempts_view(log: Any, *, show_worker: bool) -> list[dict[str, Any]]:
+    """A job's attempts (job.attempt_history); a tenant's token sees no worker host."""
+    return [entry if show_worker else {**entry, "worker": None} for entry in attempt_history(log)]
 
 
 def api_view(job: Job | Mapping[str, Any]) -> dict[str, Any]:

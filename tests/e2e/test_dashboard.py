@@ -104,6 +104,10 @@ def test_sign_in_filter_open_a_job_and_cancel_it(browser, server, pg, make_job):
     assert '"table": "t0"' in browser.find_element(By.ID, "job-payload").text
 
     browser.find_element(By.ID, "cancel").click()
+    # Cancel asks first; nothing is cancelled until the confirmation's button.
+    _wait(browser, ec.presence_of_element_located((By.ID, "confirm")))
+    assert _status(pg, echo[0]) == "pending"
+    browser.find_element(By.ID, "confirm").click()
     _wait(browser, lambda b: b.find_element(By.ID, "job-status").text == "cancelled")
     assert _status(pg, echo[0]) == "cancelled"
     assert not browser.find_elements(By.ID, "cancel")  # nothing left to cancel
@@ -263,6 +267,30 @@ def test_a_job_run_by_a_worker_shows_its_attempts_and_live_figures(server, pg, b
         assert flaky["run_p50"] is not None and flaky["wait_p50"] >= 0
         counts = re.search(r'<table id="counts">(.*?)</table>', http.get("/dashboard/jobs").text, re.S).group(1)
         assert re.search(r"flaky</a></td>.*?s-succeeded\"><a [^>]*>1</a>", counts, re.S)
+
+
+def test_cancelling_one_job_asks_for_confirmation_first(server, pg, make_job):
+    job = make_job(pg, status="running", attempt=1, lease_owner="w1@h/1/b")
+    with _session(server) as http:
+        page = http.get(f"/dashboard/jobs/{job}").text
+        # The job page's Cancel only asks (a GET, no script under the CSP).
+        assert re.search(
+            rf'<form method="get" action="/dashboard/jobs/{job}/cancel"[^>]*><button type="submit" id="cancel">', page
+        )
+        confirm = http.get(f"/dashboard/jobs/{job}/cancel")
+        assert confirm.status_code == 200 and 'id="confirm"' in confirm.text and "final" in confirm.text
+        assert re.search(rf'<form method="post" action="/dashboard/jobs/{job}/cancel">', confirm.text)
+        assert _row(pg, job)["status"] == "running"  # asking changed nothing
+        token = _csrf(http)
+        assert http.post(f"/dashboard/jobs/{job}/cancel", data={"csrf": token}).status_code == 303
+        assert _row(pg, job)["status"] == "cancelled"
+        # Nothing left to cancel: back to the job's page.
+        again = http.get(f"/dashboard/jobs/{job}/cancel")
+        assert again.status_code == 303 and again.headers["location"] == f"/dashboard/jobs/{job}"
+    pending = make_job(pg, status="pending")
+    with _session(server, READER) as reader:
+        assert reader.get(f"/dashboard/jobs/{pending}/cancel").status_code == 403
+    assert _row(pg, pending)["status"] == "pending"
 
 
 def test_retry_makes_a_new_job_and_delete_removes_a_finished_one(server, pg, broker, make_job):

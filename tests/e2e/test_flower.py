@@ -4,6 +4,7 @@ reading the events of a real worker, asked through Flower's own HTTP API."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 
@@ -86,8 +87,10 @@ def test_flower_shows_jobs_by_job_id_with_their_state_and_retries(pg, broker, cl
     assert retrying["name"] == "tests.apps.app.flaky"
     between = mod.leases.get(flaky.id)
     assert between.status is Status.PENDING and between.attempt == 1
-    # ...and no trace of the handler's exception text (it may carry a secret).
+    # ...and no trace of the handler's exception text (it may carry a secret), but its
+    # type and the reference its traceback is logged under, as the job's run events say.
     assert "password" not in str(retrying)
+    assert re.search(r"internal error: ConnectionError \(ref [0-9a-f]{8}\)", retrying["exception"]), retrying
 
     # ...then SUCCESS under the same id once the sweeper delivers the second attempt.
     def finished():

@@ -20,6 +20,12 @@ def get_job(job_id: str) -> sa.Select:
     return sa.select(jobs).where(_c.id == job_id)
 
 
+def ids_between(low: str, high: str, limit: int) -> sa.Select:
+    """ids_between: the first ``limit`` job ids from ``low`` to ``high`` (a prefix's
+    range: a range scan of the primary key, never a scan of the table)."""
+    return sa.select(_c.id).where(_c.id >= low, _c.id <= high).order_by(_c.id).limit(limit)
+
+
 #: What the HTTP API shows of a job: never the payload, checkpoint or lease internals,
 #: which may be megabytes (and the lease owner names a worker host).
 VIEW_COLUMNS = (
@@ -40,11 +46,12 @@ VIEW_COLUMNS = (
 
 
 def get_job_view(job_id: str, *, tenant: str | None = None) -> sa.Select:
-    """get_job_view: one job's API columns; with ``tenant``, only that tenant's job.
+    """get_job_view: one job's API columns and its attempt log; with ``tenant``, only
+    that tenant's job.
 
     The tenant is in the WHERE clause: another tenant's job reads no more than a
     missing one (one primary-key probe, none of its large columns)."""
-    stmt = sa.select(*VIEW_COLUMNS).where(_c.id == job_id)
+    stmt = sa.select(*VIEW_COLUMNS, _c.attempts).where(_c.id == job_id)
     return stmt if tenant is None else stmt.where(_c.tenant == tenant)
 
 
