@@ -25,6 +25,7 @@ def get_job(job_id: str) -> sa.Select:
 VIEW_COLUMNS = (
     _c.id,
     _c.kind,
+    _c.queue,
     _c.status,
     _c.result,
     _c.error,
@@ -96,6 +97,7 @@ def list_jobs(
     *,
     status: str | None = None,
     kind: str | None = None,
+    queue: str | None = None,
     tenant: str | None = None,
     run_id: str | None = None,
     after: tuple[Any, str] | None = None,
@@ -113,6 +115,8 @@ def list_jobs(
         stmt = stmt.where(_c.status == status)
     if kind is not None:
         stmt = stmt.where(_c.kind == kind)
+    if queue is not None:
+        stmt = stmt.where(_c.queue == queue)
     if tenant is not None:
         stmt = stmt.where(_c.tenant == tenant)
     if run_id is not None:
