@@ -238,7 +238,7 @@ class CeleryLease:
             task = self.app.task(
                 name=task_name,
                 base=LeaseTask,
-                queue=queue,  # the task's own, as Celery routing honours it (celery_lease.routing)
+                queue=queue,  # the task's own: a plain send_task of it goes there too
                 bind=True,
                 shared=False,
                 _force_evaluate=True,

@@ -45,7 +45,8 @@ class QueueRouter:
 
     def queue(self, task: str, queue: str | None, payload: Any) -> str | None:
         """The queue a job of Celery task ``task`` goes to; ``queue``: the ``queue=``
-        given at submit (or None). Raises Celery's QueueNotFound for a queue the app
+        given at submit, else the kind's own (or None): Celery's precedence, and the
+        task may still be a lazy proxy the app has not registered. Raises Celery's QueueNotFound for a queue the app
         does not know when ``task_create_missing_queues`` is off, as ``send_task`` would."""
         router = self._app.amqp.router
         if router is not self._router:  # routes reconfigured (a test's app, a reload)

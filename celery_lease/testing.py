@@ -271,7 +271,7 @@ def worker_queues(leases: CeleryLease) -> list[str]:
     kinds: list[str | None] = []
     for spec in leases.registry:
         try:
-            kinds.append(router.queue(spec.task, None, None))
+            kinds.append(router.queue(spec.task, spec.queue, None))
         except Exception:  # a router function that needs a real payload: its queues are task_queues'
             log.debug("celery-lease: no queue for kind %s without a payload", spec.kind, exc_info=True)
     return consumed_queues(leases.app, kinds)
