@@ -193,7 +193,7 @@ class Producer:
             raise InvalidPayload("a job id can be given for one payload only")
         # Routed per job (a router function may look at the payload; dict routes are
         # answered from the router's cache): one queue is the batch's, several are per row.
-        queues = [self._router.queue(spec.task, options.get("queue") or spec.queue, p) for p in serialized]
+        queues = self._router.queues(spec.task, options.get("queue") or spec.queue, serialized)
         shared = self._shared_columns(spec, options, queues[0])
         ids = [job_id] if job_id is not None else [str(uuid.uuid4()) for _ in serialized]
         records: list[dict[str, Any]] = [{"id": i, "payload": p} for i, p in zip(ids, serialized)]

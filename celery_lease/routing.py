@@ -25,7 +25,7 @@ wakeups are then routed by Celery each time, as before), shown as the default qu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Celery
@@ -46,22 +46,26 @@ class QueueRouter:
     def queue(self, task: str, queue: str | None, payload: Any) -> str | None:
         """The queue a job of Celery task ``task`` goes to; ``queue``: the ``queue=``
         given at submit, else the kind's own (or None): Celery's precedence, and the
-        task may still be a lazy proxy the app has not registered. Raises Celery's QueueNotFound for a queue the app
-        does not know when ``task_create_missing_queues`` is off, as ``send_task`` would."""
+        task may still be a lazy proxy the app has not registered. Raises Celery's
+        QueueNotFound for a queue the app does not know when ``task_create_missing_queues``
+        is off, as ``send_task`` would."""
+        return self.queues(task, queue, [payload])[0]
+
+    def queues(self, task: str, queue: str | None, payloads: Sequence[Any]) -> list[str | None]:
+        """:meth:`queue` of each payload of one submit_many; dict-only routes are worked
+        out once for all of them."""
         router = self._app.amqp.router
         if router is not self._router:  # routes reconfigured (a test's app, a reload)
             self._cache.clear()
             self._router = router
-        fixed = all(isinstance(r, MapRoute) for r in router.routes)
+        if not all(isinstance(r, MapRoute) for r in router.routes):
+            return [self._resolve(router, task, queue, payload) for payload in payloads]
         key = (task, queue)
-        if fixed and key in self._cache:
-            return self._cache[key]
-        name = self._resolve(router, task, queue, payload)
-        if fixed:
+        if key not in self._cache:
             if len(self._cache) >= MAX_CACHED:
                 self._cache.clear()
-            self._cache[key] = name
-        return name
+            self._cache[key] = self._resolve(router, task, queue, None)
+        return [self._cache[key]] * len(payloads)
 
     def _resolve(self, router: Any, task: str, queue: str | None, payload: Any) -> str | None:
         # What Task.apply_async hands send_task, and send_task hands the router: the
