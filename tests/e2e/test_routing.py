@@ -8,6 +8,7 @@ import json
 import time
 
 import redis
+from celery import chain
 
 from celery_lease import Status
 from tests.conftest import wait_for
@@ -35,6 +36,9 @@ def test_each_job_is_stored_and_run_on_the_queue_celery_routes_it_to(pg, broker,
     given = mod.echo.apply_async(({"value": 3},), queue="routed")  # queue= of the call
     many = mod.tenant_echo.submit_many([{"tenant": "a"}, {"tenant": "b"}, {"tenant": "a"}])
     plain = mod.echo.submit({"value": 4})  # no route: the default queue, which no worker consumes
+    # A chain's next step is created by the worker with the previous step's success,
+    # routed as its own task (the router reads the step's payload there).
+    last = chain(mod.routed_echo.s({"value": 5}), mod.tenant_echo.si({"tenant": "a"})).apply_async()
 
     expected = {
         routed.id: "routed",
@@ -44,6 +48,8 @@ def test_each_job_is_stored_and_run_on_the_queue_celery_routes_it_to(pg, broker,
         given.id: "routed",
         many[0].id: "tenant-a",
         many[2].id: "tenant-a",
+        last.parent.id: "routed",
+        last.id: "tenant-a",
     }
     for job_id, queue in expected.items():
         done = mod.leases.wait(job_id, timeout=60)
