@@ -42,6 +42,7 @@ SCRAPER = {"Authorization": f"Bearer {ADMIN}"}
 JOB_FIELDS = {
     "id",
     "kind",
+    "queue",
     "status",
     "result",
     "error",
