@@ -341,7 +341,7 @@ def test_reconciliation_shows_the_broker_beside_the_table_and_resends_wakeups(se
 def test_a_routed_job_is_shown_filtered_and_reconciled_on_its_queue(server, pg, broker, client_app, make_job):
     mod = client_app(pg, broker, conf={"task_routes": {"tests.apps.app.echo": {"queue": "routed"}}})
     routed = mod.echo.submit({})
-    other = make_job(pg, kind="echo")  # stored before routing was recorded: no queue
+    other = make_job(pg, kind="echo", queue=None)  # stored before routing was recorded
     assert _queued(broker, "routed") == [routed.id]
     with _session(server) as http:
         page = http.get("/dashboard/reconcile").text
