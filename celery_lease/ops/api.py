@@ -5,7 +5,7 @@ needs the ``api`` extra). Routes::
 
     GET  /api/v1/jobs/{id}            one job
     POST /api/v1/jobs/{id}/cancel     cancel a pending or running job
-    GET  /api/v1/jobs                 ?status=&kind=&limit=&cursor=  newest first
+    GET  /api/v1/jobs                 ?status=&kind=&queue=&limit=&cursor=  newest first
     GET  /api/v1/runs/{id}/events     ?after=&limit=  a run's event log, oldest first
     GET  /api/v1/limits               flow control per kind and key: limits, running, waiting
     GET  /healthz                     200 when the database answers, else 503
@@ -295,9 +295,10 @@ def create_app(leases: CeleryLease) -> FastAPI:
         kind: str | None = Query(None, max_length=listing.MAX_KIND_CHARS, json_schema_extra={"pattern": "^[^\\x00]*$"}),
         limit: int = Query(listing.DEFAULT_LIMIT, ge=1, le=listing.MAX_LIMIT),
         cursor: str | None = Query(None, max_length=listing.MAX_CURSOR_CHARS, description="next_cursor of the previous page"),
+        queue: str | None = Query(None, max_length=listing.MAX_QUEUE_CHARS, json_schema_extra={"pattern": "^[^\\x00]*$"}),
     ):
         try:
-            query = listing.Query.parse(status=status, kind=kind, limit=limit, cursor=cursor)
+            query = listing.Query.parse(status=status, kind=kind, limit=limit, cursor=cursor, queue=queue)
         except ValueError as exc:
             raise ApiError(400, "bad_request", str(exc)) from None
         page = listing.list_view_page(leases, query, tenant=who.tenant)

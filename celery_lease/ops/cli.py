@@ -5,7 +5,7 @@ loaded from ``-A`` and finds the CeleryLease instance at ``app.lease``::
 
     celery -A proj lease migrate                 upgrade the job tables
     celery -A proj lease show ID [--json]        one job (ID: or a unique prefix, >= 8 hex digits)
-    celery -A proj lease list [--status S] [--kind K] [--limit N] [--cursor C] [--json]
+    celery -A proj lease list [--status S] [--kind K] [--queue Q] [--limit N] [--cursor C] [--json]
     celery -A proj lease cancel ID [--json]      exit 1 when the job had already finished
     celery -A proj lease cancel-run RUN [--json]
     celery -A proj lease reap | sweep [--json]   what beat runs, once, now
@@ -230,14 +230,17 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
     help="pending, running, succeeded, failed, expired or cancelled (or Celery's PENDING, STARTED, SUCCESS, FAILURE, REVOKED).",
 )
 @click.option("--kind", default=None, help="Only jobs of this kind.")
+@click.option("--queue", default=None, help="Only jobs Celery routed to this queue.")
 @click.option("--limit", default=str(listing.DEFAULT_LIMIT), show_default=True, help=f"Jobs per page (1-{listing.MAX_LIMIT}).")
 @click.option("--cursor", default=None, help="The next-page cursor printed by a previous list.")
 @json_option
 @click.pass_context
 @_boundary
-def list_(ctx: click.Context, status: str | None, kind: str | None, limit: str, cursor: str | None, as_json: bool) -> None:
+def list_(
+    ctx: click.Context, status: str | None, kind: str | None, queue: str | None, limit: str, cursor: str | None, as_json: bool
+) -> None:
     try:
-        query = listing.Query.parse(status=_status(status), kind=kind, limit=limit, cursor=cursor)
+        query = listing.Query.parse(status=_status(status), kind=kind, limit=limit, cursor=cursor, queue=queue)
     except ValueError as exc:
         raise CliError(str(exc), exit_code=2) from None
     leases = _leases(ctx)

@@ -17,6 +17,9 @@ class ErrorOut(BaseModel):
 class JobFields(BaseModel):
     id: str
     kind: str
+    #: The queue Celery routes the job's task to, where its wakeups go (null: routed by exchange, or
+    #: a job stored before routing was recorded).
+    queue: str | None = None
     status: str
     result: Any = None
     error: str | None = None

@@ -366,6 +366,22 @@ def test_reconciliation_shows_the_broker_beside_the_table_and_resends_wakeups(se
     assert _row(pg, lost)["woken_at"] is not None
 
 
+def test_a_routed_job_is_shown_filtered_and_reconciled_on_its_queue(server, pg, broker, client_app, make_job):
+    mod = client_app(pg, broker, conf={"task_routes": {"tests.apps.app.echo": {"queue": "routed"}}})
+    routed = mod.echo.submit({})
+    other = make_job(pg, kind="echo", queue=None)  # stored before routing was recorded
+    assert _queued(broker, "routed") == [routed.id]
+    with _session(server) as http:
+        page = http.get("/dashboard/reconcile").text
+        queue = re.search(r"<tr><td>routed</td>(.*?)</tr>", page, re.S).group(1)
+        assert re.findall(r'<td class="num">([^<]*)</td>', queue) == ["1", "0", "1", "0 of 1"]
+        listed = http.get("/dashboard/jobs", params={"queue": "routed"}).text
+        assert routed.id in listed and other not in listed
+    with server.client(ADMIN) as api:
+        assert api.get(f"/api/v1/jobs/{routed.id}").json()["queue"] == "routed"
+        assert [j["id"] for j in api.get("/api/v1/jobs", params={"queue": "routed"}).json()["jobs"]] == [routed.id]
+
+
 def test_the_live_page_updates_without_a_reload(browser, server, pg, make_job):
     make_job(pg, kind="echo", status="succeeded", attempt=1, started_at=sa.func.now(), finished_at=sa.func.now())
     sign_in(browser, server, ADMIN)

@@ -42,6 +42,7 @@ SCRAPER = {"Authorization": f"Bearer {ADMIN}"}
 JOB_FIELDS = {
     "id",
     "kind",
+    "queue",
     "status",
     "result",
     "error",
@@ -363,6 +364,8 @@ def test_list_filters_by_status_and_kind(admin, pg, make_job):
         {"cursor": "x" * 300},
         {"kind": "a\x00b"},
         {"kind": "k" * 201},
+        {"queue": "a\x00b"},
+        {"queue": "q" * 201},
     ],
 )
 def test_bad_list_parameters_are_400(admin, params):

@@ -31,6 +31,7 @@ def ids_between(low: str, high: str, limit: int) -> sa.Select:
 VIEW_COLUMNS = (
     _c.id,
     _c.kind,
+    _c.queue,
     _c.status,
     _c.result,
     _c.error,
@@ -103,6 +104,7 @@ def list_jobs(
     *,
     status: str | None = None,
     kind: str | None = None,
+    queue: str | None = None,
     tenant: str | None = None,
     run_id: str | None = None,
     after: tuple[Any, str] | None = None,
@@ -120,6 +122,8 @@ def list_jobs(
         stmt = stmt.where(_c.status == status)
     if kind is not None:
         stmt = stmt.where(_c.kind == kind)
+    if queue is not None:
+        stmt = stmt.where(_c.queue == queue)
     if tenant is not None:
         stmt = stmt.where(_c.tenant == tenant)
     if run_id is not None:
