@@ -234,6 +234,7 @@ class CeleryLease:
             task = self.app.task(
                 name=task_name,
                 base=LeaseTask,
+                queue=queue,  # the task's own: a plain send_task of it goes there too
                 bind=True,
                 shared=False,
                 _force_evaluate=True,
@@ -308,18 +309,17 @@ class CeleryLease:
         return results.LeaseResult(parse_job_id(job_id), backend=backend, app=self.app)
 
     def wait(self, job_id: str, timeout: float = 30.0, poll: float = 0.1) -> Job:
-        """Block until the job is terminal; raises TimeoutError, or LookupError when
-        there is no such job."""
+        """Block until the job is terminal, or raise TimeoutError. A job not created yet is
+        waited for too: a chain's later step is created when the step before it succeeds."""
         job_id = parse_job_id(job_id)
         deadline = time.monotonic() + timeout
         while True:
             job = self.store.get(job_id)
-            if job is None:
-                raise LookupError(f"no job {job_id}")
-            if job.terminal:
+            if job is not None and job.terminal:
                 return job.bind(self)
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"job {job_id} is still {job.status.value} after {timeout}s")
+                state = "does not exist" if job is None else f"is still {job.status.value}"
+                raise TimeoutError(f"job {job_id} {state} after {timeout}s")
             time.sleep(poll)
 
     def cancel(self, job_id: str) -> bool:

@@ -19,6 +19,29 @@ def _utc(value: datetime | None) -> datetime | None:
     return value
 
 
+def _stamp(value: str | None) -> datetime | None:
+    # The attempt log's times are the database's text: ISO 8601 with an offset
+    # (PostgreSQL), or UTC without one (SQLite).
+    return None if value is None else _utc(datetime.fromisoformat(value))
+
+
+def attempt_history(log: Any) -> tuple[dict[str, Any], ...]:
+    """The attempt log (column ``attempts``, db/statements/attempt_log.py) as shown:
+    one entry per attempt in order, ``{"attempt", "worker", "started_at", "ended_at",
+    "outcome"}``, where ``worker`` is the Celery node name (``name@host``) of the lease
+    owner (``node/pid/boot``) and ``ended_at`` is None while it runs."""
+    return tuple(
+        {
+            "attempt": entry["attempt"],
+            "worker": entry["owner"].rsplit("/", 2)[0],
+            "started_at": _stamp(entry["started_at"]),
+            "ended_at": _stamp(entry["ended_at"]),
+            "outcome": entry["outcome"],
+        }
+        for entry in log or ()
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     id: str
@@ -45,6 +68,8 @@ class Job:
     task: str
     queue: str | None
     priority: int = 0
+    #: attempt_history: every attempt (at most the last 50), in order.
+    attempts: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> Job:
@@ -73,6 +98,7 @@ class Job:
             task=row["task"],
             queue=row["queue"],
             priority=row.get("priority", 0),
+            attempts=attempt_history(row.get("attempts")),
         )
 
     @classmethod
@@ -164,6 +190,8 @@ class Job:
                 value = value.isoformat()
             elif isinstance(value, Status):
                 value = value.value
+            elif field.name == "attempts":
+                value = [{k: v.isoformat() if isinstance(v, datetime) else v for k, v in a.items()} for a in value]
             out[field.name] = value
         return out
 

@@ -26,7 +26,8 @@ class JobKind:
     lease_seconds: int
     retry_backoff: float
     retry_backoff_max: float
-    #: The queue its wakeups go to (None: Celery's routing decides).
+    #: @leases.job(queue=...): the Celery task's own queue, which routing honours before
+    #: task_routes (celery_lease.routing); None: task_routes or the default queue decide.
     queue: str | None
     #: Flow control (concurrency, concurrency_key, rate_limit); None: unlimited.
     limits: Limits | None = None

@@ -30,6 +30,7 @@ from celery_lease.flow.limits import parse_priority
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 from celery_lease.payload import storable_text
+from celery_lease.routing import QueueRouter
 from celery_lease.settings import Settings
 from celery_lease.status import Event, Status
 
@@ -118,6 +119,7 @@ class Producer:
         self._settings = settings
         self._hooked_engines: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
         self._wakeups = wakeups.Publisher(app)
+        self._router = QueueRouter(app)
 
     def serialize(self, spec: JobKind, payload: Any) -> Any:
         """Validate and serialize one payload; raises InvalidPayload, storing nothing."""
@@ -128,7 +130,7 @@ class Producer:
         options = check_options(options)
         job_id = options.get("job_id")
         return {
-            **self._shared_columns(spec, options),
+            **self._shared_columns(spec, options, self._router.queue(spec.task, options.get("queue") or spec.queue, payload)),
             # A Celery task id chosen in advance (task_id=, a frozen canvas) is the job id.
             "id": str(uuid.uuid4()) if job_id is None else job_id,
             "payload": payload,
@@ -136,14 +138,15 @@ class Producer:
             "concurrency_key": None if spec.limits is None else spec.limits.key_for(spec.kind, payload),
         }
 
-    def _shared_columns(self, spec: JobKind, options: dict[str, Any]) -> dict[str, Any]:
-        """What every job of one submit shares (checked options): q.BATCH_SHARED_COLUMNS,
-        and due_at / due_in from which the database sets run_after and woken_at."""
+    def _shared_columns(self, spec: JobKind, options: dict[str, Any], queue: str | None) -> dict[str, Any]:
+        """What every job of one submit shares (checked options; ``queue``: the routed
+        one, celery_lease.routing): q.BATCH_SHARED_COLUMNS, and due_at / due_in from
+        which the database sets run_after and woken_at."""
         due_at, due_in = run_after_time(options.get("run_after"))
         return {
             "kind": spec.kind,
             "task": spec.task,
-            "queue": options.get("queue") or spec.queue,
+            "queue": queue,
             "status": Status.PENDING.value,
             "attempt": 0,
             "max_attempts": spec.max_attempts,
@@ -188,9 +191,15 @@ class Producer:
         if job_id is not None and len(serialized) != 1:
             # A frozen Celery task id (canvas, task_id=) names exactly one job.
             raise InvalidPayload("a job id can be given for one payload only")
-        shared = self._shared_columns(spec, options)
+        # Routed per job (a router function may look at the payload; dict routes are
+        # answered from the router's cache): one queue is the batch's, several are per row.
+        queues = self._router.queues(spec.task, options.get("queue") or spec.queue, serialized)
+        shared = self._shared_columns(spec, options, queues[0])
         ids = [job_id] if job_id is not None else [str(uuid.uuid4()) for _ in serialized]
         records: list[dict[str, Any]] = [{"id": i, "payload": p} for i, p in zip(ids, serialized)]
+        if len(set(queues)) > 1:
+            for record, queue in zip(records, queues):
+                record["queue"] = queue
         if keys is not None:
             for record, key in zip(records, keys):
                 record["idempotency_key"] = key
@@ -198,7 +207,7 @@ class Producer:
             for record in records:
                 record["concurrency_key"] = spec.limits.key_for(spec.kind, record["payload"])
         keyed = keys is not None
-        if self._store.dialect != "postgresql":
+        if self._store.dialect != "postgresql" or len(set(queues)) > 1:
             rows = [{**shared, "idempotency_key": None, "concurrency_key": None, **r} for r in records]
             return self.submit_rows(rows, keyed=keyed, connection=connection, wake=wake)
         store = self._store

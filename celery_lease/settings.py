@@ -66,6 +66,9 @@ class Settings:
     #: rest are summed per kind as key "other". A key is payload text (e.g. a customer
     #: name): 0, the default, exports none
     metrics_key_labels: int = 0
+    #: a stored error of an exception names its type and a log reference only; True adds
+    #: the exception's text, redacted (worker/incident.py) and capped
+    error_detail: bool = False
     #: the API: requests a second per bearer token (bursts of twice that) before 429; 0: off
     api_rate: float = 50.0
     #: the dashboard's session cookie is always Secure (else only when the request came

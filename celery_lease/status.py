@@ -63,3 +63,21 @@ class Event(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class AttemptOutcome(str, enum.Enum):
+    """How an attempt ended, in the job's attempt log (db/statements/attempt_log.py)."""
+
+    RUNNING = "running"  # not ended yet
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # a Failure, an unstorable value, or an error on the last attempt
+    RETRIED = "retried"  # an error with attempts left
+    TIMED_OUT = "timed out"  # past the kind's timeout (retried, or failed on the last attempt)
+    SNOOZED = "snoozed"
+    HANDED_OFF = "handed off"  # warm shutdown, or a claim that came too late in its lease
+    LEASE_EXPIRED = "lease expired"  # reaped: the worker stopped renewing (killed, lost, stalled)
+    INTERRUPTED = "interrupted"  # its worker node restarted (restart recovery)
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value

@@ -24,7 +24,10 @@ Fixtures:
     (its parts are remade on that database and restored afterwards).
 ``lease_worker``
     ``celery_lease`` with a real Celery worker running in a thread of the test process
-    (solo pool, in-memory broker: the app's ``broker_url`` is ``memory://`` for the test)
+    (solo pool, in-memory broker: the app's ``broker_url`` is ``memory://`` for the test),
+    consuming every queue the app routes to (the default queue, ``task_queues``, the queues
+    ``task_routes``' dicts name and each kind's own; a router function's per-payload queues
+    must be in ``task_queues``)
     and a maintenance thread doing what beat would (sweep and reap every 0.2 s, so retries
     and delayed jobs run). ``task.delay(p)``, ``task.submit(p)``, chains and groups go
     through the worker: claim, heartbeat, fenced writes and retries as in production.
@@ -62,6 +65,7 @@ from celery_lease.db import migrate
 from celery_lease.db.store import Store
 from celery_lease.extension import CeleryLease
 from celery_lease.job import Job
+from celery_lease.routing import QueueRouter, consumed_queues
 
 log = logging.getLogger("celery_lease")
 
@@ -256,5 +260,18 @@ def lease_worker(celery_lease) -> Iterator[CeleryLease]:
 
     app = celery_lease.app
     with memory_broker(app), maintenance(celery_lease):
-        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30, queues=worker_queues(celery_lease)):
             yield celery_lease
+
+
+def worker_queues(leases: CeleryLease) -> list[str]:
+    """The queues ``lease_worker`` consumes: every one the app routes to (celery_lease.routing),
+    each leased kind's as routed without a payload included."""
+    router = QueueRouter(leases.app)
+    kinds: list[str | None] = []
+    for spec in leases.registry:
+        try:
+            kinds.append(router.queue(spec.task, spec.queue, None))
+        except Exception:  # a router function that needs a real payload: its queues are task_queues'
+            log.debug("celery-lease: no queue for kind %s without a payload", spec.kind, exc_info=True)
+    return consumed_queues(leases.app, kinds)

@@ -387,6 +387,8 @@ def make_job():
             "id": str(uuid.uuid4()),
             "kind": kind,
             "task": task,
+            # As submit stores it for tests.apps.app: its routed queue (celery_lease.routing).
+            "queue": "celery",
             "status": status,
             "attempt": 0,
             "max_attempts": 3,

@@ -179,7 +179,8 @@ def register(
         if getattr(sender, "app", None) is not app:
             return
         tasks = {name: (fns[name], interval) for name, interval in _intervals(settings()).items()}
-        runner = runners.setdefault(os.getpid(), TickRunner(app, settings().maintenance_queue, tasks))
+        hostname = getattr(sender, "hostname", None)
+        runner = runners.setdefault(os.getpid(), TickRunner(app, settings().maintenance_queue, tasks, hostname))
         runner.start()
 
     @signals.worker_shutdown.connect(weak=False)

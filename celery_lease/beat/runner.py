@@ -14,6 +14,12 @@ pool at all:
   clock with the worker's. A backlog (workers were down while beat ran) is drained
   instead: a tick of a kind this worker ran less than half an interval ago is acked
   and skipped. Ticks are idempotent and bounded, so running one late is harmless.
+
+With ``task_send_sent_event`` on, beat announces every tick it sends (``task-sent``),
+and Flower lists it as PENDING until an event says how it ended; the pool's consumer
+would send those, but a tick never reaches it. So the runner announces the end of each
+tick itself (``task-succeeded``, or ``task-failed`` naming the exception type only), a
+skipped one included: otherwise Flower piled up a PENDING tick every few seconds.
 """
 
 from __future__ import annotations
@@ -36,9 +42,13 @@ class TickRunner:
     #: Seconds to wait before reconnecting after a broker error.
     RECONNECT = 1.0
 
-    def __init__(self, app: Celery, queue: str, tasks: dict[str, tuple[Callable[[], Any], float]]) -> None:
+    def __init__(
+        self, app: Celery, queue: str, tasks: dict[str, tuple[Callable[[], Any], float]], hostname: str | None = None
+    ) -> None:
         self._app = app
         self._queue = queue
+        #: The worker's node name, which the tick's events carry (Flower's "worker").
+        self._hostname = hostname
         #: task name -> (what to run, its interval in seconds)
         self._tasks = tasks
         self._last: dict[str, float] = {}
@@ -97,6 +107,7 @@ class TickRunner:
     def _on_message(self, body: Any, message: Any) -> None:
         headers = message.headers or {}
         name = headers.get("task") or (body.get("task") if isinstance(body, dict) else None)
+        task_id = headers.get("id")
         # Acked before running: a tick is idempotent, and one lost with this process is
         # replaced by the next one beat sends.
         message.ack()
@@ -109,11 +120,26 @@ class TickRunner:
         last = self._last.get(name or "")
         if last is not None and now - last < interval / 2:
             self.skipped += 1
+            self._announce(task_id, "task-succeeded", result="skipped", runtime=0.0)
             return
         self._last[name or ""] = now
         try:
-            run()
+            done = run()
             self.ran += 1
             log.debug("celery-lease: maintenance tick %s done", name)
-        except Exception:
+            self._announce(task_id, "task-succeeded", result=repr(done), runtime=time.monotonic() - now)
+        except Exception as exc:
             log.exception("celery-lease: maintenance tick %s failed", name)
+            self._announce(task_id, "task-failed", exception=type(exc).__name__, traceback=None)
+
+    def _announce(self, task_id: Any, event: str, **fields: Any) -> None:
+        """Tell event monitors (Flower) how a tick beat announced has ended (see the module
+        docstring); one event, never retried: a monitor that misses it only shows a tick
+        as PENDING, as before."""
+        if not (self._app.conf.task_send_sent_event and isinstance(task_id, str)):
+            return
+        try:
+            with self._app.events.default_dispatcher(hostname=self._hostname) as dispatcher:
+                dispatcher.send(event, uuid=task_id, **fields)
+        except Exception as exc:
+            log.debug("celery-lease: cannot announce maintenance tick %s: %s", task_id, type(exc).__name__)

@@ -8,6 +8,7 @@ in its own transaction.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
@@ -44,6 +45,13 @@ class Reads:
             return None if row is None else Job.from_row(row)
 
         return self.transaction(self.durable, work)
+
+    def ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
+        """Up to ``limit`` job ids that start with ``prefix`` (lowercase hex digits of the
+        id, without hyphens), in order."""
+        low, high = (str(uuid.UUID(hex=prefix.ljust(32, pad))) for pad in "0f")
+        stmt = reads.ids_between(low, high, limit)
+        return self.transaction(self.durable, lambda c: [str(i) for i in c.execute(stmt).scalars()])
 
     def list_jobs(self, **filters) -> list[Job]:
         """A list that may lag (lease_read_database_url): for showing, never for deciding."""

@@ -92,6 +92,10 @@ jobs = sa.Table(
     # The submitter's OpenTelemetry context (celery_lease.tracing: JSON of the W3C
     # traceparent / tracestate headers), parent of every attempt's span. NULL untraced.
     sa.Column("trace_context", sa.Text),
+    # Every attempt in order (at most the last 50): attempt, owner, started_at, ended_at,
+    # outcome; appended by the claim, closed by what ends the attempt, in their own
+    # statements (db/statements/attempt_log.py). NULL before the first claim.
+    sa.Column("attempts", JSON),
     sa.CheckConstraint(_in("status", Status), name="celery_lease_jobs_status_check"),
     sa.CheckConstraint("attempt >= 0 AND max_attempts >= 1", name="celery_lease_jobs_attempts_check"),
     # Room on each page for a row's next version, so an update that changes no indexed

@@ -25,8 +25,9 @@ failed, expired, cancelled     FAILED (``errors[0].traceback`` is the stored err
 =============================  ===============
 
 A task that raises is retried with backoff while attempts remain (``MAX_ATTEMPTS``, 3;
-1 gives Django's no-retry behaviour), then FAILED with the error ``"internal error"``;
-the exception and its traceback go to the worker log only. ``priority`` (-100..100) is
+1 gives Django's no-retry behaviour), then FAILED with the error ``"internal error:
+<exception type> (ref <r>)"``; the exception's text and traceback go to the worker log
+only, under that reference. ``priority`` (-100..100) is
 the job's priority plus 100; ``run_after`` waits in the database.
 
 OPTIONS: ``APP`` (the Celery app's import path, default: Celery's current app),

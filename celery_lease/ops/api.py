@@ -5,7 +5,7 @@ needs the ``api`` extra). Routes::
 
     GET  /api/v1/jobs/{id}            one job
     POST /api/v1/jobs/{id}/cancel     cancel a pending or running job
-    GET  /api/v1/jobs                 ?status=&kind=&limit=&cursor=  newest first
+    GET  /api/v1/jobs                 ?status=&kind=&queue=&limit=&cursor=  newest first
     GET  /api/v1/runs/{id}/events     ?after=&limit=  a run's event log, oldest first
     GET  /api/v1/limits               flow control per kind and key: limits, running, waiting
     GET  /healthz                     200 when the database answers, else 503
@@ -77,6 +77,7 @@ from celery_lease.errors import DatabaseUnavailable
 from celery_lease.job import parse_job_id
 from celery_lease.ops import listing, metrics
 from celery_lease.ops.guard import Guard
+from celery_lease.ops.retry import retry_as_new
 from celery_lease.ops.throttle import Gate, retry_after
 from celery_lease.ops.tokens import (
     TOKENS_ENV,
@@ -97,6 +98,7 @@ from celery_lease.ops.wire import (
     JobOut,
     JobPageOut,
     LimitsOut,
+    RetryOut,
 )
 from celery_lease.status import Event, Status
 
@@ -124,6 +126,7 @@ def _error(status: int, error: str, detail: str | None = None, headers: dict | N
     return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
 
 
+_CONFLICT = {"model": ErrorOut, "description": "the job has not ended, or succeeded: nothing to retry"}
 _HTTP_CODES = {403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
 _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
@@ -256,7 +259,8 @@ def create_app(leases: CeleryLease) -> FastAPI:
 
     @api.get("/api/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, description=STRICT_QUERY)
     def get_job(job_id: str = JOB_ID, who: Caller = Security(caller)):
-        return listing.api_view(visible_job(job_id, who))
+        job = visible_job(job_id, who)
+        return {**listing.api_view(job), "attempts": listing.attempts_view(job["attempts"], show_worker=who.tenant is None)}
 
     @api.post("/api/v1/jobs/{job_id}/cancel", response_model=CancelOut, responses=_ERRORS)
     def cancel_job(job_id: str = JOB_ID, who: Caller = Security(caller)):
@@ -270,6 +274,20 @@ def create_app(leases: CeleryLease) -> FastAPI:
         now = leases.store.get_view(job["id"]) or job
         return {"id": job["id"], "cancelled": cancelled, "status": now["status"]}
 
+    @api.post("/api/v1/jobs/{job_id}/retry", response_model=RetryOut, responses={**_ERRORS, 409: _CONFLICT})
+    def retry_job(job_id: str = JOB_ID, who: Caller = Security(caller)):
+        """Submit a failed, expired or cancelled job again as a new job (the dashboard's
+        retry), whose fencing tokens start above every token of the original. Tokens
+        bound to no tenant and not read-only only. Query parameters the route does not
+        declare are refused (400)."""
+        if who.read_only or who.tenant is not None:
+            raise ApiError(403, "forbidden", "retry needs a token bound to no tenant and not read-only")
+        job = visible_job(job_id, who)
+        made = retry_as_new(leases, job["id"])
+        if made is None:
+            raise ApiError(409, "conflict", f"the job is {job['status']}: only failed, expired or cancelled jobs are retried")
+        return {"job_id": made}
+
     @api.get("/api/v1/jobs", response_model=JobPageOut, responses=_ERRORS, description=STRICT_QUERY)
     def list_jobs(
         who: Caller = Security(caller),
@@ -277,9 +295,10 @@ def create_app(leases: CeleryLease) -> FastAPI:
         kind: str | None = Query(None, max_length=listing.MAX_KIND_CHARS, json_schema_extra={"pattern": "^[^\\x00]*$"}),
         limit: int = Query(listing.DEFAULT_LIMIT, ge=1, le=listing.MAX_LIMIT),
         cursor: str | None = Query(None, max_length=listing.MAX_CURSOR_CHARS, description="next_cursor of the previous page"),
+        queue: str | None = Query(None, max_length=listing.MAX_QUEUE_CHARS, json_schema_extra={"pattern": "^[^\\x00]*$"}),
     ):
         try:
-            query = listing.Query.parse(status=status, kind=kind, limit=limit, cursor=cursor)
+            query = listing.Query.parse(status=status, kind=kind, limit=limit, cursor=cursor, queue=queue)
         except ValueError as exc:
             raise ApiError(400, "bad_request", str(exc)) from None
         page = listing.list_view_page(leases, query, tenant=who.tenant)

@@ -4,8 +4,8 @@ Installed through the ``celery.commands`` entry point, so it runs with the app C
 loaded from ``-A`` and finds the CeleryLease instance at ``app.lease``::
 
     celery -A proj lease migrate                 upgrade the job tables
-    celery -A proj lease show ID [--json]        one job
-    celery -A proj lease list [--status S] [--kind K] [--limit N] [--cursor C] [--json]
+    celery -A proj lease show ID [--json]        one job (ID: or a unique prefix, >= 8 hex digits)
+    celery -A proj lease list [--status S] [--kind K] [--queue Q] [--limit N] [--cursor C] [--json]
     celery -A proj lease cancel ID [--json]      exit 1 when the job had already finished
     celery -A proj lease cancel-run RUN [--json]
     celery -A proj lease reap | sweep [--json]   what beat runs, once, now
@@ -120,6 +120,34 @@ def _id(value: str, what: str = "job") -> str:
         raise CliError(f"malformed {what} id {value[:64]!r} (expected a UUID)", exit_code=2) from None
 
 
+#: ``show`` takes an id's first hex digits, at least this many (the dashboard shows 8).
+MIN_PREFIX = 8
+#: The ids an ambiguous prefix lists.
+PREFIX_CANDIDATES = 5
+_PREFIX = re.compile(rf"[0-9a-f]{{{MIN_PREFIX},32}}")
+
+
+def _id_or_prefix(leases, value: str) -> str:
+    """A job id, or the one job whose id starts with ``value`` (hex digits, hyphens
+    ignored): read as a range of the primary key, never a scan of the table."""
+    try:
+        return parse_job_id(value)
+    except ValueError:
+        pass
+    digits = value.replace("-", "").lower()
+    if not _PREFIX.fullmatch(digits):
+        raise CliError(
+            f"malformed job id {value[:64]!r} (expected a UUID, or at least {MIN_PREFIX} of its first hex digits)", exit_code=2
+        )
+    found = leases.store.ids_with_prefix(digits, PREFIX_CANDIDATES + 1)
+    if not found:
+        raise CliError(f"no job whose id starts with {value!r}")
+    if len(found) > 1:
+        more = ", ..." if len(found) > PREFIX_CANDIDATES else ""
+        raise CliError(f"job id prefix {value!r} is ambiguous: {', '.join(found[:PREFIX_CANDIDATES])}{more}")
+    return found[0]
+
+
 def _leases(ctx: click.Context):
     app = ctx.find_root().obj.app
     leases = getattr(app, "lease", None)
@@ -169,24 +197,29 @@ def migrate(ctx: click.Context) -> None:
     click.echo(f"celery-lease schema at revision {revision} ({printable(leases.store.display_url)})")
 
 
-@lease.command(help="Show one job.")
+@lease.command(help="Show one job (by its id, or a unique prefix of 8 or more hex digits).")
 @click.argument("job_id")
 @json_option
 @click.pass_context
 @_boundary
 def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
-    job_id = _id(job_id)
-    job = _leases(ctx).store.get(job_id)
+    leases = _leases(ctx)
+    job_id = _id_or_prefix(leases, job_id)
+    job = leases.store.get(job_id)
     if job is None:
         raise CliError(f"no job {job_id}")
     data = job.to_dict()
     width = max(len(k) for k in data)
     # JSON values are shown as JSON (json.dumps escapes control characters); text is
-    # escaped by printable().
+    # escaped by printable(). The attempts follow, one line each.
     text = "\n".join(
         f"{k.ljust(width)}  {json.dumps(v) if isinstance(v, (dict, list)) else ('' if v is None else printable(str(v)))}"
         for k, v in data.items()
+        if k != "attempts"
     )
+    for a in data["attempts"]:
+        ended = a["ended_at"] or "(running)"
+        text += f"\n  attempt {a['attempt']}  {printable(a['worker'])}  {a['started_at']} -> {ended}  {a['outcome']}"
     _emit(as_json, data, text)
 
 
@@ -197,14 +230,17 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
     help="pending, running, succeeded, failed, expired or cancelled (or Celery's PENDING, STARTED, SUCCESS, FAILURE, REVOKED).",
 )
 @click.option("--kind", default=None, help="Only jobs of this kind.")
+@click.option("--queue", default=None, help="Only jobs Celery routed to this queue.")
 @click.option("--limit", default=str(listing.DEFAULT_LIMIT), show_default=True, help=f"Jobs per page (1-{listing.MAX_LIMIT}).")
 @click.option("--cursor", default=None, help="The next-page cursor printed by a previous list.")
 @json_option
 @click.pass_context
 @_boundary
-def list_(ctx: click.Context, status: str | None, kind: str | None, limit: str, cursor: str | None, as_json: bool) -> None:
+def list_(
+    ctx: click.Context, status: str | None, kind: str | None, queue: str | None, limit: str, cursor: str | None, as_json: bool
+) -> None:
     try:
-        query = listing.Query.parse(status=_status(status), kind=kind, limit=limit, cursor=cursor)
+        query = listing.Query.parse(status=_status(status), kind=kind, limit=limit, cursor=cursor, queue=queue)
     except ValueError as exc:
         raise CliError(str(exc), exit_code=2) from None
     leases = _leases(ctx)

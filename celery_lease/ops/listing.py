@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from celery_lease.job import Job
+from celery_lease.job import Job, attempt_history
 from celery_lease.status import Status
 
 if TYPE_CHECKING:
@@ -33,6 +33,8 @@ MAX_LIMIT = 500
 MAX_CURSOR_CHARS = 200
 #: The width of the ``kind`` column: no longer kind can exist.
 MAX_KIND_CHARS = 200
+#: The width of the ``queue`` column.
+MAX_QUEUE_CHARS = 200
 
 #: A list row carries a job's result or progress only up to this size (its JSON text).
 SUMMARY_VALUE_BYTES = 1024
@@ -44,6 +46,7 @@ MAX_PAGE_BYTES = 1024 * 1024
 API_FIELDS = (
     "id",
     "kind",
+    "queue",
     "status",
     "result",
     "error",
@@ -68,13 +71,21 @@ def parse_status(value: str | None) -> str | None:
         raise ValueError(f"unknown status {value[:40]!r} (one of: {known})") from None
 
 
-def parse_kind(value: str | None) -> str | None:
+def _column_text(value: str | None, width: int, what: str) -> str | None:
     if value is None:
         return None
     # PostgreSQL text cannot hold NUL; refusing it here keeps it a 400, not a 500.
-    if len(value) > MAX_KIND_CHARS or "\x00" in value:
-        raise ValueError(f"not a job kind: at most {MAX_KIND_CHARS} characters, no NUL")
+    if len(value) > width or "\x00" in value:
+        raise ValueError(f"not {what}: at most {width} characters, no NUL")
     return value
+
+
+def parse_kind(value: str | None) -> str | None:
+    return _column_text(value, MAX_KIND_CHARS, "a job kind")
+
+
+def parse_queue(value: str | None) -> str | None:
+    return _column_text(value, MAX_QUEUE_CHARS, "a queue name")
 
 
 def parse_limit(value: Any) -> int:
@@ -126,13 +137,21 @@ class Query:
     kind: str | None = None
     limit: int = DEFAULT_LIMIT
     after: tuple[datetime, str] | None = None
+    #: The job's routed queue (celery_lease.routing).
+    queue: str | None = None
 
     @classmethod
     def parse(
-        cls, *, status: str | None = None, kind: str | None = None, limit: Any = DEFAULT_LIMIT, cursor: str | None = None
+        cls,
+        *,
+        status: str | None = None,
+        kind: str | None = None,
+        limit: Any = DEFAULT_LIMIT,
+        cursor: str | None = None,
+        queue: str | None = None,
     ) -> Query:
         """Raises ValueError, naming what is wrong, before anything is read."""
-        return cls(parse_status(status), parse_kind(kind), parse_limit(limit), decode_cursor(cursor))
+        return cls(parse_status(status), parse_kind(kind), parse_limit(limit), decode_cursor(cursor), parse_queue(queue))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +164,9 @@ class Page:
 def list_page(leases: CeleryLease, query: Query, *, tenant: str | None = None) -> Page:
     """One page of jobs, newest first. ``tenant`` None means every tenant."""
     # One row more than asked tells whether another page exists.
-    jobs = leases.store.list_jobs(status=query.status, kind=query.kind, tenant=tenant, after=query.after, limit=query.limit + 1)
+    jobs = leases.store.list_jobs(
+        status=query.status, kind=query.kind, queue=query.queue, tenant=tenant, after=query.after, limit=query.limit + 1
+    )
     more = len(jobs) > query.limit
     jobs = jobs[: query.limit]
     return Page(jobs, encode_cursor(jobs[-1]) if more else None)
@@ -166,6 +187,7 @@ def list_view_page(leases: CeleryLease, query: Query, *, tenant: str | None = No
         max_value_bytes=SUMMARY_VALUE_BYTES,
         status=query.status,
         kind=query.kind,
+        queue=query.queue,
         tenant=tenant,
         after=query.after,
         limit=query.limit + 1,
@@ -191,6 +213,11 @@ def summary_view(row: Mapping[str, Any]) -> dict[str, Any]:
         out[f"{name}_bytes"] = size
         out[f"{name}_omitted"] = size is not None and size > SUMMARY_VALUE_BYTES
     return out
+
+
+def attempts_view(log: Any, *, show_worker: bool) -> list[dict[str, Any]]:
+    """A job's attempts (job.attempt_history); a tenant's token sees no worker host."""
+    return [entry if show_worker else {**entry, "worker": None} for entry in attempt_history(log)]
 
 
 def api_view(job: Job | Mapping[str, Any]) -> dict[str, Any]:

@@ -14,9 +14,12 @@ class ErrorOut(BaseModel):
     detail: str | None = None
 
 
-class JobOut(BaseModel):
+class JobFields(BaseModel):
     id: str
     kind: str
+    #: The queue Celery routes the job's task to, where its wakeups go (null: routed by exchange, or
+    #: a job stored before routing was recorded).
+    queue: str | None = None
     status: str
     result: Any = None
     error: str | None = None
@@ -30,7 +33,24 @@ class JobOut(BaseModel):
     parent_id: str | None = None
 
 
-class JobSummaryOut(JobOut):
+class AttemptOut(BaseModel):
+    attempt: int
+    #: The Celery node name (name@host) that ran it; null for a tenant's token.
+    worker: str | None = None
+    started_at: datetime
+    #: Null while it runs.
+    ended_at: datetime | None = None
+    #: running, succeeded, failed, retried, timed out, snoozed, handed off, lease expired,
+    #: interrupted (its worker restarted) or cancelled.
+    outcome: str
+
+
+class JobOut(JobFields):
+    #: Every attempt in order (at most the last 50).
+    attempts: list[AttemptOut] = []
+
+
+class JobSummaryOut(JobFields):
     """A job in a list: result or progress over 1 KiB is null (*_omitted); see one job's route."""
 
     result_bytes: int | None = None
@@ -49,6 +69,11 @@ class CancelOut(BaseModel):
     #: True when this request moved the job to cancelled; False when it was terminal.
     cancelled: bool
     status: str
+
+
+class RetryOut(BaseModel):
+    #: The new job: same kind, payload, queue, priority, run and tenant as the retried one.
+    job_id: str
 
 
 class EventOut(BaseModel):

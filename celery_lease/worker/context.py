@@ -39,7 +39,13 @@ class Staged:
 
 
 class JobContext:
-    """The handler's view of its job.
+    """The handler's view of its job (its first argument; docs/guide.md has the table).
+
+    Identity: ``job_id``, ``attempt``, ``max_attempts``, ``run_id``, ``parent_id``,
+    ``fencing_token``, ``checkpoint``. Stopping: ``cancelled``, ``suspended``,
+    ``raise_if_cancelled()``, ``snooze(seconds)``, ``heartbeat()``. Fenced writes:
+    ``publish(partial)``, ``flush_progress()``, ``save_checkpoint(data)``. Committed with
+    the success: ``effect(fn)``, ``submit(task, payload, **options)``.
 
     Every write it makes is fenced by the attempt's lease generation: once the lease
     is lost (cancel, reaper, another attempt), writes are discarded and ``cancelled``
@@ -70,28 +76,36 @@ class JobContext:
         self._progress: Any = None
         self._progress_dirty = False
         self._progress_written_at = 0.0
+        #: What effect() and submit() staged; the worker writes it with the success (not for handlers).
         self.staged = Staged()
 
     # --- identity ------------------------------------------------------------------
 
     @property
     def job_id(self) -> str:
+        """The job's id (a UUID string), which is also its Celery task id."""
         return self._attempt.job_id
 
     @property
     def attempt(self) -> int:
+        """This attempt's number, 1 for the first; a snooze or a warm-shutdown hand-off
+        gives its attempt back, so the next run has the same number."""
         return self._attempt.attempt
 
     @property
     def max_attempts(self) -> int:
+        """The kind's max_attempts: on the last attempt an exception fails the job
+        (error "internal error") instead of retrying it."""
         return self._attempt.max_attempts
 
     @property
     def run_id(self) -> str | None:
+        """The run the job belongs to (children submitted here join it), or None."""
         return self._attempt.run_id
 
     @property
     def parent_id(self) -> str | None:
+        """The job whose success created this one (ctx.submit, a chain's previous step), or None."""
         return self._attempt.parent_id
 
     @property
@@ -116,6 +130,8 @@ class JobContext:
 
     @property
     def cancelled(self) -> bool:
+        """True once the job was cancelled or its lease lost (reaped, timed out), or while
+        the worker shuts down warm: stop at the next raise_if_cancelled()."""
         return self._attempt.is_lost or self.suspended
 
     def raise_if_cancelled(self) -> None:
@@ -167,6 +183,8 @@ class JobContext:
             self.flush_progress()
 
     def flush_progress(self) -> None:
+        """Write the value publish() is holding back now, rather than at the next write
+        or with the outcome; nothing when there is none or the lease is lost."""
         if not self._progress_dirty:
             return
         self._progress_dirty = False
@@ -177,6 +195,8 @@ class JobContext:
 
     @property
     def pending_progress(self) -> Any:
+        """The published value not written yet (None when none is waiting): the worker
+        writes it with the outcome."""
         return self._progress if self._progress_dirty else None
 
     # --- work that commits with success --------------------------------------------
@@ -191,7 +211,9 @@ class JobContext:
     def submit(self, task: Any, payload: Any, **options) -> None:
         """Submit a child job, created in the same transaction as this job's success
         (no child without the parent's success). It inherits this job's run and
-        tenant, and has this job as its parent."""
+        tenant, and has this job as its parent. ``task``: a kind name or leased task;
+        ``options``: submit's (queue=, priority=, run_after=, idempotency_key=, ...); its
+        queue is routed as any submit's (celery_lease.routing)."""
         spec = self._registry.resolve(task)
         options.setdefault("run_id", self.run_id)
         options.setdefault("tenant", self._attempt.tenant)

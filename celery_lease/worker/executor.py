@@ -37,7 +37,8 @@ from celery_lease.worker.batch import Batches
 from celery_lease.worker.completion import Completer, completer_for
 from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
-from celery_lease.worker.outcome import INTERNAL_ERROR, Outcome, backoff
+from celery_lease.worker.incident import incident
+from celery_lease.worker.outcome import Outcome, backoff
 from celery_lease.worker.record import Recorder
 from celery_lease.worker.timeouts import Timeouts
 
@@ -240,9 +241,8 @@ class WorkerState:
             outcome = (Outcome.SNOOZED, exc.seconds)
         except JobCancelled:
             outcome = (Outcome.CANCELLED, None)
-        except Exception:
-            log.exception("celery-lease: job %s (%s) attempt %d raised", attempt.job_id, spec.kind, attempt.attempt)
-            outcome = (Outcome.ERROR, None)
+        except Exception as exc:
+            outcome = (Outcome.ERROR, self._incident(exc, attempt, spec.kind, "raised"))
 
         status, value = outcome
         signal: Exception | None = None  # what Celery is told, after the write
@@ -254,17 +254,11 @@ class WorkerState:
                     return value
                 except (LeaseLost, DatabaseUnavailable):
                     raise
-                except Exception:
+                except Exception as exc:
                     # An effect or a child insert raised: the success transaction rolled
                     # back whole, the job still runs under this lease, and the attempt
                     # ends like a handler that raised.
-                    log.exception(
-                        "celery-lease: job %s (%s) attempt %d: success transaction failed",
-                        attempt.job_id,
-                        spec.kind,
-                        attempt.attempt,
-                    )
-                    status = Outcome.ERROR
+                    status, value = Outcome.ERROR, self._incident(exc, attempt, spec.kind, "success transaction failed")
             attempt.outcome = status
             if status is Outcome.SUSPENDED:
                 self.record.hand_off(attempt)
@@ -274,10 +268,15 @@ class WorkerState:
                 log.info("celery-lease: job %s: stopped after cancel or lease loss", attempt.job_id)
             elif status is Outcome.ERROR and attempt.attempt < attempt.max_attempts:
                 delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
-                self.record.retry(attempt, delay)
-                signal = Retry(f"attempt {attempt.attempt} of {attempt.max_attempts} failed; retrying in {delay:.1f}s")
+                self.record.retry(attempt, delay, why=str(value))
+                # Celery's log line and its task-retried event (Flower's RETRY "exception",
+                # which is Retry.exc) carry the same text-free error as the run's event.
+                signal = Retry(
+                    f"attempt {attempt.attempt} of {attempt.max_attempts} failed ({value}); retrying in {delay:.1f}s",
+                    exc=JobFailed(str(value)),
+                )
             else:
-                error = str(value) if status is Outcome.FAILED else INTERNAL_ERROR
+                error = str(value)
                 self.record.fail(attempt, error)
                 # A Failure is an outcome the handler chose: Celery logs it without a traceback.
                 signal = JobRefused(error) if status is Outcome.FAILED else JobFailed(error)
@@ -288,3 +287,18 @@ class WorkerState:
         if signal is not None:
             raise signal
         return None
+
+    def _incident(self, exc: Exception, attempt: Attempt, kind: str, what: str) -> str:
+        """The error stored for ``exc``; its text and traceback go to the log only,
+        under the reference that error carries (worker/incident.py)."""
+        found = incident(exc, detail=self.settings.error_detail)
+        log.error(
+            "celery-lease: job %s (%s) attempt %d %s (ref %s)",
+            attempt.job_id,
+            kind,
+            attempt.attempt,
+            what,
+            found.ref,
+            exc_info=exc,
+        )
+        return found.error

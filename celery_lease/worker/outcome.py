@@ -1,15 +1,11 @@
-"""How an attempt's body ended, and what follows from it: the outcome, the errors
-stored for an exception, and the backoff before a retry."""
+"""How an attempt's body ended, and what follows from it: the outcome, the error
+stored for a timeout, and the backoff before a retry."""
 
 from __future__ import annotations
 
 import enum
 import random
 
-#: The stored error of any exception that is not a Failure. Its text and traceback go
-#: to the log with the job id, never to the table: a dependency's message may carry a
-#: secret (a DSN, a token, a row of customer data).
-INTERNAL_ERROR = "internal error"
 #: The stored error of a job whose last attempt ran past its kind's timeout.
 TIMED_OUT = "timed out"
 

@@ -117,8 +117,10 @@ class Recorder:
     def fail(self, attempt: Attempt, error: str) -> None:
         self.pipeline.execute(tr.FAIL, {"new_error": error}, attempt=attempt, error=error)
 
-    def retry(self, attempt: Attempt, delay: float) -> None:
-        self.pipeline.execute(tr.RETRY, {"delay": delay, "why": None}, attempt=attempt)
+    def retry(self, attempt: Attempt, delay: float, why: str | None = None) -> None:
+        """Back to pending, due after ``delay``; ``why`` (the stored form of its error)
+        goes to the run's event."""
+        self.pipeline.execute(tr.RETRY, {"delay": delay, "why": why}, attempt=attempt)
 
     def hand_off(self, attempt: Attempt, why: str | None = None) -> None:
         """Warm shutdown (or ``why`` else): back to pending at once, attempt not spent,

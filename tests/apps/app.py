@@ -96,7 +96,8 @@ def flaky(ctx: JobContext, payload: dict) -> dict:
     if payload.get("failure"):
         raise Failure(payload["failure"])
     if ctx.attempt < payload.get("ok_at", 10**6):
-        raise ConnectionError(f"could not connect: password={os.environ.get('CL_TEST_SECRET', 'hunter2')}")
+        error = {"timeout": TimeoutError, "value": ValueError}.get(payload.get("raise"), ConnectionError)
+        raise error(f"could not connect: password={os.environ.get('CL_TEST_SECRET', 'hunter2')}")
     return {"ok_at": ctx.attempt}
 
 

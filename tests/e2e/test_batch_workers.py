@@ -35,8 +35,10 @@ def test_a_pool_child_killed_mid_batch_loses_nothing_and_reruns_nothing_finished
     )
     for i in ids[:2]:  # finished before the kill: written, never run again
         assert mod.leases.get(i).attempt == 1 and not (marker_dir / f"start-{i}-2").exists()
+        assert [(a["attempt"], a["outcome"]) for a in mod.leases.get(i).attempts] == [(1, "succeeded")]
     for i in ids[3:]:  # not started at the kill: requeued by the reaper and run
         assert mod.leases.get(i).attempt == 2
+        assert [(a["attempt"], a["outcome"]) for a in mod.leases.get(i).attempts] == [(1, "lease expired"), (2, "succeeded")]
 
 
 @pytest.mark.timeout(120)

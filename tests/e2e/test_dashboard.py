@@ -104,6 +104,10 @@ def test_sign_in_filter_open_a_job_and_cancel_it(browser, server, pg, make_job):
     assert '"table": "t0"' in browser.find_element(By.ID, "job-payload").text
 
     browser.find_element(By.ID, "cancel").click()
+    # Cancel asks first; nothing is cancelled until the confirmation's button.
+    _wait(browser, ec.presence_of_element_located((By.ID, "confirm")))
+    assert _status(pg, echo[0]) == "pending"
+    browser.find_element(By.ID, "confirm").click()
     _wait(browser, lambda b: b.find_element(By.ID, "job-status").text == "cancelled")
     assert _status(pg, echo[0]) == "cancelled"
     assert not browser.find_elements(By.ID, "cancel")  # nothing left to cancel
@@ -265,6 +269,30 @@ def test_a_job_run_by_a_worker_shows_its_attempts_and_live_figures(server, pg, b
         assert re.search(r"flaky</a></td>.*?s-succeeded\"><a [^>]*>1</a>", counts, re.S)
 
 
+def test_cancelling_one_job_asks_for_confirmation_first(server, pg, make_job):
+    job = make_job(pg, status="running", attempt=1, lease_owner="w1@h/1/b")
+    with _session(server) as http:
+        page = http.get(f"/dashboard/jobs/{job}").text
+        # The job page's Cancel only asks (a GET, no script under the CSP).
+        assert re.search(
+            rf'<form method="get" action="/dashboard/jobs/{job}/cancel"[^>]*><button type="submit" id="cancel">', page
+        )
+        confirm = http.get(f"/dashboard/jobs/{job}/cancel")
+        assert confirm.status_code == 200 and 'id="confirm"' in confirm.text and "final" in confirm.text
+        assert re.search(rf'<form method="post" action="/dashboard/jobs/{job}/cancel">', confirm.text)
+        assert _row(pg, job)["status"] == "running"  # asking changed nothing
+        token = _csrf(http)
+        assert http.post(f"/dashboard/jobs/{job}/cancel", data={"csrf": token}).status_code == 303
+        assert _row(pg, job)["status"] == "cancelled"
+        # Nothing left to cancel: back to the job's page.
+        again = http.get(f"/dashboard/jobs/{job}/cancel")
+        assert again.status_code == 303 and again.headers["location"] == f"/dashboard/jobs/{job}"
+    pending = make_job(pg, status="pending")
+    with _session(server, READER) as reader:
+        assert reader.get(f"/dashboard/jobs/{pending}/cancel").status_code == 403
+    assert _row(pg, pending)["status"] == "pending"
+
+
 def test_retry_makes_a_new_job_and_delete_removes_a_finished_one(server, pg, broker, make_job):
     run = str(uuid.uuid4())
     failed = make_job(
@@ -336,6 +364,22 @@ def test_reconciliation_shows_the_broker_beside_the_table_and_resends_wakeups(se
         assert r.status_code == 303 and "sent=" in r.headers["location"]
     assert lost in _queued(broker)
     assert _row(pg, lost)["woken_at"] is not None
+
+
+def test_a_routed_job_is_shown_filtered_and_reconciled_on_its_queue(server, pg, broker, client_app, make_job):
+    mod = client_app(pg, broker, conf={"task_routes": {"tests.apps.app.echo": {"queue": "routed"}}})
+    routed = mod.echo.submit({})
+    other = make_job(pg, kind="echo", queue=None)  # stored before routing was recorded
+    assert _queued(broker, "routed") == [routed.id]
+    with _session(server) as http:
+        page = http.get("/dashboard/reconcile").text
+        queue = re.search(r"<tr><td>routed</td>(.*?)</tr>", page, re.S).group(1)
+        assert re.findall(r'<td class="num">([^<]*)</td>', queue) == ["1", "0", "1", "0 of 1"]
+        listed = http.get("/dashboard/jobs", params={"queue": "routed"}).text
+        assert routed.id in listed and other not in listed
+    with server.client(ADMIN) as api:
+        assert api.get(f"/api/v1/jobs/{routed.id}").json()["queue"] == "routed"
+        assert [j["id"] for j in api.get("/api/v1/jobs", params={"queue": "routed"}).json()["jobs"]] == [routed.id]
 
 
 def test_the_live_page_updates_without_a_reload(browser, server, pg, make_job):

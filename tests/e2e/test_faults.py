@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from celery_lease import Status
 from celery_lease.db.schema import events, jobs
 from celery_lease.lifecycle import transition as tr
+from celery_lease.ops import listing
 from tests.apps.app import effects
 from tests.conftest import local_pipeline, wait_for
 
@@ -148,6 +149,33 @@ def test_killed_worker_job_is_reaped_and_resumed_from_checkpoint(pg, broker, cli
     assert (marker_dir / f"start-2-{saved}").exists()
 
 
+def attempts_of(job) -> list[tuple[int, str, str]]:
+    """(attempt, worker, outcome) of each entry of a Job's attempt log."""
+    return [(a["attempt"], a["worker"], a["outcome"]) for a in job.attempts]
+
+
+def test_a_job_outside_a_run_lists_every_attempt_with_its_worker_and_outcome(pg, broker, client_app, workers, db, marker_dir):
+    mod = client_app(pg, broker, extra_env=MEDIUM)
+    w1 = workers(pg, broker, name="w1", extra_env=MEDIUM)
+    job = mod.steps.submit({"steps": 30, "sleep": 0.2, "marker_dir": str(marker_dir)})  # no run: no run events
+    wait_for(lambda: checkpoint_reached(db, job.id, 2), timeout=30, what="checkpoint 2")
+    (running,) = mod.leases.get(job.id).attempts
+    assert (running["attempt"], running["worker"], running["outcome"], running["ended_at"]) == (1, "w1@testhost", "running", None)
+    w1.kill(signal.SIGKILL)
+    reap_until(mod.leases, "requeued")
+    workers(pg, broker, name="w2", extra_env=MEDIUM)
+    done = mod.leases.wait(job.id, timeout=60)
+    assert done.status is Status.SUCCEEDED and done.attempt == 2
+    assert attempts_of(done) == [(1, "w1@testhost", "lease expired"), (2, "w2@testhost", "succeeded")]
+    first, second = done.attempts
+    assert first["started_at"] < first["ended_at"] <= second["started_at"] < second["ended_at"]
+    assert run_events(db, job.id) == []  # the log is on the row, not in a run's events
+    # What GET /api/v1/jobs/{id} answers: the same attempts; a tenant's token sees no worker.
+    view = mod.leases.store.get_view(job.id)
+    assert listing.attempts_view(view["attempts"], show_worker=True) == list(done.attempts)
+    assert {a["worker"] for a in listing.attempts_view(view["attempts"], show_worker=False)} == {None}
+
+
 # --- 3. SIGKILL of one pool child ------------------------------------------------------
 
 
@@ -173,6 +201,8 @@ def test_killed_pool_child_job_is_released_and_finished_by_the_same_worker(pg, b
     assert done.status is Status.SUCCEEDED and done.attempt == 2 and done.lease_losses == 1
     assert done.result["resumed_from"] >= 2
     assert w1.proc.poll() is None  # the worker itself survived its child
+    # The dead child's lease elapsed at once (expire_leases_of) and was reaped.
+    assert attempts_of(done) == [(1, "w1@testhost", "lease expired"), (2, "w1@testhost", "succeeded")]
     owners = [detail for event, detail in run_events(db, job.id) if event == "claimed"]
     assert len(owners) == 2
     assert all(o.startswith("w1@testhost/") for o in owners)
@@ -255,6 +285,7 @@ def test_cancel_running_job_stops_it_and_discards_its_later_writes(pg, broker, c
     w = workers(pg, broker, extra_env=SHORT)
     job = mod.steps.submit({"steps": 100, "sleep": 0.3})
     _cancel_running_and_check(mod, w, db, job, mod.leases.cancel)
+    assert attempts_of(mod.leases.get(job.id)) == [(1, "w1@testhost", "cancelled")]
 
 
 def _cancel_waiter(pg, broker, client_app, workers, marker_dir, lease, cancel, pool: str = "prefork") -> None:
@@ -374,6 +405,8 @@ def test_warm_shutdown_hands_the_job_to_another_worker(pg, broker, client_app, w
     done = mod.leases.wait(job.id, timeout=60)
     assert done.status is Status.SUCCEEDED and done.attempt == 1
     assert done.result == {"counted": 40, "resumed_from": saved}
+    # The handed-off attempt was given back: the next claim is attempt 1 again.
+    assert attempts_of(done) == [(1, "w1@testhost", "handed off"), (1, "w2@testhost", "succeeded")]
 
 
 # --- 7. restart recovery --------------------------------------------------------------
@@ -393,6 +426,7 @@ def test_restarted_worker_requeues_its_interrupted_job_at_once(pg, broker, clien
     assert done.status is Status.SUCCEEDED and done.attempt == 2 and done.lease_losses == 1
     assert done.result["resumed_from"] >= 2
     assert ("requeued", "interrupted by restart: pending") in run_events(db, job.id)
+    assert attempts_of(done) == [(1, "w1@testhost", "interrupted"), (2, "w1@testhost", "succeeded")]
 
 
 def test_restart_recovery_fails_a_job_with_no_attempts_left(pg, broker, workers, db, make_job):

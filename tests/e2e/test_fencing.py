@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from celery_lease import Status
+from celery_lease.ops.retry import retry_as_new
 from tests.conftest import wait_for
 from tests.e2e.test_faults import pid_in
 from tests.e2e.test_liveness_faults import crashable_pg, migrated  # noqa: F401  (a fixture)
@@ -118,3 +119,32 @@ def test_the_fencing_token_grows_with_every_claim_across_a_postgresql_crash(
     assert len(tokens) >= 3
     assert all(a < b for a, b in zip(tokens, tokens[1:])), claims()
     assert mod.leases.get(job.id).lease_generation == tokens[-1]
+
+
+@pytest.mark.timeout(120)
+def test_a_retry_as_a_new_job_hands_out_tokens_above_every_token_of_the_original(pg, broker, client_app, workers, marker_dir):
+    """The dashboard's and the API's retry (ops.retry) makes a new job for the same
+    resource: a system that saw the original's tokens must accept the retry's writes,
+    so the retry's first token is above every token the original handed out (its
+    claims, and the cancel that revoked it)."""
+    conf = {"lease_sweep_stale_seconds": 1}
+    mod = client_app(pg, broker, conf=conf, extra_env=ENV, module=APP)
+    workers(pg, broker, module=APP, conf=conf, extra_env=ENV)
+    log = marker_dir / "tokens"
+    for attempt in (1, 2, 3):
+        (marker_dir / f"go-{attempt}").touch()
+    job = mod.fence_log.submit({"ok_at": 3, "marker_dir": str(marker_dir)})
+    # Attempt 1 fails and waits for its backoff (no beat runs: nothing wakes it).
+    wait_for(lambda: mod.leases.get(job.id).status is Status.PENDING and log.exists(), timeout=30, what="attempt 1 to fail")
+    assert mod.leases.cancel(job.id)
+    original = mod.leases.get(job.id).lease_generation  # the cancel's revoke bumped it
+    retry = retry_as_new(mod.leases, job.id)
+    assert retry is not None
+    wait_for(lambda: maintain(mod) or mod.leases.get(retry).status is Status.SUCCEEDED, timeout=60, what="the retry to succeed")
+
+    tokens = [int(line.split()[1]) for line in log.read_text().splitlines()]
+    assert len(tokens) == 4, tokens  # the original's attempt 1, the retry's three
+    assert tokens[1] > original >= tokens[0], tokens
+    assert all(a < b for a, b in zip(tokens, tokens[1:])), tokens
+    new = mod.leases.get(retry)
+    assert new.parent_id == job.id and new.attempt == 3 and new.lease_generation == tokens[-1]

@@ -207,6 +207,8 @@ def test_snooze_any_number_of_times_with_max_attempts_1_still_succeeds(db, fleet
     row = rows[job.id]
     assert row["result"] == {"snoozed": 3, "attempt": 1}
     assert (row["attempt"], row["max_attempts"], row["checkpoint"]) == (1, 1, None)
+    # Each snooze gave its attempt back: four claims of attempt 1.
+    assert [(a["attempt"], a["outcome"]) for a in row["attempts"]] == [(1, "snoozed")] * 3 + [(1, "succeeded")]
 
 
 # --- cancel and faults -------------------------------------------------------------------

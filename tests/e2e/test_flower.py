@@ -4,6 +4,7 @@ reading the events of a real worker, asked through Flower's own HTTP API."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 
@@ -86,8 +87,10 @@ def test_flower_shows_jobs_by_job_id_with_their_state_and_retries(pg, broker, cl
     assert retrying["name"] == "tests.apps.app.flaky"
     between = mod.leases.get(flaky.id)
     assert between.status is Status.PENDING and between.attempt == 1
-    # ...and no trace of the handler's exception text (it may carry a secret).
+    # ...and no trace of the handler's exception text (it may carry a secret), but its
+    # type and the reference its traceback is logged under, as the job's run events say.
     assert "password" not in str(retrying)
+    assert re.search(r"internal error: ConnectionError \(ref [0-9a-f]{8}\)", retrying["exception"]), retrying
 
     # ...then SUCCESS under the same id once the sweeper delivers the second attempt.
     def finished():
@@ -132,3 +135,27 @@ def test_flower_shows_revoked_after_progress_and_held_instead_of_started(pg, bro
     mod.leases.resume("echo")
     assert mod.leases.wait(held.id, 30).status is Status.SUCCEEDED
     _state_in_flower(flower, held.id, "SUCCESS")
+
+
+def test_flower_shows_beats_maintenance_ticks_ended_not_pending(pg, broker, workers, beats, flower):
+    # Beat announces each tick it sends (task_send_sent_event, as tasks/app.py sets it);
+    # a tick runs on the worker's tick runner, never in the pool, so the runner must say
+    # how it ended or Flower keeps it PENDING forever.
+    conf = {**EVENTS, "task_send_sent_event": True, "lease_reap_interval": 1, "lease_sweep_interval": 1}
+    workers(pg, broker, conf=conf)
+    beat = beats(pg, broker, conf=conf)
+
+    def ticks() -> dict:
+        listed = {}
+        for name in ("celery_lease.reap", "celery_lease.sweep"):
+            listed.update(flower.get("/api/tasks", params={"taskname": name}).json())
+        return listed
+
+    wait_for(lambda: len(ticks()) >= 4, timeout=60, interval=0.5, what="Flower to list beat's ticks")
+    beat.kill()  # no tick sent from here on: each listed one must end
+    wait_for(
+        lambda: (shown := ticks()) and all(t["state"] == "SUCCESS" for t in shown.values()),
+        timeout=30,
+        interval=0.5,
+        what="every tick Flower lists to be SUCCESS",
+    )

@@ -423,8 +423,10 @@ def test_an_attempt_past_its_kinds_timeout_is_stopped_and_retried(pg, broker, cl
         assert done.status is Status.SUCCEEDED and done.attempt == 2 and done.result == {"attempt": 2}
         assert any(e == "retried" and d.startswith("timed out") for e, d in run_events(db, job.id))
         assert f"job {job.id} (hung) attempt 1 timed out after 2.0s" in w.log()
+        assert [(a["attempt"], a["outcome"]) for a in done.attempts] == [(1, "timed out"), (2, "succeeded")]
     failed = mod.leases.wait(last.id, timeout=30)
     assert failed.status is Status.FAILED and failed.error == "timed out" and failed.attempt == 1
+    assert [(a["attempt"], a["outcome"]) for a in failed.attempts] == [(1, "timed out")]
     wait_for(lambda: f"job {polite.id}: stopped after cancel or lease loss" in w.log(), timeout=10, what="attempt 1 to stop")
     # The stubborn attempt 1 wakes from its sleep long after: its success is discarded.
     wait_for(

@@ -42,6 +42,7 @@ SCRAPER = {"Authorization": f"Bearer {ADMIN}"}
 JOB_FIELDS = {
     "id",
     "kind",
+    "queue",
     "status",
     "result",
     "error",
@@ -136,6 +137,7 @@ def test_every_api_route_needs_a_valid_bearer_token(server, pg, make_job):
     routes = [
         ("GET", f"/api/v1/jobs/{job}"),
         ("POST", f"/api/v1/jobs/{job}/cancel"),
+        ("POST", f"/api/v1/jobs/{job}/retry"),
         ("GET", "/api/v1/jobs"),
         ("GET", f"/api/v1/runs/{run}/events"),
     ]
@@ -193,11 +195,40 @@ def test_get_job_returns_its_fields(admin, pg, make_job):
     r = admin.get(f"/api/v1/jobs/{job}")
     assert r.status_code == 200
     body = r.json()
-    assert set(body) == JOB_FIELDS  # the payload and lease internals are not exposed
+    assert set(body) == JOB_FIELDS | {"attempts"}  # the payload and lease internals are not exposed
+    assert body["attempts"] == []  # made as succeeded: never claimed, no attempt log
     assert body["id"] == job and body["status"] == "succeeded" and body["kind"] == "echo"
     assert body["result"] == {"rows": 10} and body["progress"] == {"done": 10}
     assert body["attempt"] == 2 and body["max_attempts"] == 3
     assert datetime.fromisoformat(body["finished_at"]).tzinfo is not None
+
+
+def test_get_job_lists_its_attempts_and_hides_the_worker_from_a_tenant(server, admin, pg, make_job):
+    log = [
+        {
+            "attempt": 1,
+            "owner": "w1@host-a/41/b00t",
+            "started_at": "2026-11-30T10:00:00+00:00",
+            "ended_at": "2026-11-30T10:01:00+00:00",
+            "outcome": "lease expired",
+        },
+        {
+            "attempt": 2,
+            "owner": "w2@host-b/7.T/b00u",
+            "started_at": "2026-11-30T10:02:00+00:00",
+            "ended_at": None,
+            "outcome": "running",
+        },
+    ]
+    job = make_job(pg, status="running", attempt=2, tenant="acme", attempts=log)
+    attempts = admin.get(f"/api/v1/jobs/{job}").json()["attempts"]
+    assert [(a["attempt"], a["worker"], a["outcome"], a["ended_at"]) for a in attempts] == [
+        (1, "w1@host-a", "lease expired", "2026-11-30T10:01:00Z"),
+        (2, "w2@host-b", "running", None),
+    ]
+    with server.client(ACME) as acme:
+        seen = acme.get(f"/api/v1/jobs/{job}").json()["attempts"]
+    assert [(a["attempt"], a["worker"], a["outcome"]) for a in seen] == [(1, None, "lease expired"), (2, None, "running")]
 
 
 def test_unknown_job_is_404_and_malformed_ids_are_400(admin, pg):
@@ -229,6 +260,44 @@ def test_cancel_over_http(admin, pg, make_job):
     r = admin.post(f"/api/v1/jobs/{done}/cancel")
     assert r.json() == {"id": done, "cancelled": False, "status": "succeeded"}
     assert _row(pg, done)["status"] == "succeeded"
+
+
+def test_retry_over_http_makes_a_new_job_fenced_above_the_original(server, admin, pg, make_job):
+    ended = {"finished_at": sa.func.now(), "attempt": 3}
+    original = make_job(
+        pg, status="failed", error="internal error", lease_generation=7, payload={"n": 1}, queue="q2", priority=4, **ended
+    )
+    r = admin.post(f"/api/v1/jobs/{original}/retry")
+    assert r.status_code == 200, r.text
+    assert set(r.json()) == {"job_id"}
+    new, old = _row(pg, r.json()["job_id"]), _row(pg, original)
+    for same in ("kind", "task", "payload", "queue", "priority", "tenant", "run_id", "max_attempts"):
+        assert new[same] == old[same], same
+    assert (new["status"], new["attempt"], new["parent_id"]) == ("pending", 0, original)
+    # Its first claim's token (generation + 1) is above every token the original handed out.
+    assert new["lease_generation"] == 7
+    assert old["status"] == "failed"  # the original never changes
+    # Only an ended job that did not succeed is retried; nothing changes otherwise.
+    for status in ("pending", "running", "succeeded"):
+        job = make_job(pg, status=status)
+        r = admin.post(f"/api/v1/jobs/{job}/retry")
+        assert (r.status_code, r.json()["error"]) == (409, "conflict"), status
+        assert _row(pg, job)["status"] == status
+    assert admin.post(f"/api/v1/jobs/{uuid.uuid4()}/retry").status_code == 404
+    assert admin.post("/api/v1/jobs/not-a-uuid/retry").json()["error"] == "bad_request"
+    # Tenant and read-only tokens may not retry (as they may not set limits).
+    mine = make_job(pg, status="cancelled", tenant="acme", finished_at=sa.func.now())
+    before = _count_jobs(pg)
+    for token in (ACME, READER):
+        with server.client(token) as c:
+            r = c.post(f"/api/v1/jobs/{mine}/retry")
+            assert (r.status_code, r.json()["error"]) == (403, "forbidden"), token
+    assert _count_jobs(pg) == before
+
+
+def _count_jobs(db: str) -> int:
+    with sa.create_engine(db).connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(jobs)).scalar_one()
 
 
 def test_a_read_only_token_reads_but_cannot_cancel(server, pg, make_job):
@@ -295,6 +364,8 @@ def test_list_filters_by_status_and_kind(admin, pg, make_job):
         {"cursor": "x" * 300},
         {"kind": "a\x00b"},
         {"kind": "k" * 201},
+        {"queue": "a\x00b"},
+        {"queue": "q" * 201},
     ],
 )
 def test_bad_list_parameters_are_400(admin, params):
@@ -586,6 +657,7 @@ def test_openapi_schema_declares_the_routes_and_bearer_auth(server):
     assert {
         "/api/v1/jobs/{job_id}",
         "/api/v1/jobs/{job_id}/cancel",
+        "/api/v1/jobs/{job_id}/retry",
         "/api/v1/jobs",
         "/api/v1/runs/{run_id}/events",
         "/api/v1/limits",
@@ -593,7 +665,14 @@ def test_openapi_schema_declares_the_routes_and_bearer_auth(server):
         "/metrics",
     } <= set(schema["paths"])
     assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    assert set(schema["components"]["schemas"]["JobOut"]["properties"]) == JOB_FIELDS
+    assert set(schema["components"]["schemas"]["JobOut"]["properties"]) == JOB_FIELDS | {"attempts"}
+    assert set(schema["components"]["schemas"]["AttemptOut"]["properties"]) == {
+        "attempt",
+        "worker",
+        "started_at",
+        "ended_at",
+        "outcome",
+    }
 
 
 # --- property-based: no input makes a 500 -----------------------------------------------
@@ -646,7 +725,7 @@ def _fuzz(server, seeded, *, max_examples: int, derandomize: bool) -> None:
     # sent with a valid one and count as "invalid data accepted".
     api.config.generation.update(with_security_parameters=False)
     operations = [result.ok() for result in api.get_all_operations()]
-    assert len(operations) == 7
+    assert len(operations) == 8
 
     for operation, mode in itertools.product(operations, GenerationMode):
         # A cursor is opaque: a string the schema allows is still refused (400) unless
@@ -685,6 +764,7 @@ def test_every_route_refuses_query_parameters_it_does_not_declare(admin, seeded)
     for method, path in (
         ("GET", f"/api/v1/jobs/{job}"),
         ("POST", f"/api/v1/jobs/{uuid.uuid4()}/cancel"),
+        ("POST", f"/api/v1/jobs/{uuid.uuid4()}/retry"),
         ("GET", "/api/v1/jobs"),
         ("GET", f"/api/v1/runs/{run}/events"),
         ("GET", "/api/v1/limits"),

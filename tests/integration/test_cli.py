@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
+from celery_lease.db.statements import reads
 from tests.conftest import CELERY, ROOT, _env, throwaway_database
 
 
@@ -60,8 +61,18 @@ def test_show_as_text_and_json(cli, pg, make_job):
         result=None,
         progress={"rows": 120},
         finished_at=sa.func.now(),
+        attempts=[
+            {
+                "attempt": 1,
+                "owner": "w1@a/9/b",
+                "started_at": "2026-11-30T10:00:00+00:00",
+                "ended_at": "2026-11-30T10:01:00+00:00",
+                "outcome": "lease expired",
+            }
+        ],
     )
     proc = cli("show", job)
+    assert "  attempt 1  w1@a  2026-11-30T10:00:00+00:00 -> 2026-11-30T10:01:00+00:00  lease expired" in proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr
     lines = dict(line.split(None, 1) for line in proc.stdout.splitlines() if len(line.split(None, 1)) == 2)
     assert lines["id"] == job and lines["status"] == "failed"
@@ -69,6 +80,43 @@ def test_show_as_text_and_json(cli, pg, make_job):
     data = json.loads(cli("show", job, "--json").stdout)
     assert data["id"] == job and data["status"] == "failed" and data["attempt"] == 3
     assert data["progress"] == {"rows": 120} and data["finished_at"]
+    assert data["attempts"] == [
+        {
+            "attempt": 1,
+            "worker": "w1@a",
+            "started_at": "2026-11-30T10:00:00+00:00",
+            "ended_at": "2026-11-30T10:01:00+00:00",
+            "outcome": "lease expired",
+        }
+    ]
+
+
+def test_show_takes_a_unique_id_prefix(cli, pg, make_job):
+    twins = [make_job(pg, id=f"4faa87cc-0000-4000-8000-00000000000{i}") for i in (1, 2)]
+    alone = make_job(pg, id="5e1f0a2b-0000-4000-8000-000000000003", status="failed", error="boom", finished_at=sa.func.now())
+    for prefix in ("5e1f0a2b", "5E1F0A2B-00", "5e1f0a2b0000"):
+        proc = cli("show", prefix, "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["id"] == alone
+    line = _one_line_error(cli("show", "4faa87cc"))
+    assert "ambiguous" in line and all(t in line for t in twins)
+    assert "no job whose id starts with 'deadbeef'" in _one_line_error(cli("show", "deadbeef"))
+    for bad in ("4faa87c", "4faa87cg", "4faa87cc-00000-4000-8000-0000000000011"):
+        proc = cli("show", bad)
+        assert proc.returncode == 2 and "malformed job id" in _one_line_error(proc), bad
+
+
+def test_an_id_prefix_is_read_from_the_primary_key(pg):
+    """Never a scan of the table: with sequential scans priced out, the plan is still
+    a scan of the primary key's range (it would be a Seq Scan were the range not indexable)."""
+    stmt = reads.ids_between("4faa87cc-0000-0000-0000-000000000000", "4faa87cc-ffff-ffff-ffff-ffffffffffff", 6)
+    engine = sa.create_engine(pg)
+    with engine.begin() as conn:
+        conn.execute(sa.text("SET LOCAL enable_seqscan = off"))
+        compiled = stmt.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True})
+        plan = "\n".join(r[0] for r in conn.execute(sa.text(f"EXPLAIN {compiled}")))
+    engine.dispose()
+    assert "celery_lease_jobs_pkey" in plan and "Seq Scan" not in plan, plan
 
 
 def test_list_filters_and_renders_an_aligned_table(cli, pg, make_job):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import sqlalchemy as sa
 
@@ -69,28 +71,61 @@ def test_failure_is_stored_capped_without_retry(pg, broker, client_app, workers)
     assert len(done.error.encode()) == 512
 
 
+def _finish(mod, *jobs):
+    def finished():
+        mod.leases.sweep()  # beat's sweeper delivers the retry once its backoff is due
+        now = [mod.leases.get(j.id) for j in jobs]
+        return now if all(j.terminal for j in now) else None
+
+    return wait_for(finished, timeout=40, interval=0.2, what="retries to finish")
+
+
+def _secret_in_no_table(pg: str, secret: str) -> None:
+    with sa.create_engine(pg).connect() as conn:
+        for table in (jobs, runs, events):
+            for row in conn.execute(sa.select(table)):
+                assert secret not in repr(tuple(row)), table.name
+
+
 def test_exceptions_retry_then_fail_as_internal_error_without_leaking(pg, broker, client_app, workers):
     mod = client_app(pg, broker, conf={"lease_sweep_interval": 0.5})
     secret = "s3cr3t-Tok3n-42"
     w = workers(pg, broker, extra_env={"CL_TEST_SECRET": secret})
     job = mod.flaky.submit({}, run_id="11111111-1111-4111-8111-111111111111")
+    timing_out = mod.flaky.submit({"raise": "timeout"})
 
-    def finished():
-        mod.leases.sweep()  # beat's sweeper delivers the retry once its backoff is due
-        job_now = mod.leases.get(job.id)
-        return job_now if job_now.terminal else None
-
-    done = wait_for(finished, timeout=30, interval=0.2, what="retries to finish")
+    done, timed_out = _finish(mod, job, timing_out)
     assert done.status is Status.FAILED and done.attempt == 3
-    assert done.error == "internal error"
-    # The secret is in the worker log (with the job id) and in no column of any table.
-    assert secret in w.log() and job.id in w.log()
+    # The stored error names the exception's type and a reference, never its text.
+    found = re.fullmatch(r"internal error: ConnectionError \(ref ([0-9a-f]{8})\)", done.error)
+    assert found, done.error
+    assert re.fullmatch(r"internal error: TimeoutError \(ref [0-9a-f]{8}\)", timed_out.error), timed_out.error
+    # The secret is in the worker log (with the job id and the reference, beside the
+    # traceback) and in no column of any table.
+    log = w.log()
+    assert secret in log and job.id in log
+    logged = re.search(rf"job {job.id} \(flaky\) attempt 3 raised \(ref {found[1]}\)\nTraceback", log)
+    assert logged, "the reference is not logged with the traceback"
+    _secret_in_no_table(pg, secret)
     with sa.create_engine(pg).connect() as conn:
-        for table in (jobs, runs, events):
-            for row in conn.execute(sa.select(table)):
-                assert secret not in repr(tuple(row)), table.name
-        kinds = [r.event for r in conn.execute(sa.select(events.c.event).order_by(events.c.id))]
-    assert kinds.count("retried") == 2 and kinds[-1] == "failed"
+        rows = conn.execute(sa.select(events.c.event, events.c.detail).where(events.c.job_id == job.id).order_by(events.c.id))
+        ended = [(r.event, r.detail) for r in rows if r.event not in ("dispatched", "claimed")]
+    assert [e for e, _ in ended] == ["retried", "retried", "failed"]
+    assert [(a["attempt"], a["outcome"]) for a in done.attempts] == [(1, "retried"), (2, "retried"), (3, "failed")]
+    # Each retry's event says which exception ended its attempt.
+    assert all(d.startswith("internal error: ConnectionError (ref ") for _, d in ended), ended
+
+
+def test_error_detail_opt_in_stores_the_text_redacted(pg, broker, client_app, workers):
+    mod = client_app(pg, broker, conf={"lease_sweep_interval": 0.5})
+    secret = "s3cr3t-Tok3n-43"
+    workers(pg, broker, conf={"lease_error_detail": True}, extra_env={"CL_TEST_SECRET": secret})
+    (done,) = _finish(mod, mod.flaky.submit({"raise": "value"}))
+    assert done.status is Status.FAILED
+    assert re.fullmatch(r"internal error: ValueError: could not connect: password=\*\*\* \(ref [0-9a-f]{8}\)", done.error), (
+        done.error
+    )
+    _secret_in_no_table(pg, secret)
 
 
 def test_retry_succeeds_on_a_later_attempt(pg, broker, client_app, workers):

@@ -18,6 +18,7 @@ from celery import Celery
 from celery_lease import CeleryLease, Failure
 
 app = Celery("shopapp")  # no broker configured: the plugin's worker uses memory://
+app.conf.task_routes = {"shopapp.celery.report*": {"queue": "reports"}}
 leases = CeleryLease(app)
 
 
@@ -26,6 +27,11 @@ def double(ctx, payload):
     if payload["n"] < 0:
         raise Failure("negative")
     return {"n": payload["n"] * 2}
+
+
+@leases.job(kind="report")
+def report(ctx, payload):
+    return {"n": payload["n"] + 1}
 
 
 @leases.job(kind="flaky", max_attempts=3)
@@ -37,9 +43,11 @@ def flaky(ctx, payload):
 
 #: The user's test file, as docs/converting.md shows it: no conftest, no fixture of its own.
 USER_TESTS = """
+from celery import chain
+
 from celery_lease import Status
 
-from shopapp.celery import double, flaky
+from shopapp.celery import double, flaky, report
 
 
 def test_leased_jobs_run_in_an_in_process_worker(lease_worker):
@@ -48,6 +56,17 @@ def test_leased_jobs_run_in_an_in_process_worker(lease_worker):
     assert failed.status is Status.FAILED and failed.error == "negative"
     retried = lease_worker.wait(flaky.submit({}).id, timeout=30)  # delivered again by the plugin's sweeper
     assert retried.result == {"attempt": 2}
+
+
+def test_a_routed_kind_runs_on_its_queue(lease_worker):
+    job = lease_worker.wait(report.submit({"n": 1}).id, timeout=20)
+    assert (job.status, job.queue, job.result) == (Status.SUCCEEDED, "reports", {"n": 2})
+
+
+def test_wait_for_a_chains_last_step_before_it_exists(lease_worker):
+    # The last step's row is created when the first succeeds: wait() waits for it.
+    last = lease_worker.wait(chain(double.s({"n": 1}), report.s()).apply_async().id, timeout=20)
+    assert (last.status, last.result) == (Status.SUCCEEDED, {"n": 3})
 
 
 def test_each_test_gets_a_fresh_database(celery_lease, lease_database_url):
@@ -109,5 +128,5 @@ def _run_user_suite(tmp_path, pg_admin: str | None) -> subprocess.CompletedProce
 def test_a_user_test_module_needs_no_conftest(tmp_path, database):
     proc = _run_user_suite(tmp_path, PG_ADMIN if database == "postgresql" else None)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "4 passed" in proc.stdout
+    assert "6 passed" in proc.stdout
     assert not list(tmp_path.glob("*.sqlite3"))  # nothing written outside the tests' tmp_path

@@ -223,7 +223,8 @@ def _selected(stmt) -> list[str]:
 
 
 def test_the_api_statements_read_only_the_columns_it_shows():
-    assert _selected(reads.get_job_view(ID)) == list(listing.API_FIELDS)
+    # One job's route shows its attempts too (the worker of each: a node name, no pid).
+    assert _selected(reads.get_job_view(ID)) == [*listing.API_FIELDS, "attempts"]
     summaries = reads.list_job_summaries(max_value_bytes=1024, tenant="acme", limit=10)
     assert set(_selected(summaries)) == set(listing.API_FIELDS) | {"result_bytes", "progress_bytes"}
     for stmt in (reads.get_job_view(ID, tenant="acme"), summaries):
@@ -239,7 +240,7 @@ def test_views_and_tenant_events_on_sqlite(store, add_job):
     mine = add_job(tenant="acme", run_id=run, payload={"secret": 1})
     theirs = add_job(tenant="globex", run_id=run)
     view = store.get_view(mine, tenant="acme")
-    assert view is not None and set(view) == set(listing.API_FIELDS) and view["created_at"].tzinfo is not None
+    assert view is not None and set(view) == {*listing.API_FIELDS, "attempts"} and view["created_at"].tzinfo is not None
     assert store.get_view(theirs, tenant="acme") is None and store.get_view(theirs) is not None
     assert store.run_visible(run, tenant="acme") and not store.run_visible(run, tenant="initech")
     with store.durable.begin() as conn:

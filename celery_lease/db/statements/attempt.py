@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import sqlalchemy as sa
 
 from celery_lease.db.schema import ID, jobs
+from celery_lease.db.statements.attempt_log import close_attempt
 from celery_lease.db.statements.common import (
     ENDED_COLUMNS,
     _c,
@@ -19,7 +20,7 @@ from celery_lease.db.statements.common import (
     db_now,
     db_now_plus,
 )
-from celery_lease.status import Status
+from celery_lease.status import AttemptOutcome, Status
 
 
 def renew_leases(dialect: str, leases: Iterable[tuple[str, int]]) -> sa.Select | sa.Update:
@@ -72,6 +73,7 @@ def complete_job() -> sa.Update:
             checkpoint=None,
             finished_at=db_now(),
             updated_at=db_now(),
+            attempts=close_attempt(AttemptOutcome.SUCCEEDED),
             **_lease_cleared,
         )
         .returning(*ENDED_COLUMNS)
@@ -112,6 +114,7 @@ def complete_jobs(count: int) -> sa.Update:
             checkpoint=sa.null(),
             finished_at=db_now(),
             updated_at=db_now(),
+            attempts=close_attempt(AttemptOutcome.SUCCEEDED),
             lease_owner=sa.null(),
             lease_expires_at=sa.null(),
         )
@@ -136,6 +139,7 @@ def fail_job() -> sa.Update:
             error=sa.bindparam("new_error"),
             finished_at=db_now(),
             updated_at=db_now(),
+            attempts=close_attempt(AttemptOutcome.FAILED),
             **_lease_cleared,
         )
         .returning(*ENDED_COLUMNS)
@@ -153,6 +157,7 @@ def retry_job() -> sa.Update:
             run_after=db_now_plus(_seconds("delay")),
             woken_at=None,
             updated_at=db_now(),
+            attempts=close_attempt(AttemptOutcome.RETRIED),
             **_lease_cleared,
         )
         .returning(*ENDED_COLUMNS)
@@ -175,6 +180,7 @@ def hand_off_job() -> sa.Update:
             run_after=None,
             woken_at=db_now(),
             updated_at=db_now(),
+            attempts=close_attempt(AttemptOutcome.HANDED_OFF),
             **_lease_cleared,
         )
         .returning(*ENDED_COLUMNS)
@@ -200,6 +206,7 @@ def snooze_job() -> sa.Update:
             woken_at=sa.case((_seconds("delay") <= 0, db_now()), else_=sa.null()),
             held=sa.null(),
             updated_at=db_now(),
+            attempts=close_attempt(AttemptOutcome.SNOOZED),
             **_lease_cleared,
         )
         .returning(*ENDED_COLUMNS)
@@ -234,6 +241,7 @@ def time_out_jobs(count: int) -> sa.Update:
             error=retried(_c.error, sa.bindparam("new_error", type_=_c.error.type)),
             finished_at=retried(_c.finished_at, db_now()),
             updated_at=db_now(),
+            attempts=close_attempt(AttemptOutcome.TIMED_OUT),
             **_lease_cleared,
         )
         .returning(*ENDED_COLUMNS)

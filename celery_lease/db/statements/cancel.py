@@ -10,6 +10,7 @@ import sqlalchemy as sa
 
 from celery_lease.db.durability import durable
 from celery_lease.db.schema import jobs, runs
+from celery_lease.db.statements.attempt_log import close_attempt
 from celery_lease.db.statements.common import (
     _ACTIVE,
     REQUEUED_COLUMNS,
@@ -17,7 +18,7 @@ from celery_lease.db.statements.common import (
     _lease_cleared,
     db_now,
 )
-from celery_lease.status import Status
+from celery_lease.status import AttemptOutcome, Status
 
 
 def cancel_jobs(
@@ -41,6 +42,7 @@ def cancel_jobs(
             lease_generation=_c.lease_generation + 1,
             finished_at=db_now(),
             updated_at=db_now(),
+            attempts=close_attempt(AttemptOutcome.CANCELLED),  # a running job's attempt
             **_lease_cleared,
         )
         .returning(*REQUEUED_COLUMNS)

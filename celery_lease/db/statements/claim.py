@@ -32,6 +32,7 @@ import sqlalchemy as sa
 from celery_lease.db.durability import durable
 from celery_lease.db.schema import ID, jobs, pauses, runs
 from celery_lease.db.statements.attempt import complete_jobs
+from celery_lease.db.statements.attempt_log import open_attempt
 from celery_lease.db.statements.common import _PENDING, _c, _delivered, _due, db_now, db_now_plus
 from celery_lease.db.statements.events import _events_of
 from celery_lease.db.statements.flow import _rate_open_for, _running_like, count_rate_claim
@@ -140,17 +141,19 @@ def claimed_values(cancelled: sa.ColumnElement[bool]) -> dict[str, Any]:
     def unless_cancelled(value, otherwise):
         return sa.case((cancelled, otherwise), else_=value)
 
+    owner = sa.bindparam("owner", type_=_c.lease_owner.type)
     return {
         "status": unless_cancelled(sa.literal(Status.RUNNING.value), sa.literal(Status.CANCELLED.value)),
         "attempt": unless_cancelled(_c.attempt + 1, _c.attempt),
         "lease_generation": _c.lease_generation + 1,
-        "lease_owner": unless_cancelled(sa.bindparam("owner", type_=_c.lease_owner.type), sa.null()),
+        "lease_owner": unless_cancelled(owner, sa.null()),
         # The claim's identity: what a retry of this very claim adopts (adopt_claim).
         "claim_token": sa.bindparam("token", type_=_c.claim_token.type),
         "lease_expires_at": unless_cancelled(db_now_plus(_c.lease_seconds), sa.null()),
         "started_at": unless_cancelled(sa.func.coalesce(_c.started_at, db_now()), _c.started_at),
         "finished_at": unless_cancelled(_c.finished_at, db_now()),
         "held": sa.null(),  # a held job may be the one claimed
+        "attempts": unless_cancelled(open_attempt(_c.attempt + 1, owner), _c.attempts),
         "updated_at": db_now(),
     }
 

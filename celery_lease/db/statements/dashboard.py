@@ -324,9 +324,16 @@ def retry_as_new_job(tenant: str | None) -> sa.Insert:
 
     The old job is terminal and stays as it was ("never resurrect a finished job"); its
     canvas (chain, callbacks, chord) is not carried over: those already fired or were
-    dropped when it ended. The new job is woken at once (woken_at: now)."""
+    dropped when it ended. The new job is woken at once (woken_at: now).
+
+    It starts at the old job's lease_generation, the highest fencing token the old job
+    handed out (every revoke bumps it too): its first claim's token is above all of
+    them. A system that saw the old job's tokens accepts the retry's writes, and a
+    stale holder of the old job cannot outbid the retry (the same resource, one
+    sequence of tokens)."""
     # trace_context too: the retry's attempts stay in the trace of the original submit.
     copied = (
+        "lease_generation",
         "kind",
         "task",
         "queue",

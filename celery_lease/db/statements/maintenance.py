@@ -13,6 +13,7 @@ from sqlalchemy.sql.dml import ReturningDelete
 
 from celery_lease.db.durability import durable
 from celery_lease.db.schema import events, jobs
+from celery_lease.db.statements.attempt_log import close_attempt
 from celery_lease.db.statements.common import (
     _PENDING,
     _TERMINAL,
@@ -30,12 +31,13 @@ from celery_lease.db.statements.common import (
     epoch_seconds,
 )
 from celery_lease.db.statements.events import _events_of
-from celery_lease.status import Event, Status
+from celery_lease.status import AttemptOutcome, Event, Status
 
 
-def _requeue_or(final: Status) -> dict[str, Any]:
+def _requeue_or(final: Status, ended: AttemptOutcome) -> dict[str, Any]:
     """Values that send a running job back to pending, or to ``final`` when its
-    attempts are spent. Bumps the generation: the old attempt is fenced out."""
+    attempts are spent; its attempt ended as ``ended``. Bumps the generation: the old
+    attempt is fenced out."""
     out_of_attempts = _c.attempt >= _c.max_attempts
     return {
         "status": sa.case((out_of_attempts, final.value), else_=Status.PENDING.value),
@@ -45,6 +47,7 @@ def _requeue_or(final: Status) -> dict[str, Any]:
         "woken_at": sa.case((out_of_attempts, None), else_=db_now()),
         "finished_at": sa.case((out_of_attempts, db_now()), else_=None),
         "updated_at": db_now(),
+        "attempts": close_attempt(ended),
         **_lease_cleared,
     }
 
@@ -57,7 +60,7 @@ LEASE_EXPIRED = "lease expired"
 def reap_expired(dialect: str) -> sa.Update:
     """reap_expired: running jobs whose lease elapsed -> pending, or expired when their
     attempts are spent. Bounded by :limit; safe with several beats (SKIP LOCKED)."""
-    values = _requeue_or(Status.EXPIRED)
+    values = _requeue_or(Status.EXPIRED, AttemptOutcome.LEASE_EXPIRED)
     values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal(LEASE_EXPIRED)), else_=_c.error)
     batch = _batch("expired", _lease_elapsed, _c.lease_expires_at, "limit")
     # Locked by this statement: still running and expired.
@@ -97,7 +100,7 @@ def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
         _c.lease_owner.startswith(owner_prefix, autoescape=True),
         sa.not_(_c.lease_owner.endswith(owner_boot, autoescape=True)),
     )
-    values = _requeue_or(Status.FAILED)
+    values = _requeue_or(Status.FAILED, AttemptOutcome.INTERRUPTED)
     values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal("interrupted by restart")), else_=_c.error)
     return durable(sa.update(jobs).where(where).values(**values).returning(*REQUEUED_COLUMNS))
 

@@ -20,11 +20,18 @@ def get_job(job_id: str) -> sa.Select:
     return sa.select(jobs).where(_c.id == job_id)
 
 
+def ids_between(low: str, high: str, limit: int) -> sa.Select:
+    """ids_between: the first ``limit`` job ids from ``low`` to ``high`` (a prefix's
+    range: a range scan of the primary key, never a scan of the table)."""
+    return sa.select(_c.id).where(_c.id >= low, _c.id <= high).order_by(_c.id).limit(limit)
+
+
 #: What the HTTP API shows of a job: never the payload, checkpoint or lease internals,
 #: which may be megabytes (and the lease owner names a worker host).
 VIEW_COLUMNS = (
     _c.id,
     _c.kind,
+    _c.queue,
     _c.status,
     _c.result,
     _c.error,
@@ -40,11 +47,12 @@ VIEW_COLUMNS = (
 
 
 def get_job_view(job_id: str, *, tenant: str | None = None) -> sa.Select:
-    """get_job_view: one job's API columns; with ``tenant``, only that tenant's job.
+    """get_job_view: one job's API columns and its attempt log; with ``tenant``, only
+    that tenant's job.
 
     The tenant is in the WHERE clause: another tenant's job reads no more than a
     missing one (one primary-key probe, none of its large columns)."""
-    stmt = sa.select(*VIEW_COLUMNS).where(_c.id == job_id)
+    stmt = sa.select(*VIEW_COLUMNS, _c.attempts).where(_c.id == job_id)
     return stmt if tenant is None else stmt.where(_c.tenant == tenant)
 
 
@@ -96,6 +104,7 @@ def list_jobs(
     *,
     status: str | None = None,
     kind: str | None = None,
+    queue: str | None = None,
     tenant: str | None = None,
     run_id: str | None = None,
     after: tuple[Any, str] | None = None,
@@ -113,6 +122,8 @@ def list_jobs(
         stmt = stmt.where(_c.status == status)
     if kind is not None:
         stmt = stmt.where(_c.kind == kind)
+    if queue is not None:
+        stmt = stmt.where(_c.queue == queue)
     if tenant is not None:
         stmt = stmt.where(_c.tenant == tenant)
     if run_id is not None:

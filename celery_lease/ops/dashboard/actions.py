@@ -5,7 +5,8 @@ token before anything is read, and limited to the viewer's tenant (another tenan
 job is a 404, as if it did not exist).
 
 - **cancel**: :meth:`CeleryLease.cancel` (pending or running -> cancelled; the worker
-  learns at its next heartbeat).
+  learns at its next heartbeat). The job page's Cancel is a GET of a confirmation page
+  (no script: the CSP allows none), whose form posts the cancel.
 - **retry** a failed, expired or cancelled job: a *new* job (the ``retry as new job``
   transition, statement ``retry_as_new_job``) with the same kind, payload, queue, tenant and run, a fresh
   attempt budget, and the old job as its ``parent_id``; the old one stays as it ended
@@ -21,7 +22,6 @@ job is a 404, as if it did not exist).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ from celery_lease.ops.dashboard import filters
 from celery_lease.ops.dashboard.access import Viewer
 from celery_lease.ops.dashboard.pages import RETRYABLE, SCAN
 from celery_lease.ops.dashboard.web import Board, PageError, form, job_id, redirect
+from celery_lease.ops.retry import retry_as_new
 from celery_lease.status import Status
 
 if TYPE_CHECKING:
@@ -74,14 +75,11 @@ class Acts:
     def cancel(self, ids: list[str]) -> int:
         return sum(bool(self.board.leases.cancel(i)) for i in ids)
 
-    def retry(self, ids: list[str]) -> list[dict[str, Any]]:
-        """The new jobs retrying those of ``ids`` that ended otherwise than by success
-        (each one ``retry as new job``: durable, its event, its wakeup once committed)."""
-        lifecycle, build = self.board.leases.lifecycle, {"tenant": self.viewer.tenant}
-        made = []
-        for old in ids:
-            made += lifecycle.execute(tr.RETRY_AS_NEW, {"new_id": str(uuid.uuid4()), "job_id": old}, build=build)
-        return made
+    def retry(self, ids: list[str]) -> list[str]:
+        """The ids of the new jobs retrying those of ``ids`` that ended otherwise than by
+        success (ops.retry, as the API's retry)."""
+        made = (retry_as_new(self.board.leases, old, tenant=self.viewer.tenant) for old in ids)
+        return [new for new in made if new is not None]
 
     def delete(self, ids: list[str]) -> int:
         """Delete the ended jobs among ``ids`` with their events (the ``delete`` transition)."""
@@ -110,6 +108,16 @@ def register(app: FastAPI, board: Board) -> None:
             raise PageError(404, "no such job")
         return row
 
+    @app.get("/jobs/{job}/cancel", response_class=HTMLResponse)
+    def cancel_confirm(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:
+        """The job page's Cancel asks first: this page's form is what cancels."""
+        if not viewer.can_act:
+            raise PageError(403, "this token is read-only: it can look, not act")
+        row = visible(job, viewer)
+        if row["status"] not in ACTIONS["cancel"]:
+            return redirect(request, f"/jobs/{row['id']}")  # nothing left to cancel
+        return board.render(request, "confirm_cancel.html", viewer, job=row)
+
     @app.post("/jobs/{job}/cancel")
     async def cancel(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:
         await form(request, viewer)
@@ -124,7 +132,7 @@ def register(app: FastAPI, board: Board) -> None:
         made = Acts(board, viewer).retry([row["id"]])
         if not made:
             raise PageError(409, f"job {row['id']} is {row['status']}: only failed, expired or cancelled jobs are retried")
-        return redirect(request, f"/jobs/{made[0]['id']}")
+        return redirect(request, f"/jobs/{made[0]}")
 
     @app.post("/jobs/{job}/delete")
     async def delete(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:

@@ -15,13 +15,13 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 
-from celery_lease.job import parse_job_id
+from celery_lease.job import attempt_history, parse_job_id
 from celery_lease.ops import listing
 from celery_lease.ops.dashboard import filters
 from celery_lease.ops.dashboard.access import COOKIE, SESSION_SECONDS, Viewer, csrf_ok
 from celery_lease.ops.dashboard.web import Board, PageError, form, job_id, redirect
 from celery_lease.ops.throttle import retry_after
-from celery_lease.status import TERMINAL, Event, Status
+from celery_lease.status import TERMINAL, AttemptOutcome, Event, Status
 
 PAGE = 50
 #: Jobs one page of the list reads at most.
@@ -34,6 +34,8 @@ COUNT_WINDOW = 3600
 RETRYABLE = (Status.FAILED.value, Status.EXPIRED.value, Status.CANCELLED.value)
 #: Events that end an attempt by taking its lease away.
 LEASE_LOSSES = (Event.REAPED.value, Event.REQUEUED.value)
+#: Attempt-log outcomes of an attempt whose lease was taken away.
+LOST_OUTCOMES = (AttemptOutcome.LEASE_EXPIRED.value, AttemptOutcome.INTERRUPTED.value)
 #: Events that end an attempt (``dispatched`` and ``claimed`` do not).
 ENDINGS = frozenset(e.value for e in Event) - {Event.DISPATCHED.value, Event.CLAIMED.value}
 
@@ -68,9 +70,44 @@ def shown_json(text: str | None, chars: int | None) -> dict[str, Any] | None:
 
 
 def attempts_of(job: dict[str, Any], events: list[dict[str, Any]], *, show_worker: bool) -> list[dict[str, Any]]:
-    """The attempts of a job, from its run events (claimed opens one; the next event
-    of that attempt closes it). A job outside a run has no events: its current
-    attempt is read from the row."""
+    """The attempts of a job: its attempt log (every job claimed since migration 0011),
+    else its run events, else its row's current attempt."""
+    out = _from_log(job, events) or _from_events(job, events)
+    if not show_worker:
+        for entry in out:
+            entry["worker"] = None
+    return out
+
+
+def _from_log(job: dict[str, Any], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The attempt log, each ended attempt with the detail of the run event that ended
+    it (a job of a run: why it was retried, failed, requeued). The worker is the whole
+    lease owner (node/pid/boot), as a claimed event's detail: the process to look for."""
+    endings: dict[int, list[str | None]] = {}
+    for e in events:
+        if e["event"] in ENDINGS:
+            endings.setdefault(e["attempt"], []).append(e["detail"])
+    out = []
+    log = job.get("attempts") or []
+    for raw, a in zip(log, attempt_history(log)):
+        ended = a["ended_at"] is not None and endings.get(a["attempt"])
+        out.append(
+            {
+                "attempt": a["attempt"],
+                "worker": raw["owner"],
+                "start": a["started_at"],
+                "end": a["ended_at"],
+                "outcome": a["outcome"],
+                "detail": ended.pop(0) if ended else None,
+                "lease_losses": int(a["outcome"] in LOST_OUTCOMES),
+            }
+        )
+    return out
+
+
+def _from_events(job: dict[str, Any], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A job claimed before the attempt log: from its run events (claimed opens an
+    attempt; the next event of that attempt closes it), else from its row."""
     out: list[dict[str, Any]] = []
     by_attempt: dict[int, dict[str, Any]] = {}
     for e in events:
@@ -98,9 +135,6 @@ def attempts_of(job: dict[str, Any], events: list[dict[str, Any]], *, show_worke
                 "lease_losses": job["lease_losses"],
             }
         )
-    if not show_worker:
-        for entry in out:
-            entry["worker"] = None
     return out
 
 
