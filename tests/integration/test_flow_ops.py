@@ -109,7 +109,8 @@ def test_cli_limits_shows_per_kind_and_key_what_runs_and_what_waits_on_what(cli,
     for key, expected in EXPECTED.items():
         assert {k: rows[key][k] for k in expected} == expected, key
     text = cli("limits").stdout.splitlines()
-    assert text[0].split() == "KIND KEY CONCURRENCY RATE PAUSED RUNNING WAIT_LIMIT WAIT_RATE WAIT_PAUSE PENDING".split()
+    header = "KIND KEY CONCURRENCY RATE CONCURRENCY_FROM RATE_FROM PAUSED RUNNING WAIT_LIMIT WAIT_RATE WAIT_PAUSE PENDING"
+    assert text[0].split() == header.split()
     assert any(line.split()[:1] == ["limited2"] and line.split()[-5:] == ["2", "3", "0", "0", "1"] for line in text)
 
 
