@@ -338,14 +338,15 @@ class FlowControl:
 
     def _in_force(self, kind: str, row: Mapping[str, Any] | None) -> dict[str, Any]:
         """A kind's limits in force, where each comes from (CODE or OVERRIDE) and what
-        the code declares. The code: this process's declaration when it has one (newer
-        than any row), else what the kind's workers last wrote in its limits row."""
+        the code declares. The code: this process's declared limits when it has some
+        (newer than any row: also before any worker claimed), else what the kind's
+        workers last wrote in its limits row."""
         row = row or {}
         spec = self._registry.get(kind)
+        lim = None if spec is None else spec.limits
         code: tuple[int | None, str | None]
-        if spec is not None:
-            lim = spec.limits
-            code = (None, None) if lim is None else (lim.concurrency, None if lim.rate is None else str(lim.rate))
+        if lim is not None:
+            code = (lim.concurrency, None if lim.rate is None else str(lim.rate))
         else:
             code = (row.get("concurrency"), str(Rate(row["rate"], row["per_seconds"])) if row.get("rate") else None)
         concurrency, rate = row.get("concurrency_override"), row.get("rate_override")

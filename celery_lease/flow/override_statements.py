@@ -28,11 +28,16 @@ def override_limits(dialect: str) -> sa.Insert:
     window's worth of claims more may then start at the change."""
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     set_c, set_r = sa.bindparam("set_concurrency", type_=sa.Boolean), sa.bindparam("set_rate", type_=sa.Boolean)
+
+    def given(flag: sa.BindParameter, name: str) -> sa.ColumnElement:
+        # (Cast: PostgreSQL types a CASE of NULL parameters as text.)
+        return sa.case((flag, sa.cast(sa.bindparam(name, type_=sa.Integer), sa.Integer)), else_=sa.null())
+
     stmt = insert(limits).values(
         kind=sa.bindparam("of_kind"),
-        concurrency_override=sa.case((set_c, sa.bindparam("concurrency_override", type_=sa.Integer)), else_=sa.null()),
-        rate_override=sa.case((set_r, sa.bindparam("rate_override", type_=sa.Integer)), else_=sa.null()),
-        per_seconds_override=sa.case((set_r, sa.bindparam("per_seconds_override", type_=sa.Integer)), else_=sa.null()),
+        concurrency_override=given(set_c, "concurrency_override"),
+        rate_override=given(set_r, "rate_override"),
+        per_seconds_override=given(set_r, "per_seconds_override"),
         updated_at=db_now(),
     )
     new, old = stmt.excluded, limits.c

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from celery_lease.flow.limits import MAX_LIMIT
 
@@ -77,13 +77,20 @@ RATE_PATTERN = r"^0*([1-9][0-9]{0,5}|1000000)/[smh]$"
 assert MAX_LIMIT == 1_000_000, "RATE_PATTERN spells MAX_LIMIT out"
 
 
+def _number(value: Any) -> Any:
+    # A JSON number only (437 or 437.0, as JSON Schema's integer): not "437", not true.
+    if isinstance(value, (str, bool)):
+        raise ValueError("must be a JSON number")
+    return value
+
+
 class LimitsIn(BaseModel):
     """PUT /api/v1/kinds/{kind}/limits. A field left out is unchanged; null is no limit
     (whatever the code declares); "default" is what the code declares."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
 
-    concurrency: Annotated[StrictInt, Field(ge=1, le=MAX_LIMIT)] | Literal["none", "default"] | None = None
+    concurrency: Annotated[int, Field(ge=1, le=MAX_LIMIT), BeforeValidator(_number)] | Literal["none", "default"] | None = None
     rate_limit: Annotated[str, Field(pattern=RATE_PATTERN)] | Literal["none", "default"] | None = None
 
 
