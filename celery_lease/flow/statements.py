@@ -180,9 +180,9 @@ def lock_limits(dialect: str) -> sa.Insert:
     # the same instant), so a window's claims still count, and the next window's wakeup
     # may be scheduled again. (Kept as they were, every claim was refused for good.)
     old, new = limits.c.per_seconds, stmt.excluded.per_seconds
-    # (An operator's rate override sets the window length in force: the declared one
-    # changing then resizes nothing.)
-    resized = sa.and_(limits.c.rate_override.is_(None), old.is_not(None), new.is_not(None), old != new)
+    # (Only while the declared length is the one in force: an operator's rate override
+    # sets its own, and the declared one changing then resizes nothing.)
+    resized = sa.and_(limits.c.per_seconds_override.is_(None), old.is_not(None), new.is_not(None), old != new)
 
     def rebased(window: sa.ColumnElement) -> sa.ColumnElement:
         return sa.case((resized, (window * old) // new), else_=window)
