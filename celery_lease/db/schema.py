@@ -205,14 +205,23 @@ chords = sa.Table(
 limits = sa.Table(
     "celery_lease_limits",
     metadata,
-    # One row per limited kind: every claim of the kind locks it (FOR UPDATE), so the
-    # count of its running jobs and its rate window cannot change under a claim.
+    # One row per limited kind (declared in code or by an operator's override): every
+    # claim of the kind locks it (FOR UPDATE), so the count of its running jobs and its
+    # rate window cannot change under a claim.
     sa.Column("kind", sa.String(200), primary_key=True),
     # The limits as last declared by a worker's @leases.job (the code is the truth;
     # these let beat and operators see and apply them without importing handlers).
     sa.Column("concurrency", sa.Integer),
     sa.Column("rate", sa.Integer),
     sa.Column("per_seconds", sa.Integer),
+    # An operator's override (``celery lease limit``, the API, the dashboard), which
+    # workers never write: NULL keeps the declared value (the code default), 0 means
+    # explicitly no limit, N >= 1 is the limit. per_seconds_override is set exactly
+    # when rate_override is N >= 1. What binds a claim is the override when set, else
+    # the declared value: flow.statements.in_force_* (the claim SQL reads it there).
+    sa.Column("concurrency_override", sa.Integer),
+    sa.Column("rate_override", sa.Integer),
+    sa.Column("per_seconds_override", sa.Integer),
     # The current rate window (epoch seconds // per_seconds, database clock), the claims
     # counted in it, and the window a wakeup is already scheduled for.
     sa.Column("rate_window", sa.BigInteger, nullable=False, server_default="0"),

@@ -23,16 +23,27 @@ process and host at once (Celery's own ``rate_limit`` is per worker).
   us miss (:meth:`FlowControl.sweep`).
 * **Priority** is decided by the database, not the broker: see ``claim_job_flow``. The
   delivered job whose turn was taken gets a new wakeup.
+* **Runtime limits.** An operator's override (:meth:`FlowControl.set_limits`: ``celery
+  lease limit``, the API, the dashboard) is stored in the kind's limits row; the
+  limited claim, the hold and every wake read the limit in force from that row (the
+  override, else what the code declares), so a change binds every worker's next claim
+  of a limited kind with no round trip of its own. A kind the code leaves unlimited
+  claims with CLAIM, which takes no lock: each worker process learns which such kinds
+  an override limits from a cache read at most every OVERRIDES_REFRESH_SECONDS, and
+  claims them with CLAIM_LIMITED from then on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_lease.flow.limits import Rate
+from celery_lease.errors import UnknownKind
+from celery_lease.flow.limits import LimitChange, Rate
 from celery_lease.flow.store import ClaimResult, FlowStore
 from celery_lease.lifecycle.claim import ClaimFollowUps, claim_delivery
 from celery_lease.status import Held, Status
@@ -53,6 +64,11 @@ log = logging.getLogger("celery_lease.flow")
 MIN_COUNTDOWN = 0.05
 #: What a view of flow control shows per (kind, key).
 STATES = ("running", "waiting_limit", "waiting_rate", "waiting_pause", "pending")
+#: Seconds a worker process trusts its list of the kinds an operator's override limits
+#: while the code declares no limit: such an override binds every worker within this.
+OVERRIDES_REFRESH_SECONDS = 2.0
+#: Where a limit in force comes from.
+CODE, OVERRIDE = "code", "override"
 _WAITING = {Held.LIMIT.value: "waiting_limit", Held.RATE.value: "waiting_rate", Held.PAUSE.value: "waiting_pause"}
 
 
@@ -74,6 +90,32 @@ class FlowControl:
         self._publish = publish
         self._registry = registry
         self._settings = settings
+        self._overridden: frozenset[str] = frozenset()
+        self._overridden_at = -OVERRIDES_REFRESH_SECONDS
+        self._overridden_lock = threading.Lock()
+
+    def limited(self, spec: JobKind) -> bool:
+        """Whether claims of ``spec`` take the limited path (CLAIM_LIMITED, under its
+        limits row lock): the code declares a limit, or an operator's override does (as
+        this process last read, at most OVERRIDES_REFRESH_SECONDS ago). A batched kind
+        never: its claims take no limit (kinds.check_batch); set_limits refuses it."""
+        if spec.batch is not None:
+            return False
+        return spec.limits is not None or spec.kind in self._overridden_kinds()
+
+    def _overridden_kinds(self) -> frozenset[str]:
+        now = time.monotonic()
+        if now - self._overridden_at < OVERRIDES_REFRESH_SECONDS:
+            return self._overridden
+        with self._overridden_lock:  # one read per process and period, not one per thread
+            if now - self._overridden_at >= OVERRIDES_REFRESH_SECONDS:
+                try:
+                    self._overridden = self._db.overridden_kinds()
+                except Exception:
+                    # Never fail a delivery for it: the last list stands until the next read.
+                    log.warning("celery-lease: cannot read which kinds an operator limited", exc_info=True)
+                self._overridden_at = now
+        return self._overridden
 
     # --- worker: claim and release ---------------------------------------------------
 
@@ -94,7 +136,7 @@ class FlowControl:
         (a limited kind's claim, which may wait for its kind's lock, carries no
         successes: the caller keeps them out of it). A priority swap's new wakeup for
         the delivered job is one of the claim's follow-ups."""
-        limits = spec.limits
+        limited = self.limited(spec)
 
         def swapped(row: dict[str, Any]) -> None:
             log.info("celery-lease: job %s (%s): claimed higher-priority job %s in its place", job_id, spec.kind, row["id"])
@@ -103,18 +145,18 @@ class FlowControl:
 
         f = dataclasses.replace(follow_ups or ClaimFollowUps(), swapped=swapped)
         for _ in range(3):  # again only when nothing held a claimable job (a slot freed meanwhile)
-            if limits is None:
+            if not limited:
                 row = claim_delivery(self._store, job_id, owner, spec.task, successes=successes, follow_ups=f)
                 successes = None  # written (or not) by the first claim
                 result = ClaimResult(row=row) if row is not None else self._db.hold(job_id, spec.task)
             else:
                 assert successes is None, "successes must not wait for a limited kind's lock"
-                result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, limits, follow_ups=f)
+                result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, spec.limits, follow_ups=f)
             if not result.retry:
                 break
         row = result.row
         try:
-            self._follow_up(job_id, spec, result)
+            self._follow_up(job_id, spec, result, limited)
         except Exception:
             # Never fail a delivery whose claim committed (its job would stay running
             # with no body): what was not woken is the sweeper's to recover.
@@ -124,14 +166,14 @@ class FlowControl:
     def hold(self, job_id: str, spec: JobKind) -> None:
         """A batched kind's claim (worker/batch.py) took nothing: its delivered job is
         held if a pause refused it, to be woken by the resume."""
-        self._follow_up(job_id, spec, self._db.hold(job_id, spec.task))
+        self._follow_up(job_id, spec, self._db.hold(job_id, spec.task), False)
 
-    def _follow_up(self, job_id: str, spec: JobKind, result: ClaimResult) -> None:
+    def _follow_up(self, job_id: str, spec: JobKind, result: ClaimResult, limited: bool) -> None:
         """What a claim's outcome asks to publish: woken jobs, the next window's wakeup,
         an early window wakeup again."""
         if result.wake:
             self._publish(result.wake)
-        if result.retry and result.again is not None and spec.limits is not None:
+        if result.retry and result.again is not None and limited:
             # Refused, yet held by nothing each time (others took the slots that kept
             # freeing): its delivery goes round again rather than wait for the sweeper.
             self._publish([result.again])
@@ -140,7 +182,7 @@ class FlowControl:
         if result.row is None:
             if result.held is not None:
                 log.info("celery-lease: job %s (%s): held by its %s", job_id, spec.kind, result.held)
-            elif spec.limits is not None and not result.retry:
+            elif limited and not result.retry:
                 self._spent(job_id)
 
     def _spent(self, job_id: str) -> None:
@@ -173,10 +215,14 @@ class FlowControl:
             log.warning("celery-lease: cannot schedule the next rate window's wakeup (%s)", type(exc).__name__)
 
     def holds_slot(self, kind: str) -> bool:
-        """True for a kind with a concurrency limit: its jobs' ends must free their slot
-        at once (so a success of such a kind is not batched)."""
+        """True for a kind with a concurrency limit (declared, or maybe an override's):
+        its jobs' ends must free their slot at once (so a success of such a kind is not
+        batched)."""
         spec = self._registry.get(kind)
-        return spec is not None and spec.limits is not None and spec.limits.concurrency is not None
+        if spec is None:
+            return False
+        declared = spec.limits is not None and spec.limits.concurrency is not None
+        return declared or (spec.batch is None and kind in self._overridden_kinds())
 
     # --- every way a job ends ----------------------------------------------------------
 
@@ -252,37 +298,83 @@ class FlowControl:
                 if self._db.is_paused(kind):
                     continue
                 woken = self._db.wake_all(Held.PAUSE, kind, settings.batch_size)
-            elif spec is not None and spec.limits is None:
+            elif spec is not None and not self.limited(spec):
                 woken = self._db.wake_all(held, kind, settings.batch_size)
             else:
                 woken = self._db.top_up(kind, key)
             sent += self._publish(woken)
         return sent
 
+    # --- an operator's override ----------------------------------------------------
+
+    def set_limits(self, kind: str, change: LimitChange) -> dict[str, Any]:
+        """Change ``kind``'s limits for the whole fleet (stored, kept across restarts):
+        see LimitChange. Jobs a raised or removed limit held are woken now. Returns the
+        kind's limits in force (as in :meth:`overview`).
+
+        A kind is accepted when this process declares it or the database has a row of
+        it (a job, a limits row, a pause): UnknownKind otherwise, so a typo creates
+        nothing. ValueError for a kind declared with ``batch=``, whose claims no limit
+        bounds."""
+        spec = self._registry.get(kind)
+        if spec is None and not self._db.kind_exists(kind):
+            known = ", ".join(self._registry.names()) or "none"
+            raise UnknownKind(f"no kind {kind!r}: no handler declares it here and no job has it (declared: {known})")
+        if spec is not None and spec.batch is not None:
+            raise ValueError(f"kind {kind!r} is declared with batch=, which no concurrency or rate limit bounds")
+        self._db.override(kind, change)
+        self._overridden_at = -OVERRIDES_REFRESH_SECONDS  # this process's next claim reads it
+        try:
+            for key in self._db.held_keys(kind):
+                self._publish(self._db.top_up(kind, key))
+        except Exception:
+            log.warning("celery-lease: cannot wake the jobs %s's new limits let run; the sweeper will", kind, exc_info=True)
+        return self._in_force(kind, {r["kind"]: r for r in self._db.limits_rows()}.get(kind))
+
+    def _in_force(self, kind: str, row: Mapping[str, Any] | None) -> dict[str, Any]:
+        """A kind's limits in force, where each comes from (CODE or OVERRIDE) and what
+        the code declares. The code: this process's declared limits when it has some
+        (newer than any row: also before any worker claimed), else what the kind's
+        workers last wrote in its limits row."""
+        row = row or {}
+        spec = self._registry.get(kind)
+        lim = None if spec is None else spec.limits
+        code: tuple[int | None, str | None]
+        if lim is not None:
+            code = (lim.concurrency, None if lim.rate is None else str(lim.rate))
+        else:
+            code = (row.get("concurrency"), str(Rate(row["rate"], row["per_seconds"])) if row.get("rate") else None)
+        concurrency, rate = row.get("concurrency_override"), row.get("rate_override")
+        # An override: 0 is explicitly no limit (db/schema.py); NULL leaves the code's.
+        rate_text = str(Rate(rate, row["per_seconds_override"])) if rate else None
+        return {
+            "concurrency": code[0] if concurrency is None else concurrency or None,
+            "rate_limit": code[1] if rate is None else rate_text,
+            "concurrency_source": CODE if concurrency is None else OVERRIDE,
+            "rate_limit_source": CODE if rate is None else OVERRIDE,
+            "declared_concurrency": code[0],
+            "declared_rate_limit": code[1],
+        }
+
     # --- what operators see --------------------------------------------------------
 
     def overview(self, tenant: str | None = None) -> list[dict[str, Any]]:
-        """Per kind and key: its limits, whether it is paused, and how many jobs run,
-        wait on the limit, the rate or the pause, or are pending otherwise."""
+        """Per kind and key: its limits in force (and where each comes from: the code
+        or an operator's override), whether it is paused, and how many jobs run, wait
+        on the limit, the rate or the pause, or are pending otherwise. Without a
+        tenant, every kind is listed, idle or not: those this process declares, those
+        with a limits row or a pause, those with active jobs."""
         data = self._db.overview(tenant)
-        declared: dict[str, tuple[int | None, str | None]] = {
-            r["kind"]: (r["concurrency"], str(Rate(r["rate"], r["per_seconds"])) if r["rate"] else None) for r in data["limits"]
-        }
-        for spec in self._registry:  # what this process declares is newer than the row
-            if spec.limits is not None:
-                rate = spec.limits.rate
-                declared[spec.kind] = (spec.limits.concurrency, None if rate is None else str(rate))
+        stored = {r["kind"]: r for r in data["limits"]}
         paused = {r["kind"] for r in data["pauses"]}
         rows: dict[tuple[str, str | None], dict[str, Any]] = {}
 
         def entry(kind: str, key: str | None) -> dict[str, Any]:
             if (kind, key) not in rows:
-                concurrency, rate = declared.get(kind, (None, None))
                 rows[kind, key] = {
                     "kind": kind,
                     "key": key,
-                    "concurrency": concurrency,
-                    "rate_limit": rate,
+                    **self._in_force(kind, stored.get(kind)),
                     "paused": kind in paused,
                     **dict.fromkeys(STATES, 0),
                 }
@@ -291,8 +383,8 @@ class FlowControl:
         for kind, key, status, held, count in data["counts"]:
             state = "running" if status == "running" else _WAITING.get(held, "pending")
             entry(kind, key)[state] += count
-        if tenant is None:  # limits and pauses of kinds with no active job, too
-            for kind in set(declared) | paused:
+        if tenant is None:  # kinds with no active job, too
+            for kind in set(self._registry.names()) | set(stored) | paused:
                 if not any(k == kind for k, _ in rows):
                     entry(kind, None)
         return sorted(rows.values(), key=lambda r: (r["kind"], r["key"] or ""))

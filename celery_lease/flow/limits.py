@@ -99,6 +99,97 @@ class Limits:
         return key
 
 
+# --- an operator's override (celery lease limit, PUT /api/v1/kinds/{kind}/limits, the dashboard)
+
+#: Back to what the code declares (the override is removed).
+DEFAULT = "default"
+#: Explicitly no limit, whatever the code declares.
+NO_LIMIT = "none"
+#: The largest concurrency or rate count an override takes (the columns are 32-bit).
+MAX_LIMIT = 1_000_000
+
+Setting = str  # DEFAULT or NO_LIMIT
+
+
+@dataclasses.dataclass(frozen=True)
+class LimitChange:
+    """What an operator changes of a kind's limits, for the whole fleet. Each of
+    ``concurrency`` and ``rate`` is None (left as it is), DEFAULT (the override
+    removed: what the code declares binds again), NO_LIMIT (no limit whatever the code
+    declares), or the new limit. Stored as the limits row's ``*_override`` columns."""
+
+    concurrency: int | Setting | None = None
+    rate: Rate | Setting | None = None
+
+    @classmethod
+    def parse(cls, *, concurrency: Any = None, rate: Any = None, given: tuple[bool, bool] = (True, True)) -> LimitChange:
+        """From the CLI's text or the API's JSON: ``given`` says which of the two were
+        given at all (a value None that was given means NO_LIMIT: JSON null, the API's
+        "no limit"). ValueError with what is wrong, for the caller to show."""
+        if not any(given):
+            raise ValueError("nothing to change: give a concurrency, a rate limit, or both")
+        return cls(
+            concurrency=_parse_concurrency(concurrency) if given[0] else None,
+            rate=_parse_rate(rate) if given[1] else None,
+        )
+
+    def params(self) -> dict[str, Any]:
+        """The bind parameters of override_limits (0: no limit, NULL: the default)."""
+        r = self.rate
+        return {
+            "set_concurrency": self.concurrency is not None,
+            "concurrency_override": _stored(self.concurrency),
+            "set_rate": r is not None,
+            "rate_override": _stored(r.count if isinstance(r, Rate) else r),
+            "per_seconds_override": r.per_seconds if isinstance(r, Rate) else None,
+        }
+
+
+def _stored(value: int | Setting | None) -> int | None:
+    """An override column's value: NULL for DEFAULT (or unchanged), 0 for NO_LIMIT, else N."""
+    if value == NO_LIMIT:
+        return 0
+    return None if value == DEFAULT else value  # type: ignore[return-value]
+
+
+def _setting(value: Any) -> Setting | None:
+    if value is None:
+        return NO_LIMIT
+    if isinstance(value, str) and value.strip().lower() in (DEFAULT, NO_LIMIT):
+        return value.strip().lower()
+    return None
+
+
+def _parse_concurrency(value: Any) -> int | Setting:
+    setting = _setting(value)
+    if setting is not None:
+        return setting
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+        raise ValueError(
+            f"concurrency must be a whole number from 1 to {MAX_LIMIT}, 'none' (no limit) or 'default' "
+            f"(what the code declares), not {str(value)[:40]!r}"
+        )
+    return value
+
+
+def _parse_rate(value: Any) -> Rate | Setting:
+    setting = _setting(value)
+    if setting is not None:
+        return setting
+    try:
+        rate = Rate.parse(value)
+    except ValueError:
+        raise ValueError(
+            f"rate limit must look like '10/s', '100/m' or '1000/h', or be 'none' (no limit) or 'default' "
+            f"(what the code declares), not {str(value)[:40]!r}"
+        ) from None
+    if rate.count > MAX_LIMIT:
+        raise ValueError(f"rate limit allows at most {MAX_LIMIT} claims per window, not {rate.count}")
+    return rate
+
+
 def parse_priority(value: Any) -> int:
     """A submit's priority: a whole number from 0 (the default) to MAX_PRIORITY."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PRIORITY:

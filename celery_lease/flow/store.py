@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
     from celery_lease.db.store import Store
-    from celery_lease.flow.limits import Limits
+    from celery_lease.flow.limits import LimitChange, Limits
 
 
 log = logging.getLogger("celery_lease.flow")
@@ -80,45 +80,48 @@ class FlowStore:
         owner: str,
         kind: str,
         task: str,
-        limits: Limits,
+        declared: Limits | None,
         *,
         follow_ups: ClaimFollowUps | None = None,
     ) -> ClaimResult:
-        """The claim of a limited kind: the CLAIM_LIMITED transition (lock_limits, then
-        the limited claim with its run event and the rate window's count, in one
-        transaction; a lost reply settled by what landed, see LandedClaim); refused,
-        hold_job under the lock again (the reason is decided on what a release would
-        see). A claim that opened a rate window wakes the jobs
-        held for it, as its follow-up (with the caller's ``follow_ups``)."""
-        rate = limits.rate
+        """The claim of a limited kind: the CLAIM_LIMITED transition (lock_limits, which
+        records the limits the code ``declared``, then the limited claim with its run
+        event and the rate window's count, in one transaction; a lost reply settled by
+        what landed, see LandedClaim); refused, hold_job under the lock
+        again (the reason is decided on what a release would see). Both read the limits
+        in force from the row, an operator's override included. A claim that opened a
+        rate window wakes the jobs held for it, as its follow-up (with the caller's
+        ``follow_ups``)."""
+        rate = None if declared is None else declared.rate
         params = {
             "job_id": job_id,
             "owner": owner,
             "wakeup_task": task,
             "of_kind": kind,
-            "new_concurrency": limits.concurrency,
+            "new_concurrency": None if declared is None else declared.concurrency,
             "new_rate": rate and rate.count,
             "new_per_seconds": rate and rate.per_seconds,
-            "slots": limits.concurrency,  # (a column name would be taken for a SET of the rate count)
         }
         result = ClaimResult()
 
         def window_opened(row: dict[str, Any]) -> None:
-            # This claim opened a rate window: wake the jobs held for it, and if that
-            # may not be all, one of those left carries the next window's wakeup. (If
-            # this fails, the held jobs wait for the sweeper's recovery: stale_held_groufs.)
-            assert rate is not None
-            result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, rate.count - 1))
-            if len(result.wake) == rate.count - 1:
+            # This claim opened a rate window (of window_rate claims, the rate in force):
+            # wake the jobs held for it, and if that may not be all, one of those left
+            # carries the next window's wakeup. (If this fails, the held jobs wait for
+            # the sweeper's recovery: stale_held_groups.)
+            more = row["window_rate"] - 1
+            result.wake = self._tx(lambda c: self._wake(c, Held.RATE, kind, more))
+            if len(result.wake) == more:
                 result.later = self._window_wakeup(kind, None)
 
-        build = {"concurrency": limits.concurrency is not None, "rate": rate is not None}
+        # Built with both guards whatever the code declares: an override may set either.
+        build = {"concurrency": True, "rate": True}
         f = dataclasses.replace(follow_ups or ClaimFollowUps(), window_opened=window_opened)
         row = lifecycle_claim.execute(self._store, CLAIM_LIMITED, params, build=build, follow_ups=f)
         if row is not None:
             result.row = row
             return result
-        result = self._hold(job_id, task, kind, limits.concurrency)
+        result = self._hold(job_id, task, kind)
         if result.held == Held.RATE:
             result.later = self._window_wakeup(kind, job_id)
         return result
@@ -150,10 +153,10 @@ class FlowStore:
     def hold(self, job_id: str, task: str) -> ClaimResult:
         """After a refused claim of an unlimited kind: held for a pause, or (retry) not
         held by anything, or neither (a duplicate delivery, or one for another task)."""
-        return self._hold(job_id, task, None, None)
+        return self._hold(job_id, task, None)
 
-    def _hold(self, job_id: str, task: str, kind: str | None, concurrency: int | None) -> ClaimResult:
-        params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None, "slots": concurrency}
+    def _hold(self, job_id: str, task: str, kind: str | None) -> ClaimResult:
+        params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None}
         row: dict[str, Any] | None
         if self._prepare:
             stmts = (fs.lock_limits_row(), fs.hold_job()) if kind is not None else (fs.hold_job(),)
@@ -250,6 +253,31 @@ class FlowStore:
     def is_paused(self, kind: str) -> bool:
         row = self._store.transaction(self._store.durable, lambda c: c.execute(fs.is_paused(), {"of_kind": kind}).first())
         return row is not None
+
+    # --- an operator's override ------------------------------------------------------
+
+    def override(self, kind: str, change: LimitChange) -> None:
+        """Store ``change`` to the kind's limits (override_limits). It binds every
+        worker's next claim of a limited kind: their statements read it."""
+        stmt = fs.override_limits(self._store.dialect)
+        params = {"of_kind": kind, **change.params()}
+        self._store.transaction(self._store.durable, lambda c: c.execute(stmt, params))
+
+    def limits_rows(self) -> list[dict[str, Any]]:
+        """Every limits row: what the workers declare and the operator's overrides."""
+        return self._store.transaction(self._store.durable, lambda c: [dict(r) for r in c.execute(fs.list_limits()).mappings()])
+
+    def overridden_kinds(self) -> frozenset[str]:
+        rows = self._store.transaction(self._store.durable, lambda c: c.execute(fs.overridden_kinds()).all())
+        return frozenset(r.kind for r in rows)
+
+    def kind_exists(self, kind: str) -> bool:
+        stmt = fs.kind_exists()
+        return bool(self._store.transaction(self._store.durable, lambda c: c.execute(stmt, {"of_kind": kind}).scalar()))
+
+    def held_keys(self, kind: str) -> list[str | None]:
+        rows = self._store.transaction(self._store.durable, lambda c: c.execute(fs.held_keys(), {"of_kind": kind}).all())
+        return [r.concurrency_key for r in rows]
 
     # --- what operators see --------------------------------------------------------
 

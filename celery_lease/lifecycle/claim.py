@@ -230,7 +230,8 @@ def _run(
         store.log_events(conn, [(claimed, event, detail)])
         if t.limited:
             counted = rated and not cancelled
-            claimed["window_claims"] = conn.execute(fs.count_rate_claim(), params).scalar() if counted else None
+            window = conn.execute(fs.count_rate_claim(), params).mappings().first() if counted else None
+            claimed["window_claims"], claimed["window_rate"] = (None, None) if window is None else tuple(window.values())
         return claimed
 
     # One statement alone needs no BEGIN and COMMIT round trips (PostgreSQL).

@@ -8,6 +8,8 @@ needs the ``api`` extra). Routes::
     GET  /api/v1/jobs                 ?status=&kind=&queue=&limit=&cursor=  newest first
     GET  /api/v1/runs/{id}/events     ?after=&limit=  a run's event log, oldest first
     GET  /api/v1/limits               flow control per kind and key: limits, running, waiting
+    PUT  /api/v1/kinds/{kind}/limits  {"concurrency": n|null|"default", "rate_limit": "10/s"|null|"default"}
+    DELETE /api/v1/kinds/{kind}/limits  both back to what the code declares
     GET  /healthz                     200 when the database answers, else 503
     GET  /metrics                     Prometheus text (see celery_lease.metrics)
     GET  /openapi.json                the OpenAPI schema (no /docs, /redoc: they load scripts
@@ -53,6 +55,16 @@ tenant, as ``Authorization: Bearer``. Metrics carry counts by kind and status, n
 job contents (concurrency keys only with ``lease_metrics_key_labels``); they are
 computed at most once every ``lease_metrics_cache_seconds`` (default 5).
 
+Runtime limits. ``PUT /api/v1/kinds/{kind}/limits`` changes a kind's limits for the whole
+fleet (stored; every worker obeys it within seconds). Each field given is set: a number
+(concurrency) or a rate like ``"10/s"``, ``"100/m"``, ``"1000/h"``; ``null`` is no limit,
+whatever the code declares; ``"default"`` returns to what the code declares. A field left
+out is unchanged; a body with neither is refused. Only tokens bound to no tenant and not
+read-only may (others: 403 ``forbidden``; a limit binds every tenant's jobs). A kind that
+no handler declares and no row names is 404 ``not_found`` (a typo creates nothing); a
+kind declared with ``batch=`` is 409 ``conflict``. The answer is the kind's limits in
+force and where each comes from (``code`` or ``override``).
+
 Errors are JSON ``{"error": code, "detail": text}``: 400 ``bad_request`` for a
 malformed id, status, limit, cursor or parameter, and for any query parameter a route
 does not declare (a misspelt filter must not silently widen a list); 404
@@ -73,7 +85,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from celery_lease.errors import DatabaseUnavailable
+from celery_lease.errors import DatabaseUnavailable, UnknownKind
+from celery_lease.flow.limits import DEFAULT, LimitChange
 from celery_lease.job import parse_job_id
 from celery_lease.ops import listing, metrics
 from celery_lease.ops.guard import Guard
@@ -97,6 +110,8 @@ from celery_lease.ops.wire import (
     HealthOut,
     JobOut,
     JobPageOut,
+    KindLimitsOut,
+    LimitsIn,
     LimitsOut,
     RetryOut,
 )
@@ -133,8 +148,9 @@ _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorOut, "description": "malformed id, status, limit, cursor or parameter"},
     401: {"model": ErrorOut, "description": "missing or unknown bearer token (/metrics: when tokens are configured)"},
-    403: {"model": ErrorOut, "description": "a read-only token asked to change a job"},
-    404: {"model": ErrorOut, "description": "no such job or run visible to this token"},
+    403: {"model": ErrorOut, "description": "a read-only token asked to change a job, or a tenant's token a kind's limits"},
+    404: {"model": ErrorOut, "description": "no such job, run or kind visible to this token"},
+    409: {"model": ErrorOut, "description": "a kind whose claims no limit can bound (declared with batch=)"},
     429: {"model": ErrorOut, "description": "this token's request rate (lease_api_rate) is spent: see Retry-After"},
     503: {"model": ErrorOut, "description": "the job database cannot be reached, or is not migrated"},
 }
@@ -334,6 +350,50 @@ def create_app(leases: CeleryLease) -> FastAPI:
         """Flow control per kind and concurrency key. A tenant's token counts only
         that tenant's jobs."""
         return {"kinds": leases.limits(tenant=who.tenant)}
+
+    #: The kind in a limits route: as wide as the kind column, no NUL (checked by kind_of).
+    KIND = Path(description="the job kind", max_length=listing.MAX_KIND_CHARS, json_schema_extra={"pattern": "^[^\\x00]*$"})
+
+    def admin(kind: str, who: Caller) -> None:
+        """A kind's limits bind every tenant's jobs: only a token bound to no tenant and
+        not read-only changes them (checked before the body is looked at)."""
+        if who.tenant is not None:
+            raise ApiError(403, "forbidden", "a tenant's token cannot change limits that bind every tenant's jobs")
+        if who.read_only:
+            raise ApiError(403, "forbidden", "this token is read-only")
+        if "\x00" in kind:
+            raise ApiError(400, "bad_request", "malformed kind")
+
+    def change_limits(kind: str, change: LimitChange) -> dict[str, Any]:
+        try:
+            leases.import_task_modules()  # the kinds the workers declare, not only those imported here
+            return {"kind": kind, **leases.flow.set_limits(kind, change)}
+        except UnknownKind as exc:
+            raise ApiError(404, "not_found", str(exc)) from None
+        except ValueError as exc:  # a batched kind
+            raise ApiError(409, "conflict", str(exc)) from None
+
+    @api.put("/api/v1/kinds/{kind}/limits", response_model=KindLimitsOut, responses=_ERRORS, description=STRICT_QUERY)
+    def set_kind_limits(body: LimitsIn, kind: str = KIND, who: Caller = Security(caller)):
+        """Set or clear a kind's concurrency and rate limit for every worker (see the
+        module's docstring: null is no limit, "default" what the code declares)."""
+        admin(kind, who)
+        given = body.model_fields_set
+        try:
+            change = LimitChange.parse(
+                concurrency=body.concurrency,
+                rate=body.rate_limit,
+                given=("concurrency" in given, "rate_limit" in given),
+            )
+        except ValueError as exc:
+            raise ApiError(400, "bad_request", str(exc)) from None
+        return change_limits(kind, change)
+
+    @api.delete("/api/v1/kinds/{kind}/limits", response_model=KindLimitsOut, responses=_ERRORS, description=STRICT_QUERY)
+    def clear_kind_limits(kind: str = KIND, who: Caller = Security(caller)):
+        """A kind's concurrency and rate limit back to what the code declares."""
+        admin(kind, who)
+        return change_limits(kind, LimitChange(concurrency=DEFAULT, rate=DEFAULT))
 
     @api.get(
         "/healthz", response_model=HealthOut, responses={400: _ERRORS[400], 503: {"model": HealthOut}}, description=STRICT_QUERY

@@ -12,6 +12,7 @@ loaded from ``-A`` and finds the CeleryLease instance at ``app.lease``::
     celery -A proj lease prune [--older-than SECONDS] [--json]
     celery -A proj lease pause KIND | resume KIND [--json]   flow control (stored, fleet-wide)
     celery -A proj lease limits [--json]         per kind and key: limits, running, waiting
+    celery -A proj lease limit KIND [--concurrency N|none|default] [--rate R|none|default] [--json]
     celery -A proj lease serve [--host H] [--port P] [--proxy-headers [--forwarded-allow-ips IPS]]
                                                        the HTTP API and dashboard (celery_lease.ops.api)
 
@@ -36,6 +37,7 @@ import click
 from sqlalchemy import exc as sa_exc
 
 from celery_lease.errors import LeaseError, UnknownKind
+from celery_lease.flow.limits import LimitChange
 from celery_lease.job import Job, parse_job_id
 from celery_lease.ops import listing
 from celery_lease.status import Status
@@ -358,6 +360,9 @@ LIMIT_COLUMNS = (
     ("KEY", "key"),
     ("CONCURRENCY", "concurrency"),
     ("RATE", "rate_limit"),
+    # Where each limit in force comes from: "code" (@leases.job) or "override".
+    ("CONCURRENCY_FROM", "concurrency_source"),
+    ("RATE_FROM", "rate_limit_source"),
     ("PAUSED", "paused"),
     ("RUNNING", "running"),
     ("WAIT_LIMIT", "waiting_limit"),
@@ -380,6 +385,35 @@ def limits(ctx: click.Context, as_json: bool) -> None:
 
     text = _table([h for h, _ in LIMIT_COLUMNS], [[cell(r[k]) for _, k in LIMIT_COLUMNS] for r in rows])
     _emit(as_json, {"kinds": rows}, text)
+
+
+@lease.command(
+    help="Change KIND's limits for every worker (stored; obeyed within seconds). Each option: a limit, "
+    "'none' (no limit, whatever the code declares) or 'default' (what the code declares); one left out is unchanged."
+)
+@click.argument("kind")
+@click.option("--concurrency", metavar="N|none|default", help="jobs of one concurrency key running at once")
+@click.option("--rate", metavar="R|none|default", help="claims per window, as rate_limit: 10/s, 100/m, 1000/h")
+@json_option
+@click.pass_context
+@_boundary
+def limit(ctx: click.Context, kind: str, concurrency: str | None, rate: str | None, as_json: bool) -> None:
+    try:
+        change = LimitChange.parse(concurrency=concurrency, rate=rate, given=(concurrency is not None, rate is not None))
+    except ValueError as exc:
+        raise CliError(str(exc), exit_code=2) from None
+    try:
+        leases = _leases(ctx)
+        leases.import_task_modules()  # the kinds the workers declare, not only those imported here
+        now = _flow_call(lambda: leases.flow.set_limits(kind, change))
+    except ValueError as exc:  # a batched kind: refused before anything was written
+        raise CliError(str(exc), exit_code=2) from None
+
+    def shown(label: str, key: str) -> str:
+        return f"{label} {now[key] or 'none'} (from {now[key + '_source']})"
+
+    text = f"{printable(kind)}: {shown('concurrency', 'concurrency')}, {shown('rate', 'rate_limit')}"
+    _emit(as_json, {"kind": kind, **now}, text)
 
 
 def _peers(value: str | None) -> str | None:

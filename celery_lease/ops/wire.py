@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from celery_lease.flow.limits import MAX_LIMIT
 
 
 class ErrorOut(BaseModel):
@@ -94,12 +96,45 @@ class EventPageOut(BaseModel):
     next_after: int | None = None
 
 
-class LimitOut(BaseModel):
+#: A rate as the API takes it: what flow.limits.Rate.parse takes (count 1 to MAX_LIMIT),
+#: without spaces, so that the schema and the server refuse exactly the same strings.
+RATE_PATTERN = r"^0*([1-9][0-9]{0,5}|1000000)/[smh]$"
+assert MAX_LIMIT == 1_000_000, "RATE_PATTERN spells MAX_LIMIT out"
+
+
+def _number(value: Any) -> Any:
+    # A JSON number only (437 or 437.0, as JSON Schema's integer): not "437", not true.
+    if isinstance(value, (str, bool)):
+        raise ValueError("must be a JSON number")
+    return value
+
+
+class LimitsIn(BaseModel):
+    """PUT /api/v1/kinds/{kind}/limits. A field left out is unchanged; null is no limit
+    (whatever the code declares); "default" is what the code declares."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
+
+    concurrency: Annotated[int, Field(ge=1, le=MAX_LIMIT), BeforeValidator(_number)] | Literal["none", "default"] | None = None
+    rate_limit: Annotated[str, Field(pattern=RATE_PATTERN)] | Literal["none", "default"] | None = None
+
+
+class KindLimitsOut(BaseModel):
+    """A kind's limits in force (None: no limit), where each comes from ("code": what
+    ``@leases.job`` declares; "override": an operator's), and what the code declares."""
+
     kind: str
-    #: The concurrency key (None: the kind as a whole).
-    key: str | None = None
     concurrency: int | None = None
     rate_limit: str | None = None
+    concurrency_source: str
+    rate_limit_source: str
+    declared_concurrency: int | None = None
+    declared_rate_limit: str | None = None
+
+
+class LimitOut(KindLimitsOut):
+    #: The concurrency key (None: the kind as a whole).
+    key: str | None = None
     paused: bool
     running: int
     #: Pending jobs held back by the kind's concurrency limit, its rate, or its pause.

@@ -126,7 +126,8 @@ class WorkerState:
         # This process's waiting successes ride on the claim (Completer.take), but not
         # on a limited kind's, which may wait for its kind's lock: they would wait too,
         # unrenewed (the completer's thread writes them meanwhile).
-        riding = self.completer.take() if spec.limits is None else None
+        limited = self.flow.limited(spec) if self.flow is not None else spec.limits is not None
+        riding = None if limited else self.completer.take()
         # A job found in a cancelled run is cancelled by the claim: its errbacks and
         # chord follow once the claim committed (the claim's follow-up).
         follow_ups = ClaimFollowUps(cancelled=self.pipeline.claim_cancelled)

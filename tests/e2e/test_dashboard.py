@@ -431,5 +431,76 @@ def test_the_kinds_page_shows_a_rate_budget(server, pg):
         conn.execute(limits.insert().values(**{**row, "kind": "steps"}, rate_window=window - 1))  # an older window
     with _session(server) as http:
         page = http.get("/dashboard/kinds").text
-    budgets = dict(re.findall(r'<tr data-kind="(\w+)">.*?rate-budget">([^<]*)<', page, re.S))
+    # (Within one row: every declared kind has a row now, most without a budget.)
+    budgets = dict(re.findall(r'<tr data-kind="(\w+)">(?:(?!</tr>).)*?rate-budget">([^<]*)<', page, re.S))
     assert budgets == {"echo": "7 of 20 used this window", "steps": "0 of 20 used this window"}
+
+
+def test_changing_a_kinds_concurrency_on_the_kinds_page_binds_the_running_fleet(
+    browser, pg, broker, client_app, workers, tmp_path
+):
+    """The Kinds page's limits form, in the browser, against two running workers of
+    app_flow: limited2 declares concurrency 2 in code; set to 1 on the page, the fleet
+    never runs two of its bodies at once again; 'default' brings back the code's 2."""
+    from celery_lease.db.schema import limits
+    from tests.apps.app_flow import flow_metadata, spans
+    from tests.e2e.test_flow import max_overlap
+
+    module = "tests.apps.app_flow"
+    engine = sa.create_engine(pg)
+    flow_metadata.create_all(engine)
+    with engine.begin() as conn:
+        conn.execute(spans.delete())
+    srv = Server(pg, broker, tmp_path, tokens=TOKENS, module=module)
+    try:
+        mod = client_app(pg, broker, module=module)
+        for name in ("k1", "k2"):
+            workers(pg, broker, name=name, module=module, concurrency=2)
+        sign_in(browser, srv, ADMIN)
+        browser.get(srv.url + "/dashboard/kinds")
+
+        def cell(kind: str, what: str):
+            return browser.find_element(By.CSS_SELECTOR, f"#kinds tr[data-kind='{kind}'] .{what}")
+
+        # Idle kinds are listed too, each limit with where it comes from.
+        assert (cell("limited2", "kind-concurrency").text, cell("limited2", "kind-concurrency").get_attribute("data-source")) == (
+            "2",
+            "code",
+        )
+        assert cell("unlimited", "kind-concurrency").text == ""
+
+        def bodies(ids: list[str]) -> list[dict]:
+            with engine.connect() as conn:
+                return [dict(r) for r in conn.execute(sa.select(spans).where(spans.c.job_id.in_(ids))).mappings()]
+
+        def run(n: int) -> list[dict]:
+            ids = [j.id for j in mod.limited2.submit_many([{"sleep": 0.4}] * n)]
+            wait_for(lambda: all(j.terminal for j in map(mod.leases.get, ids)), timeout=60, what=f"{n} limited2 jobs")
+            return bodies(ids)
+
+        assert max_overlap(run(4)) == 2  # the code's limit
+        form = browser.find_element(By.CSS_SELECTOR, "#kinds tr[data-kind='limited2'] form.kind-limits")
+        form.find_element(By.NAME, "concurrency").send_keys("1")
+        form.find_element(By.CLASS_NAME, "kind-set-limits").click()
+        _wait(browser, lambda b: cell("limited2", "kind-concurrency").get_attribute("data-source") == "override")
+        assert cell("limited2", "kind-concurrency").text == "1"
+        assert "concurrency: override" in cell("limited2", "limit-source").text
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(limits.c.concurrency_override).where(limits.c.kind == "limited2")).scalar() == 1
+        assert max_overlap(run(5)) == 1  # the running workers obey the page at once
+        form = browser.find_element(By.CSS_SELECTOR, "#kinds tr[data-kind='limited2'] form.kind-limits")
+        form.find_element(By.NAME, "concurrency").send_keys("default")
+        form.find_element(By.CLASS_NAME, "kind-set-limits").click()
+        _wait(browser, lambda b: cell("limited2", "kind-concurrency").get_attribute("data-source") == "code")
+        assert max_overlap(run(4)) == 2
+        # Bad input: an error page that says what is wrong, and nothing changed.
+        browser.get(srv.url + "/dashboard/kinds")
+        form = browser.find_element(By.CSS_SELECTOR, "#kinds tr[data-kind='limited2'] form.kind-limits")
+        form.find_element(By.NAME, "concurrency").send_keys("0")
+        form.find_element(By.CLASS_NAME, "kind-set-limits").click()
+        _wait(browser, lambda b: "concurrency must be" in b.page_source)
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(limits.c.concurrency_override).where(limits.c.kind == "limited2")).scalar() is None
+    finally:
+        srv.stop()
+        engine.dispose()

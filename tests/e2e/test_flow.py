@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 from collections import Counter
 from datetime import datetime
 
@@ -17,6 +18,8 @@ import sqlalchemy as sa
 
 from celery_lease import Status
 from celery_lease.db.schema import jobs
+from celery_lease.flow.control import OVERRIDES_REFRESH_SECONDS
+from celery_lease.flow.limits import DEFAULT, LimitChange, Rate
 from tests.apps.app import effects
 from tests.apps.app_flow import flow_metadata, spans
 from tests.conftest import wait_for
@@ -286,3 +289,69 @@ def test_killed_workers_slots_come_back_when_reaped_and_the_limit_holds(db, pg, 
     assert all(taken_back[i]["lease_losses"] >= 1 for i in orphaned)  # the killed leases were taken back
     # The killed bodies stopped when w1 was killed; the limit held throughout.
     assert max_overlap(span_rows(db, "chaos_limited"), ended_default=killed_at) <= 2
+
+
+# --- runtime limits: an operator's override ---------------------------------------------
+
+
+def db_clock(db) -> datetime:
+    with db.connect() as conn:
+        return conn.execute(sa.select(sa.func.clock_timestamp())).scalar_one()
+
+
+def overlap_after(rows: list[dict], since: datetime) -> int:
+    """The most bodies running at one instant from ``since`` on."""
+    return max_overlap([{**r, "started_at": max(r["started_at"], since)} for r in rows if r["ended_at"] > since])
+
+
+def test_a_concurrency_override_binds_running_workers_survives_a_restart_and_clears_to_the_code(db, fleet):
+    mod = fleet()
+    before = [j.id for j in mod.limited2.submit_many([{"sleep": 0.5}] * 6)]
+    wait_for(lambda: max_overlap(span_rows(db, "limited2"), db_clock(db)) == 2, what="two limited2 bodies at once")
+    # The code says 2; the operator says 1, while the fleet runs them.
+    assert mod.leases.flow.set_limits("limited2", LimitChange(concurrency=1))["concurrency"] == 1
+    changed = db_clock(db)
+    wait_all(db, before)
+    rows = span_rows(db, "limited2")
+    assert max_overlap([r for r in rows if r["started_at"] < changed]) == 2  # the code's 2 was in force
+    # Once the bodies started before the change ended, never more than one.
+    effect = max(r["ended_at"] for r in rows if r["started_at"] < changed)
+    assert [r for r in rows if r["started_at"] > effect], "no body started after the change took effect"
+    assert overlap_after(rows, effect) == 1
+    # The override is in the database, not in a worker.
+    for worker in mod.fleet:
+        worker.restart()
+    after_restart = [j.id for j in mod.limited2.submit_many([{"sleep": 0.3}] * 4)]
+    wait_all(db, after_restart)
+    assert max_overlap([r for r in span_rows(db, "limited2") if r["job_id"] in after_restart]) == 1
+    # Cleared: the code's 2 binds again.
+    assert mod.leases.flow.set_limits("limited2", LimitChange(concurrency=DEFAULT))["concurrency_source"] == "code"
+    cleared = [j.id for j in mod.limited2.submit_many([{"sleep": 0.5}] * 6)]
+    wait_all(db, cleared)
+    assert max_overlap([r for r in span_rows(db, "limited2") if r["job_id"] in cleared]) == 2
+    assert {r["attempt"] for r in job_rows(db, before + after_restart + cleared).values()} == {1}
+
+
+def test_a_concurrency_override_limits_a_kind_the_code_leaves_unlimited_within_seconds(db, fleet):
+    mod = fleet()
+    free = [j.id for j in mod.unlimited.submit_many([{"sleep": 0.5}] * 4)]
+    wait_all(db, free)
+    assert max_overlap(span_rows(db, "unlimited")) >= 2  # the workers have claimed it unlimited
+    mod.leases.flow.set_limits("unlimited", LimitChange(concurrency=1))
+    # Workers learn that an override limits a kind the code leaves unlimited within
+    # OVERRIDES_REFRESH_SECONDS; the statements of its claims then read the limit.
+    time.sleep(OVERRIDES_REFRESH_SECONDS + 0.5)
+    limited = [j.id for j in mod.unlimited.submit_many([{"sleep": 0.3}] * 6)]
+    rows = wait_all(db, limited)
+    assert max_overlap([r for r in span_rows(db, "unlimited") if r["job_id"] in limited]) == 1
+    assert {r["attempt"] for r in rows.values()} == {1}
+
+
+def test_a_rate_override_binds_every_worker(db, fleet):
+    mod = fleet(extra_env={"CL_TEST_RATE": "4/s"})
+    mod.leases.flow.set_limits("rated", LimitChange(rate=Rate(2, 1)))
+    ids = [j.id for j in mod.rated.submit_many([{}] * 10)]
+    rows = wait_all(db, ids, timeout=60)
+    per_window = Counter(math.floor(r["started_at"].timestamp()) for r in rows.values())
+    assert max(per_window.values()) <= 2, per_window
+    assert len(per_window) >= 5  # 10 claims at 2 a second (the code's 4/s would take 3 windows)

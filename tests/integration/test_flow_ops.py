@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import sqlalchemy as sa
 
-from celery_lease.db.schema import jobs, pauses
+from celery_lease.db.schema import jobs, limits, pauses
 from celery_lease.errors import InvalidPayload
 from tests.conftest import CELERY, ROOT, _env
 
@@ -109,7 +109,8 @@ def test_cli_limits_shows_per_kind_and_key_what_runs_and_what_waits_on_what(cli,
     for key, expected in EXPECTED.items():
         assert {k: rows[key][k] for k in expected} == expected, key
     text = cli("limits").stdout.splitlines()
-    assert text[0].split() == "KIND KEY CONCURRENCY RATE PAUSED RUNNING WAIT_LIMIT WAIT_RATE WAIT_PAUSE PENDING".split()
+    header = "KIND KEY CONCURRENCY RATE CONCURRENCY_FROM RATE_FROM PAUSED RUNNING WAIT_LIMIT WAIT_RATE WAIT_PAUSE PENDING"
+    assert text[0].split() == header.split()
     assert any(line.split()[:1] == ["limited2"] and line.split()[-5:] == ["2", "3", "0", "0", "1"] for line in text)
 
 
@@ -206,3 +207,120 @@ def test_limited_claim_hold_and_release_on_postgresql(pg, make_job, prepare):
         assert flow.claim_limited(ids[4], "n/1/b", "k", "t", limits).later is None  # one wakeup per window
     finally:
         store.dispose()
+
+
+# --- runtime limits: an operator's override ------------------------------------------------
+
+
+def stored_limits(db: str) -> dict[str, tuple]:
+    with sa.create_engine(db).connect() as conn:
+        cols = (limits.c.kind, limits.c.concurrency_override, limits.c.rate_override, limits.c.per_seconds_override)
+        return {r[0]: tuple(r[1:]) for r in conn.execute(sa.select(*cols))}
+
+
+@pytest.fixture
+def api(pg, broker, client_app):
+    """The API in this process (TestClient) on app_flow, with an admin, a tenant's and a
+    read-only token: api(token) -> headers."""
+    from fastapi.testclient import TestClient
+
+    from celery_lease.ops.api import create_app
+
+    tokens = {"admin": None, "acme": "acme", "reader": {"tenant": None, "read_only": True}}
+    mod = client_app(pg, broker, conf={"lease_api_tokens": tokens}, module=MODULE)
+    client = TestClient(create_app(mod.leases))
+    client.as_ = lambda token: {"Authorization": f"Bearer {token}"}
+    return client
+
+
+def test_api_sets_and_clears_a_kinds_limits_and_the_listing_says_where_each_comes_from(api, pg):
+    admin = api.as_("admin")
+    r = api.put("/api/v1/kinds/limited2/limits", json={"concurrency": 1, "rate_limit": "5/m"}, headers=admin)
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "kind": "limited2",
+        "concurrency": 1,
+        "rate_limit": "5/m",
+        "concurrency_source": "override",
+        "rate_limit_source": "override",
+        "declared_concurrency": 2,
+        "declared_rate_limit": None,
+    }
+    assert stored_limits(pg)["limited2"] == (1, 5, 60)
+    # null: explicitly no limit (not the code's 2); a field left out stays as it is.
+    r = api.put("/api/v1/kinds/limited2/limits", json={"concurrency": None}, headers=admin)
+    assert (r.json()["concurrency"], r.json()["concurrency_source"], r.json()["rate_limit"]) == (None, "override", "5/m")
+    assert stored_limits(pg)["limited2"] == (0, 5, 60)
+    r = api.put("/api/v1/kinds/limited2/limits", json={"concurrency": "default"}, headers=admin)
+    assert (r.json()["concurrency"], r.json()["concurrency_source"]) == (2, "code")
+    assert api.delete("/api/v1/kinds/limited2/limits", headers=admin).json()["rate_limit_source"] == "code"
+    assert stored_limits(pg)["limited2"] == (None, None, None)
+    # An idle kind, with no job and no limit in code, is listed and can be limited.
+    listed = by_kind_key(api.get("/api/v1/limits", headers=admin).json()["kinds"])
+    assert listed[("unlimited", None)]["running"] == 0 and listed[("unlimited", None)]["concurrency"] is None
+    assert api.put("/api/v1/kinds/unlimited/limits", json={"concurrency": 3}, headers=admin).status_code == 200
+    listed = by_kind_key(api.get("/api/v1/limits", headers=admin).json()["kinds"])
+    assert (listed[("unlimited", None)]["concurrency"], listed[("unlimited", None)]["concurrency_source"]) == (3, "override")
+
+
+@pytest.mark.parametrize(
+    "token, body, status, error",
+    [
+        ("acme", {"concurrency": 1}, 403, "forbidden"),  # a tenant's token: the limit binds every tenant
+        ("reader", {"concurrency": 1}, 403, "forbidden"),
+        ("admin", {}, 400, "bad_request"),
+        ("admin", {"concurrency": 0}, 400, "bad_request"),
+        ("admin", {"concurrency": "1"}, 400, "bad_request"),
+        ("admin", {"concurrency": True}, 400, "bad_request"),
+        ("admin", {"concurrency": 1, "rate": "5/s"}, 400, "bad_request"),  # a misspelt field
+        ("admin", {"rate_limit": "5 per second"}, 400, "bad_request"),
+        ("admin", {"rate_limit": "0/s"}, 400, "bad_request"),
+        ("admin", [1], 400, "bad_request"),
+    ],
+)
+def test_api_refuses_bad_limits_and_other_tokens_and_changes_nothing(api, pg, token, body, status, error):
+    r = api.put("/api/v1/kinds/limited2/limits", json=body, headers=api.as_(token))
+    assert (r.status_code, r.json()["error"]) == (status, error), r.text
+    assert r.json()["detail"]
+    assert stored_limits(pg) == {}
+
+
+def test_api_refuses_a_kind_nobody_declares_unless_it_has_rows(api, pg, make_job):
+    admin = api.as_("admin")
+    r = api.put("/api/v1/kinds/no-such-kind/limits", json={"concurrency": 1}, headers=admin)
+    assert (r.status_code, r.json()["error"]) == (404, "not_found")
+    assert api.delete("/api/v1/kinds/no-such-kind/limits", headers=admin).status_code == 404
+    assert stored_limits(pg) == {}
+    make_job(pg, kind="retired", task="tests.apps.gone", status="succeeded")  # declared by no code any more
+    r = api.put("/api/v1/kinds/retired/limits", json={"concurrency": 1}, headers=admin)
+    assert r.status_code == 200 and r.json()["declared_concurrency"] is None
+    assert stored_limits(pg) == {"retired": (1, None, None)}
+
+
+def test_cli_limit_sets_none_and_default_and_limits_agrees(cli, pg):
+    proc = cli("limit", "limited2", "--concurrency", "1")
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout.strip() == "limited2: concurrency 1 (from override), rate none (from code)"
+    rows = by_kind_key(json.loads(cli("limits", "--json").stdout)["kinds"])
+    assert (rows[("limited2", None)]["concurrency"], rows[("limited2", None)]["concurrency_source"]) == (1, "override")
+    assert rows[("one_slot", None)]["concurrency"] == 1 and rows[("one_slot", None)]["concurrency_source"] == "code"
+    proc = cli("limit", "rated", "--rate", "none", "--json")
+    assert json.loads(proc.stdout)["rate_limit"] is None and json.loads(proc.stdout)["declared_rate_limit"] == "4/s"
+    assert cli("limit", "limited2", "--concurrency", "default").stdout.strip().startswith("limited2: concurrency 2 (from code)")
+    assert stored_limits(pg) == {"limited2": (None, None, None), "rated": (None, 0, None)}
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("limit", "limited2"), "nothing to change"),
+        (("limit", "limited2", "--concurrency", "0"), "concurrency must be"),
+        (("limit", "limited2", "--rate", "5/d"), "rate limit must look like"),
+        (("limit", "no-such-kind", "--concurrency", "1"), "no kind 'no-such-kind'"),
+    ],
+)
+def test_cli_limit_refuses_bad_input_in_one_line_and_changes_nothing(cli, pg, args, says):
+    proc = cli(*args)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.startswith("celery-lease: ") and says in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert stored_limits(pg) == {}

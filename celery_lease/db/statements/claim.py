@@ -35,7 +35,8 @@ from celery_lease.db.statements.attempt import complete_jobs
 from celery_lease.db.statements.attempt_log import open_attempt
 from celery_lease.db.statements.common import _PENDING, _c, _delivered, _due, db_now, db_now_plus
 from celery_lease.db.statements.events import _events_of
-from celery_lease.db.statements.flow import _rate_open_for, _running_like, count_rate_claim
+from celery_lease.db.statements.flow import _rate_open_for, count_rate_claim
+from celery_lease.db.statements.in_force import below_concurrency
 from celery_lease.status import Event, Status
 
 #: What a worker needs from a claimed job.
@@ -71,9 +72,11 @@ def claim(*, logged: bool = True, riding: int = 0, concurrency: bool = False, ra
       of a paused kind is claimed, and the first due pending job of the same kind,
       queue and concurrency key with a higher priority is claimed in place of the
       delivered one (whose wakeup the caller sends again);
-    * ``concurrency``: only while fewer than :slots jobs of the claimed job's
-      kind and key run; ``rate``: only while the kind's rate window (:of_kind) takes a
-      claim. Both run after flow.lock_limits in the same transaction;
+    * ``concurrency``: only while fewer jobs of the claimed job's kind and key run than
+      its concurrency in force allows; ``rate``: only while the kind's rate window
+      (:of_kind) takes a claim. Both read the kind's limits row, an operator's override
+      included (in_force.in_force_*), after flow.lock_limits in the
+      same transaction;
     * ``logged`` (PostgreSQL): ONE statement that also appends the run's event
       ('claimed', or 'cancelled' for a job of a cancelled run) and, with ``rate``,
       counts the claim in the window (``window_claims``: the count after it; 1 means
@@ -100,6 +103,7 @@ def claim(*, logged: bool = True, riding: int = 0, concurrency: bool = False, ra
         counted = count_rate_claim().where(started).cte("counted")
         ctes.append(counted)
         columns.append(sa.select(counted.c.rate_claims).scalar_subquery().label("window_claims"))
+        columns.append(sa.select(counted.c.window_rate).scalar_subquery().label("window_rate"))
     stmt = sa.select(*columns)
     if riding:
         done = complete_jobs(riding).cte("completed")
@@ -128,7 +132,7 @@ def _claim_update(*, swap: bool, concurrency: bool, rate: bool) -> sa.Update:
     if swap:
         guards.append(~sa.exists().where(pauses.c.kind == _c.kind))
     if concurrency:
-        guards.append(_running_like(_c.kind, _c.concurrency_key) < sa.bindparam("slots", type_=sa.Integer))
+        guards.append(below_concurrency(_c.kind, _c.concurrency_key))
     if rate:
         guards.append(_rate_open_for(sa.bindparam("of_kind", type_=sa.String)))
     return sa.update(jobs).where(*guards).values(**claimed_values(cancelled)).returning(*CLAIMED_COLUMNS)

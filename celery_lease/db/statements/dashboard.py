@@ -27,6 +27,7 @@ from sqlalchemy.sql.functions import FunctionElement
 from celery_lease.db.schema import events, jobs, limits
 from celery_lease.db.statements.common import db_now, db_now_plus, epoch_seconds
 from celery_lease.db.statements.flow import rate_window_now
+from celery_lease.db.statements.in_force import in_force_per_seconds, in_force_rate
 from celery_lease.status import TERMINAL, Status
 
 _c = jobs.c
@@ -225,11 +226,13 @@ def database_now() -> sa.Select:
 
 @functools.cache
 def rate_budgets() -> sa.Select:
-    """rate_budgets: per rate-limited kind, its rate and the claims its current window
-    has counted (0 when no claim opened this window yet)."""
-    current = limits.c.rate_window == rate_window_now(limits.c.per_seconds)
+    """rate_budgets: per rate-limited kind, its rate in force (an operator's override
+    included) and the claims its current window has counted (0 when no claim opened
+    this window yet)."""
+    rate, per = in_force_rate(limits.c), in_force_per_seconds(limits.c)
+    current = limits.c.rate_window == rate_window_now(per)
     used = sa.case((current, limits.c.rate_claims), else_=0).label("used")
-    return sa.select(limits.c.kind, limits.c.rate, limits.c.per_seconds, used).where(limits.c.rate.is_not(None))
+    return sa.select(limits.c.kind, rate.label("rate"), per.label("per_seconds"), used).where(rate.is_not(None))
 
 
 # --- workers, leases and reconciliation -----------------------------------------------------

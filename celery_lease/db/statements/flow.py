@@ -19,7 +19,6 @@ from sqlalchemy.sql.functions import FunctionElement
 from celery_lease.db.schema import jobs, limits, pauses
 from celery_lease.db.statements.common import (
     _PENDING,
-    _RUNNING,
     WAKEUP_COLUMNS,
     _batch,
     _c,
@@ -30,22 +29,14 @@ from celery_lease.db.statements.common import (
     db_now_plus,
     epoch_seconds,
 )
+from celery_lease.db.statements.in_force import (
+    below_concurrency,
+    in_force_concurrency,
+    in_force_per_seconds,
+    in_force_rate,
+    running_like,
+)
 from celery_lease.status import Held, Status
-
-
-def _running_like(kind, key) -> sa.ScalarSelect:
-    """How many jobs of ``kind`` and concurrency key ``key`` are running."""
-    slots = jobs.alias("slots")
-    return (
-        sa.select(sa.func.count())
-        .select_from(slots)
-        .where(
-            slots.c.status == _RUNNING,
-            slots.c.kind == kind,
-            slots.c.concurrency_key.is_not_distinct_from(key),
-        )
-        .scalar_subquery()
-    )
 
 
 class rate_window_now(FunctionElement):
@@ -86,8 +77,9 @@ def _new_window(row) -> sa.ColumnElement[bool]:
     """The database clock is past the stored rate window, or stepped back behind it:
     the current window is a new one (its count starts again). Without the step back, a
     clock set back an hour froze a rate-limited kind for an hour."""
-    now = rate_window_now(row.per_seconds)
-    stepped_back = epoch_seconds(db_now()) < row.rate_window * row.per_seconds - STEP_BACK_SECONDS
+    per = in_force_per_seconds(row)
+    now = rate_window_now(per)
+    stepped_back = epoch_seconds(db_now()) < row.rate_window * per - STEP_BACK_SECONDS
     return sa.or_(now > row.rate_window, stepped_back)
 
 
@@ -96,11 +88,11 @@ def _rate_open(row) -> sa.ColumnElement:
     in an older window than the one stored (it waited for the lock across the
     boundary) is refused, so no window, however its claims are grouped (by the window
     that counted them or by their started_at), holds more than the rate."""
-    now = rate_window_now(row.per_seconds)
+    now, rate = rate_window_now(in_force_per_seconds(row)), in_force_rate(row)
     return sa.case(
-        (row.rate.is_(None), sa.true()),
+        (rate.is_(None), sa.true()),
         (_new_window(row), sa.true()),
-        (now == row.rate_window, row.rate_claims < row.rate),
+        (now == row.rate_window, row.rate_claims < rate),
         else_=sa.false(),
     )
 
@@ -113,16 +105,17 @@ def _rate_open_for(kind) -> sa.ScalarSelect:
 @functools.cache
 def count_rate_claim() -> sa.Update:
     """count_rate_claim: one more claim in the kind's current rate window (a new window
-    starts at 1). Returns the count: 1 means this claim opened the window."""
-    now = rate_window_now(limits.c.per_seconds)
+    starts at 1), when a rate is in force. Returns the count (1 means this claim opened
+    the window) and ``window_rate``, the rate in force."""
+    now = rate_window_now(in_force_per_seconds(limits.c))
     return (
         sa.update(limits)
-        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None))
+        .where(limits.c.kind == sa.bindparam("of_kind"), in_force_rate(limits.c).is_not(None))
         .values(
             rate_window=now,
             rate_claims=sa.case((_new_window(limits.c), 1), else_=limits.c.rate_claims + 1),
         )
-        .returning(limits.c.rate_claims)
+        .returning(limits.c.rate_claims, in_force_rate(limits.c).label("window_rate"))
     )
 
 
@@ -130,7 +123,8 @@ def count_rate_claim() -> sa.Update:
 def hold_job() -> sa.Update:
     """hold_job: a delivery flow control refused leaves its job pending, marked with
     why: 'pause' (its kind is paused), and for a :limited kind 'rate' (its rate
-    window is spent) or 'limit' (:slots jobs of its kind and key run). held NULL
+    window is spent) or 'limit' (as many jobs of its kind and key run as its
+    concurrency in force allows). held NULL
     in the result means nothing holds it now: the caller claims again. Run under the
     kind's limits row lock (after lock_limits_row) for a limited kind, so the reason is
     decided on the same state a release sees.
@@ -142,7 +136,7 @@ def hold_job() -> sa.Update:
     """
     paused = sa.exists(sa.select(pauses.c.kind).where(pauses.c.kind == _c.kind).with_for_update(read=True))
     limited = sa.bindparam("limited", type_=sa.Boolean)
-    full = _running_like(_c.kind, _c.concurrency_key) >= sa.bindparam("slots", type_=sa.Integer)
+    full = sa.not_(below_concurrency(_c.kind, _c.concurrency_key))
     reason = sa.case(
         (paused, Held.PAUSE.value),
         (sa.and_(limited, sa.not_(sa.func.coalesce(_rate_open_for(_c.kind), sa.true()))), Held.RATE.value),
@@ -186,7 +180,9 @@ def lock_limits(dialect: str) -> sa.Insert:
     # the same instant), so a window's claims still count, and the next window's wakeup
     # may be scheduled again. (Kept as they were, every claim was refused for good.)
     old, new = limits.c.per_seconds, stmt.excluded.per_seconds
-    resized = sa.and_(old.is_not(None), new.is_not(None), old != new)
+    # (Only while the declared length is the one in force: an operator's rate override
+    # sets its own, and the declared one changing then resizes nothing.)
+    resized = sa.and_(limits.c.per_seconds_override.is_(None), old.is_not(None), new.is_not(None), old != new)
 
     def rebased(window: sa.ColumnElement) -> sa.ColumnElement:
         return sa.case((resized, (window * old) // new), else_=window)
@@ -207,11 +203,11 @@ def lock_limits(dialect: str) -> sa.Insert:
 def _rate_budget(row) -> sa.ColumnElement:
     """The claims the rate window of a limits row (``row``: the table or an alias)
     still takes; NULL without a rate."""
-    now = rate_window_now(row.c.per_seconds)
+    now, rate = rate_window_now(in_force_per_seconds(row.c)), in_force_rate(row.c)
     return sa.case(
-        (row.c.rate.is_(None), sa.null()),
-        (_new_window(row.c), row.c.rate),
-        (sa.and_(now == row.c.rate_window, row.c.rate > row.c.rate_claims), row.c.rate - row.c.rate_claims),
+        (rate.is_(None), sa.null()),
+        (_new_window(row.c), rate),
+        (sa.and_(now == row.c.rate_window, rate > row.c.rate_claims), rate - row.c.rate_claims),
         else_=0,
     )
 
@@ -229,15 +225,20 @@ def schedule_window_wakeup() -> sa.Update:
     """Record that a wakeup is sent for the start of the kind's next rate window;
     returns the seconds until then, or no row when one is already scheduled (one
     wakeup per window and kind)."""
-    now = rate_window_now(limits.c.per_seconds)
+    per = in_force_per_seconds(limits.c)
+    now = rate_window_now(per)
     following = sa.case((_new_window(limits.c), now), else_=limits.c.rate_window) + 1
     return (
         sa.update(limits)
         # (woken_window != following, not <: after the clock stepped back, the window
         # recorded lies ahead of the next one, and must not block its wakeup.)
-        .where(limits.c.kind == sa.bindparam("of_kind"), limits.c.rate.is_not(None), limits.c.woken_window != following)
+        .where(
+            limits.c.kind == sa.bindparam("of_kind"),
+            in_force_rate(limits.c).is_not(None),
+            limits.c.woken_window != following,
+        )
         .values(woken_window=following)
-        .returning((following * limits.c.per_seconds - epoch_seconds(db_now())).label("seconds"))
+        .returning((following * per - epoch_seconds(db_now())).label("seconds"))
     )
 
 
@@ -301,13 +302,14 @@ def _held_for(reason: Held, *, by_key: bool) -> list[sa.ColumnElement]:
 @functools.cache
 def wake_for_slot(dialect: str) -> sa.Update:
     """wake_for_slot: after a limited job left running, the jobs of its kind and key
-    :key held by the limit, as many as slots are free now (the kind's declared
-    concurrency minus its running jobs of that key), best priority first. Run after
-    lock_limits_row in the same transaction."""
-    row = limits.alias("lim")
-    running = _running_like(sa.bindparam("of_kind"), sa.bindparam("key", type_=sa.String))
+    :key held by the limit, as many as slots are free now (the kind's concurrency in
+    force minus its running jobs of that key; all of them when none is in force), best
+    priority first. Run after lock_limits_row in the same transaction."""
+    row, most = limits.alias("lim"), sa.literal(2**31 - 1)
+    running = running_like(sa.bindparam("of_kind"), sa.bindparam("key", type_=sa.String))
+    cap = in_force_concurrency(row.c)
     free = (
-        sa.select(sa.case((row.c.concurrency > running, row.c.concurrency - running), else_=0))
+        sa.select(sa.case((cap.is_(None), most), (cap > running, cap - running), else_=0))
         .where(row.c.kind == sa.bindparam("of_kind"))
         .scalar_subquery()
     )
@@ -318,12 +320,12 @@ def wake_for_slot(dialect: str) -> sa.Update:
 def top_up(dialect: str) -> sa.Update:
     """top_up, after lock_limits_row in its transaction (the one statement under the
     lock): wake the jobs of :of_kind held by its limit (key :key) up to its free slots
-    and its rate budget, then those held for its rate up to the budget left. An
-    undeclared limit bounds nothing; no limits row, nothing is woken."""
+    and its rate budget, then those held for its rate up to the budget left. A
+    limit not in force bounds nothing; no limits row, nothing is woken."""
     row, most = limits.alias("lim"), sa.literal(2**31 - 1)
-    running = _running_like(sa.bindparam("of_kind"), sa.bindparam("key", type_=sa.String))
-    undeclared = sa.func.coalesce(row.c.concurrency, 0) == 0
-    free = sa.case((undeclared, most), (row.c.concurrency > running, row.c.concurrency - running), else_=0)
+    running = running_like(sa.bindparam("of_kind"), sa.bindparam("key", type_=sa.String))
+    limit = in_force_concurrency(row.c)
+    free = sa.case((limit.is_(None), most), (limit > running, limit - running), else_=0)
     budget = sa.func.coalesce(_rate_budget(row), most)
     cap = sa.select(free.label("free"), budget.label("budget")).where(row.c.kind == sa.bindparam("of_kind")).cte("capacity")
     order = (_c.priority.desc(), _c.created_at)
@@ -415,3 +417,82 @@ def is_paused() -> sa.Select:
 @functools.cache
 def list_pauses() -> sa.Select:
     return sa.select(pauses).order_by(pauses.c.kind)
+
+
+# An operator's override of a kind's limits (the ``*_override`` columns of
+# celery_lease_limits; see db/schema.py for their encoding). Every statement that enforces
+# a limit reads the limit in force (db/statements/in_force.py); these write the override
+# and tell which kinds it limits.
+@functools.cache
+def override_limits(dialect: str) -> sa.Insert:
+    """override_limits: set an operator's override of :of_kind's concurrency (when
+    :set_concurrency) and rate (when :set_rate), creating its limits row if none exists
+    (a kind that declares no limit in code). The other stays as it was.
+
+    When the rate window length in force changes, the window starts again (its count
+    at 0): the stored window numbers count windows of the old length. At most one
+    window's worth of claims more may then start at the change."""
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    set_c, set_r = sa.bindparam("set_concurrency", type_=sa.Boolean), sa.bindparam("set_rate", type_=sa.Boolean)
+
+    def given(flag: sa.BindParameter, name: str) -> sa.ColumnElement:
+        # (Cast: PostgreSQL types a CASE of NULL parameters as text.)
+        return sa.case((flag, sa.cast(sa.bindparam(name, type_=sa.Integer), sa.Integer)), else_=sa.null())
+
+    stmt = insert(limits).values(
+        kind=sa.bindparam("of_kind"),
+        concurrency_override=given(set_c, "concurrency_override"),
+        rate_override=given(set_r, "rate_override"),
+        per_seconds_override=given(set_r, "per_seconds_override"),
+        updated_at=db_now(),
+    )
+    new, old = stmt.excluded, limits.c
+    rate = sa.case((set_r, new.rate_override), else_=old.rate_override)
+    per = sa.case((set_r, new.per_seconds_override), else_=old.per_seconds_override)
+    resized = in_force_per_seconds(old).is_distinct_from(sa.func.coalesce(per, old.per_seconds))
+    return stmt.on_conflict_do_update(
+        index_elements=[limits.c.kind],
+        set_={
+            "concurrency_override": sa.case((set_c, new.concurrency_override), else_=old.concurrency_override),
+            "rate_override": rate,
+            "per_seconds_override": per,
+            "rate_window": sa.case((resized, 0), else_=old.rate_window),
+            "rate_claims": sa.case((resized, 0), else_=old.rate_claims),
+            "woken_window": sa.case((resized, 0), else_=old.woken_window),
+            "updated_at": db_now(),
+        },
+    )
+
+
+@functools.cache
+def overridden_kinds() -> sa.Select:
+    """The kinds an operator's override limits (a concurrency or a rate of N >= 1):
+    their claims take the limited path even when the code declares no limit."""
+    return sa.select(limits.c.kind).where(sa.or_(limits.c.concurrency_override > 0, limits.c.rate_override > 0))
+
+
+@functools.cache
+def kind_exists() -> sa.Select:
+    """Whether :of_kind has any row: a job (of any status), a limits row or a pause."""
+    return sa.select(
+        sa.or_(
+            sa.exists().where(limits.c.kind == sa.bindparam("of_kind")),
+            sa.exists().where(pauses.c.kind == sa.bindparam("of_kind")),
+            sa.exists().where(jobs.c.kind == sa.bindparam("of_kind")),
+        )
+    )
+
+
+@functools.cache
+def held_keys() -> sa.Select:
+    """The concurrency keys of :of_kind's jobs held by its limit or its rate (read
+    through the held index): what a changed limit may now let run."""
+    return (
+        sa.select(_c.concurrency_key)
+        .distinct()
+        .where(
+            _c.status == _PENDING,
+            _c.held.in_([Held.LIMIT.value, Held.RATE.value]),
+            _c.kind == sa.bindparam("of_kind"),
+        )
+    )

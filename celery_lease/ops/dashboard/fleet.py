@@ -17,6 +17,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from celery_lease.errors import UnknownKind
+from celery_lease.flow.limits import LimitChange
 from celery_lease.ops.dashboard.access import Viewer
 from celery_lease.ops.dashboard.web import Board, PageError, form, redirect
 
@@ -143,6 +144,24 @@ def register(app: FastAPI, board: Board) -> None:
     @app.post("/kinds/{kind}/resume")
     async def resume(request: Request, kind: str, viewer: Viewer = Depends(board.viewer)) -> Response:
         return await flow(request, viewer, kind, False)
+
+    @app.post("/kinds/{kind}/limits")
+    async def limits(request: Request, kind: str, viewer: Viewer = Depends(board.viewer)) -> Response:
+        """The Kinds page's limits form: each field left blank is unchanged; a limit,
+        'none' (no limit) or 'default' (what the code declares) sets it for the fleet."""
+        fields = await form(request, viewer)
+        if viewer.tenant is not None:
+            raise PageError(403, "a tenant's token cannot change limits that bind every tenant's jobs")
+        concurrency, rate = (fields.get(name, "").strip() for name in ("concurrency", "rate_limit"))
+        try:
+            change = LimitChange.parse(concurrency=concurrency, rate=rate, given=(bool(concurrency), bool(rate)))
+            leases.import_task_modules()  # the kinds the workers declare, not only those imported here
+            leases.flow.set_limits(kind, change)
+        except UnknownKind as exc:
+            raise PageError(404, str(exc)) from None
+        except ValueError as exc:
+            raise PageError(400, str(exc)) from None
+        return redirect(request, "/kinds")
 
     @app.get("/live", response_class=HTMLResponse)
     def live(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:

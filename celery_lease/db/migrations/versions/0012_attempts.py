@@ -3,16 +3,16 @@ attempt, when, and how it ended, kept on the job row and written by the statemen
 that claim and end attempts (db/statements/attempt_log.py). Jobs created before it
 have no log (NULL) until their next claim.
 
-Revision ID: 0011_attempts
-Revises: 0008_jobs_fillfactor
+Revision ID: 0012_attempts
+Revises: 0011_landing_outbox
 """
 
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision = "0011_attempts"
-down_revision = "0012_landing_outbox"
+revision = "0012_attempts"
+down_revision = "0011_landing_outbox"
 branch_labels = None
 depends_on = None
 

@@ -1,14 +1,14 @@
 """Dashboard sessions in the database, so signing out ends a session in every serve
 process, and a session survives a restart only while its row does.
 
-Revision ID: 0013_sessions
+Revision ID: 0009_sessions
 Revises: 0008_jobs_fillfactor
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0013_sessions"
+revision = "0009_sessions"
 down_revision = "0008_jobs_fillfactor"
 branch_labels = None
 depends_on = None

@@ -6,16 +6,16 @@ server about a transaction id (which a crash of one backend can make name anothe
 transaction). celery_lease_outbox: a plain Celery callback or errback is written in the
 transaction that sets it off and sent from there, by the worker or by the sweeper.
 
-Revision ID: 0012_landing_outbox
-Revises: 0008_jobs_fillfactor
+Revision ID: 0011_landing_outbox
+Revises: 0010_claim_token
 """
 
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision = "0012_landing_outbox"
-down_revision = "0014_claim_token"
+revision = "0011_landing_outbox"
+down_revision = "0010_claim_token"
 branch_labels = None
 depends_on = None
 

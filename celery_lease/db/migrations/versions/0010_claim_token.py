@@ -8,15 +8,15 @@ batched claim re-run after a restart claimed other rows (item 2). Each claim now
 a random ``claim_token`` (the same for its retries) and adoption matches it. Not
 indexed: it is read only to settle a lost reply, among the running rows of one owner.
 
-Revision ID: 0014_claim_token
-Revises: 0008_jobs_fillfactor
+Revision ID: 0010_claim_token
+Revises: 0009_sessions
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0014_claim_token"
-down_revision = "0013_sessions"
+revision = "0010_claim_token"
+down_revision = "0009_sessions"
 branch_labels = None
 depends_on = None
 
