@@ -218,7 +218,7 @@ limits = sa.Table(
     # workers never write: NULL keeps the declared value (the code default), 0 means
     # explicitly no limit, N >= 1 is the limit. per_seconds_override is set exactly
     # when rate_override is N >= 1. What binds a claim is the override when set, else
-    # the declared value: flow.statements.in_force_* (the claim SQL reads it there).
+    # the declared value: in_force.in_force_* (the claim SQL reads it there).
     sa.Column("concurrency_override", sa.Integer),
     sa.Column("rate_override", sa.Integer),
     sa.Column("per_seconds_override", sa.Integer),

@@ -1,6 +1,6 @@
 """The limits in force for a kind, and the concurrency guard that reads them: column
 expressions over a limits row (celery_lease_limits), used by every flow statement
-(:mod:`celery_lease.flow.statements`, the claim family) and the override's own.
+(:mod:`celery_lease.db.statements.flow`, the claim family) and the override's own.
 
 A limits row holds what the kind's workers declare (concurrency, rate, per_seconds) and
 an operator's override of each (NULL: none, the declared value binds; 0: explicitly no
