@@ -5,6 +5,7 @@ needs the ``api`` extra). Routes::
 
     GET  /api/v1/jobs/{id}            one job
     POST /api/v1/jobs/{id}/cancel     cancel a pending or running job
+    POST /api/v1/jobs/{id}/retry      a new job of an ended one, fencing tokens above its own
     GET  /api/v1/jobs                 ?status=&kind=&queue=&limit=&cursor=  newest first
     GET  /api/v1/runs/{id}/events     ?after=&limit=  a run's event log, oldest first
     GET  /api/v1/limits               flow control per kind and key: limits, running, waiting
@@ -20,56 +21,12 @@ Around every route (celery_lease.ops.guard): bodies over 16 KiB are answered 413
 they are read, and every response carries the Content-Security-Policy and framing
 headers.
 
-Tokens. Every ``/api/v1`` route needs ``Authorization: Bearer <token>``. The tokens
-come from ``app.conf.lease_api_tokens``, a dict mapping each token to the tenant it may
-see, or to None for every tenant::
-
-    app.conf.lease_api_tokens = {"ops-7f3a...": None, "acme-91bc...": "acme"}
-
-or, when that setting is absent, from the environment variable
-``CELERY_LEASE_API_TOKENS`` holding the same mapping as a JSON object::
-
-    CELERY_LEASE_API_TOKENS='{"ops-7f3a...": null, "acme-91bc...": "acme"}'
-
-With no tokens configured every ``/api/v1`` request is refused. A missing or unknown
-token gets 401 ``{"error": "unauthorized"}``; tokens are at least 20 characters. Each
-wrong token spends its client address's and everyone's failure budget; once either is
-spent, tokens from there are answered 429 without being compared (throttle.Gate). A token bound to a tenant sees only jobs
-submitted with that ``tenant=``: another tenant's job is 404, exactly like a job that
-does not exist (a 403 would confirm the id exists), and costs the same to answer (the
-tenant is in the statement's WHERE clause); lists and run events are filtered, and
-cancelling another tenant's job is 404. In a run's events a tenant token sees neither
-which worker claimed a job (host, pid and boot id are withheld from ``claimed``
-events) nor the global event ids, whose gaps would count other tenants' activity: its
-events are numbered 1, 2, 3 ... within the run, and ``after`` takes those numbers.
-
-Routes read only the columns their response carries: never payloads or checkpoints;
-lists are bounded summaries (listing.summary_view). Past ``lease_api_rate`` requests a
-second a token gets 429 with ``Retry-After``: one budget for its API requests and its
-dashboard sessions.
-
-``/healthz`` and ``/openapi.json`` need no token. ``/metrics`` needs one whenever
-``lease_api_tokens`` or ``app.conf.lease_metrics_token`` (or the environment variable
-``CELERY_LEASE_METRICS_TOKEN``) is set: that token, or any API token bound to no
-tenant, as ``Authorization: Bearer``. Metrics carry counts by kind and status, never
-job contents (concurrency keys only with ``lease_metrics_key_labels``); they are
-computed at most once every ``lease_metrics_cache_seconds`` (default 5).
-
-Runtime limits. ``PUT /api/v1/kinds/{kind}/limits`` changes a kind's limits for the whole
-fleet (stored; every worker obeys it within seconds). Each field given is set: a number
-(concurrency) or a rate like ``"10/s"``, ``"100/m"``, ``"1000/h"``; ``null`` is no limit,
-whatever the code declares; ``"default"`` returns to what the code declares. A field left
-out is unchanged; a body with neither is refused. Only tokens bound to no tenant and not
-read-only may (others: 403 ``forbidden``; a limit binds every tenant's jobs). A kind that
-no handler declares and no row names is 404 ``not_found`` (a typo creates nothing); a
-kind declared with ``batch=`` is 409 ``conflict``. The answer is the kind's limits in
-force and where each comes from (``code`` or ``override``).
-
-Errors are JSON ``{"error": code, "detail": text}``: 400 ``bad_request`` for a
-malformed id, status, limit, cursor or parameter, and for any query parameter a route
-does not declare (a misspelt filter must not silently widen a list); 404
-``not_found``; 429 ``rate_limited``; 503 ``database_unavailable`` or
-``schema_not_migrated``. Bad input changes nothing and reads nothing: never a 5xx.
+Tokens come from ``lease_api_tokens`` (or ``CELERY_LEASE_API_TOKENS``): token -> tenant,
+or None for every tenant. A tenant token sees its tenant's jobs only (another's is 404,
+at the same cost); writing routes refuse read-only tokens, retry and limits any tenant
+token (403). Errors are JSON ``{"error": code, "detail": text}``; bad input changes and
+reads nothing, never a 5xx. docs/operations.md has the routes' whole contract and the
+security model (throttles, sessions, proxies); docs/flow-control.md the limits.
 """
 
 from __future__ import annotations
@@ -436,25 +393,3 @@ def _mount_dashboard(api: FastAPI, leases: CeleryLease, keyring: Keyring, secret
         log.warning("celery-lease: no dashboard at /dashboard: it needs jinja2 (pip install 'celery-lease[api]')")
         return
     api.mount("/dashboard", create_dashboard(leases, keyring, secret, gate))
-
-
-def serve(
-    leases: CeleryLease, host: str, port: int, *, proxy_headers: bool = False, forwarded_allow_ips: str = "127.0.0.1"
-) -> None:
-    """Run the API on uvicorn until interrupted. With ``proxy_headers``,
-    ``X-Forwarded-For`` and ``X-Forwarded-Proto`` are believed from the peers
-    ``forwarded_allow_ips`` lists (addresses or networks, comma-separated, or ``*``);
-    without, from nobody. They decide the client address the failed-sign-in budget
-    counts, and the scheme that makes the session cookie Secure."""
-    import uvicorn
-
-    # proxy_headers is passed even when off: uvicorn's own default believes any
-    # loopback peer, so every guess through a local proxy could name a new address.
-    uvicorn.run(
-        create_app(leases),
-        host=host,
-        port=port,
-        log_level="info",
-        proxy_headers=proxy_headers,
-        forwarded_allow_ips=forwarded_allow_ips,
-    )

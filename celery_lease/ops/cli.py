@@ -1,6 +1,7 @@
 """``celery -A proj lease ...``: operate celery-lease from Celery's own CLI.
 
-Installed through the ``celery.commands`` entry point, so it runs with the app Celery
+Installed through the ``celery.commands`` entry point (the group and what every command
+shares: ops/cli_common.py; the flow-control commands: ops/cli_kinds.py), so it runs with the app Celery
 loaded from ``-A`` and finds the CeleryLease instance at ``app.lease``::
 
     celery -A proj lease migrate                 upgrade the job tables
@@ -24,23 +25,34 @@ database driver's message (which can carry a host or a password) stays out of it
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import json
 import logging
-import re
 from collections.abc import Callable
-from datetime import datetime
-from typing import Any
 
 import click
-from sqlalchemy import exc as sa_exc
 
-from celery_lease.errors import LeaseError, UnknownKind
-from celery_lease.flow.limits import LimitChange
-from celery_lease.job import Job, parse_job_id
-from celery_lease.ops import listing
-from celery_lease.status import Status
+from celery_lease.errors import UnknownKind
+from celery_lease.job import Job
+from celery_lease.ops import (
+    cli_kinds,  # noqa: F401  (registers pause, resume, limits, limit)
+    listing,
+)
+from celery_lease.ops.cli_common import (
+    CliError,
+    _boundary,
+    _emit,
+    _id,
+    _id_or_prefix,
+    _leases,
+    _short,
+    _status,
+    _table,
+    _when,
+    json_option,
+    lease,
+    printable,
+)
 
 #: Columns of ``lease list``: (heading, how to show it).
 LIST_COLUMNS: tuple[tuple[str, Callable[[Job], str]], ...] = (
@@ -53,141 +65,6 @@ LIST_COLUMNS: tuple[tuple[str, Callable[[Job], str]], ...] = (
     ("FINISHED", lambda j: _when(j.finished_at)),
     ("ERROR", lambda j: printable((j.error or "")[:60])),
 )
-
-
-class CliError(click.ClickException):
-    """One line on stderr, no usage text, no traceback."""
-
-    def __init__(self, message: str, exit_code: int = 1) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code  # type: ignore[misc]  # click declares it on the class
-
-    def show(self, file=None) -> None:
-        click.echo(f"celery-lease: {self.format_message()}", err=True)
-
-
-#: Characters a terminal would act on rather than show: C0/C1 controls (escape
-#: sequences, bell, carriage return), bidirectional overrides and lone surrogates.
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-
-
-def printable(text: str) -> str:
-    """``text`` with every control character spelt as an escape (``\\x1b``): job data
-    is whatever a handler or submitter wrote, and must not drive the terminal."""
-    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
-
-
-#: Celery's state names (what Flower and AsyncResult show) for the statuses they mean:
-#: FAILURE is ``failed`` (``expired`` is asked for apart); RETRY jobs are ``pending``.
-CELERY_STATES = {
-    "PENDING": Status.PENDING,
-    "RETRY": Status.PENDING,
-    "STARTED": Status.RUNNING,
-    "SUCCESS": Status.SUCCEEDED,
-    "FAILURE": Status.FAILED,
-    "REVOKED": Status.CANCELLED,
-}
-
-
-def _status(value: str | None) -> str | None:
-    """``--status`` as a status in any case, or a Celery state name (SUCCESS, FAILURE...)."""
-    if value is None:
-        return None
-    celery = CELERY_STATES.get(value.upper())
-    return celery.value if celery is not None else value.lower()
-
-
-def _short(text: str, width: int = 40) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _when(value: datetime | None) -> str:
-    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _table(headings: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headings)]
-    lines = [headings, *rows]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
-
-
-def _emit(as_json: bool, data: Any, text: str) -> None:
-    click.echo(json.dumps(data, indent=2, default=str) if as_json else text)
-
-
-def _id(value: str, what: str = "job") -> str:
-    try:
-        return parse_job_id(value)
-    except ValueError:
-        raise CliError(f"malformed {what} id {value[:64]!r} (expected a UUID)", exit_code=2) from None
-
-
-#: ``show`` takes an id's first hex digits, at least this many (the dashboard shows 8).
-MIN_PREFIX = 8
-#: The ids an ambiguous prefix lists.
-PREFIX_CANDIDATES = 5
-_PREFIX = re.compile(rf"[0-9a-f]{{{MIN_PREFIX},32}}")
-
-
-def _id_or_prefix(leases, value: str) -> str:
-    """A job id, or the one job whose id starts with ``value`` (hex digits, hyphens
-    ignored): read as a range of the primary key, never a scan of the table."""
-    try:
-        return parse_job_id(value)
-    except ValueError:
-        pass
-    digits = value.replace("-", "").lower()
-    if not _PREFIX.fullmatch(digits):
-        raise CliError(
-            f"malformed job id {value[:64]!r} (expected a UUID, or at least {MIN_PREFIX} of its first hex digits)", exit_code=2
-        )
-    found = leases.store.ids_with_prefix(digits, PREFIX_CANDIDATES + 1)
-    if not found:
-        raise CliError(f"no job whose id starts with {value!r}")
-    if len(found) > 1:
-        more = ", ..." if len(found) > PREFIX_CANDIDATES else ""
-        raise CliError(f"job id prefix {value!r} is ambiguous: {', '.join(found[:PREFIX_CANDIDATES])}{more}")
-    return found[0]
-
-
-def _leases(ctx: click.Context):
-    app = ctx.find_root().obj.app
-    leases = getattr(app, "lease", None)
-    if leases is None:
-        raise CliError(f"the app {app.main!r} has no CeleryLease (create CeleryLease(app) in it)")
-    return leases
-
-
-def _boundary(fn: Callable) -> Callable:
-    """Turn celery-lease's own errors into the one-line exit."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except LeaseError as exc:
-            raise CliError(str(exc)) from None
-        except sa_exc.ProgrammingError as exc:
-            # Our statements are fixed; one the database refuses means its tables are
-            # missing or older than this version of celery-lease.
-            raise CliError(
-                f"the job database lacks celery-lease's tables or columns "
-                f"(run: celery -A <app> lease migrate): {type(exc.orig).__name__}"
-            ) from None
-
-    return wrapper
-
-
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-
-
-@click.group(help="Durable leased jobs: inspect, cancel, maintain, serve the API.")
-@click.pass_context
-def lease(ctx: click.Context) -> None:
-    # Store warnings (e.g. the driver's reason a connection failed) would otherwise
-    # reach stderr through logging's last-resort handler beside our one line.
-    if not logging.getLogger().handlers:
-        logging.getLogger("celery_lease").addHandler(logging.NullHandler())
 
 
 @lease.command(help="Apply the shipped migrations up to the latest revision.")
@@ -326,96 +203,6 @@ def prune(ctx: click.Context, older_than: str | None, as_json: bool) -> None:
     _emit(as_json, {"deleted": deleted}, f"deleted {deleted} finished job(s)")
 
 
-def _flow_call(fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except UnknownKind as exc:  # refused before anything was read or written
-        raise CliError(str(exc), exit_code=2) from None
-
-
-@lease.command(help="Claim no job of KIND until resumed (stored: survives restarts); running jobs finish.")
-@click.argument("kind")
-@json_option
-@click.pass_context
-@_boundary
-def pause(ctx: click.Context, kind: str, as_json: bool) -> None:
-    paused = _flow_call(lambda: _leases(ctx).pause(kind))
-    text = f"paused {kind}" if paused else f"{kind} was already paused"
-    _emit(as_json, {"kind": kind, "paused": True, "changed": paused}, text)
-
-
-@lease.command(help="Claim KIND again and wake every job its pause held.")
-@click.argument("kind")
-@json_option
-@click.pass_context
-@_boundary
-def resume(ctx: click.Context, kind: str, as_json: bool) -> None:
-    woken = _flow_call(lambda: _leases(ctx).resume(kind))
-    _emit(as_json, {"kind": kind, "paused": False, "woken": woken}, f"resumed {kind}: woke {woken} held job(s)")
-
-
-#: Columns of ``lease limits``: (heading, key of flow.FlowControl.overview's rows).
-LIMIT_COLUMNS = (
-    ("KIND", "kind"),
-    ("KEY", "key"),
-    ("CONCURRENCY", "concurrency"),
-    ("RATE", "rate_limit"),
-    # Where each limit in force comes from: "code" (@leases.job) or "override".
-    ("CONCURRENCY_FROM", "concurrency_source"),
-    ("RATE_FROM", "rate_limit_source"),
-    ("PAUSED", "paused"),
-    ("RUNNING", "running"),
-    ("WAIT_LIMIT", "waiting_limit"),
-    ("WAIT_RATE", "waiting_rate"),
-    ("WAIT_PAUSE", "waiting_pause"),
-    ("PENDING", "pending"),
-)
-
-
-@lease.command(help="Per kind and key: limits, pause, and how many jobs run or wait on each.")
-@json_option
-@click.pass_context
-@_boundary
-def limits(ctx: click.Context, as_json: bool) -> None:
-    rows = _leases(ctx).limits()
-
-    def cell(value: Any) -> str:
-        # A key is payload text: escaped like every stored value shown on a terminal.
-        return "yes" if value is True else "" if value is None or value is False else printable(str(value))
-
-    text = _table([h for h, _ in LIMIT_COLUMNS], [[cell(r[k]) for _, k in LIMIT_COLUMNS] for r in rows])
-    _emit(as_json, {"kinds": rows}, text)
-
-
-@lease.command(
-    help="Change KIND's limits for every worker (stored; obeyed within seconds). Each option: a limit, "
-    "'none' (no limit, whatever the code declares) or 'default' (what the code declares); one left out is unchanged."
-)
-@click.argument("kind")
-@click.option("--concurrency", metavar="N|none|default", help="jobs of one concurrency key running at once")
-@click.option("--rate", metavar="R|none|default", help="claims per window, as rate_limit: 10/s, 100/m, 1000/h")
-@json_option
-@click.pass_context
-@_boundary
-def limit(ctx: click.Context, kind: str, concurrency: str | None, rate: str | None, as_json: bool) -> None:
-    try:
-        change = LimitChange.parse(concurrency=concurrency, rate=rate, given=(concurrency is not None, rate is not None))
-    except ValueError as exc:
-        raise CliError(str(exc), exit_code=2) from None
-    try:
-        leases = _leases(ctx)
-        leases.import_task_modules()  # the kinds the workers declare, not only those imported here
-        now = _flow_call(lambda: leases.flow.set_limits(kind, change))
-    except ValueError as exc:  # a batched kind: refused before anything was written
-        raise CliError(str(exc), exit_code=2) from None
-
-    def shown(label: str, key: str) -> str:
-        return f"{label} {now[key] or 'none'} (from {now[key + '_source']})"
-
-    text = f"{printable(kind)}: {shown('concurrency', 'concurrency')}, {shown('rate', 'rate_limit')}"
-    _emit(as_json, {"kind": kind, **now}, text)
-
-
 def _peers(value: str | None) -> str | None:
     """--forwarded-allow-ips: ``*`` or comma-separated addresses and networks."""
     if value is None:
@@ -454,6 +241,8 @@ def serve(ctx: click.Context, host: str, port: int, proxy_headers: bool, forward
         raise CliError("--forwarded-allow-ips needs --proxy-headers", 2)
     leases = _leases(ctx)
     try:
+        import uvicorn
+
         from celery_lease.ops import api
     except ImportError:
         raise CliError("the HTTP API needs the api extra: pip install 'celery-lease[api]'") from None
@@ -461,4 +250,15 @@ def serve(ctx: click.Context, host: str, port: int, proxy_headers: bool, forward
     leases.store.ping_lagging()  # nor against a replica (lease_read_database_url) that does not
     # From here on the server's log is the place for the store's warnings.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api.serve(leases, host, port, proxy_headers=proxy_headers, forwarded_allow_ips=peers or "127.0.0.1")
+    # X-Forwarded-For and -Proto decide the client address the failed-sign-in budget
+    # counts and the scheme that makes the session cookie Secure. proxy_headers is
+    # passed even when off: uvicorn's own default believes any loopback peer, so every
+    # guess through a local proxy could name a new address.
+    uvicorn.run(
+        api.create_app(leases),
+        host=host,
+        port=port,
+        log_level="info",
+        proxy_headers=proxy_headers,
+        forwarded_allow_ips=peers or "127.0.0.1",
+    )

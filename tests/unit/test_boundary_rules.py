@@ -21,7 +21,7 @@ from celery_lease.db.engine import Database
 from celery_lease.db.statements import events, reads
 from celery_lease.errors import ConfigurationError, InvalidPayload
 from celery_lease.ops import listing
-from celery_lease.ops.cli import printable
+from celery_lease.ops.cli_common import printable
 from celery_lease.payload import Codec, UnstorableValue, cap_error, dump_checkpoint, storable, storable_text
 from celery_lease.producer import refused_value
 from celery_lease.settings import Settings

@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery import Celery, current_app
 
 from celery_lease import CeleryLease, shared_job
-from celery_lease.ops.cli import _status
+from celery_lease.ops.cli_common import _status
 
 
 def test_shared_job_registers_on_every_celery_lease_made_before_or_after(tmp_path):

@@ -104,13 +104,14 @@ def test_span_names_and_attributes_are_capped(tmp_path):
     """Before: routing keys and kinds went uncapped into span names and attributes (a
     tracing backend stores each one with every span)."""
     MAX_CHARS = 128  # celery_lease.tracing.MAX_CHARS
-    code = TRACED.replace('kind="echo"', 'kind="k" * 200').format(db=tmp_path / "jobs.db")
+    # A routed queue names the spans (submit <queue>, process <queue>): both long.
+    code = TRACED.replace('kind="echo"', 'kind="k" * 200, queue="q" * 190').format(db=tmp_path / "jobs.db")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     ours = [s for s in json.loads(out.stdout) if s["kind"] in ("PRODUCER", "CONSUMER")]
     assert len(ours) == 3
     for span in ours:
         assert len(span["name"]) <= MAX_CHARS, span["name"]
-        assert span["name"].startswith(("submit kkkk", "process kkkk"))
+        assert span["name"].startswith(("submit qqqq", "process qqqq"))
         assert all(len(v) <= MAX_CHARS for v in span["attributes"].values() if isinstance(v, str)), span["attributes"]
         assert span["attributes"]["celery_lease.kind"].startswith("kkkk")
