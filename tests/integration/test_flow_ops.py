@@ -226,10 +226,13 @@ def api(pg, broker, client_app):
 
     from celery_lease.ops.api import create_app
 
-    tokens = {"admin": None, "acme": "acme", "reader": {"tenant": None, "read_only": True}}
+    # Tokens are at least 20 characters; the tests name them by role.
+    named = {role: f"{role}-token-flow-0123456789" for role in ("admin", "acme", "reader")}
+    grants = {"admin": None, "acme": "acme", "reader": {"tenant": None, "read_only": True}}
+    tokens = {named[role]: grant for role, grant in grants.items()}
     mod = client_app(pg, broker, conf={"lease_api_tokens": tokens}, module=MODULE)
     client = TestClient(create_app(mod.leases))
-    client.as_ = lambda token: {"Authorization": f"Bearer {token}"}
+    client.as_ = lambda role: {"Authorization": f"Bearer {named[role]}"}
     return client
 
 
