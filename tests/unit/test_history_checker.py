@@ -160,6 +160,25 @@ def test_a_claim_whose_owner_was_killed_is_excused():
     assert check(h) == []
 
 
+def test_a_claim_cut_off_by_a_partition_longer_than_the_lease_is_excused():
+    """The claim's COMMIT reply is lost and the proxy pauses past the lease at once: the
+    worker cannot learn it holds the job, the reaper spends the attempt (seed 25805)."""
+    h = clean()
+    h.jobs["a"].update(attempt=2, lease_generation=2)
+    h.effects = [effect("a", 2, 2), effect("b", 2, 2)]
+    h.bodies = [b for b in h.bodies if b["job_id"] != "a"] + [body("a", 2, 2, holder="300-c", start=9, end=10)]
+    h.events = [
+        claimed("a", 1, at=7.0, owner="w2@testhost/300/boot"),
+        claimed("a", 2, at=9.0),
+        *[e for e in h.events if e["job_id"] != "a"],
+    ]
+    assert checks(h) == ["attempt"]
+    h.ops.append(Op(T0 + 7.1, "fault", None, {"fault": "partition", "seconds": 4.0}))
+    assert check(h) == []
+    h.ops[-1] = Op(T0 + 6.0, "fault", None, {"fault": "partition", "seconds": 4.0})  # over before the claim
+    assert checks(h) == ["attempt"]
+
+
 def test_a_threads_claim_delayed_past_its_process_death_is_excused():
     """A threads pool's claim names its thread (node/pid.T/boot): the process is the pid
     before the dot (history[threads] seed 150679 flagged such a claim, landed 1.5 s
