@@ -58,7 +58,8 @@ def connect(
         if getattr(sender, "app", None) is not app:
             return
         # A green pool (-P gevent / eventlet): the database driver yields to the hub.
-        green.cooperate()
+        if green.cooperate() is not None:
+            _no_prefetch_reduction(app)
         # Pools follow the worker's concurrency (threads pool: all in this process).
         concurrency = getattr(sender, "concurrency", None)
         size_pools(concurrency if isinstance(concurrency, int) else (os.cpu_count() or 2))
@@ -134,3 +135,27 @@ def connect(
     # `celery control revoke` cancels the job (never a discarded or expired message).
     revoke.connect(app, ours=ours, cancel_ids=cancel_ids)
     events.connect(app)
+
+
+#: Celery's setting that, after a broker reconnect, lowers the prefetch count and restores
+#: it from each task's acknowledgement.
+_REDUCTION = "worker_enable_prefetch_count_reduction"
+
+
+def _no_prefetch_reduction(app: Celery) -> None:
+    """Celery restores a reduced prefetch count from the task's acknowledgement, which on a
+    green pool runs in the task's greenlet: its ``basic.qos`` waits for the reply on the
+    AMQP socket the consumer's greenlet is already reading, gevent raises
+    ConcurrentObjectUseError, and after a RabbitMQ restart the worker never consumes again
+    (issue #27 item 6). Without the reduction the reconnected consumer starts at the full
+    prefetch count, which costs a leased job nothing: its claim, not its delivery, decides
+    who runs it. An application that set the option itself is told, not overruled."""
+    if _REDUCTION in app.conf.changes:
+        if app.conf[_REDUCTION]:
+            log.warning(
+                "celery-lease: %s=True on a green pool: after a broker reconnect a task's "
+                "acknowledgement may read the consumer's socket and the worker stop consuming",
+                _REDUCTION,
+            )
+        return
+    app.conf[_REDUCTION] = False
