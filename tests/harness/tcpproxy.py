@@ -95,6 +95,10 @@ class TcpProxy:
         threading.Thread(target=self._pump, args=(client, upstream, pair, True), daemon=True).start()
         threading.Thread(target=self._pump, args=(upstream, client, pair, False), daemon=True).start()
 
+    def _seen(self, pair: dict, data: bytes) -> None:
+        """What a client sent on one connection (``pair`` is that connection's state),
+        before it is forwarded: a subclass may parse it."""
+
     def _pump(self, source: socket.socket, sink: socket.socket, pair: dict, from_client: bool) -> None:
         try:
             while True:
@@ -105,6 +109,7 @@ class TcpProxy:
                 if self._closed:
                     break
                 if from_client:
+                    self._seen(pair, data)
                     with self._lock:
                         marker = self._cut_marker
                         if marker is not None and marker in data:
