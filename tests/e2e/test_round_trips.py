@@ -92,7 +92,9 @@ def test_heartbeats_cost_the_same_for_one_job_or_sixteen(pg, broker, client_app,
     for count in (1, 16):
         ids = [j.id for j in mod.waiter.submit_many([{"polls": 60}] * count)]  # 6 s on 3 s leases
         wait_for(lambda ids=ids: all(mod.leases.get(i).status.value == "running" for i in ids), timeout=30, what="jobs to run")
-        time.sleep(0.5)  # the claims are behind us; renewals every second from here
+        # The claims are behind us, and the heartbeat's connection is open (its first
+        # renewal, a second in): from here, renewals every second.
+        time.sleep(1.5)
 
         def hold() -> None:
             time.sleep(4.0)
