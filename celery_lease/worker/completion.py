@@ -191,15 +191,10 @@ class BatchCompleter(Drainer):
         """Write every waiting success now and wait for it (or give up after timeout)."""
         if not self.running:
             return
-        deadline = time.monotonic() + timeout
         with self._cond:
             self._flushing = True
             self._cond.notify_all()
-            while self._pending or self._inflight:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
+            self._cond.wait_for(lambda: not (self._pending or self._inflight), timeout)
             self._flushing = False
 
     def _next(self) -> tuple[list[Item] | None, float | None]:

@@ -68,8 +68,6 @@ class Heartbeat(Drainer):
         #: While no attempt is held, the loop still wakes this often (the shortest lease
         #: seen, over 3), so the next attempt's add rarely has to wake it.
         self._idle_gap: float | None = None
-        #: Seconds the last renewal statement took (for metrics).
-        self.last_latency = 0.0
         #: This process's cancel-notice listener (None until started, or on a broker without
         #: notices: neither Redis nor AMQP).
         self.notices: cancel_notice.Listener | None = None
@@ -124,28 +122,28 @@ class Heartbeat(Drainer):
         return due if attempt.deadline is None else min(due, attempt.deadline)
 
     def _next(self) -> tuple[bool | None, float | None]:
-        """A round when a wake asked for one or something is due; else the wait until
-        the next thing to do, or while no attempt is held, an idle gap (None before any
+        """A round when a wake asked for one or something is due, else the wait until the
+        next thing to do, or while no attempt is held an idle gap (None before any
         attempt). Records the planned wake-up (under the lock, so an attempt added after
-        this sees it). Woken by an arriving attempt, the loop only re-times: a renewal
-        right after its claim is wasted."""
+        this sees it); an arriving attempt only re-times it (a renewal right after its
+        claim is wasted)."""
         urgent, self._urgent = self._urgent, False
         now = time.monotonic()
-        times = [self._due_of(a) for a in self._attempts.values() if not a.is_lost]
-        if times:
-            due: float | None = min(times)
-        else:
-            due = None if self._idle_gap is None else now + self._idle_gap
+        due = min((self._due_of(a) for a in self._attempts.values() if not a.is_lost), default=None)
+        if due is None and self._idle_gap is not None:
+            due = now + self._idle_gap
         self._wakes_at = float("inf") if due is None else due
-        if urgent or (due is not None and max(due, self._not_before) <= now):
+        at = None if due is None else max(due, self._not_before)
+        if urgent or (at is not None and at <= now):
             return True, None
-        return None, None if due is None else max(due, self._not_before) - now
+        return None, None if at is None else at - now
 
     def _drain(self, _: bool) -> None:
         self._time_out_overdue()
         with self._cond:
             attempts = [a for a in self._attempts.values() if not a.is_lost]
-        ok = self._renew(attempts) if attempts else True
+        with self._renewing:
+            ok = self._renew_held(attempts) if attempts else True
         self._not_before = time.monotonic() + (self.MIN_GAP if ok else self.RETRY_SECONDS)
 
     def _time_out_overdue(self) -> None:
@@ -169,10 +167,6 @@ class Heartbeat(Drainer):
         for a in overdue:
             a.mark_lost()  # stop the handler; the reaper settles the job
 
-    def _renew(self, attempts: list[Attempt]) -> bool:
-        with self._renewing:
-            return self._renew_held(attempts)
-
     def _renew_held(self, attempts: list[Attempt]) -> bool:
         # The database set each new expiry after this instant: counting from it, the
         # attempt's own deadline never falls after the one in the table.
@@ -184,8 +178,6 @@ class Heartbeat(Drainer):
             # it needs is too late; until then, retry.
             log.warning("celery-lease: heartbeat failed; retrying within the lease", exc_info=True)
             return False
-        now = time.monotonic()
-        self.last_latency = now - started
         for a in attempts:
             if a.key in held:
                 # Held but not renewed: its row was locked (this process's own success

@@ -1,12 +1,9 @@
-"""The worker's background threads (completer, timeouts, revoker, heartbeat): each a
-:class:`Drainer`, one daemon thread per process started by its first piece of work.
-
-Fork safety: Celery's prefork pool forks children after the parent may have started
-these threads, and a thread does not survive fork; so a thread belongs to the pid that
-started it, and a child starts its own on first use. Daemon: no exit waits on one (warm
-exits flush what must be written first) and one stuck on the database holds no process
-up. ``threading`` is read at call time, never bound at import: in a gevent or eventlet
-worker the thread and its condition are then the hub's greenlet and lock (green.py).
+"""The worker's background threads (completer, timeouts, revoker, heartbeat) are each a
+:class:`Drainer`: one daemon thread per process, started by its first piece of work.
+Per process: Celery's prefork pool forks children after the parent may have started
+one, and a thread does not survive fork. Daemon: no exit waits on one (warm exits flush
+first). ``threading`` is read at call time, never bound at import: in a gevent or
+eventlet worker, whose hub patched it first, the thread and its lock are green.
 """
 
 from __future__ import annotations
@@ -22,26 +19,24 @@ log = logging.getLogger("celery_lease.worker")
 class Drainer:
     """Producers change the state under ``_cond``, call :meth:`_start` and notify; the
     thread takes what :meth:`_next` finds ready (under ``_cond``) and does it in
-    :meth:`_drain` (without the lock: a producer never waits on the database)."""
+    :meth:`_drain`, without the lock (no producer waits on the database)."""
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
+        self._pid = 0  # of the process that started the thread (none is 0)
 
     @property
     def running(self) -> bool:
         """Whether this process started its thread (a forked child has not)."""
-        return self._thread is not None and self._pid == os.getpid()
+        return self._pid == os.getpid()
 
     def _start(self) -> bool:
         """Under ``_cond``: start this process's thread unless it runs; True if started now."""
         if self.running:
             return False
         self._pid = os.getpid()
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name=self._name, daemon=True).start()
         return True
 
     def _next(self) -> tuple[Any, float | None]:
