@@ -1,12 +1,12 @@
 """The heartbeat: renews every lease this process holds, in one statement per round.
 
-One daemon thread per process. A round runs every third of the shortest lease held,
-and at once when an attempt with a shorter lease arrives or a cancel notice comes in.
-A renewal that fails on a database error is retried every second. Renewals run on a
-connection of their own with short timeouts; whatever the heartbeat does, an attempt
-whose renewal is not confirmed in time counts as lost by its own clock
-(:attr:`Attempt.is_lost`), so its handler stops writing before another attempt can be
-claimed.
+One daemon thread per process (worker/runtime.py). A round runs every third of the
+shortest lease held, and at once when an attempt with a shorter lease arrives or a
+cancel notice comes in. A renewal that fails on a database error is retried after
+RETRY_SECONDS. Renewals run on a connection of their own with short timeouts, never the
+broker's; whatever the heartbeat does, an attempt whose renewal is not confirmed in time
+counts as lost by its own clock (:attr:`Attempt.is_lost`), so its handler stops writing
+before another attempt can be claimed.
 """
 
 from __future__ import annotations
@@ -123,10 +123,8 @@ class Heartbeat(Drainer):
 
     def _next(self) -> tuple[bool | None, float | None]:
         """A round when a wake asked for one or something is due, else the wait until the
-        next thing to do, or while no attempt is held an idle gap (None before any
-        attempt). Records the planned wake-up (under the lock, so an attempt added after
-        this sees it); an arriving attempt only re-times it (a renewal right after its
-        claim is wasted)."""
+        next thing to do, or an idle gap (None before any attempt). An arriving attempt
+        only re-times it (a renewal right after its claim is wasted)."""
         urgent, self._urgent = self._urgent, False
         now = time.monotonic()
         due = min((self._due_of(a) for a in self._attempts.values() if not a.is_lost), default=None)

@@ -2,8 +2,8 @@
 :class:`Drainer`: one daemon thread per process, started by its first piece of work.
 Per process: Celery's prefork pool forks children after the parent may have started
 one, and a thread does not survive fork. Daemon: no exit waits on one (warm exits flush
-first). ``threading`` is read at call time, never bound at import: in a gevent or
-eventlet worker, whose hub patched it first, the thread and its lock are green.
+first), nor on one stuck on the database. ``threading`` is read at call time, never
+bound at import: in a gevent or eventlet worker, patched first, they are greenlets.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ log = logging.getLogger("celery_lease.worker")
 
 
 class Drainer:
-    """Producers change the state under ``_cond``, call :meth:`_start` and notify; the
-    thread takes what :meth:`_next` finds ready (under ``_cond``) and does it in
-    :meth:`_drain`, without the lock (no producer waits on the database)."""
+    """Producers change the state under ``_cond``, :meth:`_start` and notify; the thread
+    does what :meth:`_next` finds ready in :meth:`_drain`, without the lock."""
 
     def __init__(self, name: str) -> None:
         self._name = name
