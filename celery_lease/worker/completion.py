@@ -27,8 +27,6 @@ exits flush (``worker_process_shutdown``).
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +37,7 @@ from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.claim import RidingSuccesses
 from celery_lease.lifecycle.transition import Transition
 from celery_lease.producer import refused_value
+from celery_lease.worker.runtime import Drainer
 
 if TYPE_CHECKING:
     from celery_lease.db.store import Store
@@ -110,7 +109,7 @@ class InlineCompleter:
         pass
 
 
-class BatchCompleter:
+class BatchCompleter(Drainer):
     #: Seconds a success waits for a ride when no claim is expected sooner.
     LINGER = 0.002
     #: When this process claims a job every few milliseconds, a success waits for the
@@ -119,11 +118,11 @@ class BatchCompleter:
     MAX_BATCH = 64
 
     def __init__(self, store: Store, pipeline: Pipeline, on_written: Callable[[Attempt], None] | None = None) -> None:
+        super().__init__("celery-lease-completer")
         self._store = store
         self._pipeline = pipeline
         #: Called for each attempt once its success is written (or given up on).
         self._on_written = on_written
-        self._cond = threading.Condition()
         #: Successes waiting for a ride, oldest first; the oldest arrived at _since.
         self._pending: list[Item] = []
         self._since = 0.0
@@ -135,15 +134,10 @@ class BatchCompleter:
         #: Monotonic time of the last claim, and the recent gap between claims (a moving average).
         self._claimed_at: float | None = None
         self._gap: float | None = None
-        self._thread: threading.Thread | None = None
-        self._pid = 0
 
     def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
         with self._cond:
-            if self._thread is None or self._pid != os.getpid():
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._loop, name="celery-lease-completer", daemon=True)
-                self._thread.start()
+            self._start()
             if not self._pending:
                 self._since = time.monotonic()
             self._pending.append((attempt, result, progress))
@@ -195,41 +189,33 @@ class BatchCompleter:
 
     def flush(self, timeout: float = 10.0) -> None:
         """Write every waiting success now and wait for it (or give up after timeout)."""
-        if self._thread is None or self._pid != os.getpid():
+        if not self.running:
             return
-        deadline = time.monotonic() + timeout
         with self._cond:
             self._flushing = True
             self._cond.notify_all()
-            while self._pending or self._inflight:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
+            self._cond.wait_for(lambda: not (self._pending or self._inflight), timeout)
             self._flushing = False
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    self._idle = not self._pending
-                    if self._idle:
-                        self._cond.wait()
-                        continue
-                    wait = self._since + self._linger() - time.monotonic()
-                    if wait <= 0 or self._flushing or len(self._pending) >= self.MAX_BATCH:
-                        break
-                    self._cond.wait(wait)
-                self._idle = False
-                batch, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
-                self._since = time.monotonic()
-                self._inflight += len(batch)
-            try:
-                self._record(batch)
-            except Exception:
-                log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
-            finally:
-                self._written(batch)
+    def _next(self) -> tuple[list[Item] | None, float | None]:
+        self._idle = not self._pending
+        if self._idle:
+            return None, None
+        wait = self._since + self._linger() - time.monotonic()
+        if wait > 0 and not self._flushing and len(self._pending) < self.MAX_BATCH:
+            return None, wait
+        batch, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
+        self._since = time.monotonic()
+        self._inflight += len(batch)
+        return batch, None
+
+    def _drain(self, batch: list[Item]) -> None:
+        try:
+            self._record(batch)
+        except Exception:
+            log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
+        finally:
+            self._written(batch)
 
     def _linger(self) -> float:
         """How long the oldest waiting success may wait for a claim to carry it."""

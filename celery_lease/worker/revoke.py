@@ -35,8 +35,6 @@ instead of having every wakeup discarded until Celery forgets the revoke (3 h).
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 
@@ -49,13 +47,14 @@ from celery.worker import state as worker_state
 from celery_lease import results
 from celery_lease.errors import LeaseError
 from celery_lease.job import parse_job_id
+from celery_lease.worker.runtime import Drainer
 
 log = logging.getLogger("celery_lease")
 
 _MARK = "_celery_lease_revoke"
 
 
-class Revoker:
+class Revoker(Drainer):
     """Cancels revoked job ids on its own thread, all queued ids in one statement."""
 
     #: Ids per statement (SQLite binds each id as one parameter).
@@ -66,14 +65,12 @@ class Revoker:
     GIVE_UP = 120.0
 
     def __init__(self, cancel: Callable[[list[str]], list[str]]) -> None:
+        super().__init__("celery-lease-revoke")
         #: cancel(ids) -> the ids cancelled.
         self._cancel = cancel
         #: Ids a revoke command named (as long as Celery remembers revoked ids).
         self.named = LimitedSet(maxlen=50_000, expires=3 * 3600)
         self._ids: dict[str, float] = {}  # id -> monotonic time first queued
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
 
     def submit(self, task_ids: object) -> None:
         """Queue the job ids among ``task_ids``; returns at once (the consumer's thread)."""
@@ -88,43 +85,39 @@ class Revoker:
             return
         now = time.monotonic()
         with self._cond:
-            if self._thread is None or self._pid != os.getpid():
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._loop, name="celery-lease-revoke", daemon=True)
-                self._thread.start()
+            self._start()
             for job_id in ids:
                 self._ids.setdefault(job_id, now)
             self._cond.notify()
 
-    def _loop(self) -> None:
-        while True:
+    def _next(self) -> tuple[dict[str, float] | None, None]:
+        batch = dict(list(self._ids.items())[: self.BATCH])
+        for job_id in batch:
+            del self._ids[job_id]
+        return batch or None, None
+
+    def _drain(self, batch: dict[str, float]) -> None:
+        try:
+            done = self._cancel(list(batch))
+            if done:
+                log.info("celery-lease: %d job(s) cancelled by revoke", len(done))
+        except LeaseError as exc:
+            now = time.monotonic()
+            kept = {i: t for i, t in batch.items() if now - t < self.GIVE_UP}
+            log.warning(
+                "celery-lease: revoke of %d id(s) not recorded in the job table yet (%s); %d kept",
+                len(batch),
+                type(exc).__name__,
+                len(kept),
+            )
             with self._cond:
-                while not self._ids:
-                    self._cond.wait()
-                batch = dict(list(self._ids.items())[: self.BATCH])
-                for job_id in batch:
-                    del self._ids[job_id]
-            try:
-                done = self._cancel(list(batch))
-                if done:
-                    log.info("celery-lease: %d job(s) cancelled by revoke", len(done))
-            except LeaseError as exc:
-                now = time.monotonic()
-                kept = {i: t for i, t in batch.items() if now - t < self.GIVE_UP}
-                log.warning(
-                    "celery-lease: revoke of %d id(s) not recorded in the job table yet (%s); %d kept",
-                    len(batch),
-                    type(exc).__name__,
-                    len(kept),
-                )
-                with self._cond:
-                    for job_id, since in kept.items():
-                        self._ids.setdefault(job_id, since)
-                self._forget([i for i in batch if i not in kept])
-                time.sleep(self.RETRY)
-            except Exception:
-                log.exception("celery-lease: revoke of %d id(s) not recorded in the job table", len(batch))
-                self._forget(list(batch))
+                for job_id, since in kept.items():
+                    self._ids.setdefault(job_id, since)
+            self._forget([i for i in batch if i not in kept])
+            time.sleep(self.RETRY)
+        except Exception:
+            log.exception("celery-lease: revoke of %d id(s) not recorded in the job table", len(batch))
+            self._forget(list(batch))
 
     def _forget(self, ids: list[str]) -> None:
         """Revokes whose cancel did not happen no longer block their jobs. Celery keeps a

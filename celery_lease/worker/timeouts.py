@@ -16,10 +16,10 @@ nothing more.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+from celery_lease.worker.runtime import Drainer
 
 if TYPE_CHECKING:
     from celery_lease.worker.attempt import Attempt
@@ -27,37 +27,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("celery_lease.worker")
 
 
-class Timeouts:
+class Timeouts(Drainer):
     def __init__(self, record: Callable[[list[Attempt]], None]) -> None:
+        super().__init__("celery-lease-timeout")
         #: record(attempts): writes their timeouts, one transition for all.
         self._record = record
         self._queued: list[Attempt] = []
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
 
     def submit(self, attempts: Sequence[Attempt]) -> None:
         """Record the timeouts of ``attempts`` soon; returns at once (heartbeat thread)."""
         if not attempts:
             return
         with self._cond:
-            if self._thread is None or self._pid != os.getpid():
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._loop, name="celery-lease-timeout", daemon=True)
-                self._thread.start()
+            self._start()
             self._queued.extend(attempts)
             self._cond.notify()
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queued:
-                    self._cond.wait()
-                batch, self._queued = self._queued, []
-            try:
-                self._record(batch)
-            except Exception:
-                log.exception("celery-lease: cannot record the timeouts of %d job(s); the reaper will settle them", len(batch))
-            finally:
-                for attempt in batch:
-                    attempt.mark_lost()  # stop the handler; its later writes are discarded
+    def _next(self) -> tuple[list[Attempt] | None, None]:
+        batch, self._queued = self._queued, []
+        return batch or None, None
+
+    def _drain(self, batch: list[Attempt]) -> None:
+        try:
+            self._record(batch)
+        except Exception:
+            log.exception("celery-lease: cannot record the timeouts of %d job(s); the reaper will settle them", len(batch))
+        finally:
+            for attempt in batch:
+                attempt.mark_lost()  # stop the handler; its later writes are discarded

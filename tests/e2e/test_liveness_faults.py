@@ -503,3 +503,27 @@ def test_every_write_of_a_stale_attempt_is_refused_by_the_database_guard(pg, bro
     # The progress write reached the database (no renewal had told attempt 1 anything),
     # and its refusal is what cancelled the attempt's context.
     assert (tmp_path / f"progress-{jobs_['progress'].id}-cancelled=True").exists()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_broker_restart_costs_no_lease_on_prefork_and_threads_workers(pg, redis_server, broker, client_app, workers, db, pool):
+    """The heartbeat renews on a thread and a database connection of its own, never
+    through the broker, on every pool (gevent: test_green_pools). Four jobs on 3 s leases
+    run while the worker's Redis is killed and restarted: each keeps its lease and
+    succeeds on its first attempt, and the worker consumes again afterwards."""
+    from tests.e2e.test_faults import SHORT
+    from tests.e2e.test_green_pools import _run_all
+
+    app = "tests.apps.app_faults"
+    mod = client_app(pg, broker, extra_env=SHORT, module=app)
+    workers(pg, broker, pool=pool, concurrency=4, extra_env=SHORT, module=app)
+    ids = [j.id for j in mod.waiter.submit_many([{"polls": 80}] * 4)]
+    wait_for(lambda: all(mod.leases.get(i).status.value == "running" for i in ids), timeout=30, what="all four to run")
+    redis_server.restart(downtime=3)
+    rows, reaped = _run_all(mod.leases, db, ids, timeout=60)
+    assert reaped == {"requeued": 0, "expired": 0}
+    assert [(r["status"], r["attempt"], r["lease_losses"]) for r in rows] == [("succeeded", 1, 0)] * 4
+    later = mod.waiter.submit({"polls": 1})
+    rows, _ = _run_all(mod.leases, db, [later.id], timeout=60)
+    assert rows[0]["status"] == "succeeded"

@@ -1,10 +1,16 @@
-"""Liveness rules that need no service: an attempt judges its lease by its own clock."""
+"""Liveness rules that need no service: an attempt judges its lease by its own clock; the
+worker's threads (one fork-safe skeleton) and the heartbeat's timing."""
 
 from __future__ import annotations
 
+import os
+import queue
 import time
+import warnings
 
 from celery_lease.worker.attempt import LAPSE_SHARE, Attempt
+from celery_lease.worker.heartbeat import Heartbeat
+from celery_lease.worker.runtime import Drainer
 from tests.conftest import attempt_for
 
 
@@ -68,3 +74,95 @@ def test_each_claiming_thread_owns_its_leases_under_its_own_name_and_the_process
     assert len(set(seen)) == 3 and all(seen[i] == seen[i + 1] for i in range(0, 6, 2))  # one name a thread
     assert {owner_pid(o) for o in [main, *seen]} == {os.getpid()}
     assert owner_pid("no-owner") is None and owner_pid("w/x.1/b") is None
+
+
+# --- the worker's threads: one fork-safe skeleton (worker/runtime.py) --------------------
+
+
+class _Echo(Drainer):
+    """Hands each batch to ``drained``; a batch holding "boom" fails."""
+
+    def __init__(self) -> None:
+        super().__init__("celery-lease-test-echo")
+        self.queued: list[str] = []
+        self.drained: queue.Queue[list[str]] = queue.Queue()
+
+    def submit(self, *items: str) -> None:
+        with self._cond:
+            self._start()
+            self.queued.extend(items)
+            self._cond.notify()
+
+    def _next(self):
+        batch, self.queued = self.queued, []
+        return batch or None, None
+
+    def _drain(self, batch):
+        self.drained.put(batch)
+        if "boom" in batch:
+            raise RuntimeError("boom")
+
+
+def test_a_worker_thread_outlives_a_failing_round():
+    echo = _Echo()
+    echo.submit("boom")
+    assert echo.drained.get(timeout=5) == ["boom"]
+    echo.submit("after")
+    assert echo.drained.get(timeout=5) == ["after"]
+
+
+def test_a_forked_child_starts_its_own_worker_thread():
+    """Celery's prefork pool forks children after the parent may have started the
+    thread; it does not survive fork, so the child's first submit starts another."""
+    echo = _Echo()
+    echo.submit("parent")
+    assert echo.drained.get(timeout=5) == ["parent"] and echo.running
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process
+        pid = os.fork()
+    if pid == 0:  # the child: report by exit code, never return into pytest
+        code = 1
+        try:
+            if not echo.running:
+                echo.submit("child")
+                code = 0 if echo.drained.get(timeout=5) == ["child"] and echo.running else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    echo.submit("parent again")  # the parent's thread still drains
+    assert echo.drained.get(timeout=5) == ["parent again"]
+
+
+class _Renewals:
+    """A store whose renewals hold every lease and are timed."""
+
+    def __init__(self) -> None:
+        self.at: list[float] = []
+
+    def renew(self, leases):
+        self.at.append(time.monotonic())
+        return {key: True for key in leases}
+
+
+def test_an_arriving_attempt_only_re_times_the_heartbeat_and_a_wake_renews_at_once():
+    store = _Renewals()
+    heartbeat = Heartbeat(store, None)  # type: ignore[arg-type]
+    long = _attempt(lease_seconds=300, renewed_ago=0)
+    heartbeat.add(long)
+    time.sleep(0.3)
+    assert store.at == []  # due in 100 s: a renewal right after the claim is wasted
+    woken = time.monotonic()
+    heartbeat.wake()  # a cancel notice: renew now
+    deadline = time.monotonic() + 5
+    while not store.at and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.at and store.at[0] - woken < 1.0
+    added = time.monotonic()
+    short = attempt_for("00000000-0000-0000-0000-000000000002", lease_seconds=3, renewed_at=added)
+    heartbeat.add(short)  # due in 1 s, far sooner than the loop's own wake-up: re-timed
+    while short.renewed_at == added and time.monotonic() < added + 10:
+        time.sleep(0.01)
+    assert 0.9 < short.renewed_at - added < 2.4 and not short.is_lost
+    heartbeat.remove(long)
+    heartbeat.remove(short)
