@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SUMMARY_LINES
-from tests.e2e.chaos import LEASE_CONF, Scenario, run_lease_scenario, scenario_env
+from tests.e2e.chaos import FAULTS, LEASE_CONF, Scenario, run_lease_scenario, scenario_env
 from tests.harness import faketime, pgcluster
 
 
@@ -81,6 +81,16 @@ def crashable_db(tmp_path):
 needs_faketime = pytest.mark.skipif(not faketime.available(), reason="needs libfaketime (bash dev.sh test installs it)")
 
 
+@pytest.mark.timeout(300)
+def test_chaos_short(pg, broker, redis_server, client_app, tmp_path, request):
+    """The classic faults in turn on a prefork worker for 25 s (the default run's time budget);
+    the 50 s scenario runs with -m slow."""
+    _run(
+        pg, broker, redis_server, client_app, tmp_path, request, Scenario(seconds=25.0, fault_cycle=FAULTS), name="chaos (short)"
+    )
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_chaos(pg, broker, redis_server, client_app, tmp_path, request):
     _run(pg, broker, redis_server, client_app, tmp_path, request, Scenario())
