@@ -74,16 +74,7 @@ class Store(Reads, Chords, Database):
             batched_claims=pg, background_completions=pg, riding_claims=riding, batch_inserts=pg, joinable_vendor=joinable
         )
 
-    def alone(
-        self,
-        stmt: Any,
-        params: Mapping[str, Any],
-        *,
-        lock: Any = None,
-        fast: bool = False,
-        on_retry: Callable[[], None] | None = None,
-        then: Callable[[Connection, list[dict]], list[dict]] | None = None,
-    ) -> list[dict[str, Any]]:
+    def alone(self, stmt, params: Mapping, *, lock=None, fast=False, on_retry: Callable | None = None, then=None) -> list[dict]:
         """``stmt``'s rows, run alone in its transaction, after ``lock`` (a row lock it
         runs under) when given. Prepared (PostgreSQL, lease_prepare_statements): one
         script, one round trip, autocommit. Else one by one: a statement alone commits
