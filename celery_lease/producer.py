@@ -207,7 +207,7 @@ class Producer:
             for record in records:
                 record["concurrency_key"] = spec.limits.key_for(spec.kind, record["payload"])
         keyed = keys is not None
-        if self._store.dialect != "postgresql" or len(set(queues)) > 1:
+        if not self._store.capabilities.batch_inserts or len(set(queues)) > 1:
             rows = [{**shared, "idempotency_key": None, "concurrency_key": None, **r} for r in records]
             return self.submit_rows(rows, keyed=keyed, connection=connection, wake=wake)
         store = self._store

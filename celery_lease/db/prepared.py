@@ -25,18 +25,12 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import BinaryExpression
 
 from celery_lease.db import durability
+from celery_lease.db.statements.common import row_dicts
 
 # Compiles with $1, $2 ... placeholders (what PREPARE takes) and their order.
 _DOLLAR = PGDialect_psycopg2(paramstyle="numeric_dollar")
 _names = (f"celery_lease_{n}" for n in itertools.count())
 _KEY = "celery_lease.prepared"
-
-
-def row_dicts(result: sa.CursorResult) -> list[dict[str, Any]]:
-    """A result's rows as dicts, zipped with its keys read once: a mapping view per row
-    costs three times as much, and a reap returns thousands of rows."""
-    keys = tuple(result.keys())
-    return [dict(zip(keys, row)) for row in result]
 
 
 def _inline_constants(stmt: sa.ClauseElement, column_keys: Sequence[str] | None) -> sa.ClauseElement:

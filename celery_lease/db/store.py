@@ -10,6 +10,7 @@ that end attempts or jobs are executed by celery_lease/lifecycle, not here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import uuid
@@ -21,7 +22,7 @@ from sqlalchemy.engine import Connection
 
 from celery_lease.db.chords import Chords
 from celery_lease.db.engine import Database, Timeouts
-from celery_lease.db.prepared import Prepared
+from celery_lease.db.prepared import Prepared, PreparedScript
 from celery_lease.db.reads import Reads
 from celery_lease.db.statements import attempt as attempt_sql
 from celery_lease.db.statements import cancel, canvas, events, landing, maintenance, outbox, submit
@@ -37,6 +38,23 @@ def _event_source(job: Any) -> tuple[Any, Any, int]:
     return job.run_id, getattr(job, "job_id", None) or job.id, job.attempt
 
 
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What this database offers the layers above, which choose a way by it and never
+    by which database it is."""
+
+    #: A batched kind's delivery claims many jobs in one statement (CLAIM_BATCH).
+    batched_claims: bool
+    #: Plain successes are worth gathering, many written per statement, in the background.
+    background_completions: bool
+    #: A claim can carry waiting successes in its statement (CLAIM_RIDING).
+    riding_claims: bool
+    #: Jobs of one queue sharing their columns go in one statement (insert_job_batch).
+    batch_inserts: bool
+    #: The vendor (Django's name) of connections whose transaction a submit may join.
+    joinable_vendor: str | None
+
+
 class Store(Reads, Chords, Database):
     def __init__(
         self,
@@ -49,21 +67,34 @@ class Store(Reads, Chords, Database):
     ) -> None:
         super().__init__(url, source=source, timeouts=timeouts, read_url=read_url)
         #: The per-job statements, prepared server-side (PostgreSQL only).
-        self._prepared: dict[str, Prepared] | None = None
-        if self.dialect == "postgresql" and prepare_statements:
-            self._prepared = {"insert_batch": Prepared(submit.insert_job_batch(on_key_conflict_nothing=False))}
+        pg = self.dialect == "postgresql"
+        self._prepared: dict[Any, Prepared] | None = {} if pg and prepare_statements else None
+        joinable, riding = ("postgresql" if pg else None), self._prepared is not None
+        self.capabilities = Capabilities(
+            batched_claims=pg, background_completions=pg, riding_claims=riding, batch_inserts=pg, joinable_vendor=joinable
+        )
 
-    @property
-    def prepares(self) -> bool:
-        """Whether per-job statements run prepared (PostgreSQL, lease_prepare_statements)."""
-        return self._prepared is not None
+    def alone(self, stmt, params: Mapping, *, lock=None, fast=False, on_retry: Callable | None = None, then=None) -> list[dict]:
+        """``stmt``'s rows, run alone in its transaction, after ``lock`` (a row lock it
+        runs under) when given. Prepared (PostgreSQL, lease_prepare_statements): one
+        script, one round trip, autocommit. Else one by one: a statement alone commits
+        by itself, and ``fast`` runs them in a transaction of the fast engine; ``then(conn,
+        rows)`` ends it (what a statement that does not log itself leaves to its caller)."""
+        if self._prepared is not None:
+            assert then is None, "a prepared statement runs alone"
+            key = (lock, stmt)
+            if key not in self._prepared:
+                self._prepared[key] = PreparedScript(Prepared(lock), Prepared(stmt)) if lock is not None else Prepared(stmt)
+            return self.execute_prepared(self._prepared[key], dict(params), on_retry=on_retry)
 
-    def prepared(self, key: str, make: Callable[[], Prepared]) -> Prepared | None:
-        """The prepared statement ``key`` (made once by ``make``), or None when statements
-        are not prepared here."""
-        if self._prepared is None:
-            return None
-        return self._prepared.get(key) or self._prepared.setdefault(key, make())
+        def work(conn: Connection) -> list[dict]:
+            if lock is not None:
+                conn.execute(lock, params)
+            rows = [dict(r) for r in conn.execute(stmt, params).mappings()]
+            return rows if then is None else then(conn, rows)
+
+        engine = self.fast if fast else self.engine(single=lock is None and then is None)
+        return self.transaction(engine, work, on_retry=on_retry)
 
     # --- producer --------------------------------------------------------------------
 
@@ -101,9 +132,9 @@ class Store(Reads, Chords, Database):
         rows: list[Any]
         retried: list[bool] = []
         again = partial(retried.append, True)  # a dropped connection made it try again
-        if self._prepared is not None and not keyed and connection is None:
-            prepared = self._prepared["insert_batch"]
-            rows = [(r["id"], r["created_at"], r["run_after"]) for r in self.execute_prepared(prepared, params, on_retry=again)]
+        if not keyed and connection is None:
+            stmt = submit.insert_job_batch(on_key_conflict_nothing=False)
+            rows = [(r["id"], r["created_at"], r["run_after"]) for r in self.alone(stmt, params, on_retry=again)]
         else:
             stmt = submit.insert_job_batch(on_key_conflict_nothing=keyed)
             engine = self.engine(single=True)
@@ -175,16 +206,7 @@ class Store(Reads, Chords, Database):
         retry (a dropped connection) those that had landed before the reply was lost
         count as completed too."""
         retried: list[bool] = []
-        if self._prepared is not None:
-            key = f"complete_{count}"
-            stmt = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(attempt_sql.complete_jobs(count)))
-            done = {str(r["id"]) for r in self.execute_prepared(stmt, params, on_retry=lambda: retried.append(True))}
-        else:
-            done = self.transaction(
-                self.engine(single=True),
-                lambda conn: {str(r[0]) for r in conn.execute(attempt_sql.complete_jobs(count), params)},
-                on_retry=lambda: retried.append(True),
-            )
+        done = {str(r["id"]) for r in self.alone(attempt_sql.complete_jobs(count), params, on_retry=lambda: retried.append(True))}
         if retried and len(done) < count:
             keys = [(str(params[f"job_id_{i}"]), params[f"generation_{i}"]) for i in range(count)]
             done |= self.landed_successes([k for k in keys if k[0] not in done])

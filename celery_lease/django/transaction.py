@@ -49,7 +49,7 @@ def install() -> None:
 @contextmanager
 def joined(store: Store) -> Iterator[sa.Connection | None]:
     """A SQLAlchemy connection in the Django transaction on ``store``'s database, or None."""
-    wrapper = _atomic_on(store) if store.dialect == "postgresql" else None
+    wrapper = _atomic_on(store)
     if wrapper is None:
         yield None
         return
@@ -65,9 +65,9 @@ def joined(store: Store) -> Iterator[sa.Connection | None]:
 
 def _atomic_on(store: Store) -> Any:
     """The Django connection of this thread that is in an atomic block on ``store``'s
-    database, or None."""
+    database (of the vendor whose transactions it can join), or None."""
     for wrapper in connections.all(initialized_only=True):
-        if wrapper.vendor != "postgresql" or not wrapper.in_atomic_block or wrapper.connection is None:
+        if wrapper.vendor != store.capabilities.joinable_vendor or not wrapper.in_atomic_block or wrapper.connection is None:
             continue
         if _identity_of(wrapper) == _store_identity(store):
             return wrapper

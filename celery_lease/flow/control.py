@@ -85,7 +85,7 @@ class FlowControl:
         settings: Callable[[], Settings],
     ) -> None:
         self._store = store
-        self._db = FlowStore(store, prepare=settings().prepare_statements)
+        self._db = FlowStore(store)
         self._app = app
         self._publish = publish
         self._registry = registry

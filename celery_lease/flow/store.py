@@ -16,7 +16,6 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_lease.db.prepared import Prepared, PreparedScript
 from celery_lease.db.statements import flow as fs
 from celery_lease.lifecycle import claim as lifecycle_claim
 from celery_lease.lifecycle.claim import CLAIM_LIMITED, ClaimFollowUps
@@ -53,24 +52,16 @@ class ClaimResult:
 
 
 class FlowStore:
-    """``prepare``: on PostgreSQL with prepared statements, the statements of one step
-    (lock, then claim; lock, then hold; lock, then wake) go as one PreparedScript: one
-    round trip. Otherwise they run one by one in a transaction (same statements)."""
+    """The statements of one step (lock, then claim; lock, then hold; lock, then wake)
+    run alone in their transaction (Store.alone: prepared, one round trip)."""
 
-    def __init__(self, store: Store, *, prepare: bool) -> None:
+    def __init__(self, store: Store) -> None:
         self._store = store
-        self._prepare = prepare and store.dialect == "postgresql"
-        self._scripts: dict[Any, PreparedScript] = {}
 
     def _tx(self, fn):
         # Fast commits: like the claim itself, what these write is protected by the
         # lease (a lost commit leaves a job pending, which the sweeper recovers).
         return self._store.transaction(self._store.fast, fn)
-
-    def _script(self, *stmts) -> PreparedScript:
-        if stmts not in self._scripts:
-            self._scripts[stmts] = PreparedScript(*(Prepared(s) for s in stmts))
-        return self._scripts[stmts]
 
     # --- claims ----------------------------------------------------------------------
 
@@ -157,22 +148,11 @@ class FlowStore:
 
     def _hold(self, job_id: str, task: str, kind: str | None) -> ClaimResult:
         params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None}
-        row: dict[str, Any] | None
-        if self._prepare:
-            stmts = (fs.lock_limits_row(), fs.hold_job()) if kind is not None else (fs.hold_job(),)
-            rows = self._store.execute_prepared(self._script(*stmts), params)
-            row = rows[0] if rows else None
-        else:
-
-            def work(conn: Connection) -> dict[str, Any] | None:
-                if kind is not None:
-                    conn.execute(fs.lock_limits_row(), params)
-                marked = conn.execute(fs.hold_job(), params).mappings().first()
-                return None if marked is None else dict(marked)
-
-            row = self._tx(work)
-        if row is None:
+        lock = fs.lock_limits_row() if kind is not None else None
+        rows = self._store.alone(fs.hold_job(), params, lock=lock, fast=True)
+        if not rows:
             return ClaimResult()  # not pending or not due: a duplicate delivery
+        row = rows[0]
         held = row.pop("held")
         # Held by nothing: a slot or window freed since the claim was refused.
         return ClaimResult(held=held, retry=held is None, again=row if held is None else None)
@@ -195,14 +175,7 @@ class FlowStore:
         """A limited job of (kind, key) left running: under the kind's lock, wake the
         jobs held by its limit into the free slots (wake_for_slot). Returns wakeufs."""
         params = {"of_kind": kind, "key": key}
-        if self._prepare:
-            return self._store.execute_prepared(self._script(fs.lock_limits_row(), fs.wake_for_slot(self._store.dialect)), params)
-
-        def work(conn: Connection) -> list[dict]:
-            conn.execute(fs.lock_limits_row(), params)
-            return [dict(r) for r in conn.execute(fs.wake_for_slot(self._store.dialect), params).mappings()]
-
-        return self._tx(work)
+        return self._store.alone(fs.wake_for_slot(self._store.dialect), params, lock=fs.lock_limits_row(), fast=True)
 
     def top_up(self, kind: str, key: str | None) -> list[dict]:
         """Under the kind's limits row lock: wake as many jobs held for its limit (of
@@ -210,15 +183,7 @@ class FlowStore:
         a spent delivery of a limited kind), in one statement after the lock (one
         round trip with the lock, prepared). Returns the wakeups to publish."""
         params = {"of_kind": kind, "key": key}
-        stmt = fs.top_up(self._store.dialect)
-        if self._prepare:
-            return self._store.execute_prepared(self._script(fs.lock_limits_row(), stmt), params)
-
-        def work(conn: Connection) -> list[dict]:
-            conn.execute(fs.lock_limits_row(), params)
-            return [dict(r) for r in conn.execute(stmt, params).mappings()]
-
-        return self._tx(work)
+        return self._store.alone(fs.top_up(self._store.dialect), params, lock=fs.lock_limits_row(), fast=True)
 
     def wake_all(self, reason: str, kind: str, batch: int) -> list[dict]:
         """Wake every job of ``kind`` held for ``reason`` (a resume), in batches."""

@@ -35,7 +35,6 @@ CLAIM_BATCH = Transition(
     lambda dialect: batch.claim_batch(),
     Event.CLAIMED,
     releases=False,
-    self_logged=frozenset({"postgresql"}),
 )
 #: running -> succeeded for many attempts, each fenced by its own generation.
 SUCCEED_BATCH = Transition(

@@ -32,12 +32,13 @@ import logging
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db import durability
-from celery_lease.db.prepared import Prepared, PreparedScript
 from celery_lease.db.statements import claim
 from celery_lease.db.statements import flow as fs
+from celery_lease.db.statements.events import logs_itself
 from celery_lease.errors import DatabaseUnavailable
 from celery_lease.status import Event, Status
 
@@ -69,15 +70,15 @@ class Claim:
 #: The claim of a kind with no limit: one statement; on PostgreSQL it appends its run
 #: event itself (on SQLite, the same transaction does). Every claim swaps in a due
 #: higher-priority job of the kind, queue and key, and refuses a paused kind.
-CLAIM = Claim("claim", lambda dialect: claim.claim(logged=dialect == "postgresql"))
+CLAIM = Claim("claim", lambda dialect: claim.claim(dialect))
 #: The claim with this process's waiting successes riding on it: one round trip and one
 #: durable commit for both.
-CLAIM_RIDING = Claim("claim with riding successes", lambda dialect, count: claim.claim(riding=count), riding=True)
+CLAIM_RIDING = Claim("claim with riding successes", lambda dialect, count: claim.claim(dialect, riding=count), riding=True)
 #: The claim of a limited kind (``concurrency``, ``rate``): under its limits row lock,
 #: only while a slot is free and the rate window takes it (counted by the statement).
 CLAIM_LIMITED = Claim(
     "limited claim",
-    lambda dialect, concurrency, rate: claim.claim(logged=dialect == "postgresql", concurrency=concurrency, rate=rate),
+    lambda dialect, concurrency, rate: claim.claim(dialect, concurrency=concurrency, rate=rate),
     limited=True,
 )
 #: A claim whose reply was lost may have landed: the job it claimed, running under the
@@ -201,52 +202,36 @@ def _run(
     successes: RidingSuccesses | None,
     build: Mapping[str, Any],
 ) -> Row | None:
-    """The claim's one transaction: alone (autocommit) and prepared on PostgreSQL, the
-    limits row lock first for a limited claim; on SQLite with its run event (and its
-    rate window's count) in the same transaction."""
-    key = "claim" if t is CLAIM else f"{t.name}|{sorted(build.items())}"
-    prepared = store.prepared(
-        key, lambda: PreparedScript(Prepared(fs.lock_limits("postgresql")), Prepared(stmt)) if t.limited else Prepared(stmt)
-    )
-    if prepared is not None:
-        if t.riding:
-            assert successes is not None
-            return _riding(store, prepared, params, successes, check)
-        rows = store.execute_prepared(prepared, dict(params), on_retry=check)
-        return dict(rows[0]) if rows else None
-    assert not t.riding, "riding successes need prepared statements (PostgreSQL)"
-    postgres = store.dialect == "postgresql"
-    rated = bool(build.get("rate"))
+    """The claim's one transaction, the statement alone (Store.alone), the limits row
+    lock first for a limited claim; a statement that does not log itself (SQLite) has
+    its run event (and its rate window's count) written in the same transaction."""
+    if t.riding:
+        assert successes is not None
+        return _riding(store, stmt, params, successes, check)
+    lock = fs.lock_limits(store.dialect) if t.limited else None
+    then = None if logs_itself(stmt) else partial(_log, store, t, params, bool(build.get("rate")))
+    rows = store.alone(stmt, params, lock=lock, on_retry=check, then=then)
+    return rows[0] if rows else None
 
-    def work(conn: Connection) -> Row | None:
-        if t.limited:
-            conn.execute(fs.lock_limits(store.dialect), params)
-        found = conn.execute(stmt, params).mappings().first()
-        if found is None or postgres:  # the PostgreSQL statement logged (and counted) itself
-            return None if found is None else dict(found)
-        claimed = dict(found)
+
+def _log(store: Store, t: Claim, params: Mapping[str, Any], rated: bool, conn: Connection, rows: list[Row]) -> list[Row]:
+    """The claimed row's run event, and its rate window's count, in its transaction."""
+    for claimed in rows:
         cancelled = claimed["status"] == _CANCELLED
         event, detail = (Event.CANCELLED, claim.RUN_CANCELLED) if cancelled else (Event.CLAIMED, params["owner"])
         store.log_events(conn, [(claimed, event, detail)])
         if t.limited:
-            counted = rated and not cancelled
-            window = conn.execute(fs.count_rate_claim(), params).mappings().first() if counted else None
+            window = conn.execute(fs.count_rate_claim(), params).mappings().first() if rated and not cancelled else None
             claimed["window_claims"], claimed["window_rate"] = (None, None) if window is None else tuple(window.values())
-        return claimed
-
-    # One statement alone needs no BEGIN and COMMIT round trips (PostgreSQL).
-    engine = store.engine(single=True) if postgres and not t.limited else store.durable
-    return store.transaction(engine, work, on_retry=check)
+    return rows
 
 
-def _riding(
-    store: Store, prepared: Prepared, params: Mapping[str, Any], successes: RidingSuccesses, check: LandedClaim
-) -> Row | None:
+def _riding(store: Store, stmt: Any, params: Mapping[str, Any], successes: RidingSuccesses, check: LandedClaim) -> Row | None:
     """CLAIM_RIDING: the claim and the successes in one statement (one row: the claimed
     job's columns, all NULL when nothing was claimed, and ``completed``)."""
     keys = [(str(successes.params[f"job_id_{i}"]), successes.params[f"generation_{i}"]) for i in range(successes.count)]
     try:
-        (row,) = store.execute_prepared(prepared, {**params, **successes.params}, on_retry=check)
+        (row,) = store.alone(stmt, {**params, **successes.params}, on_retry=check)
     except ClaimLanded:
         # The first try landed whole: its claim and the successes it wrote.
         successes.done = _landed_or_none(store, keys)
@@ -293,12 +278,12 @@ def claim_delivery(
     follow_ups: ClaimFollowUps | None = None,
 ) -> Row | None:
     """The claim of a delivery of a kind with no limit: CLAIM, or CLAIM_RIDING when
-    ``successes`` wait and statements are prepared. A riding claim the database refuses
+    ``successes`` wait and the store takes riding claims. A riding claim the database refuses
     for another reason than a lost connection (a value it would not take) is sent again
     alone, and ``successes.done`` stays None."""
     params = {"job_id": job_id, "owner": owner, "wakeup_task": task}
     kw: dict[str, Any] = {"follow_ups": follow_ups}
-    if successes is not None and store.prepares:
+    if successes is not None and store.capabilities.riding_claims:
         try:
             return execute(store, CLAIM_RIDING, params, build={"count": successes.count}, successes=successes, **kw)
         except DatabaseUnavailable:

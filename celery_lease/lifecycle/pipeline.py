@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from celery_lease.db import durability
 from celery_lease.db.engine import BLIP_WAITS
 from celery_lease.db.landing import Landing
-from celery_lease.db.prepared import row_dicts
+from celery_lease.db.statements.common import row_dicts
+from celery_lease.db.statements.events import logs_itself
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
 from celery_lease.lifecycle.transition import CANCEL
 
@@ -144,7 +145,7 @@ class Pipeline:
         endings: Endings | None = None
         if t.ends and self._canvas is not None:
             endings = self._canvas.endings(error or t.error or "", run_cancelled=run_cancelled, eager=self._eager)
-        logged = store.dialect in t.self_logged
+        logged = logs_itself(stmt)
 
         def work(conn: Connection) -> tuple[list[dict[str, Any]], list[Job]]:
             if (attempt is not None and attempt.is_lost) or (batch and all(a.is_lost for a in batch)):

@@ -68,8 +68,6 @@ class Transition:
     lock_timeout: float | None = None
     #: The error errbacks get, when the caller gives none.
     error: str | None = None
-    #: Dialects on which the statement appends its own run events (one round trip).
-    self_logged: frozenset[str] = frozenset()
     #: A statement that moves its rows to different statuses: each row's event (else ``event``).
     event_of: Callable[[Row], Event] | None = None
 
@@ -156,14 +154,13 @@ REVOKE = Transition(
 )
 REAP = Transition(
     "reap",
-    lambda dialect: maintenance.reap_expired_logged() if dialect == "postgresql" else maintenance.reap_expired(dialect),
+    maintenance.reap,
     Event.REAPED,
     detail=lambda r, p: f"{maintenance.LEASE_EXPIRED}: {r['status']}",
     ends=frozenset({_EXPIRED}),
     wakes=_requeued,
     error=maintenance.LEASE_EXPIRED,
     lock_timeout=BACKGROUND_LOCK_TIMEOUT,
-    self_logged=frozenset({"postgresql"}),
 )
 RECOVER = Transition(
     "restart recovery",

@@ -79,7 +79,7 @@ class Completer(Protocol):
 
 
 def completer_for(store: Store, pipeline: Pipeline, on_written: Callable[[Attempt], None] | None = None) -> Completer:
-    if store.dialect == "postgresql":
+    if store.capabilities.background_completions:
         return BatchCompleter(store, pipeline, on_written)
     return InlineCompleter(pipeline, on_written)
 

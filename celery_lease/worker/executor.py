@@ -118,7 +118,7 @@ class WorkerState:
             except LeaseError:
                 log.warning("celery-lease: job %s: not re-woken at shutdown; the sweeper will", job_id)
             return None
-        if spec.batch is not None and self.store.dialect == "postgresql" and not self.eager:
+        if spec.batch is not None and self.store.capabilities.batched_claims and not self.eager:
             # (In-process runs run the one job they name.)
             return self.batches.begin(job_id, spec, hostname)
         sent_at = time.monotonic()

@@ -22,7 +22,7 @@ def flow(request, pg):
     from celery_lease.flow.store import FlowStore
 
     store = Store(pg, prepare_statements=request.param)
-    yield FlowStore(store, prepare=request.param)
+    yield FlowStore(store)
     store.dispose()
 
 
@@ -113,7 +113,7 @@ def test_every_claim_survives_a_postgresql_crash_in_both_modes(crashable_pg, mak
     }
     for prepare in (True, False):
         store = Store(url, prepare_statements=prepare)
-        flow = FlowStore(store, prepare=prepare)
+        flow = FlowStore(store)
         for job, kind in [(j, k) for j, k in claimed.items() if k.endswith(str(prepare))]:
             limits_ = VARIANTS[kind.rpartition("-")[0]]
             if limits_ is None:
@@ -162,7 +162,7 @@ def test_a_claim_whose_reply_was_lost_is_adopted(pg, make_job, pg_proxy, limits_
     better = make_job(pg, kind="k", task="t", priority=5) if swap else None
     claimed_id = better or delivered
     store = Store(pg_proxy.url_for(pg))
-    flow = FlowStore(store, prepare=True)
+    flow = FlowStore(store)
     try:
         pg_proxy.cut_reply_to(delivered.encode())  # the first statement naming the job: its claim
         if limits_ is None:
@@ -327,7 +327,7 @@ def test_a_client_partitioned_while_holding_a_kinds_lock_stalls_its_claims_only_
     quick = Timeouts(idle_in_transaction=2.0)
     here = Store(pg, timeouts=quick)
     partitioned = Store(pg_proxy.url_for(pg), timeouts=quick)
-    flow = FlowStore(here, prepare=True)
+    flow = FlowStore(here)
     limits_ = Limits(concurrency=1)
     first, second = (make_job(pg, kind="k", task="t") for _ in range(2))
     assert flow.claim_limited(first, OWNER, "k", "t", limits_).row is not None  # the kind's row exists
@@ -377,7 +377,7 @@ def test_a_top_up_holds_the_kinds_lock_for_one_statement(pg, make_job):
     from celery_lease.flow.store import FlowStore
 
     store = Store(pg, prepare_statements=False)
-    flow = FlowStore(store, prepare=False)
+    flow = FlowStore(store)
     try:
         declared = Limits(concurrency=2, rate=Rate(3, 3600))
         first = make_job(pg, kind="k", task="t")

@@ -188,8 +188,8 @@ def test_limited_claim_hold_and_release_on_postgresql(pg, make_job, prepare):
     from celery_lease.flow.limits import Limits, Rate
     from celery_lease.flow.store import FlowStore
 
-    store = Store(pg)
-    flow = FlowStore(store, prepare=prepare)
+    store = Store(pg, prepare_statements=prepare)
+    flow = FlowStore(store)
     try:
         limits = Limits(concurrency=2, rate=Rate(3, 3600))
         ids = [make_job(pg, kind="k", task="t") for _ in range(5)]

@@ -17,7 +17,7 @@ TASK = "tests.echo"  # the task of the unit tier's add_job
 
 @pytest.fixture
 def flow(store):
-    return FlowStore(store, prepare=False)
+    return FlowStore(store)
 
 
 @pytest.mark.parametrize(

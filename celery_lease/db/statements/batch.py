@@ -18,7 +18,7 @@ from celery_lease.db.schema import ID, jobs, pauses, runs
 from celery_lease.db.statements.attempt import complete_jobs
 from celery_lease.db.statements.claim import CLAIMED_COLUMNS, RUN_CANCELLED, claimed_values
 from celery_lease.db.statements.common import _PENDING, ENDED_COLUMNS, _c, _due
-from celery_lease.db.statements.events import _events_of
+from celery_lease.db.statements.events import _events_of, logged
 from celery_lease.status import Event, Status
 
 
@@ -85,7 +85,7 @@ def claim_batch() -> sa.Select:
     # delivery that found nothing learns in this same statement whether a pause is why.
     paused = sa.exists().where(pauses.c.kind == sa.select(delivered.c.kind).scalar_subquery())
     flags = sa.select(paused.label("paused")).cte("flags")
-    return (
+    return logged(
         sa.select(claimed, following.label("next_id"), flags.c.paused)
         .select_from(flags.outerjoin(claimed, sa.true()))
         .add_cte(_events_of(claimed, event, detail, "logged"))

@@ -34,7 +34,7 @@ from celery_lease.db.schema import ID, jobs, pauses, runs
 from celery_lease.db.statements.attempt import complete_jobs
 from celery_lease.db.statements.attempt_log import open_attempt
 from celery_lease.db.statements.common import _PENDING, _c, _delivered, _due, db_now, db_now_plus
-from celery_lease.db.statements.events import _events_of
+from celery_lease.db.statements.events import _events_of, logged
 from celery_lease.db.statements.flow import _rate_open_for, count_rate_claim
 from celery_lease.db.statements.in_force import below_concurrency
 from celery_lease.status import Event, Status
@@ -65,7 +65,9 @@ RUN_CANCELLED = "run cancelled"
 
 
 @functools.cache
-def claim(*, logged: bool = True, riding: int = 0, concurrency: bool = False, rate: bool = False, swap: bool = True) -> Any:
+def claim(
+    dialect: str = "postgresql", *, riding: int = 0, concurrency: bool = False, rate: bool = False, swap: bool = True
+) -> Any:
     """The claim of the job a delivery names (:job_id, for task :wakeup_task, by :owner).
 
     * ``swap`` (always, but for the bench's baseline): flow control's guards: nothing
@@ -77,10 +79,10 @@ def claim(*, logged: bool = True, riding: int = 0, concurrency: bool = False, ra
       (:of_kind) takes a claim. Both read the kind's limits row, an operator's override
       included (in_force.in_force_*), after flow.lock_limits in the
       same transaction;
-    * ``logged`` (PostgreSQL): ONE statement that also appends the run's event
-      ('claimed', or 'cancelled' for a job of a cancelled run) and, with ``rate``,
-      counts the claim in the window (``window_claims``: the count after it; 1 means
-      this claim opened the window). Unlogged (SQLite), the caller does both;
+    * on PostgreSQL: ONE statement that also appends the run's event ('claimed', or
+      'cancelled' for a job of a cancelled run) and, with ``rate``, counts the claim in
+      the window (``window_claims``: the count after it; 1 means this claim opened the
+      window): events.logs_itself. On SQLite the caller does both;
     * ``riding``: complete_jobs(riding) in the same statement: a worker process's
       batched successes ride on its next claim, one round trip and one durable commit
       for both. The parts touch different rows (a claim matches a pending job, a
@@ -89,7 +91,7 @@ def claim(*, logged: bool = True, riding: int = 0, concurrency: bool = False, ra
       ``completed``, the ids completed (NULL when none).
     """
     update = _claim_update(swap=swap, concurrency=concurrency, rate=rate)
-    if not logged:
+    if dialect != "postgresql":
         assert not riding, "riding successes need the logged (PostgreSQL) claim"
         return durable(update)
     claimed = update.cte("claimed")
@@ -110,7 +112,7 @@ def claim(*, logged: bool = True, riding: int = 0, concurrency: bool = False, ra
         ctes.append(done)
         completed = sa.select(sa.func.array_agg(sa.cast(done.c.id, sa.Text)).label("completed")).subquery("done_ids")
         stmt = stmt.add_columns(completed.c.completed).select_from(completed.outerjoin(claimed, sa.true()))
-    return durable(stmt.add_cte(*ctes))
+    return logged(durable(stmt.add_cte(*ctes)))
 
 
 def _claim_update(*, swap: bool, concurrency: bool, rate: bool) -> sa.Update:

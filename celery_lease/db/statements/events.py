@@ -4,6 +4,7 @@ appends the events of the jobs it changed."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -12,6 +13,19 @@ from celery_lease.db.statements.common import (
     db_now,
 )
 from celery_lease.status import Event
+
+#: The execution option marking a statement that appends its own run events (logged()).
+LOGGED = "celery_lease_logged"
+
+
+def logged(stmt: Any) -> Any:
+    """``stmt`` (whose CTE _events_of appends the events), marked as logging itself."""
+    return stmt.execution_options(**{LOGGED: True})
+
+
+def logs_itself(stmt: Any) -> bool:
+    """Whether ``stmt`` appends its own run events; else its caller does (Store.log_events)."""
+    return bool(stmt.get_execution_options().get(LOGGED, False))
 
 
 def _events_of(source: sa.CTE, event: sa.ColumnElement, detail: sa.ColumnElement, name: str) -> sa.CTE:

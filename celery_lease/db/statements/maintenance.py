@@ -30,7 +30,7 @@ from celery_lease.db.statements.common import (
     db_now_plus,
     epoch_seconds,
 )
-from celery_lease.db.statements.events import _events_of
+from celery_lease.db.statements.events import _events_of, logged
 from celery_lease.status import AttemptOutcome, Event, Status
 
 
@@ -84,8 +84,13 @@ def reap_expired_logged() -> sa.Select:
     in one round trip and its own transaction, and no event row is built in Python.
     The events are those Store.log_events would append (detail "lease expired: <status>")."""
     reaped = reap_expired("postgresql").cte("reaped")
-    logged = _events_of(reaped, sa.literal(Event.REAPED.value), sa.literal(f"{LEASE_EXPIRED}: ") + reaped.c.status, "logged")
-    return durable(sa.select(reaped).add_cte(logged))
+    appended = _events_of(reaped, sa.literal(Event.REAPED.value), sa.literal(f"{LEASE_EXPIRED}: ") + reaped.c.status, "logged")
+    return logged(durable(sa.select(reaped).add_cte(appended)))
+
+
+def reap(dialect: str) -> Any:
+    """The REAP transition's statement: reap_expired_logged on PostgreSQL, else reap_expired."""
+    return reap_expired_logged() if dialect == "postgresql" else reap_expired(dialect)
 
 
 def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
