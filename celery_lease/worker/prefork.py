@@ -1,8 +1,9 @@
 """Celery's prefork pool at a warm stop: read each child's results until it has exited.
 
-When the consumer's connection closes (a warm stop), Celery's pool (``AsynPool.flush``)
-forgets every delivery whose acceptance it has not read yet, including one it has
-already written to a child, whose message the broker redelivers. The pool's result
+When the consumer's connection closes (a warm stop), Celery's pool (``AsynPool.flush``,
+Celery 5.7; 5.5.0 dropped none without synack) forgets every delivery whose acceptance
+it has not read yet, including one it has already written to a child, whose message the
+broker redelivers. The pool's result
 handler then reads the children's results only while the pool still tracks a delivery
 (``ResultHandler.on_stop_not_started``). The child runs the forgotten delivery anyway
 and, before it exits, billiard's worker waits for the main process to have read every
