@@ -3,7 +3,8 @@
 - ``worker_init``: make the database driver green in a gevent / eventlet worker
   (celery_lease/green.py); size the connection pools for the worker's concurrency; check the
   database is reachable; exit with one clear line if not.
-- ``worker_ready``: restart recovery, before the worker takes new work.
+- ``worker_ready``: restart recovery, before the worker takes new work; a prefork pool
+  reads its children's results at a warm stop until they exit (worker/prefork.py).
 - ``task_prerun``: claim the job (one atomic statement) and start its heartbeats; for a
   plain task, strip tenant and run from the leased signatures its message carries.
 - (the task body): run the handler; record success / failure / retry.
@@ -29,7 +30,7 @@ from celery import Celery, signals
 
 from celery_lease import green, tracing
 from celery_lease.errors import LeaseError
-from celery_lease.worker import borne, events, revoke, shutdown
+from celery_lease.worker import borne, events, prefork, revoke, shutdown
 from celery_lease.worker.task import LeaseTask
 
 if TYPE_CHECKING:
@@ -78,6 +79,12 @@ def connect(
         counts = recover(sender.hostname)
         if any(counts.values()):
             log.warning("celery-lease: restart recovery on %s: %s", sender.hostname, counts)
+
+    @signals.worker_ready.connect(weak=False)
+    def drain_pool_at_stop(sender=None, **_):
+        if getattr(sender, "app", None) is app:
+            # Else a warm stop could wait 30 s for a pool child (issue #27 item 7).
+            prefork.drain_at_stop(getattr(sender, "pool", None))
 
     def leased(name: object) -> bool:
         return isinstance(name, str) and ours(app.tasks.get(name))
@@ -131,7 +138,7 @@ def connect(
         # Batched successes land before the process exits.
         worker_state().flush()
 
-    app._celery_lease_signal_handlers = (check_database, recover_interrupted, claim, release, suspend, flush)
+    app._celery_lease_signal_handlers = (check_database, recover_interrupted, drain_pool_at_stop, claim, release, suspend, flush)
     # `celery control revoke` cancels the job (never a discarded or expired message).
     revoke.connect(app, ours=ours, cancel_ids=cancel_ids)
     events.connect(app)

@@ -44,14 +44,54 @@ def test_a_pool_child_killed_mid_batch_loses_nothing_and_reruns_nothing_finished
 @pytest.mark.timeout(120)
 def test_a_warm_stop_of_a_batched_worker_under_load_warns_of_no_lost_lease(pg, broker, client_app, workers):
     """Issue #27 item 7: a job that succeeded on its first attempt logged "lease lost
-    (cancelled or reaped)" (a renewal that ran after its batch's success committed).
-    (The item's 30 s longer stop is not asserted here: it is not fixed; it sits in
-    Celery's main process after the pool has exited, see the branch's report.)"""
+    (cancelled or reaped)" (a renewal that ran after its batch's success committed); and
+    the stop sometimes took 30 s longer (the next test holds its cause open)."""
+    import time
+
     mod = client_app(pg, broker, module="tests.apps.app_batch")
     ids = [j.id for j in mod.b_note.submit_many([{"n": i, "sleep": 0.02} for i in range(600)])]
     w1 = workers(pg, broker, name="w1", module="tests.apps.app_batch", concurrency=2)
     wait_for(lambda: sum(mod.leases.get(i).status is Status.SUCCEEDED for i in ids[::20]) >= 5, timeout=60, what="a third done")
+    started = time.monotonic()
     assert w1.stop(timeout=60) == 0
+    took = time.monotonic() - started
+    assert took < 20, f"warm stop took {took:.1f}s"
     succeeded = {i for i in ids if mod.leases.get(i).status is Status.SUCCEEDED}
     losses = [line for line in w1.log().splitlines() if "lease lost (cancelled or reaped)" in line]
     assert not [line for line in losses if line.split("job ")[1][:36] in succeeded], losses
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_stop_does_not_wait_30s_for_a_delivery_the_pool_had_forgotten(pg, broker, client_app, workers):
+    """Issue #27 item 7: a batched kind's worker sometimes took 30 s longer to stop.
+
+    Celery's prefork pool, at a warm stop, forgets a delivery it has written to a pool
+    child but whose acceptance it has not read yet, and then reads the children's
+    results only while it still tracks a delivery. The child runs the forgotten one
+    anyway and, before it exits, waits up to 30 s for the main process to read that
+    result (worker/prefork.py). The window is a moment wide (a delivery written just as
+    the stop begins: the redundant wakeups a batched kind leaves flowing kept hitting
+    it); here the child is stopped (SIGSTOP) while the delivery is written to it, which
+    holds the window open until the warm stop has begun.
+    """
+    import time
+
+    mod = client_app(pg, broker, module="tests.apps.app_batch")
+    w1 = workers(pg, broker, name="w1", module="tests.apps.app_batch", concurrency=1)
+    [child] = w1.children()
+    os.kill(child, signal.SIGSTOP)
+    try:
+        ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(4)])]  # one wakeup
+        wait_for(lambda: " received" in w1.log(), timeout=10, what="the wakeup to be received")
+        time.sleep(0.5)  # written to the (stopped) child's pipe meanwhile
+        w1.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "Warm shutdown" in w1.log(), timeout=10, what="the warm stop to begin")
+        time.sleep(0.5)
+    finally:
+        os.kill(child, signal.SIGCONT)
+    started = time.monotonic()
+    assert w1.proc.wait(timeout=60) == 0  # (the warm stop under way: no second signal)
+    took = time.monotonic() - started
+    assert took < 20, f"warm stop took {took:.1f}s"  # 32-33 s before
+    # The delivery ran after the stop had begun: its jobs wait, pending, for a worker.
+    assert {mod.leases.get(i).status for i in ids} == {Status.PENDING}
