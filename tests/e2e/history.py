@@ -251,23 +251,32 @@ def _attempts(h: History) -> list[Violation]:
     # reply) that begins just after a claim: the claiming worker cannot learn that it
     # holds the job before the lease has run out, so the reaper spends that attempt
     # (history[prepared] seed 25805: the lost reply was the claim's own COMMIT).
+    # Likewise a PostgreSQL crash just after a claim: a claim whose reply came too late
+    # in its lease is handed back, not started, and the hand-back cannot land while the
+    # server recovers for longer than the lease, so the reaper spends the attempt
+    # (history[prepared] seed 987532: "claimed too late in its lease; handed back",
+    # then "database unavailable" until the lease was lost).
     partitions = [op.at for op in h.ops if op.op == "fault" and op.detail.get("fault") == "partition"]
+    outages = sorted(partitions + crashes)
     excused: dict[str, set[int]] = defaultdict(set)
     claimed: dict[str, list[dict]] = defaultdict(list)
     for e in h.events:
         if e["event"] == "claimed":
             claimed[e["job_id"]].append(e)
-            cut_off = any(0 <= p - e["at"] <= KILL_EXCUSE for p in partitions)
+            cut_off = any(0 <= t - e["at"] <= KILL_EXCUSE for t in outages)
             if cut_off or _killed(h, e.get("detail"), e["at"]):
                 excused[e["job_id"]].add(e["attempt"])
-    any_kill = sorted([t for ts in h.node_kills.values() for t in ts] + list(h.pid_kills.values()))
+    # Without claim events, a job's attempt may have been cut off by any of them.
+    any_kill = sorted([t for ts in h.node_kills.values() for t in ts] + list(h.pid_kills.values()) + outages)
     for job_id, job in h.jobs.items():
         missing = [a for a in range(1, job["attempt"] + 1) if a not in ran[job_id] and a not in excused[job_id]]
         if job["status"] == "cancelled" and missing and missing[-1] == job["attempt"]:
             missing.pop()  # cancelled between its claim and its body: nothing to run
         if missing and not claimed.get(job_id):
-            # No claim events (a canvas step outside any run): excuse as many as
-            # processes were killed during its life.
+            # No claim events (a canvas step or a batched job outside any run): excuse
+            # as many as processes were killed, partitions began or PostgreSQL crashed
+            # during its life (history[unprepared] seed 218077: a batched claim's reply
+            # cut off by a partition longer than the lease).
             life = [t for t in any_kill if job["created_at"] - 1 <= t <= (job.get("finished_at") or float("inf"))]
             missing = missing[len(life) :]
         if missing:

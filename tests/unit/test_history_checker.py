@@ -179,6 +179,41 @@ def test_a_claim_cut_off_by_a_partition_longer_than_the_lease_is_excused():
     assert checks(h) == ["attempt"]
 
 
+def test_a_claim_handed_back_into_a_postgresql_crash_is_excused():
+    """The claim's reply came too late in its lease, so the worker hands it back; the
+    server crashes at once and recovers past the lease: the hand-back cannot land and
+    the reaper spends the attempt (seed 987532)."""
+    h = clean()
+    h.jobs["a"].update(attempt=2, lease_generation=2)
+    h.effects = [effect("a", 2, 2), effect("b", 2, 2)]
+    h.bodies = [b for b in h.bodies if b["job_id"] != "a"] + [body("a", 2, 2, holder="300-c", start=9, end=10)]
+    h.events = [
+        claimed("a", 1, at=7.0, owner="w2@testhost/300/boot"),
+        claimed("a", 2, at=9.0),
+        *[e for e in h.events if e["job_id"] != "a"],
+    ]
+    assert checks(h) == ["attempt"]
+    h.ops.append(Op(T0 + 7.2, "fault", None, {"fault": "pg_crash"}))
+    assert check(h) == []
+    h.ops[-1] = Op(T0 + 6.5, "fault", None, {"fault": "pg_crash"})  # before the claim
+    assert checks(h) == ["attempt"]
+
+
+def test_a_job_without_claim_events_is_excused_an_attempt_per_outage_in_its_life():
+    """A batched job outside a run logs no claim: its claim's reply cut off by a partition
+    longer than the lease spends an attempt without a body (seed 218077)."""
+    h = clean()
+    h.jobs["c"] = job("c", kind="h_batch", attempt=2, generation=2, finished_at=T0 + 20)
+    h.bodies.append(body("c", 2, 2, holder="300-c", start=12, end=12.1, kind="h_batch"))
+    h.pid_kills, h.node_kills = {}, {}
+    h.events = [claimed("a"), claimed("b", 1), claimed("b", 2, at=5.0)]
+    assert "attempt" in checks(h)
+    h.ops.append(Op(T0 + 8.0, "fault", None, {"fault": "partition", "seconds": 4.0}))
+    assert "attempt" not in checks(h)
+    h.ops[-1] = Op(T0 + 30.0, "fault", None, {"fault": "partition", "seconds": 4.0})  # after it finished
+    assert "attempt" in checks(h)
+
+
 def test_a_threads_claim_delayed_past_its_process_death_is_excused():
     """A threads pool's claim names its thread (node/pid.T/boot): the process is the pid
     before the dot (history[threads] seed 150679 flagged such a claim, landed 1.5 s
