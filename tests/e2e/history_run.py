@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg2
 import sqlalchemy as sa
 
 from tests.e2e.chaos import LEASE_CONF, LEASE_QUEUES, Fleet, Scenario
@@ -383,20 +384,26 @@ class Run:
         """SIGKILL one server process (the OOM killer, a segfault): one whose COMMIT waits
         if any, else one in a transaction that wrote, else any. The postmaster resets
         every backend and replays the WAL without restarting, forgetting the xids whose
-        WAL was not flushed."""
-        conn = self.cluster.connect("jobs")
-        try:
-            with conn.cursor() as cur:
-                cur.execute(
-                    "SELECT pid, query FROM pg_stat_activity WHERE datname = 'jobs' AND pid <> pg_backend_pid()"
-                    " ORDER BY (state = 'active' AND query ILIKE 'COMMIT%') DESC, backend_xid IS NOT NULL DESC LIMIT 1"
-                )
-                row = cur.fetchone()
-        finally:
-            conn.close()
-        if row is None:
-            return
+        WAL was not flushed. Under the client lock, which the batched claim's restart
+        holds from another thread: the server may be restarting, and then no backend is
+        killed (the harness's own connection failed the run: "the database system is
+        shutting down")."""
         with self._client_lock:
+            try:
+                conn = self.cluster.connect("jobs")
+                try:
+                    with conn.cursor() as cur:
+                        cur.execute(
+                            "SELECT pid, query FROM pg_stat_activity WHERE datname = 'jobs' AND pid <> pg_backend_pid()"
+                            " ORDER BY (state = 'active' AND query ILIKE 'COMMIT%') DESC, backend_xid IS NOT NULL DESC LIMIT 1"
+                        )
+                        row = cur.fetchone()
+                finally:
+                    conn.close()
+            except psycopg2.OperationalError:
+                return
+            if row is None:
+                return
             self.op("fault", fault="kill_backend", pid=row[0], query=row[1][:60])
             self.cluster.kill_backend(row[0])
 
