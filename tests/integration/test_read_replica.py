@@ -23,7 +23,7 @@ from celery_lease.errors import ConfigurationError, DatabaseUnavailable
 from celery_lease.ops import listing
 from celery_lease.settings import Settings
 from tests.harness import pgcluster
-from tests.harness.services import free_port
+from tests.harness.services import free_port, wait_for
 from tests.integration.test_api import ADMIN, SCRAPER, Server
 
 
@@ -48,6 +48,17 @@ def paused(pair):
     replay). Resumed afterwards, and the standby caught up."""
     primary, standby = pair
     engine = sa.create_engine(standby.url("jobs"), isolation_level="AUTOCOMMIT")
+    # Caught up first: replay paused before the standby had replayed the module's
+    # migration left it without the tables (CI run of 2026-12-03: "relation
+    # celery_lease_jobs does not exist" on the replica).
+    with sa.create_engine(primary.url("jobs"), isolation_level="AUTOCOMMIT").connect() as conn:
+        lsn = conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar_one()
+
+    def replayed() -> bool:
+        with engine.connect() as conn:
+            return conn.execute(sa.text("SELECT pg_last_wal_replay_lsn() >= CAST(:lsn AS pg_lsn)"), {"lsn": lsn}).scalar_one()
+
+    wait_for(replayed, timeout=30, interval=0.05, what="the standby to replay the primary's WAL")
     with engine.connect() as conn:
         conn.execute(sa.text("SELECT pg_wal_replay_pause()"))
     yield
