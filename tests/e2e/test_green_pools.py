@@ -126,16 +126,21 @@ def test_a_broker_restart_costs_no_lease_on_a_gevent_worker(pg, restartable_brok
     killed and restarted: each keeps its lease (its heartbeat is not held up by kombu's
     reconnect loop), succeeds on its first attempt, and the worker consumes again
     afterwards."""
-    broker = restartable_broker.url
-    mod = client_app(pg, broker, extra_env=SHORT, module="tests.apps.app_faults")
-    workers(pg, broker, pool="gevent", concurrency=16, extra_env=SHORT, module="tests.apps.app_faults")
-    ids = [j.id for j in mod.waiter.submit_many([{"polls": 80}] * 16)]
-    wait_for(lambda: all(mod.leases.get(i).status.value == "running" for i in ids), timeout=30, what="all sixteen to run")
-    restartable_broker.restart(downtime=3)
+    broker_restart_keeps_leases(pg, restartable_broker, client_app, workers, db, pool="gevent", count=16)
+
+
+def broker_restart_keeps_leases(pg, server, client_app, workers, db, *, pool: str, count: int) -> None:
+    """``count`` jobs on 3 s leases run on one worker while its broker ``server`` is killed
+    and restarted: each keeps its lease and succeeds on its first attempt, and the worker
+    consumes again afterwards."""
+    mod = client_app(pg, server.url, extra_env=SHORT, module="tests.apps.app_faults")
+    workers(pg, server.url, pool=pool, concurrency=count, extra_env=SHORT, module="tests.apps.app_faults")
+    ids = [j.id for j in mod.waiter.submit_many([{"polls": 80}] * count)]
+    wait_for(lambda: all(mod.leases.get(i).status.value == "running" for i in ids), timeout=30, what="every job to run")
+    server.restart(downtime=3)
     rows, reaped = _run_all(mod.leases, db, ids, timeout=60)
     assert reaped == {"requeued": 0, "expired": 0}
-    assert [(r["status"], r["attempt"], r["lease_losses"]) for r in rows] == [("succeeded", 1, 0)] * 16
-    # The worker consumes again: a job submitted after the restart runs.
+    assert [(r["status"], r["attempt"], r["lease_losses"]) for r in rows] == [("succeeded", 1, 0)] * count
     later = mod.waiter.submit({"polls": 1})
     rows, _ = _run_all(mod.leases, db, [later.id], timeout=90)
     assert rows[0]["status"] == "succeeded"

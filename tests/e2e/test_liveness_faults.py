@@ -512,18 +512,6 @@ def test_a_broker_restart_costs_no_lease_on_prefork_and_threads_workers(pg, redi
     through the broker, on every pool (gevent: test_green_pools). Four jobs on 3 s leases
     run while the worker's Redis is killed and restarted: each keeps its lease and
     succeeds on its first attempt, and the worker consumes again afterwards."""
-    from tests.e2e.test_faults import SHORT
-    from tests.e2e.test_green_pools import _run_all
+    from tests.e2e.test_green_pools import broker_restart_keeps_leases
 
-    app = "tests.apps.app_faults"
-    mod = client_app(pg, broker, extra_env=SHORT, module=app)
-    workers(pg, broker, pool=pool, concurrency=4, extra_env=SHORT, module=app)
-    ids = [j.id for j in mod.waiter.submit_many([{"polls": 80}] * 4)]
-    wait_for(lambda: all(mod.leases.get(i).status.value == "running" for i in ids), timeout=30, what="all four to run")
-    redis_server.restart(downtime=3)
-    rows, reaped = _run_all(mod.leases, db, ids, timeout=60)
-    assert reaped == {"requeued": 0, "expired": 0}
-    assert [(r["status"], r["attempt"], r["lease_losses"]) for r in rows] == [("succeeded", 1, 0)] * 4
-    later = mod.waiter.submit({"polls": 1})
-    rows, _ = _run_all(mod.leases, db, [later.id], timeout=60)
-    assert rows[0]["status"] == "succeeded"
+    broker_restart_keeps_leases(pg, redis_server, client_app, workers, db, pool=pool, count=4)

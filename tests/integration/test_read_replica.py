@@ -51,8 +51,10 @@ def paused(pair):
     # Caught up first: replay paused before the standby had replayed the module's
     # migration left it without the tables (CI run of 2026-12-03: "relation
     # celery_lease_jobs does not exist" on the replica).
-    with sa.create_engine(primary.url("jobs"), isolation_level="AUTOCOMMIT").connect() as conn:
+    primary_engine = sa.create_engine(primary.url("jobs"), isolation_level="AUTOCOMMIT")
+    with primary_engine.connect() as conn:
         lsn = conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar_one()
+    primary_engine.dispose()
 
     def replayed() -> bool:
         with engine.connect() as conn:
