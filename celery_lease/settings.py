@@ -33,8 +33,14 @@ class Settings:
     sweep_stale_seconds: float = 30.0
     #: beat: delete old terminal jobs
     prune_interval: float = 3600.0
-    #: terminal jobs are kept this long
+    #: terminal jobs are kept this long (PostgreSQL: rounded up to the end of the UTC day
+    #: they finished on, whose history partition is dropped whole)
     retention_seconds: float = 7 * 86400.0
+    #: PostgreSQL: a terminal job without an idempotency key moves from the hot table to
+    #: the day-partitioned history this long after it finished (db/schema.py)
+    archive_after: float = 3600.0
+    #: beat: move finished jobs into the history (PostgreSQL; a no-op on SQLite)
+    archive_interval: float = 60.0
     #: rows per reap / sweep / prune statement (a call runs at most 20 of them). Each
     #: statement is one commit and one round trip: 2000 reaps a backlog ~10% faster
     #: than 500 and holds its row locks for tens of milliseconds.

@@ -83,6 +83,8 @@ TABLES = (
     "celery_lease_pauses",
     "celery_lease_landings",
     "celery_lease_outbox",
+    "celery_lease_history",
+    "celery_lease_history_events",
     "test_effects",
 )
 

@@ -36,7 +36,8 @@ log = logging.getLogger("celery_lease.maintenance")
 REAP_TASK = "celery_lease.reap"
 SWEEP_TASK = "celery_lease.sweep"
 PRUNE_TASK = "celery_lease.prune"
-MAINTENANCE_TASKS = frozenset({REAP_TASK, SWEEP_TASK, PRUNE_TASK})
+ARCHIVE_TASK = "celery_lease.archive"
+MAINTENANCE_TASKS = frozenset({REAP_TASK, SWEEP_TASK, PRUNE_TASK, ARCHIVE_TASK})
 
 #: Celery's loggers that write one INFO line per task or tick.
 _TICK_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.beat")
@@ -47,6 +48,7 @@ def _intervals(settings: Settings) -> dict[str, float]:
         REAP_TASK: float(settings.reap_interval),
         SWEEP_TASK: float(settings.sweep_interval),
         PRUNE_TASK: float(settings.prune_interval),
+        ARCHIVE_TASK: float(settings.archive_interval),
     }
 
 
@@ -155,7 +157,10 @@ def register(
     def prune_task():
         return maintenance().prune()
 
-    fns = {REAP_TASK: reap_task, SWEEP_TASK: sweep_task, PRUNE_TASK: prune_task}
+    def archive_task():
+        return maintenance().archive()
+
+    fns = {REAP_TASK: reap_task, SWEEP_TASK: sweep_task, PRUNE_TASK: prune_task, ARCHIVE_TASK: archive_task}
     for name, fn in fns.items():
         # Still tasks: a tick sent by hand (or that reaches a pool) runs there too.
         app.task(name=name, shared=False, ignore_result=True, _force_evaluate=True)(fn)

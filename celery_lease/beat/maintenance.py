@@ -123,11 +123,26 @@ class Maintenance:
         log.warning("celery-lease: sent %d of %d follow-up(s) whose transition's writer did not", sent, len(rows))
         return sent
 
+    def archive(self) -> int:
+        """Move finished jobs that finished ``archive_after`` seconds ago, and their
+        events, into the day-partitioned history (PostgreSQL). Returns how many moved."""
+        limit = self._settings.batch_size
+
+        def step():
+            n = self._store.archive(self._settings.archive_after, limit)
+            return [None] * n, n == limit
+
+        moved = len(_batches(step))
+        if moved:
+            log.debug("celery-lease: archived %d finished job(s)", moved)
+        return moved
+
     def prune(self, older_than: float | None = None) -> int:
         """Delete terminal jobs (and their events) finished more than ``older_than``
         seconds ago (default: ``retention_seconds``), and chord counters as old whose
         header has no pending or running job left (their body can never be created).
-        Returns the number of jobs deleted."""
+        Returns the number of jobs deleted from the hot table; the history's days that
+        ended more than ``older_than`` ago are dropped whole (PostgreSQL)."""
         age = self._settings.retention_seconds if older_than is None else float(older_than)
         limit = self._settings.batch_size
 
@@ -144,6 +159,9 @@ class Maintenance:
             return [None] * n, n == limit
 
         pruned = len(_batches(step))
+        days = self._store.drop_history(age)
+        if days:
+            log.info("celery-lease: dropped %d day(s) of finished jobs from the history", days)
         chords = len(_batches(chord_step))
         _batches(landing_step)
         if chords:

@@ -280,3 +280,65 @@ outbox = sa.Table(
     sa.Column("created_at", TS, nullable=False),
 )
 sa.Index("celery_lease_outbox_created", outbox.c.created_at)
+
+# --- finished jobs past the hot table (PostgreSQL) ------------------------------------
+#
+# Terminal jobs without an idempotency key, and their run events, move out of
+# celery_lease_jobs lease_archive_after seconds after they finish (beat's archive tick,
+# db/history.py) into these tables, range-partitioned by the day the job finished (UTC);
+# retention drops a day's partitions whole, so pruning leaves no dead tuples and the
+# hot path's table holds the live jobs and the last archive_after of finished ones.
+# SQLite has neither: it keeps every job in celery_lease_jobs, pruned row by row.
+#
+# Invariant: a job id is in exactly one of celery_lease_jobs and celery_lease_history
+# (the move is one statement). A keyed job stays in celery_lease_jobs: the key's
+# uniqueness is celery_lease_jobs_idempotency_key, an index of that table alone.
+#
+# The history tables were made by LIKE celery_lease_jobs / celery_lease_events (migration
+# 0014): a column added to either must be added to its history table and its view.
+
+history_metadata = sa.MetaData()
+
+history = sa.Table(
+    "celery_lease_history",
+    history_metadata,
+    *(sa.Column(c.name, c.type, nullable=c.nullable, server_default=c.server_default) for c in jobs.columns),
+    postgresql_partition_by="RANGE (finished_at)",
+)
+# The same reads as on celery_lease_jobs (by id, newest first, a tenant's, the failed
+# ones, a run's), each a partitioned index: one per day partition.
+sa.Index("celery_lease_history_id", history.c.id)
+sa.Index("celery_lease_history_created", history.c.created_at, history.c.id)
+sa.Index(
+    "celery_lease_history_tenant",
+    history.c.tenant,
+    history.c.created_at,
+    history.c.id,
+    postgresql_where=sa.text("tenant IS NOT NULL"),
+)
+sa.Index(
+    "celery_lease_history_unsuccessful",
+    history.c.status,
+    history.c.created_at,
+    history.c.id,
+    postgresql_where=sa.text(_in("status", UNSUCCESSFUL)),
+)
+sa.Index("celery_lease_history_run", history.c.run_id, postgresql_where=sa.text("run_id IS NOT NULL"))
+sa.Index("celery_lease_history_finished", history.c.finished_at)
+
+history_events = sa.Table(
+    "celery_lease_history_events",
+    history_metadata,
+    *(sa.Column(c.name, c.type, nullable=c.nullable, autoincrement=False) for c in events.columns),
+    # The job's finished_at: its events are dropped with it.
+    sa.Column("finished_at", TS, nullable=False),
+    postgresql_partition_by="RANGE (finished_at)",
+)
+sa.Index("celery_lease_history_events_run", history_events.c.run_id, history_events.c.id)
+sa.Index("celery_lease_history_events_job", history_events.c.job_id)
+
+# What reads see: every job and every event wherever it lives (views of migration 0014;
+# on SQLite over the one table). Reads only: FOR UPDATE and writes go to the tables.
+view_metadata = sa.MetaData()
+jobs_all = sa.Table("celery_lease_jobs_all", view_metadata, *(sa.Column(c.name, c.type) for c in jobs.columns))
+events_all = sa.Table("celery_lease_events_all", view_metadata, *(sa.Column(c.name, c.type) for c in events.columns))

@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection
 
 from celery_lease.db.chords import Chords
 from celery_lease.db.engine import Database, Timeouts
+from celery_lease.db.history import History
 from celery_lease.db.prepared import Prepared, PreparedScript
 from celery_lease.db.reads import Reads
 from celery_lease.db.statements import attempt as attempt_sql
@@ -55,7 +56,7 @@ class Capabilities:
     joinable_vendor: str | None
 
 
-class Store(Reads, Chords, Database):
+class Store(Reads, Chords, History, Database):
     def __init__(
         self,
         url: str,

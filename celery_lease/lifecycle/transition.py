@@ -190,7 +190,7 @@ RETRY_AS_NEW = Transition(
 #: ``ids`` and ``tenant``.
 DELETE = Transition(
     "delete",
-    lambda dialect, ids, tenant: dashboard.delete_finished_jobs(ids, tenant),
+    lambda dialect, ids, tenant: dashboard.delete_finished_jobs(ids, tenant, dialect),
     None,
     releases=False,
 )

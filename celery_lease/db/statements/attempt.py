@@ -20,6 +20,7 @@ from celery_lease.db.statements.common import (
     db_now,
     db_now_plus,
 )
+from celery_lease.db.statements.history import everywhere
 from celery_lease.status import AttemptOutcome, Status
 
 
@@ -124,8 +125,10 @@ def complete_jobs(count: int) -> sa.Update:
 
 def landed_successes(leases: Iterable[tuple[str, int]]) -> sa.Select:
     """Which of these (job, generation) attempts are recorded as succeeded (a write
-    retried after its reply was lost checks what had landed)."""
-    return sa.select(_c.id).where(sa.tuple_(_c.id, _c.lease_generation).in_(list(leases)), _c.status == Status.SUCCEEDED.value)
+    retried after its reply was lost checks what had landed), wherever they live: a
+    job may have moved into the history since."""
+    landed = sa.and_(sa.tuple_(_c.id, _c.lease_generation).in_(list(leases)), _c.status == Status.SUCCEEDED.value)
+    return everywhere(sa.select(_c.id).where(landed))
 
 
 @functools.cache

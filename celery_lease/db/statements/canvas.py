@@ -19,6 +19,7 @@ from celery_lease.db.statements.common import (
     db_now,
     db_now_plus,
 )
+from celery_lease.db.statements.history import everywhere
 from celery_lease.status import Status
 
 
@@ -86,7 +87,9 @@ def prune_chords(dialect: str) -> ReturningDelete:
 
 
 def job_results(ids: Sequence[str]) -> sa.Select:
-    return sa.select(_c.id, _c.result).where(_c.id.in_(ids))
+    # A chord's header jobs may have finished long before its last one: read them
+    # wherever they live.
+    return everywhere(sa.select(_c.id, _c.result).where(_c.id.in_(ids)))
 
 
 @functools.cache

@@ -21,12 +21,12 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.dml import ReturningDelete
 from sqlalchemy.sql.functions import FunctionElement
 
-from celery_lease.db.schema import events, jobs, limits
+from celery_lease.db.schema import events, history, history_events, jobs, limits
 from celery_lease.db.statements.common import db_now, db_now_plus, epoch_seconds
 from celery_lease.db.statements.flow import rate_window_now
+from celery_lease.db.statements.history import everywhere
 from celery_lease.db.statements.in_force import in_force_per_seconds, in_force_rate
 from celery_lease.status import TERMINAL, Status
 
@@ -99,7 +99,7 @@ def _scanned(f: Filter, after: tuple[Any, str] | None, scan: int, columns: tuple
     if after is not None:
         created_at, job_id = after
         stmt = stmt.where(sa.or_(_c.created_at < created_at, sa.and_(_c.created_at == created_at, _c.id < job_id)))
-    return stmt.order_by(_c.created_at.desc(), _c.id.desc()).limit(scan).subquery("scanned")
+    return everywhere(stmt.order_by(_c.created_at.desc(), _c.id.desc()).limit(scan)).subquery("scanned")
 
 
 def scan_jobs(f: Filter, *, after: tuple[Any, str] | None, scan: int, limit: int) -> sa.Select:
@@ -143,12 +143,12 @@ def get_job_detail(job_id: str, *, tenant: str | None, cap: int, payloads: bool 
         sa.func.length(text(_c.result)).label("result_chars"),
         sa.func.length(text(_c.checkpoint)).label("checkpoint_chars"),
     ).where(_c.id == job_id)
-    return stmt if tenant is None else stmt.where(_c.tenant == tenant)
+    return everywhere(stmt if tenant is None else stmt.where(_c.tenant == tenant))
 
 
 def job_events(job_id: str, limit: int) -> sa.Select:
     """job_events: one job's run events, oldest first (celery_lease_events_job)."""
-    return sa.select(events).where(events.c.job_id == job_id).order_by(events.c.id).limit(limit)
+    return everywhere(sa.select(events).where(events.c.job_id == job_id).order_by(events.c.id).limit(limit))
 
 
 # --- counts (bounded: the live set, flow.flow_counts; recent finishes) ---------
@@ -162,7 +162,7 @@ def terminal_counts(tenant: str | None) -> sa.Select:
     )
     if tenant is not None:
         stmt = stmt.where(_c.tenant == tenant)
-    return stmt.group_by(_c.kind, _c.status)
+    return everywhere(stmt.group_by(_c.kind, _c.status))
 
 
 # --- live throughput and latency ----------------------------------------------------------
@@ -192,7 +192,7 @@ def _recent(column, where: Any, tenant: str | None, *columns) -> sa.Subquery:
     stmt = sa.select(*columns).where(where, column >= db_now_plus(-sa.bindparam("window", type_=sa.Float)))
     if tenant is not None:
         stmt = stmt.where(_c.tenant == tenant)
-    return stmt.order_by(column.desc()).limit(sa.bindparam("cap")).subquery("recent")
+    return everywhere(stmt.order_by(column.desc()).limit(sa.bindparam("cap"))).subquery("recent")
 
 
 def recent_submits(tenant: str | None) -> sa.Select:
@@ -314,7 +314,7 @@ def held_groups(tenant: str | None) -> sa.Select:
 
 def job_states(ids: list[str]) -> sa.Select:
     """job_states: the status of each of these jobs (those that exist)."""
-    return sa.select(_c.id, _c.status).where(_c.id.in_(ids))
+    return everywhere(sa.select(_c.id, _c.status).where(_c.id.in_(ids)))
 
 
 # --- actions -------------------------------------------------------------------------------
@@ -361,14 +361,25 @@ def retry_as_new_job(tenant: str | None) -> sa.Insert:
     ).where(_c.id == sa.bindparam("job_id", type_=_c.id.type), _c.status.in_(_RETRYABLE))
     if tenant is not None:
         source = source.where(_c.tenant == tenant)
+    source = everywhere(source)
     columns = ["id", *copied, "concurrency_key", "status", "attempt", "parent_id", "created_at", "updated_at", "woken_at"]
     return sa.insert(jobs).from_select(columns, source).returning(_c.id, _c.task, _c.queue, _c.run_id, _c.attempt)
 
 
-def delete_finished_jobs(ids: list[str], tenant: str | None) -> ReturningDelete:
+def delete_finished_jobs(ids: list[str], tenant: str | None, dialect: str) -> Any:
     """delete_finished_jobs: these jobs, where they are terminal (a pending or running
-    job is cancelled first: deleting it would leave its worker or wakeup without a row)."""
-    stmt = sa.delete(jobs).where(_c.id.in_(ids), _c.status.in_([s.value for s in TERMINAL]))
-    if tenant is not None:
-        stmt = stmt.where(_c.tenant == tenant)
-    return stmt.returning(_c.id)
+    job is cancelled first: deleting it would leave its worker or wakeup without a row).
+    On PostgreSQL also those in the history, with their events there; returns the ids
+    deleted (the caller deletes the events of celery_lease_events)."""
+
+    def deleted(table: sa.Table) -> Any:
+        stmt = sa.delete(table).where(table.c.id.in_(ids), table.c.status.in_([s.value for s in TERMINAL]))
+        if tenant is not None:
+            stmt = stmt.where(table.c.tenant == tenant)
+        return stmt.returning(table.c.id)
+
+    if dialect != "postgresql":
+        return deleted(jobs)
+    hot, old = deleted(jobs).cte("hot"), deleted(history).cte("old")
+    old_events = sa.delete(history_events).where(history_events.c.job_id.in_(sa.select(old.c.id))).cte("old_events")
+    return sa.union_all(sa.select(hot.c.id), sa.select(old.c.id)).add_cte(old_events)

@@ -15,14 +15,17 @@ from celery_lease.db.statements.common import (
     db_now_plus,
     epoch_seconds,
 )
+from celery_lease.db.statements.history import everywhere
 from celery_lease.status import Status
 
 
 @functools.cache
 def job_totals() -> sa.Select:
     """Per (status, kind): jobs, attempts claimed, leases lost (reaped or interrupted)."""
-    return sa.select(_c.status, _c.kind, sa.func.count(), sa.func.sum(_c.attempt), sa.func.sum(_c.lease_losses)).group_by(
-        _c.status, _c.kind
+    return everywhere(
+        sa.select(_c.status, _c.kind, sa.func.count(), sa.func.sum(_c.attempt), sa.func.sum(_c.lease_losses)).group_by(
+            _c.status, _c.kind
+        )
     )
 
 
@@ -31,7 +34,7 @@ def event_totals() -> sa.Select:
     """Per (event, detail prefix): rows of the run event logs. The detail tells a
     requeue by restart recovery ("interrupted by restart: ...") from a shutdown handoff."""
     restart = events.c.detail.startswith("interrupted by restart")
-    return sa.select(events.c.event, restart.label("restart"), sa.func.count()).group_by(events.c.event, restart)
+    return everywhere(sa.select(events.c.event, restart.label("restart"), sa.func.count()).group_by(events.c.event, restart))
 
 
 @functools.cache

@@ -14,16 +14,17 @@ from celery_lease.db.schema import events, jobs
 from celery_lease.db.statements.common import (
     _c,
 )
+from celery_lease.db.statements.history import everywhere
 
 
 def get_job(job_id: str) -> sa.Select:
-    return sa.select(jobs).where(_c.id == job_id)
+    return everywhere(sa.select(jobs).where(_c.id == job_id))
 
 
 def ids_between(low: str, high: str, limit: int) -> sa.Select:
     """ids_between: the first ``limit`` job ids from ``low`` to ``high`` (a prefix's
     range: a range scan of the primary key, never a scan of the table)."""
-    return sa.select(_c.id).where(_c.id >= low, _c.id <= high).order_by(_c.id).limit(limit)
+    return everywhere(sa.select(_c.id).where(_c.id >= low, _c.id <= high).order_by(_c.id).limit(limit))
 
 
 #: What the HTTP API shows of a job: never the payload, checkpoint or lease internals,
@@ -53,7 +54,7 @@ def get_job_view(job_id: str, *, tenant: str | None = None) -> sa.Select:
     The tenant is in the WHERE clause: another tenant's job reads no more than a
     missing one (one primary-key probe, none of its large columns)."""
     stmt = sa.select(*VIEW_COLUMNS, _c.attempts).where(_c.id == job_id)
-    return stmt if tenant is None else stmt.where(_c.tenant == tenant)
+    return everywhere(stmt if tenant is None else stmt.where(_c.tenant == tenant))
 
 
 class json_bytes(FunctionElement):
@@ -97,7 +98,7 @@ def run_visible(run_id: str, *, tenant: str | None = None) -> sa.Select:
     stmt = sa.select(sa.literal(1)).where(_c.run_id == run_id)
     if tenant is not None:
         stmt = stmt.where(_c.tenant == tenant)
-    return stmt.limit(1)
+    return everywhere(stmt.limit(1))
 
 
 def list_jobs(
@@ -132,7 +133,7 @@ def list_jobs(
         created_at, job_id = after
         # On SQLite this compares text: db_now() spells times as bound datetimes do.
         stmt = stmt.where(sa.or_(_c.created_at < created_at, sa.and_(_c.created_at == created_at, _c.id < job_id)))
-    return stmt.order_by(_c.created_at.desc(), _c.id.desc()).limit(limit)
+    return everywhere(stmt.order_by(_c.created_at.desc(), _c.id.desc()).limit(limit))
 
 
 def _tenant_jobs_of_run(run_id: str, tenant: str) -> sa.Select:
@@ -144,7 +145,7 @@ def list_run_events(run_id: str, *, after_id: int = 0, limit: int = 1000, tenant
     stmt = sa.select(events).where(events.c.run_id == run_id, events.c.id > after_id)
     if tenant is not None:
         stmt = stmt.where(events.c.job_id.in_(_tenant_jobs_of_run(run_id, tenant)))
-    return stmt.order_by(events.c.id).limit(limit)
+    return everywhere(stmt.order_by(events.c.id).limit(limit))
 
 
 def list_tenant_run_events(run_id: str, tenant: str, *, after_seq: int = 0, limit: int = 1000) -> sa.Select:
@@ -160,4 +161,4 @@ def list_tenant_run_events(run_id: str, tenant: str, *, after_seq: int = 0, limi
         .where(events.c.run_id == run_id, events.c.job_id.in_(_tenant_jobs_of_run(run_id, tenant)))
         .subquery("visible")
     )
-    return sa.select(visible).where(visible.c.seq > after_seq).order_by(visible.c.seq).limit(limit)
+    return everywhere(sa.select(visible).where(visible.c.seq > after_seq).order_by(visible.c.seq).limit(limit))
