@@ -181,3 +181,27 @@ def test_the_migration_runs_while_a_worker_works(broker, client_app, workers):
         assert mod.leases.maintenance.archive() == 1
         assert mod.leases.get(submitted[0]).status is Status.SUCCEEDED
         store.dispose()
+
+
+def test_beats_archive_moves_jobs_while_workers_finish_them(pg, broker, client_app, workers, beats):
+    """Beat archiving every second, a second after jobs finish, while two workers run a
+    stream of them: each job ends once, is in exactly one table at every moment a read
+    looks, and keeps all its events."""
+    conf = {"lease_archive_after": 1, "lease_archive_interval": 1}
+    mod = client_app(pg, broker, conf=conf)
+    workers(pg, broker, name="w1", conf=conf)
+    workers(pg, broker, name="w2", conf=conf)
+    beats(pg, broker, conf=conf)
+    run_id = str(uuid.uuid4())
+    ids = [mod.echo.submit({"value": i}, run_id=run_id).id for i in range(150)]
+    for job_id in ids:
+        assert mod.leases.wait(job_id, 60).status is Status.SUCCEEDED
+        assert _scalar(pg, "SELECT count(*) FROM celery_lease_jobs_all WHERE id = :id", id=job_id) == 1
+    wait_for(
+        lambda: _scalar(pg, "SELECT count(*) FROM celery_lease_history WHERE run_id = :r", r=run_id) == len(ids),
+        timeout=60,
+        what="beat to archive every job",
+    )
+    assert _scalar(pg, "SELECT count(*) FROM celery_lease_jobs WHERE run_id = :r", r=run_id) == 0
+    lives = [e["event"] for e in mod.leases.run_events(run_id)]
+    assert lives.count("dispatched") == lives.count("claimed") == lives.count("succeeded") == len(ids)

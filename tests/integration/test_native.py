@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 # --- beat entries survive the project's configuration -------------------------------------
 
-MAINTENANCE = {"celery_lease.reap", "celery_lease.sweep", "celery_lease.prune"}
+MAINTENANCE = {"celery_lease.reap", "celery_lease.sweep", "celery_lease.prune", "celery_lease.archive"}
 
 
 @pytest.fixture
