@@ -118,7 +118,8 @@ def create_partition(table: str, day: dt.date) -> list[sa.TextClause]:
     name = partition_name(table, day)
     low, high = day, day + dt.timedelta(days=1)
     return [
-        sa.text(f"CREATE TABLE {name} (LIKE {table} INCLUDING DEFAULTS)"),
+        # (An attached partition must have its parent's CHECK constraints.)
+        sa.text(f"CREATE TABLE {name} (LIKE {table} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"),
         sa.text(f"ALTER TABLE {table} ATTACH PARTITION {name} FOR VALUES FROM ('{low} 00:00+00') TO ('{high} 00:00+00')"),
     ]
 

@@ -20,6 +20,7 @@ branch_labels = None
 depends_on = None
 
 UNSUCCESSFUL = "status IN ('cancelled', 'expired', 'failed')"
+TERMINAL = "status IN ('cancelled', 'expired', 'failed', 'succeeded')"
 
 
 def _columns(table: str) -> str:
@@ -41,6 +42,8 @@ def upgrade() -> None:
     # LIKE: the same columns, types, NOT NULLs and defaults; no key, no check (rows
     # arrive checked), no storage parameters (history is written once, never updated).
     op.execute("CREATE TABLE celery_lease_history (LIKE celery_lease_jobs INCLUDING DEFAULTS) PARTITION BY RANGE (finished_at)")
+    # Finished jobs only: reads of pending or running jobs skip the history's partitions.
+    op.execute(f"ALTER TABLE celery_lease_history ADD CONSTRAINT celery_lease_history_status_check CHECK ({TERMINAL})")
     op.execute(
         "CREATE TABLE celery_lease_history_events (LIKE celery_lease_events, finished_at timestamptz NOT NULL)"
         " PARTITION BY RANGE (finished_at)"
@@ -48,6 +51,7 @@ def upgrade() -> None:
     for name, definition in (
         ("celery_lease_history_id", "celery_lease_history (id)"),
         ("celery_lease_history_created", "celery_lease_history (created_at, id)"),
+        ("celery_lease_history_kind", "celery_lease_history (kind, created_at, id)"),
         ("celery_lease_history_tenant", "celery_lease_history (tenant, created_at, id) WHERE tenant IS NOT NULL"),
         ("celery_lease_history_unsuccessful", f"celery_lease_history (status, created_at, id) WHERE {UNSUCCESSFUL}"),
         ("celery_lease_history_run", "celery_lease_history (run_id) WHERE run_id IS NOT NULL"),
