@@ -57,8 +57,13 @@ def paused(pair):
     primary_engine.dispose()
 
     def replayed() -> bool:
-        with engine.connect() as conn:
-            return conn.execute(sa.text("SELECT pg_last_wal_replay_lsn() >= CAST(:lsn AS pg_lsn)"), {"lsn": lsn}).scalar_one()
+        try:
+            with engine.connect() as conn:
+                return conn.execute(sa.text("SELECT pg_last_wal_replay_lsn() >= CAST(:lsn AS pg_lsn)"), {"lsn": lsn}).scalar_one()
+        except sa.exc.OperationalError:
+            # Not even the CREATE DATABASE replayed yet (a loaded run: 'database "jobs"
+            # does not exist' on the standby).
+            return False
 
     wait_for(replayed, timeout=30, interval=0.05, what="the standby to replay the primary's WAL")
     with engine.connect() as conn:
