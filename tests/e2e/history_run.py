@@ -378,7 +378,11 @@ class Run:
                 self.proxy.remove(lost)
                 self.proxy.remove(question)
 
-        threading.Thread(target=restart, name="history-batch-restart", daemon=True).start()
+        thread = threading.Thread(target=restart, name="history-batch-restart", daemon=True)
+        thread.start()
+        # Joined before the drain, like every restart: the drain and the checker's reads
+        # need the server up.
+        self._restarts.append(thread)
 
     def _kill_backend(self) -> None:
         """SIGKILL one server process (the OOM killer, a segfault): one whose COMMIT waits
@@ -487,8 +491,13 @@ class Run:
         quiet = [0]
 
         def settled() -> bool:
-            with engine.connect() as conn:
-                left = conn.execute(sa.select(sa.func.count()).where(jobs.c.status.in_(["pending", "running"]))).scalar()
+            try:
+                with engine.connect() as conn:
+                    left = conn.execute(sa.select(sa.func.count()).where(jobs.c.status.in_(["pending", "running"]))).scalar()
+            except sa.exc.OperationalError:
+                # A restart fault's server still coming back (a fresh-clone run failed here
+                # with "the database system is shutting down"): not settled yet.
+                left = None
             quiet[0] = quiet[0] + 1 if left == 0 else 0
             return quiet[0] >= 3  # a chain's next step or an errback may still be on its way
 
