@@ -294,15 +294,17 @@ def _cancel_waiter(pg, broker, client_app, workers, marker_dir, lease, cancel, p
     from celery_lease import cancel_notice
 
     mod = client_app(pg, broker, extra_env=lease, module="tests.apps.app_faults")
+    # The worker listens for notices once it runs a job: a notice published before it
+    # subscribed would be missed (the heartbeat, 100 s away with a 300 s lease, is then
+    # all that is left). Counted from what is subscribed before it starts: listeners of
+    # earlier tests in this process may share the channel.
+    client = redis.Redis.from_url(broker)
+    name = cancel_notice.channel(mod.app.conf.broker_url, mod.app.main)
+    before = client.pubsub_numsub(name)[0][1]
     w = workers(pg, broker, extra_env=lease, module="tests.apps.app_faults", pool=pool)
     job = mod.waiter.submit({"polls": 600, "marker_dir": str(marker_dir)})  # 60 s of polling
     pid_in(marker_dir / f"waiter-{job.id}")
-    # The worker listens for notices once it runs a job: a notice published before it
-    # subscribed would be missed (the heartbeat, 100 s away with a 300 s lease, is then
-    # all that is left).
-    client = redis.Redis.from_url(broker)
-    name = cancel_notice.channel(mod.app.conf.broker_url, mod.app.main)
-    wait_for(lambda: client.pubsub_numsub(name)[0][1] >= 1, timeout=20, what="the notice listener")
+    wait_for(lambda: client.pubsub_numsub(name)[0][1] > before, timeout=20, what="the notice listener")
     cancel(mod, job.id)
     assert mod.leases.get(job.id).status is Status.CANCELLED
     wait_for(

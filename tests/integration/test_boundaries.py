@@ -234,9 +234,10 @@ def test_cancel_notices_wake_the_heartbeat_at_a_bounded_rate(broker):
     held = str(uuid.uuid4())
     wakes = []
     channel = cancel_notice.channel(broker, "rate")
-    listener = cancel_notice.listen(broker, lambda: wakes.append(1), held=lambda: {held}, channel_name=channel)
     client = redis.Redis.from_url(broker)
-    wait_for(lambda: client.pubsub_numsub(channel)[0][1] == 1, what="the listener to subscribe")
+    before = client.pubsub_numsub(channel)[0][1]
+    listener = cancel_notice.listen(broker, lambda: wakes.append(1), held=lambda: {held}, channel_name=channel)
+    wait_for(lambda: client.pubsub_numsub(channel)[0][1] == before + 1, what="the listener to subscribe")
     started = time.monotonic()
     pipe = client.pipeline()
     for _ in range(1000):
@@ -252,9 +253,13 @@ def test_cancel_reaches_a_listener_of_the_same_app_and_database(broker):
     """The genuine path still works: leases.cancel's notice is on the app's channel."""
     held = str(uuid.uuid4())
     event = threading.Event()
-    listener = cancel_notice.listen(broker, event.set, held=lambda: {held}, channel_name=cancel_notice.channel(broker, "tests"))
+    channel = cancel_notice.channel(broker, "tests")
     client = redis.Redis.from_url(broker)
-    wait_for(lambda: client.pubsub_numsub(cancel_notice.channel(broker, "tests"))[0][1] >= 1, what="subscribe")
+    # Listeners of earlier tests in this process may be on the channel still (a fresh-clone
+    # run published before this one had subscribed, and the notice was never seen).
+    before = client.pubsub_numsub(channel)[0][1]
+    listener = cancel_notice.listen(broker, event.set, held=lambda: {held}, channel_name=channel)
+    wait_for(lambda: client.pubsub_numsub(channel)[0][1] == before + 1, what="the listener to subscribe")
     assert cancel_notice.publish(broker, [str(uuid.uuid4()), held], cancel_notice.channel(broker, "tests"))
     assert event.wait(10) and listener.woken == 1
 
