@@ -97,7 +97,8 @@ CATALOG = {
                   AND tablename !~ '_p[0-9]{8}$' ORDER BY 1""",
     "constraints": """SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint
                       WHERE conrelid::regclass::text LIKE 'celery_lease_%'
-                      AND conrelid::regclass::text <> 'celery_lease_alembic_version' ORDER BY 1, 2""",
+                      AND conrelid::regclass::text <> 'celery_lease_alembic_version'
+                      AND conrelid::regclass::text !~ '_p[0-9]{8}$' ORDER BY 1, 2""",
     # Storage parameters (the jobs table's fillfactor): autogenerate does not compare them.
     "storage": """SELECT relname, reloptions FROM pg_class WHERE relkind = 'r' AND relname LIKE 'celery_lease_%'
                   AND relname <> 'celery_lease_alembic_version' AND relname !~ '_p[0-9]{8}$' ORDER BY 1""",
