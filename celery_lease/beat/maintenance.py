@@ -126,10 +126,12 @@ class Maintenance:
     def archive(self) -> int:
         """Move finished jobs that finished ``archive_after`` seconds ago, and their
         events, into the day-partitioned history (PostgreSQL). Returns how many moved."""
-        limit = self._settings.batch_size
+        limit, after = self._settings.batch_size, self._settings.archive_after
+        if not self._store.prepare_archive(after):
+            return 0
 
         def step():
-            n = self._store.archive(self._settings.archive_after, limit)
+            n = self._store.archive(after, limit)
             return [None] * n, n == limit
 
         moved = len(_batches(step))

@@ -83,18 +83,26 @@ class History:
         ]
         return len(ddl) // 2 if ddl and self._partition_ddl(ddl) else 0
 
-    def archive(self, after_seconds: float, limit: int) -> int:
-        """Move up to ``limit`` finished jobs (and their events) that finished more than
-        ``after_seconds`` ago into the history; returns how many moved."""
+    def prepare_archive(self, after_seconds: float) -> bool:
+        """Whether a finished job is due to move (finished more than ``after_seconds``
+        ago); if so, every partition it and the jobs after it can need is made first.
+        Once per archive tick: its batches then are one statement each."""
         if not self.has_history:
-            return 0
-        params = {"after_seconds": after_seconds, "limit": limit}
+            return False
+        params = {"after_seconds": after_seconds}
         oldest = self.transaction(self.durable, lambda c: c.execute(sql.oldest_archivable(), params).scalar())
         if oldest is None:
-            return 0
+            return False
         today = dt.datetime.now(dt.timezone.utc).date()
         # Through tomorrow: the move's clock is a moment later than this one's.
         self.ensure_partitions(oldest.astimezone(dt.timezone.utc).date(), today + dt.timedelta(days=1))
+        return True
+
+    def archive(self, after_seconds: float, limit: int) -> int:
+        """Move up to ``limit`` finished jobs (and their events) that finished more than
+        ``after_seconds`` ago into the history (after prepare_archive); returns how many
+        moved."""
+        params = {"after_seconds": after_seconds, "limit": limit}
         return self.transaction(self.durable, lambda c: len(c.execute(sql.archive_jobs(), params).all()))
 
     def drop_history(self, older_than_seconds: float) -> int:

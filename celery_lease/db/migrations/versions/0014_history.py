@@ -39,8 +39,9 @@ def upgrade() -> None:
         op.execute("CREATE VIEW celery_lease_jobs_all AS SELECT * FROM celery_lease_jobs")
         op.execute("CREATE VIEW celery_lease_events_all AS SELECT * FROM celery_lease_events")
         return
-    # LIKE: the same columns, types, NOT NULLs and defaults; no key, no check (rows
-    # arrive checked), no storage parameters (history is written once, never updated).
+    # LIKE: the same columns, types, NOT NULLs and defaults; no key, none of the jobs
+    # table's checks (rows arrive checked), no storage parameters (history is written
+    # once, never updated).
     op.execute("CREATE TABLE celery_lease_history (LIKE celery_lease_jobs INCLUDING DEFAULTS) PARTITION BY RANGE (finished_at)")
     # Finished jobs only: reads of pending or running jobs skip the history's partitions.
     op.execute(f"ALTER TABLE celery_lease_history ADD CONSTRAINT celery_lease_history_status_check CHECK ({TERMINAL})")
