@@ -202,15 +202,15 @@ class Store(Reads, Chords, History, Database):
 
         return self.transaction(self.engine(heartbeat=True), work)
 
-    def complete_many(self, params: dict[str, Any], count: int) -> set[str]:
-        """complete_jobs for ``count`` attempts; returns the ids that completed. After a
-        retry (a dropped connection) those that had landed before the reply was lost
-        count as completed too."""
+    def complete_many(self, attempts: list[dict[str, Any]]) -> set[str]:
+        """complete_jobs for these attempts (id, generation, result, progress); returns
+        the ids that completed. After a retry (a dropped connection) those that had
+        landed before the reply was lost count as completed too."""
         retried: list[bool] = []
-        done = {str(r["id"]) for r in self.alone(attempt_sql.complete_jobs(count), params, on_retry=lambda: retried.append(True))}
-        if retried and len(done) < count:
-            keys = [(str(params[f"job_id_{i}"]), params[f"generation_{i}"]) for i in range(count)]
-            done |= self.landed_successes([k for k in keys if k[0] not in done])
+        params = attempt_sql.attempt_params(attempts)
+        done = {str(r["id"]) for r in self.alone(attempt_sql.complete_jobs(), params, on_retry=lambda: retried.append(True))}
+        if retried and len(done) < len(attempts):
+            done |= self.landed_successes([(a["id"], a["generation"]) for a in attempts if a["id"] not in done])
         return done
 
     def landed_successes(self, leases: Sequence[tuple[str, int]]) -> set[str]:

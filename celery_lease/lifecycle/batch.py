@@ -39,7 +39,7 @@ CLAIM_BATCH = Transition(
 #: running -> succeeded for many attempts, each fenced by its own generation.
 SUCCEED_BATCH = Transition(
     "succeed (batch)",
-    lambda dialect, count: batch.complete_batch(count),
+    lambda dialect: batch.complete_batch(),
     Event.SUCCEEDED,
     releases=False,
 )

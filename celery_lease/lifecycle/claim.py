@@ -40,6 +40,7 @@ from celery_lease.db.statements import claim
 from celery_lease.db.statements import flow as fs
 from celery_lease.db.statements.events import logs_itself
 from celery_lease.errors import DatabaseUnavailable
+from celery_lease.lifecycle.transition import many
 from celery_lease.status import Event, Status
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class Claim:
 CLAIM = Claim("claim", lambda dialect: claim.claim(dialect))
 #: The claim with this process's waiting successes riding on it: one round trip and one
 #: durable commit for both.
-CLAIM_RIDING = Claim("claim with riding successes", lambda dialect, count: claim.claim(dialect, riding=count), riding=True)
+CLAIM_RIDING = Claim("claim with riding successes", lambda dialect: claim.claim(dialect, riding=True), riding=True)
 #: The claim of a limited kind (``concurrency``, ``rate``): under its limits row lock,
 #: only while a slot is free and the rate window takes it (counted by the statement).
 CLAIM_LIMITED = Claim(
@@ -109,12 +110,20 @@ class ClaimFollowUps:
 
 @dataclass(eq=False)
 class RidingSuccesses:
-    """complete_jobs parameters for ``count`` attempts, sent with a claim. ``done``: the ids
-    completed (those that landed before a lost reply too), or None if sent without them."""
+    """Successes sent with a claim: complete_jobs' attempts (id, generation, result,
+    progress). ``done``: the ids completed (those that landed before a lost reply too),
+    or None if sent without them."""
 
-    params: dict[str, Any]
-    count: int
+    attempts: list[dict[str, Any]]
     done: set[str] | None = None
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return many(self.attempts)
+
+    @property
+    def keys(self) -> list[tuple[str, int]]:
+        return [(a["id"], a["generation"]) for a in self.attempts]
 
 
 def new_token() -> int:
@@ -229,7 +238,7 @@ def _log(store: Store, t: Claim, params: Mapping[str, Any], rated: bool, conn: C
 def _riding(store: Store, stmt: Any, params: Mapping[str, Any], successes: RidingSuccesses, check: LandedClaim) -> Row | None:
     """CLAIM_RIDING: the claim and the successes in one statement (one row: the claimed
     job's columns, all NULL when nothing was claimed, and ``completed``)."""
-    keys = [(str(successes.params[f"job_id_{i}"]), successes.params[f"generation_{i}"]) for i in range(successes.count)]
+    keys = successes.keys
     try:
         (row,) = store.alone(stmt, {**params, **successes.params}, on_retry=check)
     except ClaimLanded:
@@ -237,7 +246,7 @@ def _riding(store: Store, stmt: Any, params: Mapping[str, Any], successes: Ridin
         successes.done = _landed_or_none(store, keys)
         raise
     done = set(row.pop("completed") or ())
-    if check.retried and len(done) < successes.count:
+    if check.retried and len(done) < len(keys):
         done |= _landed_or_none(store, [k for k in keys if k[0] not in done])
     successes.done = done
     return None if row["id"] is None else row
@@ -285,10 +294,12 @@ def claim_delivery(
     kw: dict[str, Any] = {"follow_ups": follow_ups}
     if successes is not None and store.capabilities.riding_claims:
         try:
-            return execute(store, CLAIM_RIDING, params, build={"count": successes.count}, successes=successes, **kw)
+            return execute(store, CLAIM_RIDING, params, successes=successes, **kw)
         except DatabaseUnavailable:
             raise
         except Exception:
             successes.done = None
-            log.warning("celery-lease: a claim carrying %d success(es) failed; claiming alone", successes.count, exc_info=True)
+            log.warning(
+                "celery-lease: a claim carrying %d success(es) failed; claiming alone", len(successes.attempts), exc_info=True
+            )
     return execute(store, CLAIM, params, **kw)

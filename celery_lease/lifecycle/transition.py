@@ -100,18 +100,27 @@ FAIL = Transition(
 RETRY = Transition("retry", lambda dialect: attempt.retry_job(), Event.RETRIED, detail=_retried, fenced=True)
 
 
+def many(attempts: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
+    """The parameters of a transition of many attempts (SUCCEED_BATCH, TIME_OUT,
+    CLAIM_RIDING's successes): one dict per attempt, sent as one value, so the statement
+    is the same for any number of them."""
+    return {**attempt.attempt_params(attempts), **params}
+
+
 def _timed_out(row: Row, params: Mapping[str, Any]) -> str:
-    return params["new_error"] if row["status"] == _FAILED else f"timed out; in {params['delays'][str(row['id'])]:.1f}s"
+    if row["status"] == _FAILED:
+        return params["new_error"]
+    (delay,) = (a["delay"] for a in params[attempt.ROWS] if a["id"] == str(row["id"]))
+    return f"timed out; in {delay:.1f}s"
 
 
 #: Every attempt of a worker process past its kind's timeout, in one statement: each row
 #: fenced by its attempt's generation, retried (attempts left) or failed; written off the
 #: heartbeat thread (worker/timeouts.py), so it never waits long on a job's own row lock.
-#: Build with ``count``; parameters: job_id_N, generation_N, delay_N, new_error, and
-#: ``delays`` (id -> delay, for the run events).
+#: Parameters: many(attempts: id, generation, delay; new_error=).
 TIME_OUT = Transition(
     "time out",
-    lambda dialect, count: attempt.time_out_jobs(count),
+    lambda dialect: attempt.time_out_jobs(dialect),
     Event.RETRIED,
     detail=_timed_out,
     ends=frozenset({_FAILED}),

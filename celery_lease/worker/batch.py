@@ -49,10 +49,9 @@ from celery_lease.errors import DatabaseUnavailable, JobFailed, JobRefused, Leas
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.batch import SUCCEED_BATCH, claim_batch
 from celery_lease.lifecycle.owner import owner_of
-from celery_lease.producer import refused_value
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import START_SHARE, Attempt
-from celery_lease.worker.completion import UNSTORABLE_RESULT, Riding
+from celery_lease.worker.completion import Riding, successes, write_successes
 
 if TYPE_CHECKING:
     from celery_lease.kinds import JobKind
@@ -198,46 +197,13 @@ class Batches:
     # --- the completion --------------------------------------------------------------------
 
     def complete(self, items: list[tuple[Attempt, Any, Any]]) -> None:
-        """Write these successes in one statement; those it did not write, alone."""
-        live = [item for item in items if not item[0].is_lost]
-        if not live:
-            return
+        """Write these successes in one statement (SUCCEED_BATCH: their run events too)."""
         pipeline = self._state.pipeline
-        try:
-            rows = pipeline.execute(
-                SUCCEED_BATCH,
-                Riding(live).params,  # (complete_jobs' parameters)
-                build={"count": len(live)},
-            )
-        except Exception as exc:
-            if not refused_value(exc) or len(live) == 1:
-                if refused_value(exc):
-                    self._refuse(live[0][0])
-                    return
-                raise
-            # A value the database refused (checked before, so a last line of defence):
-            # one row must not cost the others.
-            log.exception("celery-lease: a batch of %d successes was refused; writing them one by one", len(live))
-            for item in live:
-                self.complete([item])
-            return
-        done = {str(r["id"]) for r in rows}
-        for attempt, result, progress in live:
-            if attempt.job_id in done:
-                continue
-            # Lost, or a row the statement did not re-qualify after a concurrent update (a
-            # renewal): the single fenced transition decides.
-            try:
-                pipeline.execute(tr.SUCCEED, {"new_result": result, "new_progress": progress}, attempt=attempt)
-            except LeaseLost:
-                log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
 
-    def _refuse(self, attempt: Attempt) -> None:
-        try:
-            self._state.pipeline.execute(tr.FAIL, {"new_error": UNSTORABLE_RESULT}, attempt=attempt)
-            log.error("celery-lease: job %s: %s", attempt.job_id, UNSTORABLE_RESULT)
-        except LeaseLost:
-            log.warning("celery-lease: job %s: lease lost; refused success discarded", attempt.job_id)
+        def write(live: list[tuple[Attempt, Any, Any]]) -> set[str]:
+            return {str(r["id"]) for r in pipeline.execute(SUCCEED_BATCH, tr.many(successes(live)))}
+
+        write_successes(pipeline, items, write)
 
 
 class BatchSuccesses:

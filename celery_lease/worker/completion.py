@@ -15,7 +15,7 @@ the success waits here, at most LINGER seconds, for one of two rides:
 * else this thread, which writes every success gathered in one ``complete_jobs``.
 
 Either way the write is synchronous (durable) and fenced, and a success missing from
-its statement's result is re-checked alone (:meth:`BatchCompleter._confirm`). A success
+its statement's result is re-checked alone (:func:`confirm`). A success
 whose lease lapsed by its own clock while it waited (the database away) is still
 written when the database answers: the body is over, and the fence lets it land only
 if no one took the job; only a lease known gone (Attempt.gone) drops it. If the
@@ -35,7 +35,6 @@ from celery_lease.db.engine import BLIP_WAITS
 from celery_lease.errors import DatabaseUnavailable, LeaseLost
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.claim import RidingSuccesses
-from celery_lease.lifecycle.transition import Transition
 from celery_lease.producer import refused_value
 from celery_lease.worker.runtime import Drainer
 
@@ -52,11 +51,67 @@ UNSTORABLE_RESULT = "result could not be stored"
 Item = tuple["Attempt", Any, Any]
 
 
+def successes(items: list[Item]) -> list[dict[str, Any]]:
+    """The attempts of a many-success statement (transition.many) for these successes."""
+    return [{"id": a.job_id, "generation": a.generation, "result": r, "progress": p} for a, r, p in items]
+
+
+def write_successes(pipeline: Pipeline, items: list[Item], write: Callable[[list[Item]], set[str]]) -> None:
+    """Write many plain successes with ``write`` (one statement; returns the ids it
+    wrote): the one algorithm of the completer and of a batched kind's batch. A success
+    whose lease is known gone is not written; one missing from the result is re-checked
+    alone (confirm); a batch with a value the database refused is written one by one,
+    and a refused success ends its job failed (refuse)."""
+    live = [item for item in items if not item[0].gone]
+    if not live:
+        return
+    try:
+        done = write(live)
+    except Exception as exc:
+        if not refused_value(exc):
+            raise
+        # Values are checked before they are queued, so this is a last line of
+        # defence: one row must not cost the others.
+        if len(live) == 1:
+            refuse(pipeline, live[0][0])
+            return
+        log.exception("celery-lease: a batch of %d successes was refused; writing them one by one", len(live))
+        for item in live:
+            write_successes(pipeline, [item], write)
+        return
+    confirm(pipeline, live, done)
+
+
+def confirm(pipeline: Pipeline, items: list[Item], done: set[str]) -> None:
+    """Re-check alone each success missing from ``done``: lost, or a row the many-row
+    statement did not re-qualify after a concurrent update (a renewal) changed it. The
+    single fenced SUCCEED decides which, so no success is discarded by a race."""
+    for attempt, result, progress in items:
+        if attempt.job_id in done or attempt.gone:
+            continue
+        try:
+            pipeline.execute(tr.SUCCEED, {"new_result": result, "new_progress": progress}, attempt=attempt)
+        except LeaseLost:
+            log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
+
+
+def refuse(pipeline: Pipeline, attempt: Attempt) -> None:
+    """The database refused this success's values: the job ends failed (fenced), never
+    stuck running nor silently dropped."""
+    try:
+        pipeline.execute(tr.FAIL, {"new_error": UNSTORABLE_RESULT}, attempt=attempt)
+        log.error("celery-lease: job %s: %s", attempt.job_id, UNSTORABLE_RESULT)
+    except LeaseLost:
+        log.warning("celery-lease: job %s: lease lost; refused success discarded", attempt.job_id)
+    except Exception:
+        log.exception("celery-lease: job %s: cannot record its refused success; the reaper will requeue it", attempt.job_id)
+
+
 class Riding(RidingSuccesses):
     """Successes taken for a claim to carry (see lifecycle.claim.CLAIM_RIDING)."""
 
     def __init__(self, items: list[Item]) -> None:
-        super().__init__(BatchCompleter._params(items), len(items))
+        super().__init__(successes(items))
         self.items = items
 
 
@@ -181,7 +236,7 @@ class BatchCompleter(Drainer):
                 self._cond.notify_all()  # the thread (a flush may be waiting too)
             return
         try:
-            self._confirm([item for item in riding.items if not item[0].gone], riding.done)
+            confirm(self._pipeline, riding.items, riding.done)
         except Exception:
             log.exception("celery-lease: cannot confirm %d success(es); the reaper will requeue any lost", len(riding.items))
         finally:
@@ -234,78 +289,21 @@ class BatchCompleter(Drainer):
                 self._cond.notify_all()
 
     def _record(self, batch: list[Item]) -> None:
+        write_successes(self._pipeline, batch, self._complete_many)
+
+    def _complete_many(self, live: list[Item]) -> set[str]:
+        """complete_jobs, tried again while the database is unreachable, also for the
+        attempts whose leases lapsed by their own clocks meanwhile: their bodies
+        finished, and the statement is fenced (a job the reaper took is not written).
+        Dropped, the success was lost while its row stayed running under this process
+        (issue #27, item 4); only a lease known gone is."""
         waits = iter(BLIP_WAITS)
         while True:
-            # While the database is unreachable, try again until it answers, also for
-            # the attempts whose leases lapsed by their own clocks meanwhile: their
-            # bodies finished, and the statement is fenced (a job the reaper took is
-            # not written). Dropped, the success was lost while its row stayed running
-            # under this process (issue #27, item 4); only a lease known gone is.
-            live = [item for item in batch if not item[0].gone]
+            live = [item for item in live if not item[0].gone]
             if not live:
-                return
+                return set()
             try:
-                done = self._store.complete_many(self._params(live), len(live))
-                break
+                return self._store.complete_many(successes(live))
             except DatabaseUnavailable:
                 log.warning("celery-lease: database unavailable; %d success(es) wait within their leases", len(live))
                 time.sleep(next(waits, BLIP_WAITS[-1]))
-            except Exception as exc:
-                if not refused_value(exc):
-                    log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(live))
-                    return
-                # A value the database refused (values are checked before they are
-                # queued, so this is a last line of defence): one row must not cost the
-                # others.
-                log.exception("celery-lease: a batch of %d successes was refused; writing them one by one", len(live))
-                if len(live) > 1:
-                    for item in live:
-                        self._record([item])
-                else:
-                    self._refuse(live[0][0])
-                return
-        self._confirm(live, done)
-
-    def _confirm(self, live: list[Item], done: set[str]) -> None:
-        for attempt, result, progress in live:
-            if attempt.job_id in done:
-                continue
-            # Missing from the batch's result: lost, or a row the batch statement did
-            # not re-qualify after a concurrent update (a renewal) changed it. The single
-            # fenced statement decides which, so no success is discarded by a race.
-            if self._fenced_alone(attempt, tr.SUCCEED, {"new_result": result, "new_progress": progress}):
-                continue
-            log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
-
-    def _fenced_alone(self, attempt: Attempt, t: Transition, params: dict[str, Any]) -> bool:
-        """One outcome as its own transition; False when the lease is lost."""
-        try:
-            self._pipeline.execute(t, params, attempt=attempt)
-            return True
-        except LeaseLost:
-            return False
-
-    def _refuse(self, attempt: Attempt) -> None:
-        """The database refused this success's values: the job ends failed (fenced),
-        never stuck running nor silently dropped."""
-        try:
-            if not self._fenced_alone(attempt, tr.FAIL, {"new_error": UNSTORABLE_RESULT}):
-                log.warning("celery-lease: job %s: lease lost; refused success discarded", attempt.job_id)
-            else:
-                log.error("celery-lease: job %s: %s", attempt.job_id, UNSTORABLE_RESULT)
-        except Exception:
-            log.exception("celery-lease: job %s: cannot record its refused success; the reaper will requeue it", attempt.job_id)
-
-    @staticmethod
-    def _params(batch: list[Item]) -> dict[str, Any]:
-        params: dict[str, Any] = {}
-        for i, (attempt, result, progress) in enumerate(batch):
-            params.update(
-                {
-                    f"job_id_{i}": attempt.job_id,
-                    f"generation_{i}": attempt.generation,
-                    f"new_result_{i}": result,
-                    f"new_progress_{i}": progress,
-                }
-            )
-        return params

@@ -139,8 +139,8 @@ class Recorder:
         """``attempts`` ran past their kind's timeout: each retried (or, with no attempt
         left, failed), all in one ``time out`` transition, written by the worker's
         timeout thread (worker/timeouts.py)."""
-        params: dict[str, Any] = {"new_error": TIMED_OUT, "delays": {}}
-        for i, attempt in enumerate(attempts):
+        rows: list[dict[str, Any]] = []
+        for attempt in attempts:
             spec = self.registry.resolve(attempt.kind)
             log.warning(
                 "celery-lease: job %s (%s) attempt %d timed out after %ss; stopping it",
@@ -150,13 +150,11 @@ class Recorder:
                 spec.timeout,
             )
             delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
-            params.update({f"job_id_{i}": attempt.job_id, f"generation_{i}": attempt.generation, f"delay_{i}": delay})
-            params["delays"][attempt.job_id] = delay
+            rows.append({"id": attempt.job_id, "generation": attempt.generation, "delay": delay})
         try:
-            rows = self.pipeline.execute(tr.TIME_OUT, params, batch=attempts, build={"count": len(attempts)})
+            moved = {str(r["id"]) for r in self.pipeline.execute(tr.TIME_OUT, tr.many(rows, new_error=TIMED_OUT), batch=attempts)}
         except LeaseLost:
-            rows = []
-        moved = {str(r["id"]) for r in rows}
+            moved = set()
         for attempt in attempts:
             if attempt.job_id not in moved:
                 log.info("celery-lease: job %s: lease already lost at its timeout", attempt.job_id)

@@ -1,4 +1,4 @@
-"""Batched successes riding on the process's next claim (db.statements.claim.claim with riding=N),
+"""Batched successes riding on the process's next claim (db.statements.claim.claim with riding=True),
 against real PostgreSQL: one statement claims the next job and writes the waiting
 successes, each still fenced by its own lease generation."""
 
@@ -49,7 +49,7 @@ def test_a_claim_writes_the_waiting_successes_each_fenced(pg, make_job):
         completer.add(attempt_for(done), {"ok": 1}, {"step": 9})
         completer.add(attempt_for(stale, generation=1), {"ok": 2}, None)  # a reap took generation 2
         riding = completer.take()
-        assert riding is not None and riding.count == 2
+        assert riding is not None and len(riding.attempts) == 2
         row = claim_delivery(store, pending, "w@host/1/boot", TASK, successes=riding)
         completer.settle(riding)
 
@@ -136,3 +136,63 @@ def test_a_success_whose_lease_lapsed_by_its_own_clock_still_rides_and_a_lost_on
         assert rows[gone].status == "running"
     finally:
         store.dispose()
+
+
+def test_many_successes_are_one_statement_planned_by_the_primary_key(pg, make_job):
+    """A statement of many attempts binds one array per column: ONE statement (prepared
+    once) for any number of rows, where there was one per row count; and its rows are
+    found through the primary key, in a custom plan and in a generic one. (One JSON array
+    through jsonb_to_recordset is planned as 100 rows: a hot table of a few MiB was then
+    read whole by a hash join.)"""
+    from celery_lease.db.prepared import Prepared
+    from celery_lease.db.statements import attempt as attempt_sql
+
+    store = Store(pg)
+    try:
+        first = [_running(pg, make_job)]
+        more = [_running(pg, make_job) for _ in range(5)]
+        prepared_before = len(store._prepared or {})
+        assert store.complete_many([{"id": j, "generation": 1, "result": {"n": 1}, "progress": None} for j in first]) == set(first)
+        assert store.complete_many([{"id": j, "generation": 1, "result": [j], "progress": "p"} for j in more]) == set(more)
+        assert len(store._prepared or {}) == prepared_before + 1
+        rows = _rows(pg)
+        assert rows[first[0]].result == {"n": 1} and all(rows[j].status == "succeeded" and rows[j].result == [j] for j in more)
+    finally:
+        store.engine().dispose()
+
+    engine = sa.create_engine(pg)
+    try:
+        with engine.begin() as conn:
+            # A hot table of 20,000 running jobs, copies of one.
+            conn.execute(
+                sa.text(
+                    "INSERT INTO celery_lease_jobs SELECT (jsonb_populate_record(NULL::celery_lease_jobs,"
+                    " to_jsonb(j) || jsonb_build_object('id', gen_random_uuid()))).*"
+                    " FROM celery_lease_jobs j, generate_series(1, 20000) WHERE j.id = :id"
+                ),
+                {"id": _running(pg, make_job)},
+            )
+            conn.execute(sa.text("ANALYZE celery_lease_jobs"))
+            params = attempt_sql.attempt_params([{"id": j, "generation": 1, "result": None, "progress": None} for j in more[:3]])
+            compiled = attempt_sql.complete_jobs().compile(dialect=conn.dialect)
+            (custom,) = conn.exec_driver_sql("EXPLAIN (FORMAT JSON) " + compiled.string, compiled.construct_params(params)).one()
+            statement = Prepared(attempt_sql.complete_jobs())
+            conn.exec_driver_sql(statement.prepare_sql)
+            conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+            placeholders = ", ".join(["%s"] * len(statement.values(params)))
+            explain = f"EXPLAIN (FORMAT JSON) EXECUTE {statement.name} ({placeholders})"
+            (generic,) = conn.exec_driver_sql(explain, tuple(statement.values(params))).one()
+            conn.exec_driver_sql(f"DEALLOCATE {statement.name}")
+            conn.rollback()
+    finally:
+        engine.dispose()
+    for plan in (custom, generic):
+        scans = _scans(plan[0]["Plan"])
+        assert ("Index Scan", "celery_lease_jobs") in scans and ("Seq Scan", "celery_lease_jobs") not in scans, scans
+
+
+def _scans(node: dict) -> set[tuple[str, str]]:
+    found = {(node["Node Type"], node.get("Relation Name", ""))}
+    for child in node.get("Plans", ()):
+        found |= _scans(child)
+    return found

@@ -5,11 +5,14 @@ retry, shutdown handoff, snooze), each guarded by the lease generation it claime
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 
-from celery_lease.db.schema import ID, jobs
+from celery_lease.db.schema import ID, JSON, jobs
 from celery_lease.db.statements.attempt_log import close_attempt
 from celery_lease.db.statements.common import (
     ENDED_COLUMNS,
@@ -81,24 +84,72 @@ def complete_job() -> sa.Update:
     )
 
 
-@functools.cache
-def complete_jobs(count: int) -> sa.Update:
-    """complete_jobs: complete_job for ``count`` attempts in one statement (PostgreSQL).
+#: The parameter under which a transition of many attempts (complete_jobs,
+#: time_out_jobs) carries them: one dict per attempt, each with the keys of its
+#: statement's attempt_rows. attempt_params turns them into one array per column.
+ROWS = "attempt_list"
 
-    Rows come as a derived table of bound job_id_N, generation_N, new_result_N,
-    new_progress_N; each row is fenced exactly like complete_job. Returns the ids
-    completed: an attempt missing from the result had lost its lease.
+
+def attempt_params(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What a many-attempt statement binds: one array per column (``attempt_<column>``),
+    the same statement for any number of attempts (prepared once per connection, where
+    there was one statement per row count), plus the attempts themselves (ROWS, for
+    the run events' details). A JSON column's values travel as JSON text."""
+    params: dict[str, Any] = {ROWS: attempts}
+    for name in attempts[0] if attempts else ():
+        values = [a.get(name) for a in attempts]
+        params[f"attempt_{name}"] = [None if v is None else json.dumps(v) for v in values] if name in _JSON_COLUMNS else values
+    return params
+
+
+_JSON_COLUMNS = frozenset({"result", "progress"})
+
+
+def attempt_rows(dialect: str, **columns: sa.types.TypeEngine) -> sa.FromClause:
+    """The attempts bound by attempt_params as a table: ``id``, ``generation`` and
+    ``columns``.
+
+    PostgreSQL: ``unnest`` of typed arrays, whose length the planner knows (a custom
+    plan: the array's own; a generic plan: 10 rows), so each row is found through the
+    primary key. (``jsonb_to_recordset`` of one JSON array is planned as 100 rows,
+    and a hot table of a few MiB was then scanned whole by a hash join.) SQLite: the
+    arrays as JSON, joined by position."""
+    columns = {"id": ID, "generation": sa.BigInteger(), **columns}
+    if dialect == "postgresql":
+        arrays = [_array(f"attempt_{n}", t) for n, t in columns.items()]
+        return sa.func.unnest(*arrays).table_valued(*(sa.column(n, t) for n, t in columns.items())).render_derived("rows")
+    each = {
+        n: sa.func.json_each(sa.bindparam(f"attempt_{n}", type_=JSON)).table_valued("key", "value").alias(f"a_{n}")
+        for n in columns
+    }
+    first, *others = each.values()
+    joined: sa.FromClause = first
+    for table in others:
+        joined = joined.join(table, table.c.key == first.c.key)
+    field: dict[str, sa.ColumnElement[Any]] = {n: table.c.value for n, table in each.items()}
+    # SQLite stores a UUID as its 32 hex digits (sa.Uuid without a native type).
+    field["id"] = sa.func.replace(field["id"], "-", "")
+    return sa.select(*(sa.type_coerce(f, columns[n]).label(n) for n, f in field.items())).select_from(joined).subquery("rows")
+
+
+def _array(name: str, t: sa.types.TypeEngine) -> sa.ColumnElement[Any]:
+    """An array of ``t`` bound as ``name``: ids and JSON bound as text and cast in SQL
+    (the driver sends them as strings, and a PREPAREd parameter takes no implicit
+    text -> uuid)."""
+    if isinstance(t, (sa.Uuid, sa.JSON)):
+        return sa.cast(sa.bindparam(name, type_=postgresql.ARRAY(sa.Text)), postgresql.ARRAY(t))
+    return sa.bindparam(name, type_=postgresql.ARRAY(t))
+
+
+@functools.cache
+def complete_jobs() -> sa.Update:
+    """complete_jobs: complete_job for many attempts in one statement (PostgreSQL).
+
+    The attempts come as attempt_params (id, generation, result, progress); each row
+    is fenced exactly like complete_job. Returns the ids completed: an attempt missing
+    from the result had lost its lease.
     """
-    rows = [
-        sa.select(
-            sa.cast(sa.bindparam(f"job_id_{i}", type_=sa.Text), ID).label("id"),
-            sa.bindparam(f"generation_{i}", type_=sa.BigInteger).label("generation"),
-            sa.bindparam(f"new_result_{i}", type_=_c.result.type).label("result"),
-            sa.bindparam(f"new_progress_{i}", type_=_c.progress.type).label("progress"),
-        )
-        for i in range(count)
-    ]
-    done = (rows[0] if count == 1 else sa.union_all(*rows)).subquery("done")
+    done = attempt_rows("postgresql", result=_c.result.type, progress=_c.progress.type)
     return (
         sa.update(jobs)
         .where(
@@ -217,29 +268,28 @@ def snooze_job() -> sa.Update:
 
 
 @functools.cache
-def time_out_jobs(count: int) -> sa.Update:
-    """time_out_jobs: ``count`` attempts past their kind's timeout, in one statement (a
-    worker's timeout thread writes every timeout due at once).
+def time_out_jobs(dialect: str) -> sa.Update:
+    """time_out_jobs: attempts past their kind's timeout, in one statement (a worker's
+    timeout thread writes every timeout due at once).
 
-    Each row is fenced exactly like retry_job and fail_job: (:job_id_N, :generation_N)
-    still running. One with attempts left is retried (pending, due after :delay_N, the
-    sweeper wakes it); one on its last attempt fails with :new_error. Returns the rows
-    moved: an attempt missing from them had lost its lease.
+    The attempts come as attempt_params (id, generation, delay); each row is fenced
+    exactly like retry_job and fail_job: still running under that generation. One with
+    attempts left is retried (pending, due after its delay, the sweeper wakes it); one
+    on its last attempt fails with :new_error. Returns the rows moved: an attempt
+    missing from them had lost its lease.
     """
-    ids = [sa.bindparam(f"job_id_{i}", type_=ID) for i in range(count)]
-    fenced = [sa.tuple_(ids[i], sa.bindparam(f"generation_{i}", type_=sa.BigInteger)) for i in range(count)]
+    due = attempt_rows(dialect, delay=sa.Float())
     last = _c.attempt >= _c.max_attempts
-    delay = sa.case(*((_c.id == ids[i], _seconds(f"delay_{i}")) for i in range(count)))
 
     def retried(value, otherwise):
         return sa.case((last, otherwise), else_=value)
 
     return (
         sa.update(jobs)
-        .where(sa.tuple_(_c.id, _c.lease_generation).in_(fenced), _c.status == Status.RUNNING.value)
+        .where(_c.id == due.c.id, _c.lease_generation == due.c.generation, _c.status == Status.RUNNING.value)
         .values(
             status=retried(sa.literal(Status.PENDING.value), sa.literal(Status.FAILED.value)),
-            run_after=retried(db_now_plus(delay), _c.run_after),
+            run_after=retried(db_now_plus(due.c.delay), _c.run_after),
             woken_at=retried(sa.null(), _c.woken_at),
             error=retried(_c.error, sa.bindparam("new_error", type_=_c.error.type)),
             finished_at=retried(_c.finished_at, db_now()),

@@ -93,9 +93,9 @@ def claim_batch() -> sa.Select:
 
 
 @functools.cache
-def complete_batch(count: int) -> sa.Update:
-    """complete_batch: ``count`` successes in ONE statement, each row fenced by its own
+def complete_batch() -> sa.Update:
+    """complete_batch: many successes in ONE statement, each row fenced by its own
     job id, lease generation and ``running`` (complete_jobs). Returns what a transition's
     rows carry (ENDED_COLUMNS): a success missing from them was not written (its lease
     lost, or the row changed under the statement: the caller re-checks it alone)."""
-    return complete_jobs(count).returning(*ENDED_COLUMNS[1:])
+    return complete_jobs().returning(*ENDED_COLUMNS[1:])

@@ -66,7 +66,7 @@ RUN_CANCELLED = "run cancelled"
 
 @functools.cache
 def claim(
-    dialect: str = "postgresql", *, riding: int = 0, concurrency: bool = False, rate: bool = False, swap: bool = True
+    dialect: str = "postgresql", *, riding: bool = False, concurrency: bool = False, rate: bool = False, swap: bool = True
 ) -> Any:
     """The claim of the job a delivery names (:job_id, for task :wakeup_task, by :owner).
 
@@ -83,7 +83,7 @@ def claim(
       'cancelled' for a job of a cancelled run) and, with ``rate``, counts the claim in
       the window (``window_claims``: the count after it; 1 means this claim opened the
       window): events.logs_itself. On SQLite the caller does both;
-    * ``riding``: complete_jobs(riding) in the same statement: a worker process's
+    * ``riding``: complete_jobs in the same statement (its :attempts): a worker process's
       batched successes ride on its next claim, one round trip and one durable commit
       for both. The parts touch different rows (a claim matches a pending job, a
       completion a running one) and each keeps its own guards. Always one row then:
@@ -108,7 +108,7 @@ def claim(
         columns.append(sa.select(counted.c.window_rate).scalar_subquery().label("window_rate"))
     stmt = sa.select(*columns)
     if riding:
-        done = complete_jobs(riding).cte("completed")
+        done = complete_jobs().cte("completed")
         ctes.append(done)
         completed = sa.select(sa.func.array_agg(sa.cast(done.c.id, sa.Text)).label("completed")).subquery("done_ids")
         stmt = stmt.add_columns(completed.c.completed).select_from(completed.outerjoin(claimed, sa.true()))
