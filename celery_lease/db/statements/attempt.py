@@ -88,6 +88,9 @@ def complete_job() -> sa.Update:
 #: time_out_jobs) carries them: one dict per attempt, each with the keys of its
 #: statement's attempt_rows. attempt_params turns them into one array per column.
 ROWS = "attempt_list"
+#: The parameter of the attempts' ids: a statement that binds it is one of many
+#: attempts (db/prepared.py plans it once).
+ARRAY_OF_IDS = "attempt_id"
 
 
 def attempt_params(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
