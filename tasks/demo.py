@@ -217,6 +217,12 @@ class Demo:
                     start_new_session=True,
                 )
             self.workers.append(worker)
+            if self.broker_url.startswith("filesystem"):
+                # kombu's filesystem transport creates an exchange's file, then locks it
+                # to write it: a worker binding the same exchange in between read it
+                # empty and exited (JSONDecodeError). One at a time, each worker finds
+                # the files written and takes the lock around its read and write.
+                self.wait_for_workers()
 
     def wait_for_workers(self) -> None:
         deadline = time.monotonic() + 90
