@@ -114,9 +114,9 @@ def attempt_rows(dialect: str, **columns: sa.types.TypeEngine) -> sa.FromClause:
 
     PostgreSQL: ``unnest`` of typed arrays, whose length the planner knows (a custom
     plan: the array's own; a generic plan: 10 rows), so each row is found through the
-    primary key. (``jsonb_to_recordset`` of one JSON array is planned as 100 rows,
-    and a hot table of a few MiB was then scanned whole by a hash join.) SQLite: the
-    arrays as JSON, joined by position."""
+    primary key. (``jsonb_to_recordset`` of one JSON array is planned as 100 rows, so
+    a small hot table was read whole by a hash join.) SQLite: the arrays as JSON,
+    joined by position."""
     columns = {"id": ID, "generation": sa.BigInteger(), **columns}
     if dialect == "postgresql":
         arrays = [_array(f"attempt_{n}", t) for n, t in columns.items()]

@@ -83,7 +83,7 @@ def claim(
       'cancelled' for a job of a cancelled run) and, with ``rate``, counts the claim in
       the window (``window_claims``: the count after it; 1 means this claim opened the
       window): events.logs_itself. On SQLite the caller does both;
-    * ``riding``: complete_jobs in the same statement (its :attempts): a worker process's
+    * ``riding``: complete_jobs in the same statement (its attempt_params): a worker process's
       batched successes ride on its next claim, one round trip and one durable commit
       for both. The parts touch different rows (a claim matches a pending job, a
       completion a running one) and each keeps its own guards. Always one row then:
