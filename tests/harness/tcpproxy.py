@@ -86,6 +86,11 @@ class TcpProxy:
             except OSError:
                 client.close()
                 continue
+            # As PostgreSQL and libpq do: a proxy that forwards a reply in several sends
+            # (pgfaults.py sends each protocol message alone) must not let Nagle hold
+            # the later ones until the peer's delayed ACK, 40 ms per round trip.
+            for s in (client, upstream):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sockets.update((client, upstream))
             self._serve(client, upstream)
 
