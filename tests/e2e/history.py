@@ -212,14 +212,19 @@ def _fencing(h: History) -> list[Violation]:
 KILL_EXCUSE = 1.5
 
 
-def _killed(h: History, owner: str | None, at: float) -> bool:
+def _killed(h: History, owner: str | None, at: float, reaped_at: float | None = None) -> bool:
     """Whether the process named by a claim's owner ("node/pid/boot", or a thread's
     "node/pid.T/boot") was killed before or right after the claim at ``at`` (or its
-    node right after)."""
+    node right after), or at any time before the reaper took that attempt back
+    (``reaped_at``): a process that dies holding a claim spends its attempt, however
+    long it held it before its body would have started. (history[prepared] seed
+    674547: a rate-limited claim's follow-up, the wake of the jobs held for the new
+    window, was held by the proxy; the child, its body not yet started, was killed
+    1.57 s after the claim and the reaper spent the attempt.)"""
     if not owner:
         return False
     node = owner.partition("/")[0]
-    window = (at - 0.5, at + KILL_EXCUSE)
+    window = (at - 0.5, max(at + KILL_EXCUSE, reaped_at or 0.0))
     if any(window[0] <= t <= window[1] for t in h.node_kills.get(node, [])):
         return True
     # Killed before the claim landed counts too: a claim delayed in flight (the proxy's
@@ -264,7 +269,7 @@ def _attempts(h: History) -> list[Violation]:
         if e["event"] == "claimed":
             claimed[e["job_id"]].append(e)
             cut_off = any(0 <= t - e["at"] <= KILL_EXCUSE for t in outages)
-            if cut_off or _killed(h, e.get("detail"), e["at"]):
+            if cut_off or _killed(h, e.get("detail"), e["at"], reaped.get((e["job_id"], e["attempt"]))):
                 excused[e["job_id"]].add(e["attempt"])
     # Without claim events, a job's attempt may have been cut off by any of them.
     any_kill = sorted([t for ts in h.node_kills.values() for t in ts] + list(h.pid_kills.values()) + outages)

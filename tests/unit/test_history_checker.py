@@ -160,6 +160,28 @@ def test_a_claim_whose_owner_was_killed_is_excused():
     assert check(h) == []
 
 
+def test_a_claim_held_until_its_process_was_killed_before_the_reap_is_excused():
+    """history[prepared] seed 674547: a rate-limited claim's follow-up was held by the
+    proxy, and the child, its body not started, was killed 1.57 s after the claim; the
+    reaper spent the attempt. A process that dies holding a claim spends its attempt
+    however long it held it, up to the reap; a kill after the reap excuses nothing."""
+    h = clean()
+    h.jobs["a"].update(attempt=2, lease_generation=2)
+    h.effects = [effect("a", 2, 2), effect("b", 2, 2)]
+    h.bodies = [b for b in h.bodies if b["job_id"] != "a"] + [body("a", 2, 2, holder="300-c", start=7, end=8)]
+    h.node_kills = {}
+    h.pid_kills = {300: T0 + 4.0}
+    owner = "w2@testhost/300/boot"
+    others = [e for e in clean().events if e["job_id"] != "a"]
+    h.events = [claimed("a", 1, at=2.4, owner=owner), claimed("a", 2, at=7.0), *others]
+    assert checks(h) == ["attempt"]  # not reaped: only the 1.5 s after the claim count
+    reap = {"job_id": "a", "event": "reaped", "attempt": 1, "detail": "lease expired: pending", "at": T0 + 4.1}
+    h.events.append(reap)
+    assert check(h) == []
+    h.events[-1] = {**reap, "at": T0 + 3.95}  # reaped before the kill
+    assert checks(h) == ["attempt"]
+
+
 @pytest.mark.parametrize(
     "fault",
     [
