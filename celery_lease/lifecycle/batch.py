@@ -1,15 +1,15 @@
-"""The transitions of a batched kind (``batch=N``): many rows moved by one statement.
+"""The claim of a batched kind (``batch=N``): up to N rows moved by one statement.
 
 Executed by :meth:`celery_lease.lifecycle.pipeline.Pipeline.execute` like every other
 transition: durable (declared on the statement), one transaction through a Landing, so
-a claim or completion whose reply was lost is found committed (its rows are returned
-from that first try) or run again, never both.
+a claim whose reply was lost is found committed (its rows are returned from that first
+try) or run again, never both. (A batch's successes are the completer's statement:
+worker/batch.py.)
 
-Neither is ``fenced`` as a whole: each row carries its own guard (a claim: pending and
-due; a completion: its own job id, generation and ``running``), and a row that misses
-its guard leaves the others moved. The caller decides what a missing row means
-(worker/batch.py). Neither frees a flow-control slot: a batched kind has no limits
-(``@leases.job`` refuses ``batch`` with ``concurrency`` or ``rate_limit``).
+Not ``fenced`` as a whole: each row carries its own guard (pending and due), and the
+caller decides what a missing row means (worker/batch.py). It frees no flow-control
+slot: a batched kind has no limits (``@leases.job`` refuses ``batch`` with
+``concurrency`` or ``rate_limit``).
 """
 
 from __future__ import annotations
@@ -34,13 +34,6 @@ CLAIM_BATCH = Transition(
     "claim (batch)",
     lambda dialect: batch.claim_batch(),
     Event.CLAIMED,
-    releases=False,
-)
-#: running -> succeeded for many attempts, each fenced by its own generation.
-SUCCEED_BATCH = Transition(
-    "succeed (batch)",
-    lambda dialect: batch.complete_batch(),
-    Event.SUCCEEDED,
     releases=False,
 )
 

@@ -101,7 +101,7 @@ RETRY = Transition("retry", lambda dialect: attempt.retry_job(), Event.RETRIED, 
 
 
 def many(attempts: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
-    """The parameters of a transition of many attempts (SUCCEED_BATCH, TIME_OUT,
+    """The parameters of a statement of many attempts (TIME_OUT, complete_jobs,
     CLAIM_RIDING's successes): one dict per attempt, sent as one value, so the statement
     is the same for any number of them."""
     return {**attempt.attempt_params(attempts), **params}

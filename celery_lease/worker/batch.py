@@ -10,11 +10,12 @@ One wakeup of the kind lets its worker process:
    context, checkpoints, progress, errors, retries, snooze, effects and children;
    meanwhile the process's heartbeat renews every lease of the batch in its one
    statement per round, so a job waiting its turn keeps its lease;
-3. complete the plain successes (nothing else to commit) in ONE statement
-   (lifecycle.batch.SUCCEED_BATCH), each row fenced by its own generation: a lost lease
-   on one row leaves the others written; a row missing from the result is re-checked
-   alone (fenced), like the BatchCompleter's. Any other outcome is written as it comes,
-   by its own transition.
+3. complete the plain successes (nothing else to commit) in ONE statement, the
+   completer's (complete_jobs, with their run events), each row fenced by its own
+   generation: a lost lease on one row leaves the others written; a row missing from
+   the result is re-checked alone (fenced), by the completer's algorithm
+   (completion.write_successes). Any other outcome is written as it comes, by its own
+   transition.
 
 Successes are not held back for long: after a handler that took FLUSH_AFTER or more,
 and once the oldest waiting success has waited FLUSH_AFTER, the waiting ones are written
@@ -46,8 +47,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Retry
 
 from celery_lease.errors import DatabaseUnavailable, JobFailed, JobRefused, LeaseLost
-from celery_lease.lifecycle import transition as tr
-from celery_lease.lifecycle.batch import SUCCEED_BATCH, claim_batch
+from celery_lease.lifecycle.batch import claim_batch
 from celery_lease.lifecycle.owner import owner_of
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import START_SHARE, Attempt
@@ -197,13 +197,10 @@ class Batches:
     # --- the completion --------------------------------------------------------------------
 
     def complete(self, items: list[tuple[Attempt, Any, Any]]) -> None:
-        """Write these successes in one statement (SUCCEED_BATCH: their run events too)."""
-        pipeline = self._state.pipeline
-
-        def write(live: list[tuple[Attempt, Any, Any]]) -> set[str]:
-            return {str(r["id"]) for r in pipeline.execute(SUCCEED_BATCH, tr.many(successes(live)))}
-
-        write_successes(pipeline, items, write)
+        """Write these successes in one statement, as the completer does (complete_jobs:
+        their run events too; after a lost reply, those that landed count as written)."""
+        store = self._state.store
+        write_successes(self._state.pipeline, items, lambda live: store.complete_many(successes(live)))
 
 
 class BatchSuccesses:

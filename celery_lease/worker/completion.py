@@ -4,8 +4,9 @@
 once through the pipeline's ``succeed`` transition. :class:`BatchCompleter`
 (PostgreSQL) writes them in batches, one fenced statement for many attempts:
 
-A success with nothing else to commit (no effects, children or run events) does not
-need the handler to wait: the attempt's outcome is final once the body has returned,
+A success with nothing else to commit (no effects, children, canvas follow-up or
+limited slot; a run's event is appended by the statement itself) does not need the
+handler to wait: the attempt's outcome is final once the body has returned,
 and its write stays fenced by the lease generation. So the body returns at once and
 the success waits here, at most LINGER seconds, for one of two rides:
 

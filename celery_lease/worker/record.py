@@ -107,7 +107,7 @@ class Recorder:
         followup = self._canvas.after_success(attempt, result, eager=self._eager) if self._canvas and attempt.canvas else None
         # (Not batched for a limited kind: its slot is freed once the success is written.)
         limited = self._flow is not None and self._flow.holds_slot(attempt.kind)
-        if not (staged.effects or staged.children or attempt.run_id or followup or limited):
+        if not (staged.effects or staged.children or followup or limited):
             attempt.pending_write = True
             completer.add(attempt, result, ctx.pending_progress)
             return

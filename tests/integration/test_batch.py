@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
+from celery_lease.db.prepared import Prepared
 from celery_lease.db.schema import jobs
 
 HOST = "w@host"
@@ -23,17 +24,26 @@ def mod(pg, broker, client_app):
 
 @contextlib.contextmanager
 def job_updates() -> Iterator[list[str]]:
-    """The statements that update job rows, sent while the block runs (renewals aside)."""
+    """The statements that update job rows, sent while the block runs (renewals aside):
+    through SQLAlchemy, or EXECUTEd as prepared on the driver's connection (db/prepared.py)."""
     seen: list[str] = []
 
     def record(conn, cursor, statement, *_):
         if "UPDATE celery_lease_jobs" in statement and "renewable" not in statement:
             seen.append(statement)
 
+    executed = Prepared.execute
+
+    def execute(self, *args, **kwargs):
+        record(None, None, self.prepare_sql)
+        return executed(self, *args, **kwargs)
+
     sa.event.listen(sa.engine.Engine, "before_cursor_execute", record)
+    Prepared.execute = execute
     try:
         yield seen
     finally:
+        Prepared.execute = executed
         sa.event.remove(sa.engine.Engine, "before_cursor_execute", record)
 
 
@@ -124,24 +134,34 @@ def test_batch_refuses_flow_control_limits(client_app, pg, broker):
         mod.leases.job(kind="b_rated", batch=10, rate_limit="5/s")
 
 
-def test_a_claim_and_a_completion_whose_replies_were_lost_are_found_landed(pg, mod):
-    """Both commit, then the connection drops before the reply: the pipeline asks the
-    server (db/landing.py). Run again blindly, the claim would take the next jobs and
-    leave the first batch running with no body until its leases expired."""
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "unprepared"])
+def test_a_claim_and_a_completion_whose_replies_were_lost_are_found_landed(pg, broker, client_app, prepared):
+    """Both commit, then the connection drops before the reply. The claim's pipeline asks
+    the server (db/landing.py): run again blindly, it would take the next jobs and
+    leave the first batch running with no body until their leases expired. The
+    successes (the completer's statement) are read back by their generations: found
+    succeeded, not re-run and not given to the reaper."""
+    from tests.harness.pgfaults import PgFaultProxy
     from tests.integration.test_lost_replies import reply_lost_once
 
-    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(8)])]
-    worker = mod.leases.worker
-    with reply_lost_once(mod.leases.store.durable) as lost:
-        lead = worker.begin(ids[0], mod.b_note.spec, HOST)
-    assert lost and lead is not None
-    assert [(a.job_id, a.attempt, a.generation) for a in lead.batch] == [(i, 1, 1) for i in ids[:4]]
-    assert [r.status for r in rows(pg, ids)] == ["running"] * 4 + ["pending"] * 4
-    with reply_lost_once(mod.leases.store.durable) as lost:
+    url = sa.engine.make_url(pg)
+    proxy = PgFaultProxy(url.host or "127.0.0.1", url.port or 5432).start()
+    try:
+        mod = client_app(proxy.url_for(pg), broker, conf={"lease_prepare_statements": prepared}, module="tests.apps.app_batch")
+        ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(8)])]
+        worker = mod.leases.worker
+        with reply_lost_once(mod.leases.store.durable) as lost:
+            lead = worker.begin(ids[0], mod.b_note.spec, HOST)
+        assert lost and lead is not None
+        assert [(a.job_id, a.attempt, a.generation) for a in lead.batch] == [(i, 1, 1) for i in ids[:4]]
+        assert [r.status for r in rows(pg, ids)] == ["running"] * 4 + ["pending"] * 4
+        rule = proxy.lose_reply("completed_logged")  # the successes' one statement (its events' CTE)
         worker.execute(mod.b_note.spec, lead)
-    worker.end(lead)
-    assert lost
-    assert [(r.status, r.lease_generation) for r in rows(pg, ids[:4])] == [("succeeded", 1)] * 4
+        worker.end(lead)
+        assert rule.hits == 1
+        assert [(r.status, r.lease_generation) for r in rows(pg, ids[:4])] == [("succeeded", 1)] * 4
+    finally:
+        proxy.close()
 
 
 def test_submit_many_wakes_a_batched_kind_once_per_batch(pg, broker, mod):

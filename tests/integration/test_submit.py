@@ -185,8 +185,8 @@ def test_statements_per_job_from_submit_to_success(pg, broker, client_app, state
         if not s.lstrip().upper().startswith("SELECT") or s.lstrip().upper().startswith("WITH")
     ]
     assert submitted == ["WITH"]  # the row (+ its run event, in one statement)
-    # submit; claim (+ its run event, in one statement); completion
-    assert sorted(cost + executed) == ["UPDATE", "WITH", "WITH"], (cost, executed)
+    # submit; claim; completion (each + its run event, in one statement)
+    assert sorted(cost + executed) == ["WITH", "WITH", "WITH"], (cost, executed)
     assert len(executed) == (3 if prepare else 0)
 
 
@@ -293,3 +293,33 @@ def test_batched_successes_are_written_before_the_worker_exits(pg, broker, clien
     assert mod.leases.get(job.id).status is Status.RUNNING  # its success sits in the batch
     assert w.stop() == 0
     assert mod.leases.get(job.id).status is Status.SUCCEEDED
+
+
+def test_a_plain_success_in_a_run_is_the_completers_and_logs_its_run_event(pg, broker, client_app, monkeypatch):
+    """A job of a run whose success carries nothing else is written like any plain
+    success, by the completer's one statement (alone, or riding the next claim), which
+    appends the run's 'succeeded' event itself. (It took the pipeline's transaction,
+    three round trips, only for that event.)"""
+    import uuid
+
+    from celery.contrib.testing.worker import start_worker
+
+    from celery_lease.db.prepared import Prepared
+
+    executed: list[str] = []
+    real_execute = Prepared.execute
+
+    def counted(self, dbapi_connection, info, params):
+        executed.append(self.prepare_sql)
+        return real_execute(self, dbapi_connection, info, params)
+
+    monkeypatch.setattr(Prepared, "execute", counted)
+    mod = client_app(pg, broker, conf={"lease_prepare_statements": True})
+    run_id = str(uuid.uuid4())
+    with start_worker(mod.app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        job = mod.echo.submit({"value": 1}, run_id=run_id)
+        assert mod.leases.wait(job.id, 20).status is Status.SUCCEEDED
+    events = [(e["event"], e["attempt"]) for e in mod.leases.run_events(run_id)]
+    assert [e for e, _ in events] == ["dispatched", "claimed", "succeeded"]
+    assert events[-1] == ("succeeded", 1)
+    assert sum("completed_logged" in sql for sql in executed) == 1  # complete_jobs, or a claim it rode

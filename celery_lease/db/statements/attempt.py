@@ -23,8 +23,9 @@ from celery_lease.db.statements.common import (
     db_now,
     db_now_plus,
 )
+from celery_lease.db.statements.events import _events_of, logged
 from celery_lease.db.statements.history import everywhere
-from celery_lease.status import AttemptOutcome, Status
+from celery_lease.status import AttemptOutcome, Event, Status
 
 
 def renew_leases(dialect: str, leases: Iterable[tuple[str, int]]) -> sa.Select | sa.Update:
@@ -145,13 +146,21 @@ def _array(name: str, t: sa.types.TypeEngine) -> sa.ColumnElement[Any]:
 
 
 @functools.cache
-def complete_jobs() -> sa.Update:
-    """complete_jobs: complete_job for many attempts in one statement (PostgreSQL).
+def complete_jobs() -> sa.Select:
+    """complete_jobs: complete_job for many attempts in one statement (PostgreSQL),
+    appending the run event of each completed job of a run itself (events.logs_itself).
 
     The attempts come as attempt_params (id, generation, result, progress); each row
     is fenced exactly like complete_job. Returns the ids completed: an attempt missing
     from the result had lost its lease.
     """
+    done = completing().cte("completed")
+    return logged(sa.select(done.c.id).add_cte(completed_events(done, "completed_logged")))
+
+
+def completing() -> sa.Update:
+    """The UPDATE of complete_jobs, returning what its run events need (id, run_id,
+    attempt): the riding claim embeds it as a CTE with completed_events."""
     done = attempt_rows("postgresql", result=_c.result.type, progress=_c.progress.type)
     return (
         sa.update(jobs)
@@ -173,8 +182,14 @@ def complete_jobs() -> sa.Update:
             lease_owner=sa.null(),
             lease_expires_at=sa.null(),
         )
-        .returning(_c.id)
+        .returning(_c.id, _c.run_id, _c.attempt)
     )
+
+
+def completed_events(done: sa.CTE, name: str) -> sa.CTE:
+    """The CTE ``name`` appending a 'succeeded' event for each job of a run that the
+    CTE ``done`` (completing) completed."""
+    return _events_of(done, sa.literal(Event.SUCCEEDED.value), sa.null(), name)
 
 
 def landed_successes(leases: Iterable[tuple[str, int]]) -> sa.Select:

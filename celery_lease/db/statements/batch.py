@@ -15,9 +15,8 @@ import functools
 import sqlalchemy as sa
 
 from celery_lease.db.schema import ID, jobs, pauses, runs
-from celery_lease.db.statements.attempt import complete_jobs
 from celery_lease.db.statements.claim import CLAIMED_COLUMNS, RUN_CANCELLED, claimed_values
-from celery_lease.db.statements.common import _PENDING, ENDED_COLUMNS, _c, _due
+from celery_lease.db.statements.common import _PENDING, _c, _due
 from celery_lease.db.statements.events import _events_of, logged
 from celery_lease.status import Event, Status
 
@@ -90,12 +89,3 @@ def claim_batch() -> sa.Select:
         .select_from(flags.outerjoin(claimed, sa.true()))
         .add_cte(_events_of(claimed, event, detail, "logged"))
     )
-
-
-@functools.cache
-def complete_batch() -> sa.Update:
-    """complete_batch: many successes in ONE statement, each row fenced by its own
-    job id, lease generation and ``running`` (complete_jobs). Returns what a transition's
-    rows carry (ENDED_COLUMNS): a success missing from them was not written (its lease
-    lost, or the row changed under the statement: the caller re-checks it alone)."""
-    return complete_jobs().returning(*ENDED_COLUMNS[1:])

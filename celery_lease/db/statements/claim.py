@@ -31,7 +31,7 @@ import sqlalchemy as sa
 
 from celery_lease.db.durability import durable
 from celery_lease.db.schema import ID, jobs, pauses, runs
-from celery_lease.db.statements.attempt import complete_jobs
+from celery_lease.db.statements.attempt import completed_events, completing
 from celery_lease.db.statements.attempt_log import open_attempt
 from celery_lease.db.statements.common import _PENDING, _c, _delivered, _due, db_now, db_now_plus
 from celery_lease.db.statements.events import _events_of, logged
@@ -108,8 +108,8 @@ def claim(
         columns.append(sa.select(counted.c.window_rate).scalar_subquery().label("window_rate"))
     stmt = sa.select(*columns)
     if riding:
-        done = complete_jobs().cte("completed")
-        ctes.append(done)
+        done = completing().cte("completed")
+        ctes += [done, completed_events(done, "completed_logged")]
         completed = sa.select(sa.func.array_agg(sa.cast(done.c.id, sa.Text)).label("completed")).subquery("done_ids")
         stmt = stmt.add_columns(completed.c.completed).select_from(completed.outerjoin(claimed, sa.true()))
     return logged(durable(stmt.add_cte(*ctes)))
