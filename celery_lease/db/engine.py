@@ -37,6 +37,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from celery_lease import green
 from celery_lease.db import durability, urls
+from celery_lease.db.in_flight import await_in_flight, backend_pid
 from celery_lease.db.prepared import Prepared
 from celery_lease.errors import DatabaseUnavailable
 
@@ -46,6 +47,8 @@ T = TypeVar("T")
 
 #: How often a statement is retried when its connection was dropped.
 RECONNECT_ATTEMPTS = 3
+
+
 #: Seconds between tries of a write while the database is unreachable (the last repeats):
 #: an attempt's writes try until its lease lapses by its own clock, others for their sum.
 BLIP_WAITS = (0.1, 0.25, 0.5, 1.0)
@@ -288,12 +291,15 @@ class Database:
         if connection is not None:
             return fn(connection)
         for attempt in range(1, RECONNECT_ATTEMPTS + 1):
+            pid = None
             try:
                 with engine.begin() as conn:
+                    pid = backend_pid(conn.connection.dbapi_connection)
                     return fn(conn)
             except sa_exc.DBAPIError as exc:
                 if exc.connection_invalidated and attempt < RECONNECT_ATTEMPTS:
                     log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
+                    await_in_flight(engine, pid)
                     if on_retry is not None:
                         on_retry()
                     time.sleep(0.05 * attempt)
@@ -344,6 +350,7 @@ class Database:
                     ) from None
                 if self._pin:
                     setattr(self._hot, slot, raw)
+            pid = backend_pid(raw.dbapi_connection)
             try:
                 columns, rows = stmt.execute(raw.dbapi_connection, raw.info, params)
                 if not self._pin:
@@ -363,6 +370,7 @@ class Database:
                     raw.close()
                 if dropped and attempt < RECONNECT_ATTEMPTS:
                     log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
+                    await_in_flight(engine, pid)
                     if on_retry is not None:
                         on_retry()
                     time.sleep(0.05 * attempt)

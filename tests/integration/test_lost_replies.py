@@ -17,12 +17,14 @@ import contextlib
 from collections.abc import Iterator
 
 import psycopg2
+import pytest
 import sqlalchemy as sa
 
 from celery_lease.beat.maintenance import OUTBOX_AGE
 from celery_lease.db.landing import LANDING_RETENTION
 from celery_lease.db.schema import jobs, landings, outbox
 from celery_lease.db.statements.outbox import KIND_CELERY
+from tests.conftest import wait_for
 from tests.integration.test_native_canvas import NATIVE, _expire, _queued, _rows, in_a_run_cancelled_behind_it
 
 
@@ -169,3 +171,50 @@ def _age(pg: str, table: str, seconds: float) -> None:
             conn.execute(sa.text(f"UPDATE {table} SET created_at = created_at - make_interval(secs => :s)"), {"s": seconds})
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "unprepared"])
+def test_a_claim_retried_while_its_first_try_still_runs_adopts_what_that_try_claims(pg, broker, client_app, pg_proxy, prepared):
+    """history[prepared] seed 639886: a delivery's claim swapped in a higher-priority
+    job B (locking it) and, still running, lost its connection. Retried at once, the claim
+    skipped the locked B and claimed the delivered job; the first try then committed B
+    under the same owner and token, and B ran no body until the reaper spent its attempt.
+    The retry now waits for the dropped connection's backend to finish (Database.
+    _await_in_flight), so the claim's look at what landed finds B and adopts it."""
+    import threading
+    import uuid
+
+    from celery_lease.lifecycle.claim import claim_delivery
+
+    mod = client_app(pg_proxy.url_for(pg), broker, conf={"lease_prepare_statements": prepared})
+    run_id = str(uuid.uuid4())
+    delivered = mod.echo.submit({"value": "low"}).id
+    better = mod.echo.submit({"value": "high"}, priority=5, run_id=run_id).id
+    owner = "w@host/1/boot"
+    blocker = sa.create_engine(pg, poolclass=sa.pool.NullPool)
+    locker = blocker.connect()
+    try:
+        locked = locker.begin()
+        # The first try's claim locks B (its swap) and then waits for B's run row.
+        locker.execute(sa.text("SELECT id FROM celery_lease_runs WHERE id = :r FOR UPDATE"), {"r": run_id})
+        got: list = []
+        claim = threading.Thread(target=lambda: got.append(claim_delivery(mod.leases.store, delivered, owner, mod.echo.name)))
+        claim.start()
+
+        def waiting() -> bool:
+            waits = sa.text("SELECT query FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+            with blocker.connect() as conn:
+                return any("celery_lease" in q for (q,) in conn.execute(waits))  # (prepared: EXECUTE celery_lease_N)
+
+        wait_for(waiting, timeout=10, what="the claim to wait for the run's row")
+        assert pg_proxy.cut_all() > 0  # its connection drops; its backend still waits
+        threading.Timer(1.0, locked.commit).start()  # then the first try goes on and commits
+        claim.join(timeout=30)
+        (row,) = got
+    finally:
+        locker.close()
+        blocker.dispose()
+    assert row is not None and str(row["id"]) == better  # adopted: the first try's job
+    with sa.create_engine(pg).connect() as conn:
+        status = dict(conn.execute(sa.select(jobs.c.id, jobs.c.status).where(jobs.c.id.in_([delivered, better]))).all())
+    assert {str(k): v for k, v in status.items()} == {delivered: "pending", better: "running"}
