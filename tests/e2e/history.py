@@ -239,7 +239,11 @@ def _killed(h: History, owner: str | None, at: float, reaped_at: float | None = 
 def _attempts(h: History) -> list[Violation]:
     out = []
     ran: dict[str, set[int]] = defaultdict(set)
-    crashes = [op.at for op in h.ops if op.op == "fault" and op.detail.get("fault") in ("pg_crash", "pg_restart")]
+    # A backend SIGKILLed (kill_backend) is a crash too: the postmaster resets every
+    # backend and replays the WAL, and a claim it cut off may have landed while its
+    # worker, refused during the recovery, gave the delivery up (history[prepared] seed
+    # 639886: a chord body's claim, then "the database system is in recovery mode").
+    crashes = [op.at for op in h.ops if op.op == "fault" and op.detail.get("fault") in ("pg_crash", "pg_restart", "kill_backend")]
     reaped = {(e["job_id"], e["attempt"]): e["at"] for e in h.events if e["event"] == "reaped"}
     for b in h.bodies:
         # A snoozed body spends nothing, unless its process died before the snooze

@@ -187,6 +187,7 @@ def test_a_claim_held_until_its_process_was_killed_before_the_reap_is_excused():
     [
         {"fault": "partition", "seconds": 4.0},  # seed 25805
         {"fault": "pg_crash"},  # seed 987532
+        {"fault": "kill_backend", "pid": 1234},  # seed 639886: crash recovery, the claim's worker refused
     ],
 )
 def test_a_claim_cut_off_by_an_outage_longer_than_the_lease_is_excused(fault):
