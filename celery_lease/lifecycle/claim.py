@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db import durability
+from celery_lease.db.engine import BLIP_WAITS
 from celery_lease.db.statements import claim
 from celery_lease.db.statements import flow as fs
 from celery_lease.db.statements.events import logs_itself
@@ -163,13 +165,18 @@ class LandedClaim:
 
     def __call__(self) -> None:
         self.retried = True
-        store = self._store
         try:
-            rows = store.transaction(store.engine(single=True), lambda c: landed_rows(store, c, self._params))
+            rows = self.landed()
         except DatabaseUnavailable:
             return  # still unreachable: the retry finds out
         if rows:
             raise ClaimLanded(rows)
+
+    def landed(self) -> list[Row]:
+        """The rows the first try took (adopted), or none; DatabaseUnavailable when the
+        server cannot be asked."""
+        store = self._store
+        return store.transaction(store.engine(single=True), lambda c: landed_rows(store, c, self._params))
 
 
 def execute(
@@ -191,15 +198,45 @@ def execute(
     assert durability.is_durable(stmt), f"the {t.name} statement must be declared durable"
     params = {**params, "token": new_token()}
     check = LandedClaim(store, params)
+    run = partial(_run, store, t, stmt, params, check, successes, build or {})
     try:
-        row = _run(store, t, stmt, params, check, successes, build or {})
+        row = run()
         if row is None and check.retried:
             check()  # the retry claimed nothing: the first try may have
     except ClaimLanded as landed:
         (row,) = landed.rows  # (a single claim takes one row)
+    except DatabaseUnavailable:
+        if not check.retried:
+            raise
+        row = _settle(store, check, successes, run)
     if row is not None and follow_ups is not None:
         _after(t, row, params, follow_ups)
     return row
+
+
+def _settle(store: Store, check: LandedClaim, successes: RidingSuccesses | None, run: Callable[[], Row | None]) -> Row | None:
+    """A claim whose connection dropped and whose retry found the server gone (a
+    backend crash resets every connection, and the server refuses them while it
+    recovers): its first try may have landed. Asked again through a short blip
+    (BLIP_WAITS): the row it took is adopted; if it took none, the claim runs once more.
+    Left unasked, a landed claim's job ran no body until the reaper spent its attempt
+    (history[prepared] seed 639886). DatabaseUnavailable if the server stays away."""
+    for wait in (*BLIP_WAITS, None):
+        try:
+            rows = check.landed()
+            break
+        except DatabaseUnavailable:
+            if wait is None:
+                raise
+            time.sleep(wait)
+    if rows:
+        if successes is not None:
+            successes.done = _landed_or_none(store, successes.keys)  # they rode on that first try
+        return rows[0]
+    try:
+        return run()
+    except ClaimLanded as landed:
+        return landed.rows[0]
 
 
 def _run(

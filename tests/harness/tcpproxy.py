@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import sqlalchemy as sa
 
@@ -40,6 +41,8 @@ class TcpProxy:
         #: Requests whose replies were dropped (cut_reply_to).
         self.cuts = 0
         self._sockets: set[socket.socket] = set()
+        #: Until this monotonic time, new connections are closed as soon as accepted.
+        self._refuse_until = 0.0
 
     def url_for(self, url: str) -> str:
         return sa.engine.make_url(url).set(host="127.0.0.1", port=self.port).render_as_string(hide_password=False)
@@ -47,6 +50,11 @@ class TcpProxy:
     def start(self) -> TcpProxy:
         threading.Thread(target=self._accept, name="tcpproxy-accept", daemon=True).start()
         return self
+
+    def refuse(self, seconds: float) -> None:
+        """For ``seconds``, close each new connection as soon as it is accepted, as a
+        server that is down or still recovering refuses clients; open ones go on."""
+        self._refuse_until = time.monotonic() + seconds
 
     def pause(self) -> None:
         self._open.clear()
@@ -80,6 +88,9 @@ class TcpProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if time.monotonic() < self._refuse_until:
+                _drop(client)
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=10)
                 upstream.settimeout(None)

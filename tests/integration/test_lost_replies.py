@@ -218,3 +218,30 @@ def test_a_claim_retried_while_its_first_try_still_runs_adopts_what_that_try_cla
     with sa.create_engine(pg).connect() as conn:
         status = dict(conn.execute(sa.select(jobs.c.id, jobs.c.status).where(jobs.c.id.in_([delivered, better]))).all())
     assert {str(k): v for k, v in status.items()} == {delivered: "pending", better: "running"}
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "unprepared"])
+def test_a_claim_whose_retry_finds_the_server_recovering_is_settled_when_it_answers(pg, broker, client_app, prepared):
+    """history[prepared] seed 639886: a claim landed, its connection dropped (a backend
+    SIGKILLed elsewhere resets every backend), and its retry found the server refusing
+    clients while it recovered. The delivery was given up with DatabaseUnavailable, and
+    the claimed job ran no body until the reaper spent its attempt. Now the claim asks
+    again through a short blip and adopts what its first try took."""
+    from celery_lease.lifecycle.claim import claim_delivery
+    from tests.harness.pgfaults import PgFaultProxy
+
+    url = sa.engine.make_url(pg)
+    proxy = PgFaultProxy(url.host or "127.0.0.1", url.port or 5432).start()
+    try:
+        mod = client_app(proxy.url_for(pg), broker, conf={"lease_prepare_statements": prepared})
+        job = mod.echo.submit({"value": 1})
+        mod.leases.store.dispose()  # the submit's connections: the claim starts afresh
+        rule = proxy.lose_reply(job.id, then=lambda: proxy.refuse(0.6))  # the claim: the first statement naming it
+        row = claim_delivery(mod.leases.store, job.id, "w@host/1/boot", mod.echo.name)
+        assert rule.hits == 1
+    finally:
+        proxy.close()
+    assert row is not None and str(row["id"]) == job.id and row["attempt"] == 1
+    with sa.create_engine(pg).connect() as conn:
+        found = conn.execute(sa.select(jobs.c.status, jobs.c.lease_owner).where(jobs.c.id == job.id)).one()
+    assert tuple(found) == ("running", "w@host/1/boot")
