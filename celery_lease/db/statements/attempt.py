@@ -23,7 +23,7 @@ from celery_lease.db.statements.common import (
     db_now,
     db_now_plus,
 )
-from celery_lease.db.statements.events import _events_of, logged
+from celery_lease.db.statements.events import event_rows, events_cte, logged
 from celery_lease.db.statements.history import everywhere
 from celery_lease.status import AttemptOutcome, Event, Status
 
@@ -155,7 +155,7 @@ def complete_jobs() -> sa.Select:
     from the result had lost its lease.
     """
     done = completing().cte("completed")
-    return logged(sa.select(done.c.id).add_cte(completed_events(done, "completed_logged")))
+    return logged(sa.select(done.c.id).add_cte(events_cte("completed_logged", completed_events(done))))
 
 
 def completing() -> sa.Update:
@@ -186,10 +186,10 @@ def completing() -> sa.Update:
     )
 
 
-def completed_events(done: sa.CTE, name: str) -> sa.CTE:
-    """The CTE ``name`` appending a 'succeeded' event for each job of a run that the
-    CTE ``done`` (completing) completed."""
-    return _events_of(done, sa.literal(Event.SUCCEEDED.value), sa.null(), name)
+def completed_events(done: sa.CTE) -> sa.Select:
+    """A 'succeeded' event for each job of a run that the CTE ``done`` (completing)
+    completed (events.event_rows)."""
+    return event_rows(done, sa.literal(Event.SUCCEEDED.value), sa.null())
 
 
 def landed_successes(leases: Iterable[tuple[str, int]]) -> sa.Select:

@@ -34,7 +34,7 @@ from celery_lease.db.schema import ID, jobs, pauses, runs
 from celery_lease.db.statements.attempt import completed_events, completing
 from celery_lease.db.statements.attempt_log import open_attempt
 from celery_lease.db.statements.common import _PENDING, _c, _delivered, _due, db_now, db_now_plus
-from celery_lease.db.statements.events import _events_of, logged
+from celery_lease.db.statements.events import event_rows, events_cte, logged
 from celery_lease.db.statements.flow import _rate_open_for, count_rate_claim
 from celery_lease.db.statements.in_force import below_concurrency
 from celery_lease.status import Event, Status
@@ -99,7 +99,8 @@ def claim(
     event = sa.case((cancelled, sa.literal(Event.CANCELLED.value)), else_=sa.literal(Event.CLAIMED.value))
     detail = sa.case((cancelled, sa.literal(RUN_CANCELLED)), else_=sa.bindparam("owner", type_=sa.Text))
     columns: list[Any] = [claimed]
-    ctes = [_events_of(claimed, event, detail, "logged")]
+    rows = [event_rows(claimed, event, detail)]
+    ctes = []
     if rate:
         started = sa.exists(sa.select(claimed.c.id).where(claimed.c.status == Status.RUNNING.value))
         counted = count_rate_claim().where(started).cte("counted")
@@ -109,10 +110,11 @@ def claim(
     stmt = sa.select(*columns)
     if riding:
         done = completing().cte("completed")
-        ctes += [done, completed_events(done, "completed_logged")]
+        ctes.append(done)
+        rows.append(completed_events(done))  # the same insert as the claim's own event
         completed = sa.select(sa.func.array_agg(sa.cast(done.c.id, sa.Text)).label("completed")).subquery("done_ids")
         stmt = stmt.add_columns(completed.c.completed).select_from(completed.outerjoin(claimed, sa.true()))
-    return logged(durable(stmt.add_cte(*ctes)))
+    return logged(durable(stmt.add_cte(events_cte("logged", *rows), *ctes)))
 
 
 def _claim_update(*, swap: bool, concurrency: bool, rate: bool) -> sa.Update:

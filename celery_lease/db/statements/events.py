@@ -32,9 +32,20 @@ def _events_of(source: sa.CTE, event: sa.ColumnElement, detail: sa.ColumnElement
     """The CTE ``name`` that appends, in the statement whose CTE ``source`` changed jobs,
     one run event per changed job that belongs to a run (its run_id, id and attempt):
     how a PostgreSQL statement writes its own events, the rows Store.log_events builds."""
-    rows = sa.select(source.c.run_id, source.c.id, event, source.c.attempt, detail, db_now()).where(source.c.run_id.is_not(None))
+    return events_cte(name, event_rows(source, event, detail))
+
+
+def event_rows(source: sa.CTE, event: sa.ColumnElement, detail: sa.ColumnElement) -> sa.Select:
+    """The run events of the jobs the CTE ``source`` changed (those of a run)."""
+    return sa.select(source.c.run_id, source.c.id, event, source.c.attempt, detail, db_now()).where(source.c.run_id.is_not(None))
+
+
+def events_cte(name: str, *rows: sa.Select) -> sa.CTE:
+    """The CTE ``name`` appending the events ``rows`` (event_rows) in ONE insert: a
+    statement that changes jobs in two ways (a claim carrying successes) pays for one
+    insert into the events table, not one per way, even when it appends nothing."""
     columns = ["run_id", "job_id", "event", "attempt", "detail", "created_at"]
-    return sa.insert(events).from_select(columns, rows).cte(name)
+    return sa.insert(events).from_select(columns, rows[0] if len(rows) == 1 else sa.union_all(*rows)).cte(name)
 
 
 @functools.cache
