@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from celery_lease.db import durability
-from celery_lease.db.engine import BLIP_WAITS
+from celery_lease.db.engine import BLIP_WAITS, ride_briefly
 from celery_lease.db.landing import Landing
 from celery_lease.db.statements.common import row_dicts
 from celery_lease.db.statements.events import logs_itself
@@ -64,18 +64,6 @@ class During(Protocol):
     def write(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> list[Job]: ...
 
     def send(self) -> None: ...
-
-
-def ride_briefly(write: Callable[[], T]) -> T:
-    """A transition outside any attempt (a cancel, maintenance): tried again through a
-    short database blip, then DatabaseUnavailable reaches the caller."""
-    for wait in BLIP_WAITS:
-        try:
-            return write()
-        except DatabaseUnavailable:
-            log.warning("celery-lease: database unavailable; trying the transition again in %ss", wait)
-            time.sleep(wait)
-    return write()
 
 
 def _ride_batch(batch: Sequence[Attempt]) -> Callable[[Callable[[], T]], T]:
