@@ -64,24 +64,29 @@ def publish_progress() -> sa.Update:
     return sa.update(jobs).where(_running_under_lease).values(progress=sa.bindparam("new_progress"), updated_at=db_now())
 
 
-@functools.cache
-def complete_job() -> sa.Update:
-    """complete_job: running -> succeeded; clears the checkpoint in the same write."""
+def _ending(outcome: AttemptOutcome, **values: Any) -> sa.Update:
+    """The fenced write that ends an attempt as ``outcome`` (still running under the
+    generation it claimed; zero rows: its lease is lost): ``values``, the attempt closed
+    in the job's attempt log, the lease cleared."""
     return (
         sa.update(jobs)
         .where(_running_under_lease)
-        .values(
-            status=Status.SUCCEEDED.value,
-            result=sa.bindparam("new_result", type_=_c.result.type),
-            # the last coalesced ctx.publish() value, if one is still unwritten
-            progress=sa.func.coalesce(sa.bindparam("new_progress", type_=_c.progress.type), _c.progress),
-            checkpoint=None,
-            finished_at=db_now(),
-            updated_at=db_now(),
-            attempts=close_attempt(AttemptOutcome.SUCCEEDED),
-            **_lease_cleared,
-        )
+        .values(**values, updated_at=db_now(), attempts=close_attempt(outcome), **_lease_cleared)
         .returning(*ENDED_COLUMNS)
+    )
+
+
+@functools.cache
+def complete_job() -> sa.Update:
+    """complete_job: running -> succeeded; clears the checkpoint in the same write."""
+    return _ending(
+        AttemptOutcome.SUCCEEDED,
+        status=Status.SUCCEEDED.value,
+        result=sa.bindparam("new_result", type_=_c.result.type),
+        # the last coalesced ctx.publish() value, if one is still unwritten
+        progress=sa.func.coalesce(sa.bindparam("new_progress", type_=_c.progress.type), _c.progress),
+        checkpoint=None,
+        finished_at=db_now(),
     )
 
 
@@ -203,37 +208,13 @@ def landed_successes(leases: Iterable[tuple[str, int]]) -> sa.Select:
 @functools.cache
 def fail_job() -> sa.Update:
     """fail_job: running -> failed with a sanitized error; the checkpoint is kept."""
-    return (
-        sa.update(jobs)
-        .where(_running_under_lease)
-        .values(
-            status=Status.FAILED.value,
-            error=sa.bindparam("new_error"),
-            finished_at=db_now(),
-            updated_at=db_now(),
-            attempts=close_attempt(AttemptOutcome.FAILED),
-            **_lease_cleared,
-        )
-        .returning(*ENDED_COLUMNS)
-    )
+    return _ending(AttemptOutcome.FAILED, status=Status.FAILED.value, error=sa.bindparam("new_error"), finished_at=db_now())
 
 
 @functools.cache
 def retry_job() -> sa.Update:
     """retry_job: running -> pending, due after the backoff; the sweeper wakes it."""
-    return (
-        sa.update(jobs)
-        .where(_running_under_lease)
-        .values(
-            status=Status.PENDING.value,
-            run_after=db_now_plus(_seconds("delay")),
-            woken_at=None,
-            updated_at=db_now(),
-            attempts=close_attempt(AttemptOutcome.RETRIED),
-            **_lease_cleared,
-        )
-        .returning(*ENDED_COLUMNS)
-    )
+    return _ending(AttemptOutcome.RETRIED, status=Status.PENDING.value, run_after=db_now_plus(_seconds("delay")), woken_at=None)
 
 
 @functools.cache
@@ -243,19 +224,8 @@ def hand_off_job() -> sa.Update:
     Used on warm shutdown. woken_at is set because the caller publishes the wakeup
     right after; the checkpoint is kept so the next worker resumes.
     """
-    return (
-        sa.update(jobs)
-        .where(_running_under_lease)
-        .values(
-            status=Status.PENDING.value,
-            attempt=_c.attempt - 1,
-            run_after=None,
-            woken_at=db_now(),
-            updated_at=db_now(),
-            attempts=close_attempt(AttemptOutcome.HANDED_OFF),
-            **_lease_cleared,
-        )
-        .returning(*ENDED_COLUMNS)
+    return _ending(
+        AttemptOutcome.HANDED_OFF, status=Status.PENDING.value, attempt=_c.attempt - 1, run_after=None, woken_at=db_now()
     )
 
 
@@ -268,20 +238,13 @@ def snooze_job() -> sa.Update:
     at once (:delay 0) it is marked woken, since the caller publishes its wakeup;
     later, the sweeper wakes it when due.
     """
-    return (
-        sa.update(jobs)
-        .where(_running_under_lease)
-        .values(
-            status=Status.PENDING.value,
-            attempt=_c.attempt - 1,
-            run_after=db_now_plus(_seconds("delay")),
-            woken_at=sa.case((_seconds("delay") <= 0, db_now()), else_=sa.null()),
-            held=sa.null(),
-            updated_at=db_now(),
-            attempts=close_attempt(AttemptOutcome.SNOOZED),
-            **_lease_cleared,
-        )
-        .returning(*ENDED_COLUMNS)
+    return _ending(
+        AttemptOutcome.SNOOZED,
+        status=Status.PENDING.value,
+        attempt=_c.attempt - 1,
+        run_after=db_now_plus(_seconds("delay")),
+        woken_at=sa.case((_seconds("delay") <= 0, db_now()), else_=sa.null()),
+        held=sa.null(),
     )
 
 
