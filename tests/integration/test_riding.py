@@ -18,7 +18,7 @@ from tests.conftest import attempt_for, local_pipeline
 TASK = "tests.apps.app.echo"
 
 
-def _running(pg, make_job, generation: int = 1) -> str:
+def _running(pg, make_job, generation: int = 1, **columns) -> str:
     return make_job(
         pg,
         status="running",
@@ -26,6 +26,7 @@ def _running(pg, make_job, generation: int = 1) -> str:
         lease_generation=generation,
         lease_owner="w@host/1/boot",
         lease_expires_at=sa.text("now() + interval '1 hour'"),
+        **columns,
     )
 
 
@@ -77,6 +78,35 @@ def test_the_successes_ride_even_when_nothing_is_claimed(pg, make_job):
         completer.settle(riding)
         assert riding.done == {done}
         assert _rows(pg)[done].status == "succeeded"
+    finally:
+        store.dispose()
+
+
+def test_a_riding_claim_appends_the_run_events_of_the_successes_it_carries(pg, make_job):
+    """The riding claim writes a run's 'succeeded' event for each success it completes,
+    in its own statement (one insert with the claimed job's 'claimed'); a success its
+    fence refused logs nothing. Without it a carried success of a run left its run's
+    history without the job's end."""
+    import uuid
+
+    store = Store(pg)
+    try:
+        run = str(uuid.uuid4())
+        store.ensure_run(run)
+        done = _running(pg, make_job, run_id=run)
+        stale = _running(pg, make_job, generation=2, run_id=run)
+        pending = make_job(pg, run_id=run)
+        completer = BatchCompleter(store, local_pipeline(store))
+        completer.LINGER = 60.0
+        completer.add(attempt_for(done), {"ok": 1}, None)
+        completer.add(attempt_for(stale, generation=1), {"ok": 2}, None)
+        riding = completer.take()
+        assert riding is not None
+        row = claim_delivery(store, pending, "w@host/1/boot", TASK, successes=riding)
+        completer.settle(riding)
+        assert row is not None and riding.done == {done}
+        events = {(str(e["job_id"]), e["event"], e["attempt"]) for e in store.run_events(run)}
+        assert events == {(done, "succeeded", 1), (pending, "claimed", 1)}
     finally:
         store.dispose()
 
