@@ -19,9 +19,12 @@ from sqlalchemy.engine import make_url
 from celery_lease.errors import ConfigurationError
 
 DEFAULT_SQLITE_PATH = "celery-lease.sqlite3"
-#: The driver behind a bare ``postgresql://`` (or ``postgres://``) URL: the one
-#: celery-lease installs and is tested with. (SQLAlchemy 2.1 would pick psycopg 3,
-#: which it does not install.) Name another in the URL to use it: postgresql+psycopg://.
+#: The driver behind a bare ``postgresql://`` (or ``postgres://``) URL, and the only
+#: PostgreSQL driver taken (SQLAlchemy 2.1 alone would pick psycopg 3): the guarantees
+#: read its connection (the backend pid a retry after a dropped connection waits for,
+#: db/in_flight.py; prepared statements sent as EXECUTE, db/prepared.py) and make it
+#: cooperate with gevent and eventlet (green.py). On another driver they would not hold,
+#: silently: a prepared statement fails, a retried claim races its first try.
 POSTGRESQL_DRIVER = "postgresql+psycopg2"
 #: Query-string parameters of a database URL that carry a secret (libpq accepts both).
 SECRET_QUERY_KEYS = frozenset({"password", "sslpassword"})
@@ -60,13 +63,17 @@ def parse_url(url: str, source: str = "database_url") -> sa.URL:
         raise ConfigurationError(
             f"{source} names the unsupported database {parsed.get_backend_name()!r}: celery-lease runs on PostgreSQL or SQLite"
         )
+    if parsed.get_backend_name() == "postgresql" and parsed.drivername != POSTGRESQL_DRIVER:
+        raise ConfigurationError(
+            f"{source} names the PostgreSQL driver {parsed.get_driver_name()!r}: celery-lease runs PostgreSQL on psycopg2 "
+            f"(its guarantees depend on it): write the URL as postgresql://user@host/db or {POSTGRESQL_DRIVER}://user@host/db"
+        )
     try:
         parsed.get_dialect().import_dbapi()
     except (sa_exc.NoSuchModuleError, ImportError) as exc:
         fix = "pip install psycopg2-binary" if parsed.drivername == POSTGRESQL_DRIVER else "install it"
         raise ConfigurationError(
-            f"{source}: the database driver of {parsed.drivername!r} is not installed ({type(exc).__name__}): "
-            f"{fix}, or name an installed driver in the URL, e.g. {POSTGRESQL_DRIVER}://user@host/db"
+            f"{source}: the database driver of {parsed.drivername!r} is not installed ({type(exc).__name__}): {fix}"
         ) from None
     if parsed.get_backend_name() == "postgresql":
         parsed = host_list(parsed, source)

@@ -299,13 +299,40 @@ def test_a_bare_postgresql_url_uses_the_installed_driver(scheme):
     assert Database.parse_url("postgresql+psycopg2://db/shop").drivername == "postgresql+psycopg2"
 
 
-@pytest.mark.parametrize("url", ["postgresql+pg8000://user:hunter2-secret@db/shop", "postgresql+nosuch://db/shop"])
-def test_a_database_url_whose_driver_is_missing_names_the_fix(url):
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://user:hunter2-secret@db/shop",
+        "postgresql+pg8000://user:hunter2-secret@db/shop",
+        "postgresql+nosuch://db/shop",
+    ],
+)
+def test_a_postgresql_url_on_another_driver_than_psycopg2_is_refused_naming_the_fix(url):
+    """psycopg 3 is installed here (the bench's extra) and SQLAlchemy takes it, but a
+    prepared statement fails on it and a retried claim could not wait for its first
+    try: refused when CeleryLease is built, not at the first job."""
     with pytest.raises(ConfigurationError) as caught:
         Database.parse_url(url, "CELERY_LEASE_DATABASE_URL")
     message = str(caught.value)
-    assert "is not installed" in message and "postgresql+psycopg2://" in message and "CELERY_LEASE_DATABASE_URL" in message
+    assert "psycopg2" in message and "postgresql+psycopg2://" in message and "CELERY_LEASE_DATABASE_URL" in message
     assert "hunter2" not in message
+
+
+def test_a_database_url_whose_driver_is_missing_names_the_fix(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_psycopg2(name, *args, **kwargs):
+        if name.split(".")[0] == "psycopg2":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_psycopg2)
+    with pytest.raises(ConfigurationError) as caught:
+        Database.parse_url("postgresql://user:hunter2-secret@db/shop", "CELERY_LEASE_DATABASE_URL")
+    message = str(caught.value)
+    assert "is not installed" in message and "pip install psycopg2-binary" in message and "hunter2" not in message
 
 
 def test_api_fields_match_the_view_columns():
