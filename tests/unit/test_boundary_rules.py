@@ -292,7 +292,7 @@ def test_a_malformed_database_url_never_shows_its_password(url):
 
 @pytest.mark.parametrize("scheme", ["postgresql", "postgres"])
 def test_a_bare_postgresql_url_uses_the_installed_driver(scheme):
-    # SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3, which is not installed.
+    # SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3, which celery-lease does not take.
     url = Database.parse_url(f"{scheme}://shop:pw@db:5432/shop")
     assert url.drivername == "postgresql+psycopg2"
     assert (url.username, url.password, url.host, url.port, url.database) == ("shop", "pw", "db", 5432, "shop")
