@@ -99,6 +99,10 @@ class ClaimFollowUps:
     best-effort: a failure is logged and never fails the delivery (its job would stay
     running with no body)."""
 
+    #: The claim took the row to run: called before the others (the worker starts the
+    #: attempt's heartbeat here, so a follow-up held by a slow broker or database does
+    #: not hold the new lease unrenewed).
+    claimed: Callable[[Row], None] | None = None
     #: The claim found the job's run cancelled and cancelled it: its errbacks fire and
     #: a chord it heads is removed (Pipeline.claim_cancelled). It took no slot.
     cancelled: Callable[[Row], None] | None = None
@@ -293,8 +297,10 @@ def _after(t: Claim, row: Row, params: Mapping[str, Any], f: ClaimFollowUps) -> 
     steps: list[tuple[str, Callable[[Row], None] | None]] = []
     if row["status"] == _CANCELLED:
         steps.append(("errbacks of its cancel", f.cancelled))
-    elif t.limited and row.get("window_claims") == 1:
-        steps.append(("wake of its new rate window", f.window_opened))
+    else:
+        steps.append(("start of its attempt", f.claimed))
+        if t.limited and row.get("window_claims") == 1:
+            steps.append(("wake of its new rate window", f.window_opened))
     if str(row["id"]) != str(params["job_id"]):
         steps.append(("new wakeup of the job it swapped out", f.swapped))
     for what, step in steps:

@@ -128,14 +128,23 @@ class WorkerState:
         # unrenewed (the completer's thread writes them meanwhile).
         limited = self.flow.limited(spec) if self.flow is not None else spec.limits is not None
         riding = None if limited else self.completer.take()
-        # A job found in a cancelled run is cancelled by the claim: its errbacks and
-        # chord follow once the claim committed (the claim's follow-up).
-        follow_ups = ClaimFollowUps(cancelled=self.pipeline.claim_cancelled)
+        # The claimed attempt joins the heartbeat as the claim's first follow-up, before
+        # the others (a swapped job's new wakeup, a rate window's wake) that a slow broker
+        # or database may hold. A job found in a cancelled run is cancelled by the claim:
+        # its errbacks and chord follow once the claim committed.
+        started: list[Attempt] = []
+        follow_ups = ClaimFollowUps(
+            claimed=lambda row: started.append(self._start(row, spec, sent_at)), cancelled=self.pipeline.claim_cancelled
+        )
         try:
             if self.flow is not None:
                 row = self.flow.claim(job_id, spec, owner, successes=riding, follow_ups=follow_ups)
             else:
                 row = claim_delivery(self.store, job_id, owner, spec.task, successes=riding, follow_ups=follow_ups)
+        except BaseException:
+            for attempt in started:  # no body will run: its lease must not be renewed
+                self.heartbeat.remove(attempt)
+            raise
         finally:
             if riding is not None:
                 self.completer.settle(riding)
@@ -145,14 +154,21 @@ class WorkerState:
             else:
                 log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
             return None
-        # A higher-priority job may be claimed in place of the delivered one.
-        attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
-        if time.monotonic() - sent_at > attempt.lease_seconds * START_SHARE:
+        attempt = started[0] if started else self._start(row, spec, sent_at)
+        if _late(attempt):
+            self.heartbeat.remove(attempt)
             self._hand_back(attempt)
             return None
+        return attempt
+
+    def _start(self, row: dict[str, Any], spec: JobKind, sent_at: float) -> Attempt:
+        """The attempt the claim took (a higher-priority job may be claimed in place of
+        the delivered one), its lease renewed from now on unless it came too late."""
+        attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
         if spec.timeout is not None:
             attempt.deadline = sent_at + spec.timeout
-        self.heartbeat.add(attempt)
+        if not _late(attempt):
+            self.heartbeat.add(attempt)
         return attempt
 
     def _hand_back(self, attempt: Attempt) -> None:
@@ -163,6 +179,8 @@ class WorkerState:
         # Unlike a body's outcome, the hand-back is right whenever it lands (it is fenced
         # by the generation and writes nothing of a body): this clock must not refuse it.
         attempt.renewed_at = time.monotonic()
+        if not attempt.gone:  # lapsed by this clock only (the heartbeat saw it while follow-ups ran)
+            attempt.lost.clear()
         log.warning("celery-lease: job %s: claimed too late in its lease; handed back, not started", attempt.job_id)
         try:
             self.record.hand_off(attempt, why=CLAIMED_LATE)
@@ -303,3 +321,10 @@ class WorkerState:
             exc_info=exc,
         )
         return found.error
+
+
+def _late(attempt: Attempt) -> bool:
+    """The body must not start: less than half the lease is left, counted from the
+    claim's send or the last renewal confirmed since (while the claim's follow-ups ran).
+    The reaper and another worker may take the job any moment; it is handed back."""
+    return time.monotonic() - attempt.renewed_at > attempt.lease_seconds * START_SHARE

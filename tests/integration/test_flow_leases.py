@@ -119,3 +119,36 @@ def test_a_claim_whose_lease_lapsed_during_its_lock_wait_does_not_start_its_body
     worker.end(again)
     worker.flush()
     assert _row(pg, job).status == "succeeded"
+
+
+@pytest.mark.timeout(60)
+def test_a_claims_slow_follow_up_does_not_cost_the_job_it_claimed(pg, broker, client_app, monkeypatch):
+    """A delivery of a low-priority job claims a higher-priority one in its place, and
+    the claim's follow-up publishes the delivered job's new wakeup: with the broker slow
+    (here 1.5 s, as kombu retrying a publish through a broker restart) on a 2 s lease.
+    The claimed attempt joins the heartbeat before its follow-ups run, so its lease is
+    renewed meanwhile and its body starts. (It joined after them: past half its lease
+    counted from the claim's send, the job was handed back, the claim wasted.)"""
+    mod, quick, _ = _app(client_app, pg, broker)
+    worker = mod.leases.worker
+    leases = mod.leases
+    low = _submit(mod, quick)
+    high = str(leases.store.insert_jobs([leases.producer.job_row(quick, {}, {"priority": 5})], keyed=False)[0].id)
+    flow = worker.flow
+    publish = flow._publish
+
+    def slow_publish(rows):
+        time.sleep(1.5)
+        return publish(rows)
+
+    monkeypatch.setattr(flow, "_publish", slow_publish)
+    started = time.monotonic()
+    attempt = worker.begin(low, quick, HOST)
+    assert time.monotonic() - started > 1.5  # (the follow-up was slow: the test tests something)
+    assert attempt is not None and attempt.job_id == high
+    assert worker.execute(quick, attempt) == {"ok": 1}
+    worker.end(attempt)
+    worker.flush()
+    row = _row(pg, high)
+    assert (row.status, row.attempt, row.lease_generation, row.result) == ("succeeded", 1, 1, {"ok": 1})
+    assert _row(pg, low).status == "pending"  # its new wakeup went out, late
