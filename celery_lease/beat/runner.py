@@ -54,9 +54,6 @@ class TickRunner:
         self._last: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: Ticks run and skipped so far (tests and logs).
-        self.ran = 0
-        self.skipped = 0
 
     def start(self) -> None:
         if self._thread is None:
@@ -119,13 +116,11 @@ class TickRunner:
         now = time.monotonic()
         last = self._last.get(name or "")
         if last is not None and now - last < interval / 2:
-            self.skipped += 1
             self._announce(task_id, "task-succeeded", result="skipped", runtime=0.0)
             return
         self._last[name or ""] = now
         try:
             done = run()
-            self.ran += 1
             log.debug("celery-lease: maintenance tick %s done", name)
             self._announce(task_id, "task-succeeded", result=repr(done), runtime=time.monotonic() - now)
         except Exception as exc:
