@@ -132,6 +132,14 @@ class Attempt:
             return True
         return False
 
+    @property
+    def late_to_start(self) -> bool:
+        """Its body must not start: less than START_SHARE of the lease is left, counted
+        from the claim's send or the last renewal confirmed since (the claim's follow-ups
+        run with the attempt in the heartbeat). The reaper and another worker may take
+        the job any moment: it is handed back."""
+        return time.monotonic() - self.renewed_at > self.lease_seconds * START_SHARE
+
     def mark_lost(self) -> None:
         self.gone = True
         self.lost.set()

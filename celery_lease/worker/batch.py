@@ -50,7 +50,7 @@ from celery_lease.errors import DatabaseUnavailable, JobFailed, JobRefused, Leas
 from celery_lease.lifecycle.batch import claim_batch
 from celery_lease.lifecycle.owner import owner_of
 from celery_lease.worker import shutdown
-from celery_lease.worker.attempt import START_SHARE, Attempt
+from celery_lease.worker.attempt import Attempt
 from celery_lease.worker.completion import Riding, successes, write_successes
 
 if TYPE_CHECKING:
@@ -94,26 +94,28 @@ class Batches:
         if not rows:
             self._nothing_claimed(job_id, spec, paused=bool(found and found[0]["paused"]))
             return None
+        attempts = [Attempt.from_claim(str(r["id"]), r, sent_at=sent_at) for r in rows if r["status"] != _CANCELLED]
+        attempts.sort(key=lambda a: a.job_id != job_id)  # the delivery's own job first
+        # The attempts join the heartbeat before the claim's follow-ups, which a slow
+        # broker or database may hold (as a single claim's: executor.begin).
+        if not any(a.late_to_start for a in attempts):
+            for a in attempts:
+                state.heartbeat.add(a)
         following = rows[0]["next_id"]
         if following is not None:
             # Full: what is left of the kind gets a wakeup now, for another process.
             self._wake(spec, following, rows[0]["queue"])
-        attempts = []
         for row in rows:
             if row["status"] == _CANCELLED:
                 log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
                 state.pipeline.claim_cancelled(row)
-            else:
-                attempts.append(Attempt.from_claim(str(row["id"]), row, sent_at=sent_at))
         if not attempts:
             return None
-        attempts.sort(key=lambda a: a.job_id != job_id)  # the delivery's own job first
-        if time.monotonic() - sent_at > min(a.lease_seconds for a in attempts) * START_SHARE:
+        if any(a.late_to_start for a in attempts):
             for a in attempts:
+                state.heartbeat.remove(a)
                 state._hand_back(a)
             return None
-        for a in attempts:
-            state.heartbeat.add(a)
         lead = attempts[0]
         lead.batch = attempts
         if spec.timeout is not None:

@@ -32,7 +32,7 @@ from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import UnstorableValue, cap_error
 from celery_lease.status import Status
 from celery_lease.worker import shutdown
-from celery_lease.worker.attempt import START_SHARE, Attempt
+from celery_lease.worker.attempt import Attempt
 from celery_lease.worker.batch import Batches
 from celery_lease.worker.completion import Completer, completer_for
 from celery_lease.worker.context import JobContext
@@ -155,7 +155,7 @@ class WorkerState:
                 log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
             return None
         attempt = started[0] if started else self._start(row, spec, sent_at)
-        if _late(attempt):
+        if attempt.late_to_start:
             self.heartbeat.remove(attempt)
             self._hand_back(attempt)
             return None
@@ -167,7 +167,7 @@ class WorkerState:
         attempt = Attempt.from_claim(str(row["id"]), row, sent_at=sent_at)
         if spec.timeout is not None:
             attempt.deadline = sent_at + spec.timeout
-        if not _late(attempt):
+        if not attempt.late_to_start:
             self.heartbeat.add(attempt)
         return attempt
 
@@ -321,10 +321,3 @@ class WorkerState:
             exc_info=exc,
         )
         return found.error
-
-
-def _late(attempt: Attempt) -> bool:
-    """The body must not start: less than half the lease is left, counted from the
-    claim's send or the last renewal confirmed since (while the claim's follow-ups ran).
-    The reaper and another worker may take the job any moment; it is handed back."""
-    return time.monotonic() - attempt.renewed_at > attempt.lease_seconds * START_SHARE

@@ -6,6 +6,7 @@ lease lost on one row touch only that job)."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -303,3 +304,31 @@ def test_a_renewal_after_a_batch_success_landed_warns_of_no_lost_lease(pg, mod, 
     worker.end(lead)
     assert [r.status for r in rows(pg, ids)] == ["succeeded"] * 4
     assert not [r.message for r in caplog.records if "lease lost" in r.message]
+
+
+def test_a_batch_claims_slow_follow_up_does_not_cost_the_batch(pg, broker, client_app, monkeypatch):
+    """A full batch's claim wakes what is left of the kind for another process: with the
+    broker slow (1.5 s, as kombu retrying a publish through a broker restart) on a 2 s
+    lease. The batch's attempts join the heartbeat before that follow-up runs, so their
+    leases are renewed meanwhile and the batch runs. (They joined after it: past half the
+    lease counted from the claim's send, the whole batch was handed back.)"""
+    monkeypatch.setenv("CL_TEST_LEASE", "2")
+    mod = client_app(pg, broker, module="tests.apps.app_batch")
+    worker = mod.leases.worker
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(5)])]
+    publish = worker.producer.publish_wakeups
+
+    def slow_publish(wakeups):
+        if wakeups:  # (the claim's transition publishes none, through this same call)
+            time.sleep(1.5)
+        return publish(wakeups)
+
+    monkeypatch.setattr(worker.producer, "publish_wakeups", slow_publish)
+    started = time.monotonic()
+    lead = worker.begin(ids[0], mod.b_note.spec, HOST)
+    assert time.monotonic() - started > 1.5  # (the follow-up was slow: the test tests something)
+    assert lead is not None and [a.job_id for a in lead.batch] == ids[:4]
+    worker.execute(mod.b_note.spec, lead)
+    worker.end(lead)
+    worker.flush()
+    assert [(r.status, r.attempt, r.lease_generation) for r in rows(pg, ids)] == [("succeeded", 1, 1)] * 4 + [("pending", 0, 0)]
