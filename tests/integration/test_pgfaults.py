@@ -72,10 +72,11 @@ def test_the_proxy_forwards_without_nagle_delay(proxy, cluster):
     conn = through(proxy, cluster)
     with conn.cursor() as cur:
         cur.execute("SELECT 1")
+    # Read while the connection is open: once the client closes, the proxy closes both.
     sockets = list(proxy._sockets)
-    conn.close()
     assert len(sockets) == 2
     assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+    conn.close()
 
 
 def test_fail_drops_the_connection_before_the_server_sees_the_statement(proxy, cluster):
