@@ -113,7 +113,6 @@ class Batches:
             return None
         if any(a.late_to_start for a in attempts):
             for a in attempts:
-                state.heartbeat.remove(a)
                 state._hand_back(a)
             return None
         lead = attempts[0]

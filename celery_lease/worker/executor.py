@@ -156,7 +156,6 @@ class WorkerState:
             return None
         attempt = started[0] if started else self._start(row, spec, sent_at)
         if attempt.late_to_start:
-            self.heartbeat.remove(attempt)
             self._hand_back(attempt)
             return None
         return attempt
@@ -178,6 +177,7 @@ class WorkerState:
         its attempt not spent; if that cannot be written, the reaper requeues it."""
         # Unlike a body's outcome, the hand-back is right whenever it lands (it is fenced
         # by the generation and writes nothing of a body): this clock must not refuse it.
+        self.heartbeat.remove(attempt)  # (joined before the claim's follow-ups, if it was on time then)
         attempt.renewed_at = time.monotonic()
         if not attempt.gone:  # lapsed by this clock only (the heartbeat saw it while follow-ups ran)
             attempt.lost.clear()
