@@ -152,3 +152,45 @@ def test_a_claims_slow_follow_up_does_not_cost_the_job_it_claimed(pg, broker, cl
     row = _row(pg, high)
     assert (row.status, row.attempt, row.lease_generation, row.result) == ("succeeded", 1, 1, {"ok": 1})
     assert _row(pg, low).status == "pending"  # its new wakeup went out, late
+
+
+@pytest.mark.timeout(60)
+def test_a_claim_whose_renewals_failed_during_its_follow_ups_is_still_handed_back(pg, broker, client_app, monkeypatch):
+    """The claimed job's row stays locked by another transaction while the claim's
+    follow-up (the swapped-out job's new wakeup) is slow: every renewal skips the locked
+    row, so by the attempt's own clock its lease lapses (0.8 of it, unconfirmed) and the
+    heartbeat marks it lost. Past half its lease the body must not start: the job is
+    handed back, its attempt not spent, as soon as the lock is gone. (Were the lapse seen
+    by this clock alone kept, the fenced hand-off would be refused and the job would stay
+    running until the reaper spent its only attempt.)"""
+    mod, quick, _ = _app(client_app, pg, broker)
+    worker = mod.leases.worker
+    leases = mod.leases
+    low = _submit(mod, quick)
+    high = str(leases.store.insert_jobs([leases.producer.job_row(quick, {}, {"priority": 5})], keyed=False)[0].id)
+    flow = worker.flow
+    publish = flow._publish
+    seen: list[tuple[str, bool, bool]] = []  # the heartbeat's attempts once the lock is let go
+
+    def slow_publish(rows):
+        engine = sa.create_engine(pg)
+        try:
+            with engine.begin() as conn:
+                conn.execute(sa.select(jobs.c.id).where(jobs.c.id == high).with_for_update())
+                held = list(worker.heartbeat._attempts.values())
+                deadline = time.monotonic() + 10
+                while not all(a.lost.is_set() for a in held) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                seen.extend((a.job_id, a.lost.is_set(), a.gone) for a in held)
+        finally:
+            engine.dispose()
+        return publish(rows)
+
+    monkeypatch.setattr(flow, "_publish", slow_publish)
+    assert worker.begin(low, quick, HOST) is None
+    # The fault happened: the claimed attempt was in the heartbeat, which lost it by
+    # its own clock (lost, not gone: no renewal matched no row).
+    assert seen == [(high, True, False)]
+    row = _row(pg, high)
+    assert (row.status, row.attempt, row.lease_generation) == ("pending", 0, 1)
+    assert _row(pg, low).status == "pending"
