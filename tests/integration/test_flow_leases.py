@@ -39,6 +39,17 @@ def _submit(mod, spec) -> str:
     return str(mod.leases.store.insert_jobs([mod.leases.producer.job_row(spec, {}, {})], keyed=False)[0].id)
 
 
+def _swap(client_app, pg, broker):
+    """A ``quick`` job (``low``) and one of higher priority (``high``): a delivery of
+    ``low`` claims ``high`` in its place, and the claim's follow-up publishes ``low``'s
+    new wakeup (flow._publish)."""
+    mod, quick, _ = _app(client_app, pg, broker)
+    leases = mod.leases
+    low = _submit(mod, quick)
+    high = str(leases.store.insert_jobs([leases.producer.job_row(quick, {}, {"priority": 5})], keyed=False)[0].id)
+    return leases.worker, quick, low, high
+
+
 @contextmanager
 def _kind_locked(pg, kind: str, seconds: float) -> Iterator[None]:
     """Another connection holds ``kind``'s limits row lock for ``seconds`` (as a
@@ -129,11 +140,7 @@ def test_a_claims_slow_follow_up_does_not_cost_the_job_it_claimed(pg, broker, cl
     The claimed attempt joins the heartbeat before its follow-ups run, so its lease is
     renewed meanwhile and its body starts. (It joined after them: past half its lease
     counted from the claim's send, the job was handed back, the claim wasted.)"""
-    mod, quick, _ = _app(client_app, pg, broker)
-    worker = mod.leases.worker
-    leases = mod.leases
-    low = _submit(mod, quick)
-    high = str(leases.store.insert_jobs([leases.producer.job_row(quick, {}, {"priority": 5})], keyed=False)[0].id)
+    worker, quick, low, high = _swap(client_app, pg, broker)
     flow = worker.flow
     publish = flow._publish
 
@@ -163,11 +170,7 @@ def test_a_claim_whose_renewals_failed_during_its_follow_ups_is_still_handed_bac
     handed back, its attempt not spent, as soon as the lock is gone. (Were the lapse seen
     by this clock alone kept, the fenced hand-off would be refused and the job would stay
     running until the reaper spent its only attempt.)"""
-    mod, quick, _ = _app(client_app, pg, broker)
-    worker = mod.leases.worker
-    leases = mod.leases
-    low = _submit(mod, quick)
-    high = str(leases.store.insert_jobs([leases.producer.job_row(quick, {}, {"priority": 5})], keyed=False)[0].id)
+    worker, quick, low, high = _swap(client_app, pg, broker)
     flow = worker.flow
     publish = flow._publish
     seen: list[tuple[str, bool, bool]] = []  # the heartbeat's attempts once the lock is let go
