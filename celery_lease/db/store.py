@@ -20,7 +20,6 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from celery_lease.db.chords import Chords
 from celery_lease.db.engine import Database, Timeouts
 from celery_lease.db.history import History
 from celery_lease.db.prepared import Prepared, PreparedScript
@@ -56,7 +55,7 @@ class Capabilities:
     joinable_vendor: str | None
 
 
-class Store(Reads, Chords, History, Database):
+class Store(Reads, History, Database):
     def __init__(
         self,
         url: str,
@@ -318,3 +317,30 @@ class Store(Reads, Chords, History, Database):
 
     def make_due(self, job_id: str) -> None:
         self.guarded(canvas.make_due(), {"job_id": job_id})
+
+    # --- chord counters (see celery_lease.canvas): one row per applied chord, counted down by
+    # its header jobs' successes, removed when the body is created, when a header job fails,
+    # expires or is cancelled, or by the pruner ----------------------------------------
+
+    def create_chord(self, group_id: str, members: list[str], body: Any) -> None:
+        stmt = canvas.insert_chord(self.dialect)
+        params = {"group_id": group_id, "remaining": len(members), "members": members, "body": body}
+        self.transaction(self.durable, lambda c: c.execute(stmt, params))
+
+    def count_down_chord(self, conn: Connection, group_id: str) -> dict[str, Any] | None:
+        """In a member's success transaction: the chord row after this member, or None
+        when the chord is gone (failed) or already complete."""
+        row = conn.execute(canvas.count_down_chord(), {"group_id": group_id}).mappings().first()
+        return None if row is None else dict(row)
+
+    def delete_chord(self, conn: Connection, group_id: str) -> Any:
+        """Remove a chord; its body's signature, or None when it was already removed."""
+        row = conn.execute(canvas.delete_chord(), {"group_id": group_id}).first()
+        return None if row is None else row[0]
+
+    def job_results(self, conn: Connection, ids: Sequence[str]) -> dict[str, Any]:
+        return {str(r[0]): r[1] for r in conn.execute(canvas.job_results(ids))}
+
+    def prune_chords(self, older_than_seconds: float, limit: int) -> int:
+        params = {"cutoff_seconds": older_than_seconds, "limit": limit}
+        return self.transaction(self.durable, lambda conn: len(conn.execute(canvas.prune_chords(self.dialect), params).all()))

@@ -1,4 +1,4 @@
-"""Canvas statements (celery_lease/canvas.py, celery_lease.db.chords): chord counters
+"""Canvas statements (celery_lease/canvas.py, Store's chord counters): chord counters
 and the results a chord body or a chain reads."""
 
 from __future__ import annotations
