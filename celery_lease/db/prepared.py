@@ -77,6 +77,7 @@ class Prepared:
         # column_keys: for an INSERT, the columns it binds (a missing value binds NULL).
         compiled: Any = _inline_constants(stmt, column_keys).compile(dialect=_DOLLAR, column_keys=column_keys)
         self.name = next(_names)
+        self.parts: tuple[Prepared, ...] = (self,)  # prepared before it runs (a script: each part)
         self._order = list(compiled.positiontup)
         # The construct's own constants; a value the caller must give has none.
         self._defaults = {k: v for k, v in compiled.params.items() if not compiled.binds[k].required}
@@ -112,9 +113,10 @@ class Prepared:
         """Run on a raw driver connection; returns (column names, rows)."""
         prepared = info.setdefault(_KEY, set())
         with dbapi_connection.cursor() as cur:
-            if self.name not in prepared:
-                cur.execute(self.prepare_sql)
-                prepared.add(self.name)
+            for part in self.parts:
+                if part.name not in prepared:
+                    cur.execute(part.prepare_sql)
+                    prepared.add(part.name)
             cur.execute(self.execute_sql, self.values(params))
             if cur.description is None:
                 return [], []
@@ -146,15 +148,3 @@ class PreparedScript(Prepared):
 
     def values(self, params: dict[str, Any]) -> list[Any]:
         return [value for part in self.parts for value in part.values(params)]
-
-    def execute(self, dbapi_connection, info: dict, params: dict[str, Any]) -> tuple[list[str], Sequence[tuple]]:
-        prepared = info.setdefault(_KEY, set())
-        with dbapi_connection.cursor() as cur:
-            for part in self.parts:
-                if part.name not in prepared:
-                    cur.execute(part.prepare_sql)
-                    prepared.add(part.name)
-            cur.execute(self.execute_sql, self.values(params))
-            if cur.description is None:
-                return [], []
-            return [d[0] for d in cur.description], cur.fetchall()
