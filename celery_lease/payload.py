@@ -126,7 +126,6 @@ class Codec:
         except Exception:  # unresolvable forward references: treat as untyped
             hints = {}
         self.payload_type = hints.get(params[1].name)
-        self.result_type = hints.get("return")
 
     def dump_payload(self, payload: Any, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Any:
         """Validate and serialize; raises InvalidPayload, having stored nothing."""

@@ -28,7 +28,6 @@ class Status(str, enum.Enum):
 
 
 TERMINAL = frozenset({Status.SUCCEEDED, Status.FAILED, Status.EXPIRED, Status.CANCELLED})
-ACTIVE = frozenset({Status.PENDING, Status.RUNNING})
 
 
 class Held(str, enum.Enum):

@@ -21,13 +21,6 @@ from celery_lease.db.statements.common import (
 from celery_lease.db.statements.events import _events_of
 from celery_lease.status import Event, Status
 
-#: The columns a submit binds; the database fills created_at / updated_at, and
-#: run_after / woken_at from the bound due_at / due_in (see insert_jobs).
-INSERTED_COLUMNS = tuple(c.name for c in jobs.c if c.name not in ("created_at", "updated_at", "run_after", "woken_at")) + (
-    "due_at",
-    "due_in",
-)
-
 
 @functools.cache
 def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
