@@ -35,14 +35,24 @@ class db_now(FunctionElement):
     inherit_cache = True
 
 
-class db_now_plus(FunctionElement):
-    """The database's current time plus a number of seconds (may be negative)."""
-
-    type = sa.DateTime(timezone=True)
-    inherit_cache = True
-
-
 _SQLITE_TS = "'%Y-%m-%d %H:%M:%f'"
+
+
+def sql_function(name: str, type_: sa.types.TypeEngine, pg_sql: str, sqlite_sql: str) -> type[FunctionElement]:
+    """A function of one argument the two databases spell differently: ``pg_sql`` and
+    ``sqlite_sql`` are its SQL, ``{}`` standing for the compiled argument."""
+    function: type[FunctionElement] = type(name, (FunctionElement,), {"type": type_, "inherit_cache": True})
+
+    def spell(sql: str):
+        def compile_(element, compiler, **kw):
+            (argument,) = element.clauses
+            return sql.format(compiler.process(argument, **kw))
+
+        return compile_
+
+    compiles(function)(spell(pg_sql))
+    compiles(function, "sqlite")(spell(sqlite_sql))
+    return function
 
 
 @compiles(db_now)
@@ -58,16 +68,15 @@ def _now_sqlite(element, compiler, **kw):
     return f"(strftime({_SQLITE_TS}, 'now') || '000')"
 
 
-@compiles(db_now_plus)
-def _now_plus_default(element, compiler, **kw):
-    (seconds,) = element.clauses
-    return f"(now() + make_interval(secs => {compiler.process(seconds, **kw)}))"
-
-
-@compiles(db_now_plus, "sqlite")
-def _now_plus_sqlite(element, compiler, **kw):
-    (seconds,) = element.clauses
-    return f"(strftime({_SQLITE_TS}, 'now', printf('%+.6f seconds', {compiler.process(seconds, **kw)})) || '000')"
+#: The database's current time plus a number of seconds (may be negative).
+db_now_plus = sql_function(
+    "db_now_plus",
+    sa.DateTime(timezone=True),
+    "(now() + make_interval(secs => {}))",
+    f"(strftime({_SQLITE_TS}, 'now', printf('%+.6f seconds', {{}})) || '000')",
+)
+#: Seconds since the Unix epoch of a timestamp, as a float.
+epoch_seconds = sql_function("epoch_seconds", sa.Float(), "extract(epoch from {})", "((julianday({}) - 2440587.5) * 86400.0)")
 
 
 def _seconds(name: str) -> sa.BindParameter:
@@ -132,25 +141,6 @@ ENDED_COLUMNS = (
 #: its concurrency key, and ``limited``: its kind has a limits row (only those can
 #: hold jobs for a free slot). A statement that ends jobs returns these.
 RELEASE_COLUMNS = (_c.kind, _c.concurrency_key, _c.kind.in_(sa.select(limits.c.kind)).label("limited"))
-
-
-class epoch_seconds(FunctionElement):
-    """Seconds since the Unix epoch of a timestamp, as a float."""
-
-    type = sa.Float()
-    inherit_cache = True
-
-
-@compiles(epoch_seconds)
-def _epoch_default(element, compiler, **kw):
-    (ts,) = element.clauses
-    return f"extract(epoch from {compiler.process(ts, **kw)})"
-
-
-@compiles(epoch_seconds, "sqlite")
-def _epoch_sqlite(element, compiler, **kw):
-    (ts,) = element.clauses
-    return f"((julianday({compiler.process(ts, **kw)}) - 2440587.5) * 86400.0)"
 
 
 def _batch(name: str, where: sa.ColumnElement, order_by, limit: str | sa.ColumnElement) -> sa.CTE:

@@ -20,11 +20,9 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.functions import FunctionElement
 
 from celery_lease.db.schema import events, history, history_events, jobs, limits
-from celery_lease.db.statements.common import db_now, db_now_plus, epoch_seconds
+from celery_lease.db.statements.common import db_now, db_now_plus, epoch_seconds, sql_function
 from celery_lease.db.statements.flow import rate_window_now
 from celery_lease.db.statements.history import everywhere
 from celery_lease.db.statements.in_force import in_force_per_seconds, in_force_rate
@@ -168,23 +166,13 @@ def terminal_counts(tenant: str | None) -> sa.Select:
 # --- live throughput and latency ----------------------------------------------------------
 
 
-class minute_of(FunctionElement):
-    """The minute (since the Unix epoch) a timestamp falls in, as an integer."""
-
-    type = sa.BigInteger()
-    inherit_cache = True
-
-
-@compiles(minute_of)
-def _minute_default(element, compiler, **kw):
-    (ts,) = element.clauses
-    return f"floor(extract(epoch from {compiler.process(ts, **kw)}) / 60)::bigint"
-
-
-@compiles(minute_of, "sqlite")
-def _minute_sqlite(element, compiler, **kw):
-    (ts,) = element.clauses
-    return f"CAST((julianday({compiler.process(ts, **kw)}) - 2440587.5) * 1440.0 AS INTEGER)"
+#: The minute (since the Unix epoch) a timestamp falls in, as an integer.
+minute_of = sql_function(
+    "minute_of",
+    sa.BigInteger(),
+    "floor(extract(epoch from {}) / 60)::bigint",
+    "CAST((julianday({}) - 2440587.5) * 1440.0 AS INTEGER)",
+)
 
 
 def _recent(column, where: Any, tenant: str | None, *columns) -> sa.Subquery:

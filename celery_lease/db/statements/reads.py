@@ -7,13 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.functions import FunctionElement
 
 from celery_lease.db.schema import events, jobs
-from celery_lease.db.statements.common import (
-    _c,
-)
+from celery_lease.db.statements.common import _c, sql_function
 from celery_lease.db.statements.history import everywhere
 
 
@@ -57,23 +53,8 @@ def get_job_view(job_id: str, *, tenant: str | None = None) -> sa.Select:
     return everywhere(stmt if tenant is None else stmt.where(_c.tenant == tenant))
 
 
-class json_bytes(FunctionElement):
-    """The size in bytes of a JSON column's stored text (NULL for NULL)."""
-
-    type = sa.Integer()
-    inherit_cache = True
-
-
-@compiles(json_bytes)
-def _json_bytes_default(element, compiler, **kw):
-    (value,) = element.clauses
-    return f"octet_length(CAST({compiler.process(value, **kw)} AS TEXT))"
-
-
-@compiles(json_bytes, "sqlite")
-def _json_bytes_sqlite(element, compiler, **kw):
-    (value,) = element.clauses
-    return f"length(CAST({compiler.process(value, **kw)} AS BLOB))"
+#: The size in bytes of a JSON column's stored text (NULL for NULL).
+json_bytes = sql_function("json_bytes", sa.Integer(), "octet_length(CAST({} AS TEXT))", "length(CAST({} AS BLOB))")
 
 
 def _bounded(column: Any, max_bytes: int) -> tuple[Any, Any]:
