@@ -47,21 +47,6 @@ T = TypeVar("T")
 
 #: How often a statement is retried when its connection was dropped.
 RECONNECT_ATTEMPTS = 3
-#: Seconds between tries of a write while the database is unreachable (the last repeats):
-#: an attempt's writes try until its lease lapses by its own clock, others for their sum.
-BLIP_WAITS = (0.1, 0.25, 0.5, 1.0)
-
-
-def ride_briefly(write: Callable[[], T]) -> T:
-    """A write outside any attempt (a cancel, maintenance, a claim settling a lost reply): tried again through a
-    short database blip, then DatabaseUnavailable reaches the caller."""
-    for wait in BLIP_WAITS:
-        try:
-            return write()
-        except DatabaseUnavailable:
-            log.warning("celery-lease: database unavailable; trying the transition again in %ss", wait)
-            time.sleep(wait)
-    return write()
 
 
 def _on_sqlite_connect(dbapi_conn, _record) -> None:

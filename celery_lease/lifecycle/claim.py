@@ -36,7 +36,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db import durability
-from celery_lease.db.engine import ride_briefly
+from celery_lease.db.blips import ride_briefly
 from celery_lease.db.statements import claim
 from celery_lease.db.statements import flow as fs
 from celery_lease.db.statements.events import logs_itself

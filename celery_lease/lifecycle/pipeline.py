@@ -28,16 +28,15 @@ cost every job two more round trips: a claim is one statement alone in its trans
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from celery_lease.db import durability
-from celery_lease.db.engine import BLIP_WAITS, ride_briefly
+from celery_lease.db.blips import ride_briefly, ride_out
 from celery_lease.db.landing import Landing
 from celery_lease.db.statements.common import row_dicts
 from celery_lease.db.statements.events import logs_itself
-from celery_lease.errors import DatabaseUnavailable, LeaseLost
+from celery_lease.errors import LeaseLost
 from celery_lease.lifecycle.transition import CANCEL
 
 if TYPE_CHECKING:
@@ -64,24 +63,6 @@ class During(Protocol):
     def write(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> list[Job]: ...
 
     def send(self) -> None: ...
-
-
-def _ride_batch(batch: Sequence[Attempt]) -> Callable[[Callable[[], T]], T]:
-    """A batch's write is tried again through a blip while any of its attempts lives
-    (each by its own clock); then LeaseLost."""
-
-    def ride(write: Callable[[], T]) -> T:
-        waits = iter(BLIP_WAITS)
-        while True:
-            if all(a.is_lost for a in batch):
-                raise LeaseLost()
-            try:
-                return write()
-            except DatabaseUnavailable:
-                log.warning("celery-lease: database unavailable; trying the transition of %d attempts again", len(batch))
-                time.sleep(next(waits, BLIP_WAITS[-1]))
-
-    return ride
 
 
 class Pipeline:
@@ -156,9 +137,15 @@ class Pipeline:
         landing: Landing[tuple[list[dict[str, Any]], list[Job]]] = Landing(
             store, store.durable if t.durable else store.fast, lock_timeout=t.lock_timeout
         )
-        ride = attempt.ride_out if attempt is not None else _ride_batch(batch) if batch else ride_briefly
         try:
-            rows, created = ride(lambda: landing.run(work))
+            if attempt is not None:
+                rows, created = attempt.ride_out(lambda: landing.run(work))
+            elif batch:  # tried again while any of its attempts lives (each by its own clock)
+                rows, created = ride_out(
+                    lambda: landing.run(work), lambda: all(a.is_lost for a in batch), what=f"{t.name} of {len(batch)} attempts"
+                )
+            else:
+                rows, created = ride_briefly(lambda: landing.run(work))
         except LeaseLost:
             # Given up (the lease lapsed by its own clock) with a commit's fate unknown:
             # asked once more, a commit that landed is not reported discarded. Unasked,

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery_lease.db.engine import BLIP_WAITS
-from celery_lease.errors import DatabaseUnavailable, LeaseLost
+from celery_lease.db.blips import ride_out
+from celery_lease.errors import LeaseLost
 
 if TYPE_CHECKING:
     from celery_lease.db.store import Store
@@ -145,24 +145,13 @@ class Attempt:
         self.lost.set()
 
     def ride_out(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:
-        """Run ``write`` (one of this attempt's writes); while the database is
-        unreachable, try again until the lease lapses by this attempt's own clock, then
-        raise LeaseLost. A short database blip (a restart, a failover) then costs a
-        pause, not the attempt: the handler's checkpoint or outcome lands once the
-        database is back. ``on_retry`` is told of each new try (the last may have
-        landed before its reply was lost)."""
-        waits = iter(BLIP_WAITS)
-        while True:
-            if self.is_lost:
-                raise LeaseLost()
-            try:
-                return write()
-            except DatabaseUnavailable:
-                wait = next(waits, BLIP_WAITS[-1])
-                log.warning("celery-lease: job %s: database unavailable; trying again within the lease", self.job_id)
-                if on_retry is not None:
-                    on_retry()
-                time.sleep(max(0.0, min(wait, self.lapses_at - time.monotonic())))
+        """Run ``write`` (one of this attempt's writes), tried again while the database
+        is unreachable until the lease lapses by this attempt's own clock, then
+        LeaseLost (db.engine.ride_out): the handler's checkpoint or outcome lands once
+        the database is back."""
+        return ride_out(
+            write, lambda: self.is_lost, lapses_at=lambda: self.lapses_at, on_retry=on_retry, what=f"job {self.job_id}"
+        )
 
     def write(self, store: Store, stmt, **params: Any) -> bool:
         """One fenced statement committed alone; False (writing nothing) when the lease

@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_lease.db.engine import BLIP_WAITS
-from celery_lease.errors import DatabaseUnavailable, LeaseLost
+from celery_lease.db.blips import ride_out
+from celery_lease.errors import LeaseLost
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.claim import RidingSuccesses
 from celery_lease.producer import refused_value
@@ -298,13 +298,11 @@ class BatchCompleter(Drainer):
         finished, and the statement is fenced (a job the reaper took is not written).
         Dropped, the success was lost while its row stayed running under this process
         (issue #27, item 4); only a lease known gone is."""
-        waits = iter(BLIP_WAITS)
-        while True:
-            live = [item for item in live if not item[0].gone]
-            if not live:
-                return set()
-            try:
-                return self._store.complete_many(successes(live))
-            except DatabaseUnavailable:
-                log.warning("celery-lease: database unavailable; %d success(es) wait within their leases", len(live))
-                time.sleep(next(waits, BLIP_WAITS[-1]))
+        try:
+            return ride_out(
+                lambda: self._store.complete_many(successes([item for item in live if not item[0].gone])),
+                lambda: all(item[0].gone for item in live),
+                what=f"{len(live)} success(es)",
+            )
+        except LeaseLost:  # every one known gone
+            return set()

@@ -1,7 +1,9 @@
 """One database boundary (#27): ``celery_lease/db/`` alone knows which database it is
 (PostgreSQL or SQLite) and whether statements run prepared. Above it, code names a
 statement and forwards the dialect to its builder, and where it must choose a way it
-asks ``Store.capabilities``; it never compares a dialect, nor prepares a statement."""
+asks ``Store.capabilities``; it never compares a dialect, nor prepares a statement, nor
+decides how long a write is retried while the database is away (``BLIP_WAITS``: above
+``db/``, writes retry through ``db.engine.ride_out`` and ``ride_briefly``)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ DIALECTS = {"postgresql", "sqlite"}
 
 def _crossings(source: str) -> list[tuple[int, str]]:
     """Where ``source`` decides on the database itself: a comparison with a dialect (or a
-    dialect's name), an import of db.prepared, a statement sent prepared by hand."""
+    dialect's name), an import of db.prepared, a statement sent prepared by hand, a
+    retry loop's own waits."""
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Compare):
@@ -32,6 +35,8 @@ def _crossings(source: str) -> list[tuple[int, str]]:
             out.append((node.lineno, "imports celery_lease.db.prepared"))
         elif isinstance(node, ast.Attribute) and node.attr == "execute_prepared":
             out.append((node.lineno, "sends a prepared statement (Store.alone decides)"))
+        if isinstance(node, ast.ImportFrom) and any(a.name == "BLIP_WAITS" for a in node.names):
+            out.append((node.lineno, "retries with its own waits (db.engine.ride_out decides)"))
     return out
 
 
@@ -45,8 +50,9 @@ b = "sqlite" != url.dialect
 c = claim(logged=dialect == other)
 d = vendor != "postgresql"
 store.execute_prepared(stmt, {})
+from celery_lease.db.blips import BLIP_WAITS
 """
-    assert sorted(line for line, _ in _crossings(source)) == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert sorted(line for line, _ in _crossings(source)) == [2, 3, 4, 5, 6, 7, 8, 9, 10]
     assert not _crossings("x = store.capabilities.batched_claims and build(store.dialect)")
 
 
