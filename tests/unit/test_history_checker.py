@@ -208,6 +208,8 @@ def test_a_claim_cut_off_by_an_outage_longer_than_the_lease_is_excused(fault):
     assert checks(h) == ["attempt"]
     h.ops.append(Op(T0 + 7.1, "fault", None, fault))
     assert check(h) == []
+    h.ops[-1] = Op(T0 + 6.95, "fault", None, fault)  # recorded as it began, acting after the claim (seed 801828)
+    assert check(h) == []
     h.ops[-1] = Op(T0 + 6.0, "fault", None, fault)  # began before the claim
     assert checks(h) == ["attempt"]
 
