@@ -179,11 +179,11 @@ class Canvas:
 
     # --- worker side: what an outcome sets off ------------------------------------------
 
-    def after_success(self, attempt: Source, result: Any, *, eager: bool = False) -> Followup | None:
+    def after_success(self, attempt: Source, result: Any, *, eager: bool = False) -> FollowUp | None:
         canvas = from_json(attempt.canvas) if attempt.canvas else None
         if not canvas:
             return None
-        follow = Followup(self, attempt, eager=eager)
+        follow = FollowUp(self, attempt, eager=eager)
         chain = _as_list(canvas.get("chain"))
         if chain:
             follow.next_step(signature(chain.pop(), app=self._app), (result,), chain, canvas)
@@ -193,11 +193,11 @@ class Canvas:
             follow.chord_member = str(canvas["chord"])
         return follow
 
-    def after_failure(self, attempt: Source, error: str, *, eager: bool = False) -> Followup | None:
+    def after_failure(self, attempt: Source, error: str, *, eager: bool = False) -> FollowUp | None:
         canvas = from_json(attempt.canvas) if attempt.canvas else None
         if not canvas:
             return None
-        follow = Followup(self, attempt, eager=eager)
+        follow = FollowUp(self, attempt, eager=eager)
         for errback in _as_list(canvas.get("link_error")):
             follow.errback(signature(errback, app=self._app), error, canvas)
         if canvas.get("chord"):
@@ -221,7 +221,7 @@ class Canvas:
         return len(sent)
 
 
-class Followup:
+class FollowUp:
     """The jobs and messages one job's outcome sets off.
 
     ``write(conn)`` runs inside the transaction that records the outcome (after its fenced
@@ -372,12 +372,12 @@ class Endings:
         self._error = error
         self._run_cancelled = run_cancelled
         self._eager = eager
-        self._followups: list[Followup] = []
+        self._follow_ups: list[FollowUp] = []
         self._created: list[Job] = []
 
     def write(self, conn: Connection, rows: Sequence[Any]) -> None:
         # A transaction retried after a dropped connection calls this again: start over.
-        self._followups, self._created = [], []
+        self._follow_ups, self._created = [], []
         for row in rows:
             if row["canvas"]:
                 origin = Origin.of(row)
@@ -386,7 +386,7 @@ class Endings:
                 follow = self._canvas.after_failure(origin, self._error, eager=self._eager)
                 if follow is not None:
                     created = follow.write(conn)
-                    self._followups.append(follow)
+                    self._follow_ups.append(follow)
                     self._created += created
                     detail = f"errback of {origin.job_id}"
                     self._canvas._store().log_events(conn, [(c, Event.DISPATCHED, detail) for c in created])
@@ -395,5 +395,5 @@ class Endings:
         if self._created:
             self._canvas._producer().publish_wakeups(self._created)
         # One delete for all their outbox rows (a reap or a cancelled run ends many jobs).
-        _delete_sent(self._canvas._store(), [i for follow in self._followups for i in follow.send(delete=False)])
-        self._followups, self._created = [], []
+        _delete_sent(self._canvas._store(), [i for follow in self._follow_ups for i in follow.send(delete=False)])
+        self._follow_ups, self._created = [], []

@@ -21,7 +21,7 @@ T = TypeVar("T")
 BLIP_WAITS = (0.1, 0.25, 0.5, 1.0)
 
 
-def ride_out(
+def retry_within_lease(
     write: Callable[[], T],
     lapsed: Callable[[], bool],
     *,
@@ -48,7 +48,7 @@ def ride_out(
             time.sleep(wait if lapses_at is None else max(0.0, min(wait, lapses_at() - time.monotonic())))
 
 
-def ride_briefly(write: Callable[[], T]) -> T:
+def retry_briefly(write: Callable[[], T]) -> T:
     """A write of no attempt (a cancel, maintenance, a claim settling a lost reply):
     tried again through a short blip, then DatabaseUnavailable reaches the caller."""
     for wait in BLIP_WAITS:

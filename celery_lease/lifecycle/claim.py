@@ -36,7 +36,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db import durability
-from celery_lease.db.blips import ride_briefly
+from celery_lease.db.blips import retry_briefly
 from celery_lease.db.statements import claim
 from celery_lease.db.statements import flow as fs
 from celery_lease.db.statements.events import logs_itself
@@ -221,10 +221,10 @@ def _settle(store: Store, check: LandedClaim, successes: RidingSuccesses | None,
     """A claim whose connection dropped and whose retry found the server gone (a
     backend crash resets every connection, and the server refuses them while it
     recovers): its first try may have landed. Asked again through a short blip
-    (ride_briefly): the row it took is adopted; if it took none, the claim runs once more.
+    (retry_briefly): the row it took is adopted; if it took none, the claim runs once more.
     Left unasked, a landed claim's job ran no body until the reaper spent its attempt
     (history[prepared] seed 639886). DatabaseUnavailable if the server stays away."""
-    rows = ride_briefly(check.landed)
+    rows = retry_briefly(check.landed)
     if rows:
         if successes is not None:
             successes.done = _landed_or_none(store, successes.keys)  # they rode on that first try

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from celery_lease.db import durability
-from celery_lease.db.blips import ride_briefly, ride_out
+from celery_lease.db.blips import retry_briefly, retry_within_lease
 from celery_lease.db.landing import Landing
 from celery_lease.db.statements.common import row_dicts
 from celery_lease.db.statements.events import logs_itself
@@ -139,13 +139,13 @@ class Pipeline:
         )
         try:
             if attempt is not None:
-                rows, created = attempt.ride_out(lambda: landing.run(work))
+                rows, created = attempt.retry_within_lease(lambda: landing.run(work))
             elif batch:  # tried again while any of its attempts lives (each by its own clock)
-                rows, created = ride_out(
+                rows, created = retry_within_lease(
                     lambda: landing.run(work), lambda: all(a.is_lost for a in batch), what=f"{t.name} of {len(batch)} attempts"
                 )
             else:
-                rows, created = ride_briefly(lambda: landing.run(work))
+                rows, created = retry_briefly(lambda: landing.run(work))
         except LeaseLost:
             # Given up (the lease lapsed by its own clock) with a commit's fate unknown:
             # asked once more, a commit that landed is not reported discarded. Unasked,
@@ -206,7 +206,7 @@ class Pipeline:
         store = self._store
         landing: Landing[None] = Landing(store, store.durable)
         try:
-            ride_briefly(lambda: landing.run(lambda conn: endings.write(conn, [row])))
+            retry_briefly(lambda: landing.run(lambda conn: endings.write(conn, [row])))
             endings.send()
         except Exception:
             # Never fails the delivery; the job is cancelled whatever happens here.

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery_lease.db.blips import ride_out
+from celery_lease.db.blips import retry_within_lease
 from celery_lease.errors import LeaseLost
 
 if TYPE_CHECKING:
@@ -137,19 +137,19 @@ class Attempt:
         """Its body must not start: less than START_SHARE of the lease is left, counted
         from the claim's send or the last renewal confirmed since (the claim's follow-ups
         run with the attempt in the heartbeat). The reaper and another worker may take
-        the job any moment: it is handed back."""
+        the job any moment: it is handed off."""
         return time.monotonic() - self.renewed_at > self.lease_seconds * START_SHARE
 
     def mark_lost(self) -> None:
         self.gone = True
         self.lost.set()
 
-    def ride_out(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:
+    def retry_within_lease(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:
         """Run ``write`` (one of this attempt's writes), tried again while the database
         is unreachable until the lease lapses by this attempt's own clock, then
-        LeaseLost (db.engine.ride_out): the handler's checkpoint or outcome lands once
+        LeaseLost (db.blips.retry_within_lease): the handler's checkpoint or outcome lands once
         the database is back."""
-        return ride_out(
+        return retry_within_lease(
             write, lambda: self.is_lost, lapses_at=lambda: self.lapses_at, on_retry=on_retry, what=f"job {self.job_id}"
         )
 
@@ -157,7 +157,7 @@ class Attempt:
         """One fenced statement committed alone; False (writing nothing) when the lease
         is lost, now or before, or lapses while the database is unreachable."""
         try:
-            if self.ride_out(lambda: store.guarded(stmt, {**self.fence, **params})):
+            if self.retry_within_lease(lambda: store.guarded(stmt, {**self.fence, **params})):
                 return True
         except LeaseLost:
             return False

@@ -113,7 +113,7 @@ class Batches:
             return None
         if any(a.late_to_start for a in attempts):
             for a in attempts:
-                state._hand_back(a)
+                state._hand_off_late(a)
             return None
         lead = attempts[0]
         lead.batch = attempts

@@ -9,7 +9,7 @@ inherits its tenant and run from the job that created it, never from the message
 
 A leased job's own message (a wakeup) carries no signatures at all (wakeups carrying
 any are refused before the claim; a leased job's canvas lives in its row, and the steps
-made from it inherit its tenant and run: canvas.Followup). What remains is a plain
+made from it inherit its tenant and run: canvas.FollowUp). What remains is a plain
 task's message: no leased job created the signatures it carries, so :func:`scrub`
 removes their ``tenant`` and ``run_id`` before Celery applies them. Code that calls
 ``apply_async(tenant=...)`` itself (a handler, a plain task's body) is the shop's code

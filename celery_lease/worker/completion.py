@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_lease.db.blips import ride_out
+from celery_lease.db.blips import retry_within_lease
 from celery_lease.errors import LeaseLost
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.claim import RidingSuccesses
@@ -299,7 +299,7 @@ class BatchCompleter(Drainer):
         Dropped, the success was lost while its row stayed running under this process
         (issue #27, item 4); only a lease known gone is."""
         try:
-            return ride_out(
+            return retry_within_lease(
                 lambda: self._store.complete_many(successes([item for item in live if not item[0].gone])),
                 lambda: all(item[0].gone for item in live),
                 what=f"{len(live)} success(es)",

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from celery_lease.kinds import JobKind, Registry
     from celery_lease.settings import Settings
 
-#: A job that keeps getting handed back (snoozes, handoffs) stops being run here after this.
+#: A job that keeps coming back (snoozes, hand-offs) stops being run here after this.
 MAX_ATTEMPT_ROUNDS = 1000
 
 

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("celery_lease.worker")
 
-#: The run event detail of a job handed back by a claim whose reply came too late.
+#: The run event detail of a job handed off by a claim whose reply came too late.
 CLAIMED_LATE = "claimed too late in its lease"
 
 _CANCELLED = Status.CANCELLED.value  # (an enum's .value is a slow lookup)
@@ -156,7 +156,7 @@ class WorkerState:
             return None
         attempt = started[0] if started else self._start(row, spec, sent_at)
         if attempt.late_to_start:
-            self._hand_back(attempt)
+            self._hand_off_late(attempt)
             return None
         return attempt
 
@@ -170,22 +170,22 @@ class WorkerState:
             self.heartbeat.add(attempt)
         return attempt
 
-    def _hand_back(self, attempt: Attempt) -> None:
+    def _hand_off_late(self, attempt: Attempt) -> None:
         """The claim's reply came when its lease, counted from before it was sent, was
         nearly lapsed (a long wait for the kind's lock): the body must not start, since
-        the reaper and another worker may take the job any moment. Handed back (fenced),
+        the reaper and another worker may take the job any moment. Handed off (fenced),
         its attempt not spent; if that cannot be written, the reaper requeues it."""
-        # Unlike a body's outcome, the hand-back is right whenever it lands (it is fenced
+        # Unlike a body's outcome, the hand-off is right whenever it lands (it is fenced
         # by the generation and writes nothing of a body): this clock must not refuse it.
         self.heartbeat.remove(attempt)  # (joined before the claim's follow-ups, if it was on time then)
         attempt.renewed_at = time.monotonic()
         if not attempt.gone:  # lapsed by this clock only (the heartbeat saw it while follow-ups ran)
             attempt.lost.clear()
-        log.warning("celery-lease: job %s: claimed too late in its lease; handed back, not started", attempt.job_id)
+        log.warning("celery-lease: job %s: claimed too late in its lease; handed off, not started", attempt.job_id)
         try:
             self.record.hand_off(attempt, why=CLAIMED_LATE)
         except (LeaseLost, DatabaseUnavailable):
-            log.warning("celery-lease: job %s: its late claim not handed back; the reaper will", attempt.job_id)
+            log.warning("celery-lease: job %s: its late claim not handed off; the reaper will", attempt.job_id)
         finally:
             self._release(attempt)
 

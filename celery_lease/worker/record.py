@@ -22,7 +22,7 @@ from celery_lease.worker.outcome import TIMED_OUT, backoff
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from celery_lease.canvas import Canvas, Followup
+    from celery_lease.canvas import Canvas, FollowUp
     from celery_lease.db.store import Store
     from celery_lease.flow.control import FlowControl
     from celery_lease.job import Job
@@ -40,11 +40,11 @@ class _SuccessWrites:
     """A success's own part of its transaction: the handler's effects, its children and
     the next chain steps (created with it, atomically), then the chain's plain steps."""
 
-    def __init__(self, record: Recorder, attempt: Attempt, ctx: JobContext, followup: Followup | None) -> None:
+    def __init__(self, record: Recorder, attempt: Attempt, ctx: JobContext, follow_up: FollowUp | None) -> None:
         self._record = record
         self._attempt = attempt
         self._staged = ctx.staged
-        self._followup = followup
+        self._follow_up = follow_up
         producer = record.producer
         self._children = [producer.job_row(child, payload, options) for child, payload, options in ctx.staged.children]
 
@@ -66,14 +66,14 @@ class _SuccessWrites:
         # keyed: a child submitted with an idempotency key that already exists is that
         # job, as with submit; only the children actually inserted are returned.
         children = store.insert_jobs(rows_ok, keyed=True, connection=conn) if rows_ok else []
-        if self._followup is not None:  # the next chain step, callbacks, a chord's body
-            children += self._followup.write(conn)
+        if self._follow_up is not None:  # the next chain step, callbacks, a chord's body
+            children += self._follow_up.write(conn)
         store.log_events(conn, [(c, Event.DISPATCHED, f"child of {attempt.job_id}") for c in children])
         return children
 
     def send(self) -> None:
-        if self._followup is not None:
-            self._followup.send()
+        if self._follow_up is not None:
+            self._follow_up.send()
 
 
 class Recorder:
@@ -104,15 +104,15 @@ class Recorder:
         staged = ctx.staged
         if attempt.is_lost:  # by its own clock too: write nothing more
             raise LeaseLost()
-        followup = self._canvas.after_success(attempt, result, eager=self._eager) if self._canvas and attempt.canvas else None
+        follow_up = self._canvas.after_success(attempt, result, eager=self._eager) if self._canvas and attempt.canvas else None
         # (Not batched for a limited kind: its slot is freed once the success is written.)
         limited = self._flow is not None and self._flow.holds_slot(attempt.kind)
-        if not (staged.effects or staged.children or followup or limited):
+        if not (staged.effects or staged.children or follow_up or limited):
             attempt.pending_write = True
             completer.add(attempt, result, ctx.pending_progress)
             return
         params = {"new_result": result, "new_progress": ctx.pending_progress}
-        self.pipeline.execute(tr.SUCCEED, params, attempt=attempt, during=_SuccessWrites(self, attempt, ctx, followup))
+        self.pipeline.execute(tr.SUCCEED, params, attempt=attempt, during=_SuccessWrites(self, attempt, ctx, follow_up))
 
     def fail(self, attempt: Attempt, error: str) -> None:
         self.pipeline.execute(tr.FAIL, {"new_error": error}, attempt=attempt, error=error)

@@ -267,7 +267,7 @@ def _attempts(h: History) -> list[Violation]:
     # holds the job before the lease has run out, so the reaper spends that attempt
     # (history[prepared] seed 25805: the lost reply was the claim's own COMMIT).
     # Likewise a PostgreSQL crash just after a claim: a claim whose reply came too late
-    # in its lease is handed back, not started, and the hand-back cannot land while the
+    # in its lease is handed off, not started, and the hand-off cannot land while the
     # server recovers for longer than the lease, so the reaper spends the attempt
     # (history[prepared] seed 987532: "claimed too late in its lease; handed back",
     # then "database unavailable" until the lease was lost).

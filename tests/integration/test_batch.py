@@ -311,7 +311,7 @@ def test_a_batch_claims_slow_follow_up_does_not_cost_the_batch(pg, broker, clien
     broker slow (1.5 s, as kombu retrying a publish through a broker restart) on a 2 s
     lease. The batch's attempts join the heartbeat before that follow-up runs, so their
     leases are renewed meanwhile and the batch runs. (They joined after it: past half the
-    lease counted from the claim's send, the whole batch was handed back.)"""
+    lease counted from the claim's send, the whole batch was handed off.)"""
     monkeypatch.setenv("CL_TEST_LEASE", "2")
     mod = client_app(pg, broker, module="tests.apps.app_batch")
     worker = mod.leases.worker

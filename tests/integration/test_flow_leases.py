@@ -115,7 +115,7 @@ def test_a_claim_whose_lease_lapsed_during_its_lock_wait_does_not_start_its_body
     """A limited kind with a 2 s lease whose claim waits 2.5 s on its kind's lock: the
     claim commits, but its lease (counted from before it was sent) has lapsed, and the
     reaper and another worker may take the job any moment. The body must not start:
-    the job is handed back, its attempt not spent, and the next claim runs it."""
+    the job is handed off, its attempt not spent, and the next claim runs it."""
     mod, _, limited = _app(client_app, pg, broker, limited_lease=2)
     worker = mod.leases.worker
     job = _submit(mod, limited)
@@ -124,7 +124,7 @@ def test_a_claim_whose_lease_lapsed_during_its_lock_wait_does_not_start_its_body
     assert late is None  # not started
     row = _row(pg, job)
     assert (row.status, row.attempt, row.lease_generation) == ("pending", 0, 1)
-    again = worker.begin(job, limited, HOST)  # (the hand-back's wakeup, delivered)
+    again = worker.begin(job, limited, HOST)  # (the hand-off's wakeup, delivered)
     assert again is not None and (again.attempt, again.generation) == (1, 2)
     assert worker.execute(limited, again) == {"ran": True}
     worker.end(again)
@@ -139,7 +139,7 @@ def test_a_claims_slow_follow_up_does_not_cost_the_job_it_claimed(pg, broker, cl
     (here 1.5 s, as kombu retrying a publish through a broker restart) on a 2 s lease.
     The claimed attempt joins the heartbeat before its follow-ups run, so its lease is
     renewed meanwhile and its body starts. (It joined after them: past half its lease
-    counted from the claim's send, the job was handed back, the claim wasted.)"""
+    counted from the claim's send, the job was handed off, the claim wasted.)"""
     worker, quick, low, high = _swap(client_app, pg, broker)
     flow = worker.flow
     publish = flow._publish
@@ -167,7 +167,7 @@ def test_a_claim_whose_renewals_failed_during_its_follow_ups_is_still_handed_bac
     follow-up (the swapped-out job's new wakeup) is slow: every renewal skips the locked
     row, so by the attempt's own clock its lease lapses (0.8 of it, unconfirmed) and the
     heartbeat marks it lost. Past half its lease the body must not start: the job is
-    handed back, its attempt not spent, as soon as the lock is gone. (Were the lapse seen
+    handed off, its attempt not spent, as soon as the lock is gone. (Were the lapse seen
     by this clock alone kept, the fenced hand-off would be refused and the job would stay
     running until the reaper spent its only attempt.)"""
     worker, quick, low, high = _swap(client_app, pg, broker)

@@ -3,7 +3,7 @@
 statement and forwards the dialect to its builder, and where it must choose a way it
 asks ``Store.capabilities``; it never compares a dialect, nor prepares a statement, nor
 decides how long a write is retried while the database is away (``BLIP_WAITS``: above
-``db/``, writes retry through ``db.engine.ride_out`` and ``ride_briefly``)."""
+``db/``, writes retry through ``db.blips.retry_within_lease`` and ``retry_briefly``)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _crossings(source: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.Attribute) and node.attr == "execute_prepared":
             out.append((node.lineno, "sends a prepared statement (Store.alone decides)"))
         if isinstance(node, ast.ImportFrom) and any(a.name == "BLIP_WAITS" for a in node.names):
-            out.append((node.lineno, "retries with its own waits (db.engine.ride_out decides)"))
+            out.append((node.lineno, "retries with its own waits (db.blips.retry_within_lease decides)"))
     return out
 
 

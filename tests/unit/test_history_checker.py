@@ -193,8 +193,8 @@ def test_a_claim_held_until_its_process_was_killed_before_the_reap_is_excused():
 def test_a_claim_cut_off_by_an_outage_longer_than_the_lease_is_excused(fault):
     """An outage that begins just after a claim and outlasts its lease: the claim's COMMIT
     reply lost as the proxy pauses (partition: the worker cannot learn it holds the job),
-    or a claim whose reply came too late, handed back into a PostgreSQL crash (the
-    hand-back cannot land while the server recovers). Either way the reaper spends the
+    or a claim whose reply came too late, handed off into a PostgreSQL crash (the
+    hand-off cannot land while the server recovers). Either way the reaper spends the
     attempt without a body; an outage over before the claim excuses nothing."""
     h = clean()
     h.jobs["a"].update(attempt=2, lease_generation=2)
