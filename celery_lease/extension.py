@@ -15,6 +15,7 @@ this object:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -332,11 +333,7 @@ class CeleryLease:
     def cancel_run(self, run_id: str) -> int:
         """Cancel every non-terminal job of a run; the run accepts no new jobs."""
         run_id = parse_job_id(run_id)
-        store = self.store
-
-        def mark_run(conn) -> None:
-            store.mark_run_cancelled(conn, run_id)
-
+        mark_run = functools.partial(self.store.mark_run_cancelled, run_id=run_id)  # in the cancel's transaction
         return len(self.lifecycle.execute(tr.CANCEL, build={"run_id": run_id}, before=mark_run, run_cancelled=True))
 
     def _revoke(self, job_ids: list[str]) -> list[str]:

@@ -49,6 +49,16 @@ T = TypeVar("T")
 RECONNECT_ATTEMPTS = 3
 
 
+def _before_retry(engine: Engine, pid: int | None, attempt: int, on_retry: Callable[[], None] | None) -> None:
+    """Between tries of a statement whose connection dropped: the dropped backend's work
+    is over (await_in_flight) before the retry looks at what landed."""
+    log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
+    await_in_flight(engine, pid)
+    if on_retry is not None:
+        on_retry()
+    time.sleep(0.05 * attempt)
+
+
 def _on_sqlite_connect(dbapi_conn, _record) -> None:
     # WAL lets readers run beside the one writer; the busy timeout makes writers
     # queue instead of failing while another process holds the write lock.
@@ -293,11 +303,7 @@ class Database:
                     return fn(conn)
             except sa_exc.DBAPIError as exc:
                 if exc.connection_invalidated and attempt < RECONNECT_ATTEMPTS:
-                    log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
-                    await_in_flight(engine, pid)
-                    if on_retry is not None:
-                        on_retry()
-                    time.sleep(0.05 * attempt)
+                    _before_retry(engine, pid, attempt, on_retry)
                     continue
                 raise self.translate(exc, replica=self.read_url is not None and engine is self._engines.get(REPLICA)) from None
         raise AssertionError("unreachable")
@@ -364,11 +370,7 @@ class Database:
                 else:
                     raw.close()
                 if dropped and attempt < RECONNECT_ATTEMPTS:
-                    log.warning("celery-lease: database connection dropped, retrying (%d)", attempt)
-                    await_in_flight(engine, pid)
-                    if on_retry is not None:
-                        on_retry()
-                    time.sleep(0.05 * attempt)
+                    _before_retry(engine, pid, attempt, on_retry)
                     continue
                 if isinstance(exc, (engine.dialect.loaded_dbapi.OperationalError, engine.dialect.loaded_dbapi.InterfaceError)):
                     log.warning("celery-lease: database error: %s", exc)
