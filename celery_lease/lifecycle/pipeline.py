@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_lease.db import durability
 from celery_lease.db.blips import retry_briefly, retry_within_lease
@@ -51,8 +51,6 @@ if TYPE_CHECKING:
     from celery_lease.worker.attempt import Attempt
 
 log = logging.getLogger("celery_lease")
-
-T = TypeVar("T")
 
 
 class During(Protocol):

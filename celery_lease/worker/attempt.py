@@ -146,9 +146,9 @@ class Attempt:
 
     def retry_within_lease(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:
         """Run ``write`` (one of this attempt's writes), tried again while the database
-        is unreachable until the lease lapses by this attempt's own clock, then
-        LeaseLost (db.blips.retry_within_lease): the handler's checkpoint or outcome lands once
-        the database is back."""
+        is unreachable until the lease lapses by this attempt's own clock, then LeaseLost
+        (db.blips.retry_within_lease): the handler's checkpoint or outcome lands once the
+        database is back."""
         return retry_within_lease(
             write, lambda: self.is_lost, lapses_at=lambda: self.lapses_at, on_retry=on_retry, what=f"job {self.job_id}"
         )

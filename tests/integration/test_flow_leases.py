@@ -162,7 +162,7 @@ def test_a_claims_slow_follow_up_does_not_cost_the_job_it_claimed(pg, broker, cl
 
 
 @pytest.mark.timeout(60)
-def test_a_claim_whose_renewals_failed_during_its_follow_ups_is_still_handed_back(pg, broker, client_app, monkeypatch):
+def test_a_claim_whose_renewals_failed_during_its_follow_ups_is_still_handed_off(pg, broker, client_app, monkeypatch):
     """The claimed job's row stays locked by another transaction while the claim's
     follow-up (the swapped-out job's new wakeup) is slow: every renewal skips the locked
     row, so by the attempt's own clock its lease lapses (0.8 of it, unconfirmed) and the
