@@ -222,7 +222,11 @@ class Worker:
         queues: str | None = None,
         module: str = "tests.apps.app",
         loglevel: str = "INFO",
+        as_deployed: bool = False,
     ) -> None:
+        """``as_deployed``: Celery's default bootsteps (mingle, gossip, heartbeat) and task
+        events (``-E``, for Flower), as teams run workers; else without them, to start fast
+        and keep the broker quiet."""
         self.name = name
         self.log_path = logdir / f"{name}-{uuid.uuid4().hex[:6]}.log"
         self.args = [
@@ -238,10 +242,8 @@ class Worker:
             str(concurrency),
             "-l",
             loglevel,
-            "--without-mingle",
-            "--without-gossip",
-            "--without-heartbeat",
         ]
+        self.args += ["-E"] if as_deployed else ["--without-mingle", "--without-gossip", "--without-heartbeat"]
         if queues:
             self.args += ["-Q", queues]
         self.env = _env(db, broker, conf, extra_env)

@@ -1,8 +1,9 @@
 """Celery's moments mapped onto lease transitions. Handlers stay thin.
 
 - ``worker_init``: make the database driver green in a gevent / eventlet worker
-  (celery_lease/green.py); size the connection pools for the worker's concurrency; check the
-  database is reachable; exit with one clear line if not.
+  (celery_lease/green.py); keep Celery 5.7's consumer alive through a Redis restart
+  (worker/broker_restart.py); size the connection pools for the worker's concurrency;
+  check the database is reachable; exit with one clear line if not.
 - ``worker_ready``: restart recovery, before the worker takes new work; a prefork pool
   reads its children's results at a warm stop until they exit (worker/prefork.py).
 - ``task_prerun``: claim the job (one atomic statement) and start its heartbeats; for a
@@ -30,7 +31,7 @@ from celery import Celery, signals
 
 from celery_lease import green, tracing
 from celery_lease.errors import LeaseError
-from celery_lease.worker import borne, events, prefork, revoke, shutdown
+from celery_lease.worker import borne, broker_restart, events, prefork, revoke, shutdown
 from celery_lease.worker.task import LeaseTask
 
 if TYPE_CHECKING:
@@ -55,12 +56,14 @@ def connect(
         return isinstance(task, LeaseTask) and task.owner is owner
 
     @signals.worker_init.connect(weak=False)
-    def check_database(sender=None, **_):
+    def prepare_worker(sender=None, **_):
         if getattr(sender, "app", None) is not app:
             return
         # A green pool (-P gevent / eventlet): the database driver yields to the hub.
         if green.cooperate() is not None:
             _no_prefetch_reduction(app)
+        # Else a broker restart can end the worker (its jobs wait for the reaper).
+        broker_restart.install()
         # Pools follow the worker's concurrency (threads pool: all in this process).
         concurrency = getattr(sender, "concurrency", None)
         size_pools(concurrency if isinstance(concurrency, int) else (os.cpu_count() or 2))
@@ -138,7 +141,7 @@ def connect(
         # Batched successes land before the process exits.
         worker_state().flush()
 
-    app._celery_lease_signal_handlers = (check_database, recover_interrupted, drain_pool_at_stop, claim, release, suspend, flush)
+    app._celery_lease_signal_handlers = (prepare_worker, recover_interrupted, drain_pool_at_stop, claim, release, suspend, flush)
     # `celery control revoke` cancels the job (never a discarded or expired message).
     revoke.connect(app, ours=ours, cancel_ids=cancel_ids)
     events.connect(app)

@@ -8,6 +8,8 @@ eventlet's longer variants run with ``-m slow``.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import sqlalchemy as sa
 
@@ -33,12 +35,17 @@ def db(pg):
     engine.dispose()
 
 
-def _run_all(leases, db, ids: list[str], timeout: float, connections: list[int] | None = None) -> tuple[list[dict], dict]:
+def _run_all(
+    leases, db, ids: list[str], timeout: float, connections: list[int] | None = None, sweep: bool = False
+) -> tuple[list[dict], dict]:
     """Reap as eagerly as can be until every job is terminal; the rows and reap counts.
-    ``connections`` collects, at each poll, how many connections the workers hold."""
+    ``connections`` collects, at each poll, how many connections the workers hold;
+    ``sweep``: re-send stale wakeups too, as beat does (a restarted broker lost some)."""
     reaped = {"requeued": 0, "expired": 0}
 
     def finished() -> bool:
+        if sweep:
+            leases.sweep()
         if connections is not None:
             with db.connect() as conn:
                 connections.append(conn.execute(WORKER_CONNECTIONS).scalar())
@@ -131,6 +138,51 @@ def test_a_broker_restart_costs_no_lease_on_a_gevent_worker(pg, restartable_brok
     reconnect loop), succeeds on its first attempt, and the worker consumes again
     afterwards."""
     broker_restart_keeps_leases(pg, restartable_broker, client_app, workers, db, pool="gevent", count=16)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_run_as_deployed_outlives_redis_restarts(pg, broker, redis_server, client_app, workers, db):
+    """A gevent worker with Celery's default bootsteps and task events (-E, for Flower)
+    while its Redis is killed and restarted eight times, each time with four jobs running
+    and four more delivered (prefetched, not yet acknowledged): Celery 5.7's consumer
+    closed the collected connection twice, and restoring those four from a transport
+    already detached ended the worker with "Unrecoverable error: AttributeError(...
+    'hostname')" (worker/broker_restart.py). The worker stays up, every job keeps its
+    lease, and it consumes again after the last restart."""
+    mod = client_app(pg, redis_server.url, {"lease_sweep_stale_seconds": 2}, extra_env=SHORT, module="tests.apps.app_faults")
+    worker = workers(
+        pg,
+        redis_server.url,
+        pool="gevent",
+        concurrency=4,
+        conf={"worker_prefetch_multiplier": 4},
+        extra_env=SHORT,
+        module="tests.apps.app_faults",
+        as_deployed=True,
+    )
+    ids: list[str] = []
+
+    def running() -> int:
+        return sum(mod.leases.get(i).status.value == "running" for i in ids)
+
+    def ended() -> bool:  # an unrecoverable error is followed by a warm stop
+        return worker.proc.poll() is not None or "Unrecoverable error" in worker.log()
+
+    for _ in range(8):
+        ids += [j.id for j in mod.waiter.submit_many([{"polls": 20}] * 8)]
+        wait_for(lambda: running() == 4 or ended(), timeout=60, what="four jobs to run")
+        assert not ended(), f"the worker ended at a Redis restart:\n{worker.log()[-3000:]}"
+        redis_server.restart(downtime=1)
+        time.sleep(1)  # the consumer's reconnect
+    # A restart loses the wakeups Redis held (and the prefetched ones it could not
+    # acknowledge): the sweeper re-sends them, as beat would.
+    rows, reaped = _run_all(mod.leases, db, ids, timeout=120, sweep=True)
+    assert reaped == {"requeued": 0, "expired": 0}
+    assert [(r["status"], r["attempt"], r["lease_losses"]) for r in rows] == [("succeeded", 1, 0)] * len(ids)
+    later = mod.waiter.submit({"polls": 1})
+    rows, _ = _run_all(mod.leases, db, [later.id], timeout=90)
+    assert rows[0]["status"] == "succeeded"
+    assert not ended()
 
 
 def broker_restart_keeps_leases(pg, server, client_app, workers, db, *, pool: str, count: int) -> None:
