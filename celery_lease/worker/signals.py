@@ -62,7 +62,8 @@ def connect(
         # A green pool (-P gevent / eventlet): the database driver yields to the hub.
         if green.cooperate() is not None:
             _no_prefetch_reduction(app)
-        # Else a broker restart can end the worker (its jobs wait for the reaper).
+        # Every pool: on Celery 5.7 a Redis restart could end the worker (its jobs then
+        # wait for the reaper). Process-wide and idempotent.
         broker_restart.install()
         # Pools follow the worker's concurrency (threads pool: all in this process).
         concurrency = getattr(sender, "concurrency", None)
