@@ -57,6 +57,10 @@ class Scenario:
     #: inject these fault kinds in turn instead of drawing them (a short run then sees
     #: each one); e.g. ("kill_worker", "restart_broker", "terminate_pg")
     fault_cycle: tuple[str, ...] | None = None
+    #: Workers run as teams deploy them: Celery's default bootsteps (mingle, gossip,
+    #: heartbeat) and task events (-E). A Celery 5.7 worker so run could exit at a Redis
+    #: restart (worker/broker_restart.py); without them the fleet would never see it.
+    as_deployed: bool = True
 
     @classmethod
     def from_env(cls, **defaults) -> Scenario:
@@ -149,9 +153,18 @@ class Fleet:
     ) -> None:
         self.db, self.redis, self.logdir, self.scenario = db, redis_server, logdir, scenario
         self.options = dict(
-            module=module, conf=conf, extra_env=extra_env, queues=queues, concurrency=scenario.concurrency, pool=scenario.pool
+            module=module,
+            conf=conf,
+            extra_env=extra_env,
+            queues=queues,
+            concurrency=scenario.concurrency,
+            pool=scenario.pool,
+            as_deployed=scenario.as_deployed,
         )
         self.workers: list[Worker] = []
+        #: Workers found ended that no fault had killed (a restart looks first): under
+        #: faults a worker may lose its broker or database, never end on its own.
+        self.exits: list[str] = []
         self.beat: Beat | None = None
         self.with_beat = with_beat
         self.beat_env_hook = beat_env_hook
@@ -176,9 +189,14 @@ class Fleet:
     def restart(self, index: int) -> None:
         """SIGKILL worker ``index`` (main process and pool) and boot it again, same name."""
         old = self.workers[index]
+        self.exits += self.ended([old])
         old.kill(signal.SIGKILL)
         time.sleep(0.5)
         self.workers[index] = self._worker(old.name)
+
+    @staticmethod
+    def ended(workers: list[Worker]) -> list[str]:
+        return [w.name for w in workers if w.proc is not None and w.proc.poll() is not None]
 
     def stop(self) -> None:
         for w in self.workers:
@@ -361,13 +379,14 @@ def run_lease_scenario(
             per_job = dict(conn.execute(sa.select(effects.c.job_id, sa.func.count()).group_by(effects.c.job_id)).all())
             succeeded = {str(r[0]) for r in conn.execute(sa.select(jobs.c.id).where(jobs.c.status == "succeeded"))}
             losses = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(jobs.c.lease_losses), 0))).scalar()
+        exits = fleet.exits + fleet.ended(fleet.workers)
     finally:
         fleet.stop()
         engine.dispose()
     unfinished = statuses.get("pending", 0) + statuses.get("running", 0)
     missing_effect = sum(1 for job_id in succeeded if per_job.get(job_id, 0) == 0)
     stray_effect = sum(1 for job_id in per_job if job_id not in succeeded)
-    extra = {"stray_effects": stray_effect, "lease_losses": int(losses)}
+    extra = {"stray_effects": stray_effect, "lease_losses": int(losses), "worker_exits": len(exits)}
     if scenario.pg_crash_at is not None:
         extra["succeeded_before_crash"] = len(injector.succeeded_before_crash)
         extra["lost_successes"] = len(injector.succeeded_before_crash - succeeded)
