@@ -27,7 +27,9 @@ What is checked (the lease promise, issue #18):
   the product counts them) never exceed the rate;
 * **errback**: a job with a leased errback that did not succeed has exactly one errback
   job, one that succeeded has none; a chord's body exists once if its whole header
-  succeeded and never otherwise.
+  succeeded and never otherwise;
+* **worker**: no worker ended that no fault killed (a restart would hide it: the run
+  looks before each kill and at the end).
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class History:
     #: worker kill took down, its pool children included)
     node_kills: dict[str, list[float]] = field(default_factory=dict)
     pid_kills: dict[int, float] = field(default_factory=dict)
+    #: nodes found ended that no fault had killed
+    ended_workers: list[str] = field(default_factory=list)
 
 
 class HistoryViolated(AssertionError):
@@ -95,12 +99,16 @@ class Violation:
 
 def check(h: History) -> list[Violation]:
     out: list[Violation] = []
-    for fn in (_lost_and_terminal, _outcomes, _effects, _fencing, _attempts, _concurrency, _rates, _errbacks):
+    for fn in (_lost_and_terminal, _outcomes, _effects, _fencing, _attempts, _concurrency, _rates, _errbacks, _workers):
         out.extend(fn(h))
     return out
 
 
 # --- the checks ---------------------------------------------------------------------------
+
+
+def _workers(h: History) -> list[Violation]:
+    return [Violation("worker", None, f"worker {node} ended on its own") for node in h.ended_workers]
 
 
 def _submitted(h: History) -> dict[str, Op]:

@@ -436,6 +436,7 @@ class Run:
         if index in self._restarting:
             return
         worker = self.fleet.workers[index]
+        self.fleet.exits += self.fleet.ended([worker])
         pids = [worker.pid, *worker.children()]
         now = time.time()
         self.node_kills[f"{worker.name}@testhost"].append(now)
@@ -521,13 +522,17 @@ class Run:
             effect_kinds=frozenset({"h_plain", "h_limited", "h_rated", "h_snooze", "h_timeout", "h_sum", "h_errback"}),
             node_kills=dict(self.node_kills),
             pid_kills=dict(self.pid_kills),
+            # (A worker whose restart is still under way was killed by a fault.)
+            ended_workers=self.fleet.exits
+            + self.fleet.ended([w for i, w in enumerate(self.fleet.workers) if i not in self._restarting]),
         )
 
 
 def read_history(jobs_url: str, history_url: str, ops: list[Op], **kinds: Any) -> History:
     """Read back a run: the job rows, run events and effects of the jobs' database, the
     bodies and fenced writes of the history database. ``kinds``: the History's fields
-    that describe the workload (concurrency, rates, effect_kinds, node_kills, pid_kills)."""
+    that describe the workload (concurrency, rates, effect_kinds, node_kills, pid_kills,
+    ended_workers)."""
     from celery_lease.db.schema import events, jobs
     from tests.apps.history_tables import bodies, effects, writes
 

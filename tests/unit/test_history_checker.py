@@ -82,6 +82,12 @@ def test_a_clean_history_passes():
     assert check(clean()) == []
 
 
+def test_a_worker_that_ended_on_its_own():
+    h = clean()
+    h.ended_workers = ["w2"]
+    assert checks(h) == ["worker"]
+
+
 def test_a_submitted_job_without_a_row_is_lost():
     h = clean()
     h.ops.append(Op(T0, "submit", "gone"))
