@@ -22,7 +22,9 @@ What is checked (the lease promise, issue #18):
   snooze (a snooze spends nothing), unless the process it was claimed by was killed
   right after the claim (a claim event names its owner) or the job was cancelled;
 * **concurrency**: bodies of a ``concurrency=N`` kind never overlap more than N deep
-  (a body killed with its process ends at the kill);
+  (a body killed with its process ends at the kill; one whose attempt timed out, at its
+  timeout: the slot is freed then, and a handler that never checks its stop point runs
+  on, as docs/guide.md says under "Timeout");
 * **rate**: claims of a rated kind per window (the database clock, epoch-aligned as
   the product counts them) never exceed the rate;
 * **errback**: a job with a leased errback that did not succeed has exactly one errback
@@ -318,8 +320,17 @@ def _body_end(h: History, b: dict, horizon: float) -> float:
 def _concurrency(h: History) -> list[Violation]:
     out = []
     horizon = max([b["started_at"] for b in h.bodies], default=0.0) + 3600
+    timed_out = {
+        (e["job_id"], e["attempt"]): e["at"]
+        for e in h.events
+        if e["event"] in ("retried", "failed") and (e["detail"] or "").startswith("timed out")
+    }
     for kind, limit in h.concurrency.items():
-        spans = [(b["started_at"], _body_end(h, b, horizon), b) for b in h.bodies if b["kind"] == kind]
+        spans = [
+            (b["started_at"], min(_body_end(h, b, horizon), timed_out.get((b["job_id"], b["attempt"]), horizon)), b)
+            for b in h.bodies
+            if b["kind"] == kind
+        ]
         for start, _, b in spans:
             # Bodies running at this body's start, each for longer than the grace.
             live = [o for s, e, o in spans if s <= start and e - start > OVERLAP_GRACE]

@@ -38,7 +38,8 @@ sockets: the server has committed before the client's connection breaks.
 
 ``fail`` acts before the statement is sent: by default the connection drops (what a
 network failure looks like); ``error=SQLSTATE`` answers a simple-protocol query with an
-ErrorResponse instead, the connection stays usable. In the extended protocol ``fail``
+ErrorResponse instead, the connection stays usable (but a COMMIT's always drops: see
+``_statement``). In the extended protocol ``fail``
 always drops the connection.
 
 Threads only, no dependencies beyond tests/harness/tcpproxy.py; ``pause``,
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 from tests.harness.tcpproxy import TcpProxy, _drop
 
 FAIL, LOSE_REPLY, DELAY, HOLD = "fail", "lose_reply", "delay", "hold"
+_COMMIT = re.compile(r"\s*(COMMIT|END)\b", re.IGNORECASE)
 
 #: Startup-phase request codes (untyped messages).
 _SSL_REQUEST, _GSSENC_REQUEST, _CANCEL_REQUEST = 80877103, 80877104, 80877102
@@ -337,7 +339,12 @@ class PgFaultProxy(TcpProxy):
             return
         if rule.fault == FAIL:
             self._record(conn, rule, text)
-            if rule.error and sync:
+            # A server that answers COMMIT with an error has ended the transaction, and
+            # psycopg2 takes it so (it sends no ROLLBACK after a failed COMMIT). An answer
+            # made up here would leave the server's transaction open on a connection the
+            # client deems idle, for the next transaction's COMMIT to commit: a failed
+            # COMMIT always drops the connection.
+            if rule.error and sync and not _COMMIT.match(text):
                 status = b"E" if conn.txstatus in ("T", "E") else b"I"
                 self._send(conn, conn.client, _error_response(rule.error) + b"Z" + struct.pack("!i", 5) + status)
                 return

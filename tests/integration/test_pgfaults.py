@@ -110,6 +110,23 @@ def test_fail_with_an_error_keeps_the_connection(proxy, cluster):
     assert value(cluster, 1) == 1 and value(cluster, 2) == 0
 
 
+def test_a_failed_commit_drops_the_connection_even_with_an_error(proxy, cluster):
+    # An ErrorResponse made up for COMMIT would leave the server's transaction open while
+    # psycopg2 deems it over (it sends no ROLLBACK after a failed COMMIT): the connection's
+    # next COMMIT would commit it. A real server ends a transaction whose COMMIT failed.
+    proxy.fail("COMMIT", error="57014")
+    conn = through(proxy, cluster)
+    with conn.cursor() as cur:
+        cur.execute("UPDATE t SET v = 10 WHERE id = 2")
+    with pytest.raises(psycopg2.OperationalError):
+        conn.commit()
+    if not conn.closed:  # as a pool would: its client deems the connection idle
+        with conn.cursor() as cur:
+            cur.execute("UPDATE t SET v = v + 1 WHERE id = 1")
+        conn.commit()
+    assert value(cluster, 2) == 0
+
+
 def test_lost_reply_in_autocommit_commits(proxy, cluster):
     rule = proxy.lose_reply("SET v = v + 1")
     conn = through(proxy, cluster, autocommit=True)

@@ -288,6 +288,23 @@ def test_a_killed_body_ends_at_its_kill():
     assert checks(h) == ["concurrency"]
 
 
+def test_a_timed_out_body_ends_at_its_timeout():
+    h = clean()
+    # l1's first attempt timed out at +1.5 and ran on (it never checks); its slot went to l2.
+    h.jobs["l1"] = job("l1", kind="h_limited", attempt=2, generation=2)
+    h.bodies.append(body("l1", start=1.0, end=3.0, kind="h_limited", holder="10-x"))
+    h.bodies.append(body("l1", 2, 2, start=4.0, end=4.1, kind="h_limited", holder="40-x"))
+    h.events += [claimed("l1", at=0.95), claimed("l1", 2, at=3.95)]
+    h.effects.append(effect("l1", 2, 2))
+    h.jobs["l2"] = job("l2", kind="h_limited")
+    h.bodies.append(body("l2", start=2.0, end=2.9, kind="h_limited", holder="20-x"))
+    h.events.append(claimed("l2", at=1.95))
+    h.effects.append(effect("l2"))
+    assert checks(h) == ["concurrency"]
+    h.events.append({"job_id": "l1", "event": "retried", "attempt": 1, "detail": "timed out; in 0.1s", "at": T0 + 1.5})
+    assert check(h) == []
+
+
 def test_rate_exceeded_in_one_window():
     h = clean()
     for n in range(3):
