@@ -162,9 +162,8 @@ class Fleet:
             as_deployed=scenario.as_deployed,
         )
         self.workers: list[Worker] = []
-        #: Workers found ended that no fault had killed (a restart looks first): under
-        #: faults a worker may lose its broker or database, never end on its own.
-        self.exits: list[str] = []
+        #: Workers found ended when a fault came to kill them (kill looks first).
+        self._exits: list[str] = []
         self.beat: Beat | None = None
         self.with_beat = with_beat
         self.beat_env_hook = beat_env_hook
@@ -188,15 +187,27 @@ class Fleet:
 
     def restart(self, index: int) -> None:
         """SIGKILL worker ``index`` (main process and pool) and boot it again, same name."""
-        old = self.workers[index]
-        self.exits += self.ended([old])
-        old.kill(signal.SIGKILL)
+        old = self.kill(index)
         time.sleep(0.5)
         self.workers[index] = self._worker(old.name)
 
-    @staticmethod
-    def ended(workers: list[Worker]) -> list[str]:
-        return [w.name for w in workers if w.proc is not None and w.proc.poll() is not None]
+    def kill(self, index: int) -> Worker:
+        """SIGKILL worker ``index`` (main process and pool), noting first whether it had
+        already ended on its own: a restart would hide that."""
+        worker = self.workers[index]
+        if worker.proc is not None and worker.proc.poll() is not None:
+            self._exits.append(worker.name)
+        worker.kill(signal.SIGKILL)
+        return worker
+
+    def exits(self, restarting: set[int] | frozenset[int] = frozenset()) -> list[str]:
+        """Workers that ended that no fault killed (under faults a worker may lose its
+        broker or its database, never end on its own): those found so by :meth:`kill`,
+        and those ended now but the ones being restarted (``restarting``: indexes)."""
+        ended = [
+            w for i, w in enumerate(self.workers) if i not in restarting and w.proc is not None and w.proc.poll() is not None
+        ]
+        return self._exits + [w.name for w in ended]
 
     def stop(self) -> None:
         for w in self.workers:
@@ -379,7 +390,7 @@ def run_lease_scenario(
             per_job = dict(conn.execute(sa.select(effects.c.job_id, sa.func.count()).group_by(effects.c.job_id)).all())
             succeeded = {str(r[0]) for r in conn.execute(sa.select(jobs.c.id).where(jobs.c.status == "succeeded"))}
             losses = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(jobs.c.lease_losses), 0))).scalar()
-        exits = fleet.exits + fleet.ended(fleet.workers)
+        exits = fleet.exits()
     finally:
         fleet.stop()
         engine.dispose()

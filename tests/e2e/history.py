@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_lease.lifecycle.owner import owner_pid
+from celery_lease.worker.outcome import TIMED_OUT
 
 TERMINAL = ("succeeded", "failed", "expired", "cancelled")
 #: Overlaps of limited bodies shorter than this are not counted: a body notices a lost
@@ -323,7 +324,7 @@ def _concurrency(h: History) -> list[Violation]:
     timed_out = {
         (e["job_id"], e["attempt"]): e["at"]
         for e in h.events
-        if e["event"] in ("retried", "failed") and (e["detail"] or "").startswith("timed out")
+        if e["event"] in ("retried", "failed") and (e["detail"] or "").startswith(TIMED_OUT)
     }
     for kind, limit in h.concurrency.items():
         spans = [

@@ -436,13 +436,12 @@ class Run:
         if index in self._restarting:
             return
         worker = self.fleet.workers[index]
-        self.fleet.exits += self.fleet.ended([worker])
         pids = [worker.pid, *worker.children()]
         now = time.time()
         self.node_kills[f"{worker.name}@testhost"].append(now)
         for pid in pids:
             self.pid_kills.setdefault(pid, now)
-        worker.kill(signal.SIGKILL)
+        self.fleet.kill(index)
         self.op("fault", fault="kill_worker", node=worker.name, pids=pids)
         self._restarting.add(index)
 
@@ -522,9 +521,7 @@ class Run:
             effect_kinds=frozenset({"h_plain", "h_limited", "h_rated", "h_snooze", "h_timeout", "h_sum", "h_errback"}),
             node_kills=dict(self.node_kills),
             pid_kills=dict(self.pid_kills),
-            # (A worker whose restart is still under way was killed by a fault.)
-            ended_workers=self.fleet.exits
-            + self.fleet.ended([w for i, w in enumerate(self.fleet.workers) if i not in self._restarting]),
+            ended_workers=self.fleet.exits(restarting=self._restarting),
         )
 
 

@@ -38,9 +38,8 @@ sockets: the server has committed before the client's connection breaks.
 
 ``fail`` acts before the statement is sent: by default the connection drops (what a
 network failure looks like); ``error=SQLSTATE`` answers a simple-protocol query with an
-ErrorResponse instead, the connection stays usable (but a COMMIT's always drops: see
-``_statement``). In the extended protocol ``fail``
-always drops the connection.
+ErrorResponse instead, the connection stays usable. A failed COMMIT, and ``fail`` in the
+extended protocol, always drop the connection (``_statement`` says why for COMMIT).
 
 Threads only, no dependencies beyond tests/harness/tcpproxy.py; ``pause``,
 ``cut_all`` and ``cut_reply_to`` of TcpProxy work too (cut_reply_to on raw bytes).
