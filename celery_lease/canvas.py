@@ -322,9 +322,10 @@ class FollowUp:
             self.rows.append(self._row(spec, body, payload, {}))
 
     def send(self, *, delete: bool = True) -> list[str]:
-        """Apply the plain signatures and delete their outbox rows (``delete=False``: return
-        them); a failure is logged: the sweeper applies what the outbox keeps."""
-        sent = self._outbox if all([_apply(s, a, o, eager=self._eager) for s, a, o in self.sends]) else []
+        """Apply the plain signatures and delete the outbox rows (one each, in order) of
+        those sent (``delete=False``: return them); the sweeper applies the rest (logged)."""
+        applied = [_apply(s, a, o, eager=self._eager) for s, a, o in self.sends]
+        sent = [row for row, ok in zip(self._outbox, applied) if ok]
         self._outbox = []
         if delete:
             _delete_sent(self._canvas._store(), sent)

@@ -18,7 +18,7 @@ Reads that may lag (lists, counts, metrics) may run on a replica instead
 (``lagging``: lease_read_database_url); nothing else does.
 
 Database errors never carry the driver's text outward (it can hold host names or
-credentials): they surface as DatabaseUnavailable naming the setting.
+credentials): DatabaseUnavailable names the setting and what went wrong (db/unreachable.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 
 from celery_lease import green
-from celery_lease.db import durability, urls
+from celery_lease.db import durability, sqlite_errors, unreachable, urls
 from celery_lease.db.in_flight import await_in_flight, backend_pid
 from celery_lease.db.prepared import Prepared
 from celery_lease.errors import DatabaseUnavailable
@@ -311,17 +311,27 @@ class Database:
     def translate(self, exc: sa_exc.DBAPIError, *, replica: bool = False) -> Exception:
         """A database error as the caller sees it: DatabaseUnavailable, naming the
         setting and never the driver's text, for a lost or refusing server (a lock
-        timeout included); the error itself otherwise. ``replica``: it came from the
-        replica's engine."""
-        if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+        timeout included); the error itself otherwise (SQLite's statement errors as
+        ProgrammingError). ``replica``: it came from the replica's engine."""
+        if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)) and self._unavailable(exc.orig):
             log.warning("celery-lease: database error: %s", exc.orig)
             if replica:
                 assert self.read_url is not None
                 where = f"the job database's replica {urls.masked(self.read_url)} ({urls.READ_SOURCE})"
             else:
                 where = f"the job database {self.display_url} ({self.source})"
-            return DatabaseUnavailable(f"cannot reach {where}: {type(exc.orig).__name__}")
+            url = self.read_url if replica and self.read_url is not None else self.url
+            return DatabaseUnavailable(f"cannot reach {where}: {unreachable.reason(exc.orig, url)}")
+        if self.dialect == "sqlite" and isinstance(exc, sa_exc.OperationalError) and exc.orig is not None:
+            # The statement's own error (no such table, a syntax error): PostgreSQL's
+            # ProgrammingError, and handled as one (a handler's error, "not migrated").
+            return sa_exc.ProgrammingError(exc.statement, exc.params, exc.orig)
         return exc
+
+    def _unavailable(self, orig: BaseException | None) -> bool:
+        """Whether a driver's OperationalError or InterfaceError ``orig`` means the
+        database is away (DatabaseUnavailable) rather than the statement's own error."""
+        return self.dialect != "sqlite" or sqlite_errors.unavailable(orig)
 
     def execute_prepared(
         self, stmt: Prepared, params: dict[str, Any], *, fast: bool = False, on_retry: Callable[[], None] | None = None
@@ -347,7 +357,7 @@ class Database:
                     orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
                     log.warning("celery-lease: database error: %s", orig)
                     raise DatabaseUnavailable(
-                        f"cannot reach the job database {self.display_url} ({self.source}): {type(orig).__name__}"
+                        f"cannot reach the job database {self.display_url} ({self.source}): {unreachable.reason(orig, self.url)}"
                     ) from None
                 if self._pin:
                     setattr(self._hot, slot, raw)
@@ -372,10 +382,11 @@ class Database:
                 if dropped and attempt < RECONNECT_ATTEMPTS:
                     _before_retry(engine, pid, attempt, on_retry)
                     continue
-                if isinstance(exc, (engine.dialect.loaded_dbapi.OperationalError, engine.dialect.loaded_dbapi.InterfaceError)):
+                dbapi = engine.dialect.loaded_dbapi
+                if isinstance(exc, (dbapi.OperationalError, dbapi.InterfaceError)) and self._unavailable(exc):
                     log.warning("celery-lease: database error: %s", exc)
                     raise DatabaseUnavailable(
-                        f"cannot reach the job database {self.display_url} ({self.source}): {type(exc).__name__}"
+                        f"cannot reach the job database {self.display_url} ({self.source}): {unreachable.reason(exc, self.url)}"
                     ) from None
                 raise
         raise AssertionError("unreachable")

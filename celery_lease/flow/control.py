@@ -30,7 +30,9 @@ process and host at once (Celery's own ``rate_limit`` is per worker).
   of a limited kind with no round trip of its own. A kind the code leaves unlimited
   claims with CLAIM, which takes no lock: each worker process learns which such kinds
   an override limits from a cache read at most every OVERRIDES_REFRESH_SECONDS, and
-  claims them with CLAIM_LIMITED from then on.
+  claims them with CLAIM_LIMITED from then on. CLAIM itself refuses a kind an override
+  limits, so a claim made after the override committed never runs past it: the
+  refused delivery reads the overrides afresh and claims with CLAIM_LIMITED.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ MIN_COUNTDOWN = 0.05
 #: What a view of flow control shows per (kind, key).
 STATES = ("running", "waiting_limit", "waiting_rate", "waiting_pause", "pending")
 #: Seconds a worker process trusts its list of the kinds an operator's override limits
-#: while the code declares no limit: such an override binds every worker within this.
+#: while the code declares no limit (a claim on the unlimited path refused by an
+#: override the list misses reads it again at once).
 OVERRIDES_REFRESH_SECONDS = 2.0
 #: Where a limit in force comes from.
 CODE, OVERRIDE = "code", "override"
@@ -94,21 +97,22 @@ class FlowControl:
         self._overridden_at = -OVERRIDES_REFRESH_SECONDS
         self._overridden_lock = threading.Lock()
 
-    def limited(self, spec: JobKind) -> bool:
+    def limited(self, spec: JobKind, *, fresh: bool = False) -> bool:
         """Whether claims of ``spec`` take the limited path (CLAIM_LIMITED, under its
         limits row lock): the code declares a limit, or an operator's override does (as
         this process last read, at most OVERRIDES_REFRESH_SECONDS ago). A batched kind
-        never: its claims take no limit (kinds.check_batch); set_limits refuses it."""
+        never: its claims take no limit (kinds.check_batch); set_limits refuses it.
+        ``fresh``: the overrides read now."""
         if spec.batch is not None:
             return False
-        return spec.limits is not None or spec.kind in self._overridden_kinds()
+        return spec.limits is not None or spec.kind in self._overridden_kinds(fresh)
 
-    def _overridden_kinds(self) -> frozenset[str]:
+    def _overridden_kinds(self, fresh: bool = False) -> frozenset[str]:
         now = time.monotonic()
-        if now - self._overridden_at < OVERRIDES_REFRESH_SECONDS:
+        if not fresh and now - self._overridden_at < OVERRIDES_REFRESH_SECONDS:
             return self._overridden
         with self._overridden_lock:  # one read per process and period, not one per thread
-            if now - self._overridden_at >= OVERRIDES_REFRESH_SECONDS:
+            if fresh or now - self._overridden_at >= OVERRIDES_REFRESH_SECONDS:
                 try:
                     self._overridden = self._db.overridden_kinds()
                 except Exception:
@@ -149,6 +153,11 @@ class FlowControl:
                 row = claim_delivery(self._store, job_id, owner, spec.task, successes=successes, follow_ups=f)
                 successes = None  # written (or not) by the first claim
                 result = ClaimResult(row=row) if row is not None else self._db.hold(job_id, spec.task)
+                if result.retry and self.limited(spec, fresh=True):
+                    # Refused by an override this process had not read (CLAIM checks):
+                    # claimed again on the limited path.
+                    limited = True
+                    continue
             else:
                 assert successes is None, "successes must not wait for a limited kind's lock"
                 result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, spec.limits, follow_ups=f)

@@ -26,6 +26,10 @@ from celery_lease.payload import MAX_ERROR_BYTES, cap_error
 INTERNAL_ERROR = "internal error"
 #: With lease_error_detail, at most this many characters of the (redacted) text.
 DETAIL_CHARS = 200
+#: Only this many characters are redacted, then cut to DETAIL_CHARS: a secret that
+#: starts before the cap and ends within the margin is still recognised, and a message
+#: of any length costs the same.
+REDACT_CHARS = DETAIL_CHARS + 1000
 #: What a redacted secret becomes.
 REDACTED = "***"
 
@@ -33,18 +37,28 @@ _SECRET_KEYS = (
     r"password|passwd|pwd|pass|secret|token|api[_-]?key|apikey|access[_-]?key|auth|authorization"
     r"|credentials?|session(?:id)?|cookie|private[_-]?key|client[_-]?secret|signature|sig"
 )
+# Every pattern runs in time linear in the text: a match may start only where a run of
+# its characters starts (a lookbehind), so no two attempts rescan the same run, and no
+# two unbounded quantifiers over the same characters are adjacent. A backtracking
+# pattern here holds the GIL for minutes on a long message, which stops the heartbeat.
 _PATTERNS = (
-    # scheme://user:password@host (a DSN, a URL with credentials): the userinfo goes.
-    (re.compile(r"(\b[a-zA-Z][\w+.-]*://)[^/\s@]*@"), rf"\1{REDACTED}@"),
+    # scheme://user:password@host (a DSN, a URL with credentials): the userinfo goes. The
+    # scan stops at the next "/", so it never runs past the next "://".
+    (re.compile(r"(?<=[\w+.-])(://)[^/\s@]*@"), rf"\1{REDACTED}@"),
     # Authorization headers: "Bearer <token>", "Basic <b64>", "Token <t>".
     (re.compile(r"(?i)\b(bearer|basic|token)(\s+)[\w.~+/=-]{4,}"), rf"\1\2{REDACTED}"),
-    # password=..., "api_key": "...", secret: ... (libpq DSNs, query strings, dict reprs).
+    # password=..., "api_key": "...", secret: ... (libpq DSNs, query strings, dict reprs):
+    # a whole word that contains a key (looked for once, from the word's start), then the
+    # separator, then the value, which a match consumes.
     (
-        re.compile(rf"(?i)([\w-]*(?:{_SECRET_KEYS})[\w-]*['\"]?\s*[=:]\s*)(\"[^\"]*\"|'[^']*'|[^\s,;&)}}\]]+)"),
+        re.compile(
+            rf"(?i)(?<![\w-])((?=[\w-]*?(?:{_SECRET_KEYS}))[\w-]+['\"]?\s*[=:]\s*)"
+            r"(\"[^\"]*\"|'[^']*'|[^\s,;&)}\]]+)"
+        ),
         rf"\1{REDACTED}",
     ),
     # JSON Web Tokens, wherever they appear.
-    (re.compile(r"\beyJ[\w-]{4,}\.[\w-]{4,}\.[\w-]*"), REDACTED),
+    (re.compile(r"(?<![\w-])eyJ[\w-]{4,}\.[\w-]{4,}\.[\w-]*"), REDACTED),
 )
 
 
@@ -75,8 +89,9 @@ def incident(exc: BaseException, *, detail: bool = False) -> Incident:
     ref = secrets.token_hex(4)
     what = type_name(exc)
     if detail:
-        text = redact(str(exc))
-        if len(text) > DETAIL_CHARS:
+        full = str(exc)
+        text = redact(full[:REDACT_CHARS])
+        if len(text) > DETAIL_CHARS or len(full) > REDACT_CHARS:
             text = text[:DETAIL_CHARS] + "..."
         if text:
             what = f"{what}: {text}"

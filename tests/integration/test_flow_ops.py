@@ -327,3 +327,23 @@ def test_cli_limit_refuses_bad_input_in_one_line_and_changes_nothing(cli, pg, ar
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr.startswith("celery-lease: ") and says in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert stored_limits(pg) == {}
+
+
+def test_an_override_binds_another_process_s_next_claims_at_once(pg, broker, client_app):
+    """A kind the code leaves unlimited: the worker process's claims right after the
+    operator's command returned take the override, though its list of overridden kinds
+    was read just before the command (and would be trusted for seconds)."""
+    from celery_lease.flow.limits import LimitChange
+
+    worker = client_app(pg, broker, module=MODULE)
+    operator = client_app(pg, broker, module=MODULE)  # another CeleryLease: the CLI's, the API's
+    spec = worker.leases.registry.resolve("unlimited")
+    ids = [j.id for j in worker.unlimited.submit_many([{}] * 4)]
+    assert not worker.leases.flow.limited(spec)
+    now = operator.leases.flow.set_limits("unlimited", LimitChange.parse(concurrency="1", given=(True, False)))
+    assert now["concurrency"] == 1
+    claimed = [worker.leases.flow.claim(i, spec, "w1@host/1/boot") for i in ids]
+    assert sum(row is not None for row in claimed) == 1
+    with sa.create_engine(pg).connect() as conn:
+        states = sorted(conn.execute(sa.select(jobs.c.status, jobs.c.held).where(jobs.c.kind == "unlimited")).all())
+    assert states == [("pending", "limit")] * 3 + [("running", None)]

@@ -164,6 +164,63 @@ def test_what_a_transition_leaves_behind_is_sent_or_pruned(pg, broker, client_ap
     assert _all(pg, landings) == []
 
 
+def test_a_transition_that_waited_on_a_lock_is_not_swept_while_its_writer_sends(pg, broker, client_app, tmp_path):
+    """The cancel waits on the job's row lock longer than OUTBOX_AGE, then commits its
+    plain errback's outbox row; a sweep between that commit and its writer's send (held
+    up by a Redis pause of writes) leaves the row to its writer: one message."""
+    import threading
+    import time
+
+    import redis
+
+    mod = client_app(pg, broker, module=NATIVE)
+    job = mod.inc.apply_async(({"n": 1},), countdown=600, link_error=[mod.plain_errback.s(str(tmp_path))])
+    _queued(broker)
+    engine = sa.create_engine(pg)
+    client = redis.Redis.from_url(broker)
+    try:
+        with engine.connect() as holder:
+            holder.execute(sa.select(jobs.c.id).where(jobs.c.id == job.id).with_for_update())
+            cancel = threading.Thread(target=mod.leases.cancel, args=(job.id,))
+            cancel.start()
+            time.sleep(OUTBOX_AGE + 1)
+            client.client_pause(3000, all=False)  # the writer's send waits, after its commit
+            holder.commit()
+        wait_for(lambda: _all(pg, outbox), timeout=10, what="the cancel's commit")
+        mod.leases.sweep()
+        cancel.join(timeout=30)
+    finally:
+        client.close()
+        engine.dispose()
+    assert [m["headers"]["task"] for m in _queued(broker)] == ["tests.plain_errback"]
+    assert _all(pg, outbox) == []
+
+
+def test_a_partly_failed_send_leaves_only_the_unsent_follow_up_to_the_sweep(pg, broker, client_app, tmp_path):
+    """Three plain errbacks; the broker refuses the second (its queue's key is not a
+    list): the two sent lose their outbox rows at once, and the sweep sends the third
+    alone once the broker takes it."""
+    import redis
+
+    mod = client_app(pg, broker, module=NATIVE)
+    errbacks = [mod.plain_errback.s(str(tmp_path)).set(queue=q) for q in ("first", "jammed", "third")]
+    job = mod.inc.apply_async(({"n": 1},), countdown=600, link_error=errbacks)
+    _queued(broker)
+    client = redis.Redis.from_url(broker)
+    try:
+        client.set("jammed", "not a queue")  # LPUSH there fails: WRONGTYPE
+        assert mod.leases.cancel(job.id) is True
+        assert sorted(m["properties"]["delivery_info"]["routing_key"] for m in _queued(broker)) == ["first", "third"]
+        assert len(_all(pg, outbox)) == 1
+        client.delete("jammed")
+    finally:
+        client.close()
+    _age(pg, "celery_lease_outbox", OUTBOX_AGE + 1)
+    mod.leases.sweep()
+    assert [m["properties"]["delivery_info"]["routing_key"] for m in _queued(broker)] == ["jammed"]
+    assert _all(pg, outbox) == []
+
+
 def _age(pg: str, table: str, seconds: float) -> None:
     engine = sa.create_engine(pg)
     try:

@@ -227,6 +227,40 @@ def test_eager_mode_runs_handlers_in_process_with_the_lifecycle_rules(eager_app,
     assert _broker_is_empty(broker)  # nothing was published
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("database", ["sqlite_url", "pg"])
+@pytest.mark.parametrize("sql", ["INSERT INTO no_such_table VALUES (1)", "INSERT INTO test_effects VALUES ("])
+def test_an_effects_own_sql_error_fails_the_job_like_any_exception(request, database, sql):
+    """A handler's bad statement (a missing table, a syntax error) is its own error on
+    either database, retried per its attempts, not taken for the database being away
+    (which, on SQLite, retried it for ever)."""
+    import re
+
+    from celery import Celery
+
+    from celery_lease import CeleryLease, Status
+    from celery_lease.testing import eager
+
+    url = request.getfixturevalue(database)
+    app = Celery("effect_sql_error", broker="memory://")
+    leases = CeleryLease(app, database_url=url)
+
+    @leases.job(kind="bad_effect", max_attempts=2)
+    def bad_effect(ctx, payload):
+        ctx.effect(lambda conn: conn.exec_driver_sql(sql))
+        return {"done": True}
+
+    try:
+        with eager(leases, url):
+            job = bad_effect({})
+    finally:
+        leases.store.dispose()
+        app.close()
+    assert (job.status, job.attempt) == (Status.FAILED, 2)
+    # Stored alike on both: PostgreSQL's class for a statement it refuses.
+    assert re.fullmatch(r"internal error: sqlalchemy\.exc\.ProgrammingError \(ref [0-9a-f]{8}\)", job.error), job.error
+
+
 def test_testing_plugin_beside_celerys_pytest_fixtures(pg, broker, tmp_path):
     """A project's conftest enables celery_lease.testing and celery.contrib.pytest; its
     tests run leased jobs eagerly and through Celery's in-process worker thread."""

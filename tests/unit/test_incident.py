@@ -4,6 +4,8 @@ reference, and with the operator's opt-in its text, redacted and capped."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -54,3 +56,54 @@ def test_opt_in_includes_the_redacted_text_capped():
     assert long.count("é") == DETAIL_CHARS and re.search(r"\.\.\. \(ref [0-9a-f]{8}\)$", long)
     assert len(long.encode()) <= MAX_ERROR_BYTES
     assert incident(ValueError(), detail=True).error.startswith("internal error: ValueError (ref ")
+
+
+# Shapes on which a backtracking pattern rescans the same run from every start: each
+# would take the old patterns minutes to hours at a megabyte.
+ADVERSARIAL = ("a", "pass", "a.", "eyJ-", "a=", "a   ", "a://", "eyJa.", "token ", "pass: 'x")
+
+
+def timed_in_child(code: str, *args: str) -> dict[str, float]:
+    """Run ``code`` in a child process, which prints "<name> <seconds>" lines. In a
+    child because a stuck regex holds the GIL: only a kill ends it."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys, time\n" + code, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"did not finish; done so far: {exc.stdout!r}")
+    return {name: float(seconds) for name, seconds in (line.rsplit(" ", 1) for line in done.stdout.splitlines())}
+
+
+def test_redact_takes_linear_time_on_adversarial_text():
+    # The bound is generous: a linear pass over a megabyte takes a fraction of it.
+    took = timed_in_child(
+        "from celery_lease.worker.incident import redact\n"
+        "for unit in sys.argv[1:]:\n"
+        "    text = (unit * (1_000_000 // len(unit) + 1))[:1_000_000]\n"
+        "    start = time.perf_counter()\n"
+        "    redact(text)\n"
+        "    print(unit, time.perf_counter() - start, flush=True)\n",
+        *ADVERSARIAL,
+    )
+    assert set(took) == set(ADVERSARIAL)
+    assert all(seconds < 1 for seconds in took.values()), took
+
+
+def test_opt_in_cuts_a_long_message_before_redacting_it_and_keeps_a_straddling_secret_out():
+    took = timed_in_child(
+        "from celery_lease.worker.incident import incident\n"
+        "start = time.perf_counter()\n"
+        "error = incident(ValueError('pass' * 250_000), detail=True).error\n"
+        "assert '... (ref ' in error, error\n"
+        "print('incident', time.perf_counter() - start)\n"
+    )
+    assert took["incident"] < 1
+    # The userinfo starts before the cap and its "@" lies past it.
+    straddling = "x" * 170 + " postgresql://app:hunter2hunter2@db/shop" + "y" * 5000
+    shown = incident(ValueError(straddling), detail=True).error
+    assert "hunter" not in shown and "***" in shown

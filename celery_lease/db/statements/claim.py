@@ -36,7 +36,7 @@ from celery_lease.db.statements.attempt_log import open_attempt
 from celery_lease.db.statements.common import _PENDING, _c, _delivered, _due, db_now, db_now_plus
 from celery_lease.db.statements.events import event_rows, events_cte, logged
 from celery_lease.db.statements.flow import _rate_open_for, count_rate_claim
-from celery_lease.db.statements.in_force import below_concurrency
+from celery_lease.db.statements.in_force import below_concurrency, not_overridden
 from celery_lease.status import Event, Status
 
 #: What a worker needs from a claimed job.
@@ -73,7 +73,9 @@ def claim(
     * ``swap`` (always, but for the bench's baseline): flow control's guards: nothing
       of a paused kind is claimed, and the first due pending job of the same kind,
       queue and concurrency key with a higher priority is claimed in place of the
-      delivered one (whose wakeup the caller sends again);
+      delivered one (whose wakeup the caller sends again); without ``concurrency`` and
+      ``rate``, nothing of a kind an operator's override limits either (the caller's
+      view of which kinds are limited may be stale: it then claims on the limited path);
     * ``concurrency``: only while fewer jobs of the claimed job's kind and key run than
       its concurrency in force allows; ``rate``: only while the kind's rate window
       (:of_kind) takes a claim. Both read the kind's limits row, an operator's override
@@ -135,6 +137,8 @@ def _claim_update(*, swap: bool, concurrency: bool, rate: bool) -> sa.Update:
     guards = [_delivered(target)]
     if swap:
         guards.append(~sa.exists().where(pauses.c.kind == _c.kind))
+        if not (concurrency or rate):
+            guards.append(not_overridden(_c.kind))
     if concurrency:
         guards.append(below_concurrency(_c.kind, _c.concurrency_key))
     if rate:

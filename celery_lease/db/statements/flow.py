@@ -34,6 +34,7 @@ from celery_lease.db.statements.in_force import (
     in_force_concurrency,
     in_force_per_seconds,
     in_force_rate,
+    overridden,
     running_like,
 )
 from celery_lease.status import Held, Status
@@ -468,7 +469,7 @@ def override_limits(dialect: str) -> sa.Insert:
 def overridden_kinds() -> sa.Select:
     """The kinds an operator's override limits (a concurrency or a rate of N >= 1):
     their claims take the limited path even when the code declares no limit."""
-    return sa.select(limits.c.kind).where(sa.or_(limits.c.concurrency_override > 0, limits.c.rate_override > 0))
+    return sa.select(limits.c.kind).where(overridden(limits.c))
 
 
 @functools.cache

@@ -37,6 +37,19 @@ def in_force_per_seconds(row) -> sa.ColumnElement:
     return sa.func.coalesce(row.per_seconds_override, row.per_seconds)
 
 
+def overridden(row) -> sa.ColumnElement[bool]:
+    """An operator's override sets a limit (a concurrency or a rate of N >= 1)."""
+    return sa.or_(row.concurrency_override > 0, row.rate_override > 0)
+
+
+def not_overridden(kind) -> sa.ColumnElement[bool]:
+    """No operator's override limits ``kind``: the guard of a claim that checks no limit,
+    so a claim made after an override committed never bypasses it (the caller claims
+    again on the limited path)."""
+    row = limits.alias("override")
+    return ~sa.exists().where(row.c.kind == kind, overridden(row.c))
+
+
 def _concurrency_of(kind) -> sa.ScalarSelect:
     """The concurrency in force for ``kind`` (NULL: no limit, or no limits row)."""
     row = limits.alias("cap")

@@ -7,6 +7,8 @@ import functools
 from collections.abc import Sequence
 
 import sqlalchemy as sa
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
 
 from celery_lease.db.schema import outbox
 from celery_lease.db.statements.common import _seconds, db_now, db_now_plus
@@ -17,10 +19,32 @@ KIND_CELERY = "celery"
 _o = outbox.c
 
 
+class written_now(FunctionElement):
+    """The database's clock when the row is written. On PostgreSQL, clock_timestamp():
+    now() is the start of the transaction, and a transition that waited on a lock longer
+    than the sweeper's age would commit rows the sweeper takes at once, while their
+    writer is still sending them. (SQLite's clock is read per statement, after BEGIN
+    IMMEDIATE took the lock.)"""
+
+    type = sa.DateTime(timezone=True)
+    inherit_cache = True
+
+
+@compiles(written_now)
+def _written_now(element, compiler, **kw):
+    return "clock_timestamp()"
+
+
+@compiles(written_now, "sqlite")
+def _written_now_sqlite(element, compiler, **kw):
+    return compiler.process(db_now(), **kw)
+
+
 @functools.cache
 def insert_outbox() -> sa.Insert:
-    """insert_outbox: rows (:id, :kind, :payload) stamped with the database's clock."""
-    return sa.insert(outbox).values(created_at=db_now())
+    """insert_outbox: rows (:id, :kind, :payload) stamped with the database's clock at
+    the write (written_now), which follows whatever lock the transition waited for."""
+    return sa.insert(outbox).values(created_at=written_now())
 
 
 def delete_outbox(ids: Sequence[str]) -> sa.Delete:
