@@ -37,12 +37,12 @@ from celery_lease.errors import UnknownKind
 from celery_lease.flow.control import FlowControl
 from celery_lease.flow.limits import Limits
 from celery_lease.job import Job, parse_job_id
-from celery_lease.kinds import JobKind, Registry, check_batch
+from celery_lease.kinds import JobKind, Registry, check_batch, refuse_celery_options
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import Codec
 from celery_lease.producer import Producer
-from celery_lease.settings import Settings
+from celery_lease.settings import Settings, warn_unknown_keys
 from celery_lease.worker import events, lost, signals
 from celery_lease.worker.eager import EagerRunner
 from celery_lease.worker.executor import WorkerState
@@ -70,6 +70,7 @@ class CeleryLease:
         self._database_url = database_url
         self._overrides = settings
         self._settings: Settings | None = None
+        self._keys_checked = False
         self._store: Store | None = None
         self._producer: Producer | None = None
         self._maintenance: Maintenance | None = None
@@ -96,7 +97,7 @@ class CeleryLease:
         results.install(app)  # AsyncResult(job_id) reads the row when the app has no result backend
         grouping.install(app)  # a group's leased members are one submit
         self.beat_schedule = entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
-        self.beat_jobs = BeatJobs(app, self.registry, lambda: self.producer, self.beat_schedule.add)
+        self.beat_jobs = BeatJobs(app, self.registry, lambda: self.producer, self.beat_schedule.add, self.resolve)
         self._task_modules_imported = False
         shared.attach(self)  # jobs declared with @shared_job (reusable apps)
 
@@ -106,6 +107,8 @@ class CeleryLease:
     def settings(self) -> Settings:
         if self._settings is None:
             self._settings = Settings.resolve(self.app.conf, self._overrides)
+            if not self._keys_checked:  # once: reading app.conf may configure the app, whose hook reads these
+                self._keys_checked = warn_unknown_keys(self.app.conf)
         return self._settings
 
     @property
@@ -235,7 +238,6 @@ class CeleryLease:
             task = self.app.task(
                 name=task_name,
                 base=LeaseTask,
-                queue=queue,  # the task's own: a plain send_task of it goes there too
                 bind=True,
                 shared=False,
                 _force_evaluate=True,
@@ -372,7 +374,7 @@ class CeleryLease:
     def run_events(self, run_id: str, **kw) -> list[dict]:
         return self.store.run_events(parse_job_id(run_id), **kw)
 
-    def periodic(self, name: str, task: Any, every: Any, payload: Any = None) -> Periodic:
+    def periodic(self, name: str, task: Any, every: Any, payload: Any = None) -> Periodic | None:
         """Put a leased job in the beat schedule: each slot of ``every`` (seconds, a
         timedelta, or a Celery schedule or crontab) submits ``payload`` once, keyed by
         the slot, however many beat processes fire it. See :mod:`celery_lease.beat.periodic`."""

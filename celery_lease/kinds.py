@@ -59,6 +59,31 @@ def check_batch(batch: Any, limits: Limits | None) -> int | None:
     return batch
 
 
+#: Celery task options that ``@leases.job`` does not take, with what a leased job does
+#: instead: refused at declaration, never silently ignored.
+CELERY_TASK_OPTIONS = {
+    "bind": "the handler always receives its JobContext first (ctx.job_id, ctx.attempt, ctx.fencing_token): drop bind=True",
+    "max_retries": "use max_attempts=, which counts the first run too (max_retries=N is max_attempts=N + 1)",
+    "autoretry_for": "every exception is retried, with exponential backoff, while attempts remain: drop it, and "
+    "raise celery_lease.Failure for an error that must not be retried",
+    "retry_kwargs": "use max_attempts=, retry_backoff= and retry_backoff_max=",
+    "default_retry_delay": "retries back off exponentially from retry_backoff= seconds, up to retry_backoff_max=",
+    "retry_jitter": "retry delays are always jittered (0.5x to 1.5x)",
+    "acks_late": "the lease replaces it: a killed worker's job is run again when its lease elapses",
+    "time_limit": "use timeout= (seconds an attempt may run)",
+    "soft_time_limit": "use timeout= and ctx.raise_if_cancelled()",
+}
+
+
+def refuse_celery_options(options: dict[str, Any]) -> None:
+    """Raise TypeError naming what to use instead of a Celery task option given to ``@leases.job``."""
+    for key in options:
+        hint = CELERY_TASK_OPTIONS.get(key)
+        if hint is None:
+            raise TypeError(f"@leases.job() got an unexpected keyword argument {key!r}")
+        raise TypeError(f"@leases.job({key}=...) is a Celery task option a leased job does not take: {hint}")
+
+
 class Registry:
     """The job kinds of one CeleryLease, by name. Anything with a ``spec`` attribute
     (a LeaseTask) resolves to its kind too."""

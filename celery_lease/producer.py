@@ -23,9 +23,10 @@ from celery import Celery
 from sqlalchemy import exc as sa_exc
 
 from celery_lease import tracing, wakeups
+from celery_lease.db import migrate
 from celery_lease.db.schema import jobs as jobs_table
 from celery_lease.db.store import Store
-from celery_lease.errors import InvalidPayload, LeaseError
+from celery_lease.errors import ConfigurationError, InvalidPayload, LeaseError
 from celery_lease.flow.limits import parse_priority
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
@@ -320,6 +321,8 @@ class Producer:
                 # The runs, the rows and their events (or the key lookups) commit together.
                 inserted, jobs = store.transaction(store.durable, write)
         except Exception as exc:
+            if migrate.schema_missing(exc):  # never migrated, or older than this version
+                raise ConfigurationError(migrate.SCHEMA_MISSING) from None
             if not refused_value(exc):
                 raise
             # The driver's text quotes the whole INSERT, payload included: keep it out.

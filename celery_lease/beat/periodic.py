@@ -23,6 +23,12 @@ Slots:
   different moments agree on them;
 * ``crontab``: the minute the tick fires in (a crontab fires at most once a minute).
 
+The kind may be named before any module declares it (``leases.periodic(...)`` in
+``proj/celery.py`` or an ``on_after_finalize`` hook, the handler in an autodiscovered
+``tasks.py``): it is resolved when beat starts, after the task modules are imported, and
+beat refuses to start (exits naming the entry and the kind) when no handler declares it.
+A worker resolves it at the entry's first tick.
+
 Limits, stated plainly: a slot is at most once, not exactly once. A tick that never
 reaches a worker (message lost) leaves its slot unrun, like any beat tick. The beat
 hosts' clocks must agree to well within the period, and a beat stalled past its slot's
@@ -39,11 +45,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
-from celery import Celery, Task
+from celery import Celery, Task, signals
 from celery.exceptions import Ignore
 from celery.schedules import BaseSchedule, crontab, schedule
 
-from celery_lease.errors import ConfigurationError
+from celery_lease.errors import ConfigurationError, UnknownKind
 from celery_lease.kinds import JobKind, Registry
 
 if TYPE_CHECKING:
@@ -191,13 +197,18 @@ class BeatJobs:
         registry: Registry,
         producer: Callable[[], Producer],
         keep_entry: Callable[[str, dict], None],
+        resolve: Callable[[Any], JobKind] | None = None,
     ) -> None:
         self._app = app
         self._registry = registry
+        #: Resolves a kind named before its module was imported (imports the app's task modules).
+        self._resolve = resolve or registry.resolve
         self._producer = producer
         #: Keeps an entry in the beat schedule across later configuration (beat/entries.py).
         self._keep_entry = keep_entry
         self._entries: dict[str, Periodic] = {}
+        #: Entries whose kind no handler declared yet: (kind name, schedule, payload).
+        self._pending: dict[str, tuple[str, BaseSchedule, Any]] = {}
         app.task(
             name=BEAT_SUBMIT_TASK,
             base=BeatSubmitTask,
@@ -207,23 +218,66 @@ class BeatJobs:
             beat_jobs=self,
         )(beat_submit)
 
-    def add(self, name: str, task: Any, every: Any, payload: Any = None) -> Periodic:
+        @signals.beat_init.connect(weak=False)
+        def resolve_at_beat_start(sender=None, **_):
+            if getattr(sender, "app", None) is app and self._pending:
+                try:
+                    self.resolve_pending()
+                except Exception as exc:
+                    # Raised, a signal handler's error is only logged, and beat would run
+                    # without the entry: exit instead (SystemExit passes through signals).
+                    log.critical("celery-lease: beat refuses to start: %s", exc)
+                    raise SystemExit(f"celery-lease: beat refuses to start: {exc}") from None
+
+        self._beat_handler = resolve_at_beat_start
+
+    def add(self, name: str, task: Any, every: Any, payload: Any = None) -> Periodic | None:
+        """The entry; None when ``task`` names a kind no handler declares yet (it is
+        resolved when beat starts, see the module docstring)."""
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH:
             raise ValueError(f"a periodic job's name must be 1 to {MAX_NAME_LENGTH} characters")
-        if name in self._entries:
+        if name in self._entries or name in self._pending:
             raise ValueError(f"periodic job {name!r} is already scheduled")
-        spec = self._registry.resolve(task)
+        schedule_ = _as_schedule(every, self._app)
         payload = {} if payload is None else payload  # a job always has a payload
-        # Validated with the codec alone: the producer reads the app's settings, and a
-        # periodic job is usually declared at import, before the project configures the app.
-        entry = Periodic(name, spec, _as_schedule(every, self._app), spec.codec.dump_payload(payload))
-        self._entries[name] = entry
-        self._keep_entry(name, {"task": BEAT_SUBMIT_TASK, "schedule": entry.schedule, "args": (name,)})
+        try:
+            spec = self._registry.resolve(task)
+        except UnknownKind:
+            if not isinstance(task, str):
+                raise
+            self._pending[name] = (task, schedule_, payload)
+            entry = None
+        else:
+            # Validated with the codec alone: the producer reads the app's settings, and a
+            # periodic job is usually declared at import, before the project configures the app.
+            entry = self._entries[name] = Periodic(name, spec, schedule_, spec.codec.dump_payload(payload))
+        self._keep_entry(name, {"task": BEAT_SUBMIT_TASK, "schedule": schedule_, "args": (name,)})
         return entry
+
+    def resolve_pending(self, names: list[str] | None = None) -> None:
+        """Resolve the kinds of entries declared before their handlers (``names``, or
+        all); raises ConfigurationError naming the entries whose kind no handler declares."""
+        unknown = []
+        for name in list(self._pending) if names is None else [n for n in names if n in self._pending]:
+            kind, schedule_, payload = self._pending[name]
+            try:
+                spec = self._resolve(kind)
+            except UnknownKind:
+                unknown.append(f"{name!r} (kind {kind!r})")
+                continue
+            self._entries[name] = Periodic(name, spec, schedule_, spec.codec.dump_payload(payload))
+            del self._pending[name]
+        if unknown:
+            known = ", ".join(self._registry.names()) or "none"
+            raise ConfigurationError(
+                f"no job handler for periodic job {', '.join(unknown)} (registered: {known}); is the module "
+                "that declares it imported by the app (include=, imports=, autodiscover_tasks())?"
+            )
 
     def submit_tick(self, name: str, tick: Any, now: float) -> tuple[Job, str]:
         """Submit ``name``'s job for the slot of a tick stamped ``tick``; raises
         TickRefused (submitting nothing) for a tick beat could not have sent."""
+        self.resolve_pending([name])  # a worker has imported its task modules by now
         entry = self._entries.get(name)
         if entry is None:
             raise TickRefused("no periodic job of that name in this process (beat and workers must run the same app)")
@@ -231,6 +285,7 @@ class BeatJobs:
         return self.submit(name, key), key
 
     def entry(self, name: str) -> Periodic:
+        self.resolve_pending([name])
         try:
             return self._entries[name]
         except KeyError:

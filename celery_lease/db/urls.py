@@ -114,3 +114,18 @@ def host_list(url: sa.URL, source: str) -> sa.URL:
             f"{source} lists its hosts in two forms at once: write ?host=h1:p1&host=h2:p2 (or ?host=h1,h2&port=p1,p2)"
         ) from None
     return url
+
+
+def from_django(settings_dict: dict[str, Any], vendor: str, alias: str) -> str:
+    """The URL of a Django database (its ``DATABASES`` entry as the connection holds it,
+    e.g. with the test database's name); ConfigurationError unless it is PostgreSQL."""
+    if vendor != "postgresql":
+        raise ConfigurationError(f"Django's database {alias!r} is {vendor}: only a PostgreSQL database can be the job database")
+    return sa.engine.URL.create(
+        POSTGRESQL_DRIVER,  # celery-lease's driver, whichever Django uses
+        username=settings_dict.get("USER") or None,
+        password=settings_dict.get("PASSWORD") or None,
+        host=settings_dict.get("HOST") or None,
+        port=int(settings_dict["PORT"]) if settings_dict.get("PORT") else None,
+        database=settings_dict["NAME"],
+    ).render_as_string(hide_password=False)

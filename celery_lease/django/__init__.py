@@ -11,6 +11,10 @@ With the app installed:
   ``transaction.atomic()`` is written in that transaction, through that connection, and
   its wakeup is published by ``transaction.on_commit``: a rollback leaves no job and no
   wakeup (:mod:`celery_lease.django.transaction`);
+* ``manage.py migrate`` creates and upgrades the job tables when the job database is
+  Django's (:mod:`celery_lease.django.schema`);
+* tests can use Django's test database as the job database
+  (:mod:`celery_lease.django.testing`);
 * ``django.tasks`` (Django >= 6.0, or the ``django-tasks`` backport) enqueue durable
   leased jobs through :class:`~celery_lease.django.backend.LeaseTaskBackend`, run by the
   project's Celery workers.

@@ -69,12 +69,13 @@ def _atomic_on(store: Store) -> Any:
     for wrapper in connections.all(initialized_only=True):
         if wrapper.vendor != store.capabilities.joinable_vendor or not wrapper.in_atomic_block or wrapper.connection is None:
             continue
-        if _identity_of(wrapper) == _store_identity(store):
+        if identity_of(wrapper) == store_identity(store):
             return wrapper
     return None
 
 
-def _identity_of(wrapper: Any) -> tuple:
+def identity_of(wrapper: Any) -> tuple:
+    """The server's identity of the database a Django connection is on."""
     # Cached per DBAPI connection: Django may reconnect (CONN_MAX_AGE, a dropped link).
     cached = getattr(wrapper, "_celery_lease_identity", None)
     if cached is None or cached[0] is not wrapper.connection:
@@ -85,7 +86,8 @@ def _identity_of(wrapper: Any) -> tuple:
     return cached[1]
 
 
-def _store_identity(store: Store) -> tuple:
+def store_identity(store: Store) -> tuple:
+    """The server's identity of the job database (PostgreSQL)."""
     if store not in _STORE_IDENTITY:
         with store.durable.connect() as conn:
             _STORE_IDENTITY[store] = tuple(conn.exec_driver_sql(_IDENTITY).one())

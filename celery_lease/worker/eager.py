@@ -21,7 +21,7 @@ from celery import Celery
 from celery.exceptions import Retry
 
 from celery_lease import tracing
-from celery_lease.errors import JobFailed
+from celery_lease.errors import ConfigurationError, JobFailed
 from celery_lease.producer import Producer
 from celery_lease.worker.executor import WorkerState
 from celery_lease.worker.outcome import Outcome
@@ -63,7 +63,13 @@ class EagerRunner:
         job = self.producer.submit_many(spec, [payload], wake=False, **submit)[0]
         self.drain([job.id])
         done = self._store.get(job.id)
-        assert done is not None
+        if done is None:
+            # Written in a transaction the runner's own connection cannot see.
+            raise ConfigurationError(
+                "eager mode cannot run a job submitted inside a transaction that is not committed (Django's atomic(), "
+                "or a test case that wraps each test in one: Django's TestCase, pytest-django's django_db): use a "
+                "transactional test (TransactionTestCase, django_db(transaction=True)) or submit outside the block"
+            )
         return done
 
     def drain(self, job_ids: list[str]) -> None:

@@ -148,6 +148,13 @@ class LeaseTask(Task):
         return self.spec.kind
 
     @property
+    def queue(self) -> str | None:
+        # The kind's own queue, which Celery's router reads from the task (a plain
+        # send_task of it goes there too). A property: a queue set as a class attribute
+        # makes Celery warn "The 'queue' task attribute is deprecated" at every bind.
+        return self.spec.queue
+
+    @property
     def codec(self):
         return self.spec.codec
 

@@ -21,6 +21,7 @@ import sqlalchemy as sa
 
 from celery_lease import (
     CheckpointTooLarge,
+    ConfigurationError,
     InvalidPayload,
     JobContext,
     LeaseError,
@@ -553,8 +554,12 @@ def test_periodic_entries_are_checked_and_slots_are_aligned(pg, broker, durable_
     nightly = mod.leases.periodic("nightly", "echo", crontab(minute=0, hour=3), {"value": "n"})
     assert nightly.slot_key(t + 30) == "beat:nightly:2026-11-30T12:00:00+00:00"
     assert mod.leases.periodic("every-minute", mod.echo, timedelta(minutes=1)).payload == {}
+    # A kind no handler declares yet is resolved when beat starts (beat/periodic.py).
+    assert mod.leases.periodic("later", "nope", 5) is None and "later" in mod.app.conf.beat_schedule
+    with pytest.raises(ConfigurationError, match=r"periodic job 'later' \(kind 'nope'\)"):
+        mod.leases.beat_jobs.resolve_pending()
     with pytest.raises(UnknownKind):
-        mod.leases.periodic("x", "nope", 5)
+        mod.leases.periodic("x", object(), 5)
     with pytest.raises(InvalidPayload):
         mod.leases.periodic("x", "echo", 5, {"bad": object()})
     with pytest.raises(TypeError):

@@ -158,3 +158,33 @@ def test_a_write_that_changes_no_indexed_column_stays_on_its_page(pg):
     finally:
         engine.dispose()
     assert (updated, hot) == (10, 10)
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_submit_to_an_unmigrated_database_names_the_migrate_command(tmp_path, dialect):
+    from contextlib import ExitStack
+
+    from celery import Celery
+
+    from celery_lease import CeleryLease
+    from celery_lease.errors import ConfigurationError
+
+    with ExitStack() as stack:
+        if dialect == "sqlite":
+            url = f"sqlite:///{tmp_path / 'never-migrated.sqlite3'}"
+        else:
+            url = stack.enter_context(throwaway_database("celery_lease_unmigrated"))
+        leases = CeleryLease(Celery("unmigrated", broker="memory://", set_as_current=False), url, install_beat=False)
+
+        @leases.job(kind="unmigrated")
+        def handler(ctx, payload):
+            return payload
+
+        try:
+            # Not a raw UndefinedTable (nor "cannot reach the database"): what to run.
+            with pytest.raises(ConfigurationError, match=r"celery -A proj lease migrate.*leases\.create_schema\(\)"):
+                handler.submit({"n": 1})
+            leases.create_schema()
+            assert handler.submit({"n": 1}).kind == "unmigrated"
+        finally:
+            leases.store.dispose()

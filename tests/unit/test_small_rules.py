@@ -78,6 +78,53 @@ def test_settings_are_read_after_a_later_config_from_object():
     assert leases.settings.sweep_stale_seconds == 3.0
 
 
+def test_a_misspelt_lease_setting_is_warned_about_with_the_nearest_real_one(caplog):
+    import sys
+    import types
+
+    from celery_lease import CeleryLease
+    from celery_lease.ops import tokens
+    from celery_lease.settings import OTHER_SETTINGS
+
+    # Every lease_* key read outside Settings is known, so never warned about.
+    assert {f"lease_{n}" for n in OTHER_SETTINGS} == {
+        tokens.TOKENS_SETTING,
+        tokens.METRICS_TOKEN_SETTING,
+        tokens.SECRET_SETTING,
+        "lease_database_url",
+    }
+    app = Celery("typo", broker="memory://")
+    app.conf.update(lease_cookie_secure=True, lease_reap_intervall=3, lease_batch_size=10, lease_api_tokens={}, lease_zz=1)
+    leases = CeleryLease(app, "sqlite://")
+    with caplog.at_level("WARNING", logger="celery_lease"):
+        assert leases.settings.dashboard_secure_cookie is False and leases.settings.batch_size == 10
+        assert leases.settings.batch_size == 10  # read again: warned once
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sorted(warned) == [
+        "celery-lease: unknown setting 'lease_cookie_secure' is ignored; did you mean 'lease_dashboard_secure_cookie'?",
+        "celery-lease: unknown setting 'lease_reap_intervall' is ignored; did you mean 'lease_reap_interval'?",
+        "celery-lease: unknown setting 'lease_zz' is ignored",
+    ]
+
+    # Django's CELERY namespace keeps the key as written, and so does the suggestion.
+    module = types.ModuleType("typo_settings")
+    module.CELERY_LEASE_SECURE_COOKIE = True  # type: ignore[attr-defined]
+    module.CELERY_LEASE_BATCH_SIZE = 20  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        django_app = Celery("typo_django", broker="memory://")
+        django_app.config_from_object(module.__name__, namespace="CELERY")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="celery_lease"):
+            assert CeleryLease(django_app, "sqlite://").settings.batch_size == 20
+    finally:
+        del sys.modules[module.__name__]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "celery-lease: unknown setting 'CELERY_LEASE_SECURE_COOKIE' is ignored; "
+        "did you mean 'CELERY_LEASE_DASHBOARD_SECURE_COOKIE'?"
+    ]
+
+
 def test_job_ids_are_checked_at_the_boundary():
     assert parse_job_id("6F1C2C9E-0B0E-4A53-9D6A-3B1F7D2B8C11") == "6f1c2c9e-0b0e-4a53-9d6a-3b1f7d2b8c11"
     with pytest.raises(ValueError, match="not a job id"):

@@ -5,7 +5,8 @@
 holds leased jobs (``celery_lease.shared_job``) and ``django.tasks`` tasks.
 
 Environment: CL_TEST_DB (a SQLAlchemy PostgreSQL URL, used by Django and by the job
-table alike), CL_TEST_BROKER, and DJANGO_SETTINGS_MODULE=tests.apps.djangoproj.settings.
+table alike, unless CL_TEST_JOB_DB names another for the job table), CL_TEST_BROKER,
+and DJANGO_SETTINGS_MODULE=tests.apps.djangoproj.settings.
 """
 
 from tests.apps.djangoproj.celery import app as celery_app

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 import time
 
+import sqlalchemy as sa
+
 from celery_lease import JobContext, shared_job
 from tests.apps.djangoproj.shop.models import Order
 
@@ -22,6 +24,21 @@ def fulfil(ctx: JobContext, payload: dict) -> dict:
     return {"updated": updated}
 
 
+@shared_job(kind="shop_pay", max_attempts=2)
+def pay(ctx: JobContext, payload: dict) -> dict:
+    """docs/converting.md's ctx.effect example: the order is marked paid in the transaction
+    that records the job's success, through the job database's connection."""
+    charge = f"charge-{ctx.job_id}"  # an external call would take ctx.job_id as its idempotency key
+    orders = Order._meta.db_table
+    ctx.effect(
+        lambda conn: conn.execute(
+            sa.text(f"UPDATE {orders} SET status = 'paid' WHERE reference = :reference"),
+            {"reference": payload["reference"]},
+        )
+    )
+    return {"charge": charge}
+
+
 @shared_job(kind="shop_slow", lease_seconds=4, concurrency=2)
 def slow(ctx: JobContext, payload: dict) -> dict:
     deadline = time.monotonic() + payload.get("sleep", 0.0)
@@ -29,6 +46,12 @@ def slow(ctx: JobContext, payload: dict) -> dict:
         ctx.raise_if_cancelled()
         time.sleep(0.05)
     return {}
+
+
+@shared_job(kind="shop_nightly", max_attempts=1)
+def nightly(ctx: JobContext, payload: dict) -> dict:
+    """Scheduled by the project's celery.py (CL_TEST_NIGHTLY)."""
+    return payload
 
 
 @task()
