@@ -5,10 +5,11 @@ model. ``submit`` validates and serializes to plain JSON before anything is stor
 a bad payload raises there and nothing is written.
 
 Every JSON value celery-lease stores (payload, result, progress, checkpoint) passes
-:func:`storable`: JSON, under its cap, and free of what PostgreSQL cannot store (a NUL
-character, which neither ``text`` nor ``jsonb`` accepts, and lone UTF-16 surrogates,
-which are not Unicode text at all). Such a value is *refused*, never silently altered:
-changing one character of a result could corrupt a checksum or an identifier downstream.
+:func:`storable`: JSON, under its cap, nested at most MAX_JSON_DEPTH deep, and free of
+what PostgreSQL cannot store (a NUL character, which neither ``text`` nor ``jsonb``
+accepts, and lone UTF-16 surrogates, which are not Unicode text at all). Such a value
+is *refused*, never silently altered: changing one character of a result could corrupt
+a checksum or an identifier downstream.
 Stored error messages are the exception: they are text for people, so NUL and lone
 surrogates are *replaced* with U+FFFD before the message is capped (:func:`cap_error`).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import json
 import re
 import typing
@@ -40,17 +42,28 @@ DEFAULT_MAX_PROGRESS_BYTES = 64 * 1024
 #: Stored error messages are capped to this many bytes, cut on a UTF-8 boundary.
 MAX_ERROR_BYTES = 512
 
+#: The deepest a stored value may nest lists and objects (``[1]`` is 1, ``{"a": [1]}``
+#: 2). Every reader has a limit of its own (the API's JSON serializer stops at 255
+#: levels, Python's json near 1000), and a stored value past one is unreadable there
+#: for good; far below both, and above any record or tree a job would pass around.
+MAX_JSON_DEPTH = 100
+
+#: A JSON string (keys included), so that brackets inside strings are not counted.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
 #: A JSON escape of NUL that is not itself an escaped backslash followed by "u0000".
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 _UNTEXT = re.compile("[\x00\ud800-\udfff]")
 
 
 class UnstorableValue(InvalidPayload):
-    """A value cannot be stored in the job table (not JSON, over its cap, or holding a
-    NUL or a lone surrogate). Its message names the value and the reason, never the
-    value itself. Raised by submit (nothing is stored), by ``ctx.publish`` and
-    ``ctx.save_checkpoint`` (nothing is written); a handler that lets it escape, or
-    returns such a result, ends ``failed`` with this message, without retry."""
+    """A value cannot be stored in the job table (not JSON, over its cap, nested deeper
+    than MAX_JSON_DEPTH, or holding a NUL or a lone surrogate). Its message names the
+    value and the reason, never the value itself. Raised by submit (nothing is stored),
+    by ``ctx.publish`` and ``ctx.save_checkpoint`` (nothing is written); a handler that
+    lets it escape, or returns such a result, ends ``failed`` with this message,
+    without retry."""
 
 
 def _is_pydantic(tp: Any) -> bool:
@@ -65,6 +78,32 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
+def depth_over_limit(text: str) -> int | None:
+    """How deep JSON ``text`` nests lists and objects when that is over MAX_JSON_DEPTH,
+    else None; in linear time and without recursion, whatever the depth."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:  # the common case: cannot be deeper
+        return None
+    # Outside strings only. Without an escaped quote, every quote delimits a string:
+    # the even pieces between quotes are the text outside them (much faster than the
+    # regular expression, which is exact).
+    outside = "".join(text.split('"')[::2]) if '\\"' not in text else _JSON_STRING.sub("", text)
+    brackets = _NOT_BRACKET.sub("", outside)
+    depth = max(itertools.accumulate(1 if c in "[{" else -1 for c in brackets), default=0)
+    return depth if depth > MAX_JSON_DEPTH else None
+
+
+def too_deep(value: Any) -> bool:
+    """Whether a stored value nests deeper than MAX_JSON_DEPTH: one stored before the
+    cap was checked, which readers show as omitted rather than fail on."""
+    try:
+        text = _dumps(value)
+    except RecursionError:
+        return True
+    except (TypeError, ValueError):
+        return False
+    return depth_over_limit(text) is not None
+
+
 def storable(value: Any, what: str, cap: int, setting: str) -> int:
     """Check that ``value`` can be stored as JSON; return its size in bytes.
 
@@ -74,7 +113,9 @@ def storable(value: Any, what: str, cap: int, setting: str) -> int:
         # ensure_ascii=False keeps lone surrogates as characters, so encoding finds them;
         # NUL is escaped by json itself (as every control character is).
         text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError) as exc:
+    except RecursionError:
+        raise UnstorableValue(f"{what} nests lists and objects deeper than the limit of {MAX_JSON_DEPTH} levels") from None
+    except (TypeError, ValueError) as exc:
         # json's own text names types and reasons, never the values themselves.
         raise UnstorableValue(f"{what} is not JSON-serializable: {str(exc)[:200]}") from None
     if "\\u0000" in text and _ESCAPED_NUL.search(text):
@@ -85,6 +126,9 @@ def storable(value: Any, what: str, cap: int, setting: str) -> int:
         raise UnstorableValue(f"{what} contains a lone surrogate (not valid Unicode text)") from None
     if size > cap:
         raise UnstorableValue(f"{what} is {size} bytes, over the cap of {cap} ({setting})")
+    depth = depth_over_limit(text)
+    if depth is not None:
+        raise UnstorableValue(f"{what} nests lists and objects {depth} levels deep, over the limit of {MAX_JSON_DEPTH}")
     return size
 
 

@@ -41,10 +41,13 @@ class DashboardStore:
 
     # --- sessions (celery_lease.ops.dashboard.access) ------------------------------------
 
-    def open_session(self, session: str, token: str, seconds: float) -> None:
+    def open_session(self, session: str, token: str, seconds: float, keep: int) -> None:
+        """Open ``session`` for ``token``; the token keeps its ``keep`` newest sessions."""
+
         def work(conn: Connection) -> None:
             conn.execute(sq.drop_expired_sessions())
             conn.execute(sq.open_session(), {"id": session, "token": token, "seconds": seconds})
+            conn.execute(sq.end_oldest_sessions(), {"id": session, "token": token, "keep": keep - 1})
 
         self._store.transaction(self._store.durable, work)
 

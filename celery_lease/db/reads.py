@@ -46,6 +46,10 @@ class Reads:
 
         return self.transaction(self.durable, work)
 
+    def checkpoint(self, job_id: str) -> Any:
+        """One job's checkpoint (None: none saved, or no such job)."""
+        return self.transaction(self.durable, lambda c: c.execute(reads.get_checkpoint(job_id)).scalar())
+
     def ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
         """Up to ``limit`` job ids that start with ``prefix`` (lowercase hex digits of the
         id, without hyphens), in order."""

@@ -181,13 +181,14 @@ RECOVER = Transition(
     error="interrupted by restart",
 )
 
-#: An operator's retry of an ended job (the dashboard): not a transition of that job (a
-#: terminal job never changes) but the submit of a new one, its copy with the old job as
-#: parent, named here so it runs like any write: durable, its dispatched event, its
-#: wakeup after the commit. Build with ``tenant``; parameters: new_id, job_id.
+#: An operator's retry of an ended job (the dashboard, the API, the CLI: ops/retry.py):
+#: not a transition of that job (a terminal job never changes) but the submit of a new
+#: one, its copy with the old job as parent, named here so it runs like any write:
+#: durable, its dispatched event, its wakeup after the commit. Build with ``tenant``;
+#: parameters: new_id (ops.retry.retry_id(job_id): a job is retried once), job_id.
 RETRY_AS_NEW = Transition(
     "retry as new job",
-    lambda dialect, tenant: dashboard.retry_as_new_job(tenant),
+    lambda dialect, tenant: dashboard.retry_as_new_job(tenant, dialect),
     Event.DISPATCHED,
     detail=lambda r, p: f"retry of {p['job_id']}",
     wakes=lambda r, p: True,

@@ -98,7 +98,7 @@ def _error(status: int, error: str, detail: str | None = None, headers: dict | N
     return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
 
 
-_CONFLICT = {"model": ErrorOut, "description": "the job has not ended, or succeeded: nothing to retry"}
+_CONFLICT = {"model": ErrorOut, "description": "the job has not ended, or succeeded, or was already retried"}
 _HTTP_CODES = {403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
 _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
@@ -148,6 +148,7 @@ def create_app(leases: CeleryLease) -> FastAPI:
     tokens = load_tokens(leases.app.conf)
     metrics_token = load_metrics_token(leases.app.conf)
     secret = load_secret(leases.app.conf)
+    labels = KeyLabels(secret)
     keyring = Keyring(tokens, secret)
     scrapes = metrics.CachedMetrics(leases, leases.settings.metrics_cache_seconds)
     gate = Gate(leases.settings.api_rate)
@@ -211,8 +212,8 @@ def create_app(leases: CeleryLease) -> FastAPI:
         if wait:
             raise ApiError(429, "rate_limited", None, {"Retry-After": retry_after(wait)})
         found = accept(credentials.credentials)
+        gate.attempted(address, found is not None)  # a right one lets it past a global lockout
         if found is None:
-            gate.failed(address)
             raise ApiError(401, "unauthorized")
         return found
 
@@ -250,16 +251,15 @@ def create_app(leases: CeleryLease) -> FastAPI:
     @api.post("/api/v1/jobs/{job_id}/retry", response_model=RetryOut, responses={**_ERRORS, 409: _CONFLICT})
     def retry_job(job_id: str = JOB_ID, who: Caller = Security(caller)):
         """Submit a failed, expired or cancelled job again as a new job (the dashboard's
-        retry), whose fencing tokens start above every token of the original. Tokens
-        bound to no tenant and not read-only only. Query parameters the route does not
-        declare are refused (400)."""
+        retry), whose fencing tokens start above every token of the original; once per job
+        (then 409). Tokens bound to no tenant and not read-only only; undeclared query parameters: 400."""
         if who.read_only or who.tenant is not None:
             raise ApiError(403, "forbidden", "retry needs a token bound to no tenant and not read-only")
         job = visible_job(job_id, who)
-        made = retry_as_new(leases, job["id"])
-        if made is None:
-            raise ApiError(409, "conflict", f"the job is {job['status']}: only failed, expired or cancelled jobs are retried")
-        return {"job_id": made}
+        try:
+            return {"job_id": retry_as_new(leases, job["id"])}
+        except NotRetried as exc:
+            raise ApiError(409, "conflict", str(exc)) from None
 
     @api.get("/api/v1/jobs", response_model=JobPageOut, responses=_ERRORS, description=STRICT_QUERY)
     def list_jobs(
@@ -305,8 +305,9 @@ def create_app(leases: CeleryLease) -> FastAPI:
     @api.get("/api/v1/limits", response_model=LimitsOut, responses=_ERRORS, description=STRICT_QUERY)
     def limits(who: Caller = Security(caller)):
         """Flow control per kind and concurrency key. A tenant's token counts only
-        that tenant's jobs."""
-        return {"kinds": leases.limits(tenant=who.tenant)}
+        that tenant's jobs; a token that may not read payloads sees a label for each
+        key (keys are payload text: celery_lease.ops.keys)."""
+        return {"kinds": labels.rows(leases.limits(tenant=who.tenant), "key", payloads=who.sees_payloads)}
 
     #: The kind in a limits route: as wide as the kind column, no NUL (checked by kind_of).
     KIND = Path(description="the job kind", max_length=listing.MAX_KIND_CHARS, json_schema_extra={"pattern": "^[^\\x00]*$"})

@@ -8,6 +8,7 @@ loaded from ``-A`` and finds the CeleryLease instance at ``app.lease``::
     celery -A proj lease show ID [--json]        one job (ID: or a unique prefix, >= 8 hex digits)
     celery -A proj lease list [--status S] [--kind K] [--queue Q] [--limit N] [--cursor C] [--json]
     celery -A proj lease cancel ID [--json]      exit 1 when the job had already finished
+    celery -A proj lease retry ID [--json]       a failed, expired or cancelled job again, as a new job
     celery -A proj lease cancel-run RUN [--json]
     celery -A proj lease reap | sweep [--json]   what beat runs, once, now
     celery -A proj lease prune [--older-than SECONDS] [--json]
@@ -53,6 +54,7 @@ from celery_lease.ops.cli_common import (
     lease,
     printable,
 )
+from celery_lease.ops.retry import NotRetried, retry_as_new
 
 #: Columns of ``lease list``: (heading, how to show it).
 LIST_COLUMNS: tuple[tuple[str, Callable[[Job], str]], ...] = (
@@ -65,6 +67,9 @@ LIST_COLUMNS: tuple[tuple[str, Callable[[Job], str]], ...] = (
     ("FINISHED", lambda j: _when(j.finished_at)),
     ("ERROR", lambda j: printable((j.error or "")[:60])),
 )
+#: Characters of a checkpoint ``show`` prints as text (--json prints it whole): one can
+#: be megabytes (lease_max_checkpoint_bytes).
+SHOW_CHECKPOINT_CHARS = 2000
 
 
 @lease.command(help="Apply the shipped migrations up to the latest revision.")
@@ -87,19 +92,27 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
     job = leases.store.get(job_id)
     if job is None:
         raise CliError(f"no job {job_id}")
-    data = job.to_dict()
+    data = {**job.to_dict(), "checkpoint": leases.store.checkpoint(job_id)}
     width = max(len(k) for k in data)
     # JSON values are shown as JSON (json.dumps escapes control characters); text is
     # escaped by printable(). The attempts follow, one line each.
-    text = "\n".join(
-        f"{k.ljust(width)}  {json.dumps(v) if isinstance(v, (dict, list)) else ('' if v is None else printable(str(v)))}"
-        for k, v in data.items()
-        if k != "attempts"
-    )
+    text = "\n".join(f"{k.ljust(width)}  {_shown(k, v)}" for k, v in data.items() if k != "attempts")
     for a in data["attempts"]:
         ended = a["ended_at"] or "(running)"
         text += f"\n  attempt {a['attempt']}  {printable(a['worker'])}  {a['started_at']} -> {ended}  {a['outcome']}"
     _emit(as_json, data, text)
+
+
+def _shown(key: str, value: object) -> str:
+    """One field of ``show`` as text; a checkpoint (any JSON value) as JSON, capped."""
+    if key == "checkpoint":
+        if value is None:
+            return ""
+        text = json.dumps(value)
+        if len(text) > SHOW_CHECKPOINT_CHARS:
+            return f"{text[:SHOW_CHECKPOINT_CHARS]}... ({len(text)} characters; --json shows all)"
+        return text
+    return json.dumps(value) if isinstance(value, (dict, list)) else ("" if value is None else printable(str(value)))
 
 
 @lease.command("list", help="List jobs, newest first.")
@@ -152,6 +165,22 @@ def cancel(ctx: click.Context, job_id: str, as_json: bool) -> None:
     if not cancelled:
         raise CliError(f"job {job_id} had already finished ({status}); nothing cancelled")
     _emit(as_json, {"id": job_id, "cancelled": True, "status": status}, f"cancelled {job_id}")
+
+
+@lease.command(help="Submit a failed, expired or cancelled job again as a new job; print its id.")
+@click.argument("job_id")
+@json_option
+@click.pass_context
+@_boundary
+def retry(ctx: click.Context, job_id: str, as_json: bool) -> None:
+    """The API's retry (ops/retry.py): the new job's fencing tokens start above every
+    token of the original; a job is retried once (retry the retry to try again)."""
+    job_id = _id(job_id)
+    try:
+        made = retry_as_new(_leases(ctx), job_id)
+    except NotRetried as exc:
+        raise CliError(str(exc)) from None
+    _emit(as_json, {"id": job_id, "job_id": made}, made)
 
 
 @lease.command("cancel-run", help="Cancel every unfinished job of a run; the run accepts no new jobs.")

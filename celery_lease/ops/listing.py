@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.job import Job, attempt_history
+from celery_lease.payload import too_deep
 from celery_lease.status import Status
 
 if TYPE_CHECKING:
@@ -205,13 +206,26 @@ def list_view_page(leases: CeleryLease, query: Query, *, tenant: str | None = No
 
 def summary_view(row: Mapping[str, Any]) -> dict[str, Any]:
     """A list row: API_FIELDS, with ``result``/``progress`` None and ``*_omitted`` true
-    when the value is over SUMMARY_VALUE_BYTES (``*_bytes``: the stored JSON's size);
-    the job's own route returns it whole."""
-    out = {name: row[name] for name in API_FIELDS}
+    when the value is over SUMMARY_VALUE_BYTES (``*_bytes``: the stored JSON's size;
+    the job's own route returns it whole) or nested too deep (:func:`shown_values`)."""
+    out = shown_values(row)
     for name in ("result", "progress"):
         size = row[f"{name}_bytes"]
         out[f"{name}_bytes"] = size
-        out[f"{name}_omitted"] = size is not None and size > SUMMARY_VALUE_BYTES
+        out[f"{name}_omitted"] = out[f"{name}_omitted"] or (size is not None and size > SUMMARY_VALUE_BYTES)
+    return out
+
+
+def shown_values(job: Mapping[str, Any]) -> dict[str, Any]:
+    """API_FIELDS of a job, with ``result``/``progress`` None and ``*_omitted`` true when
+    the stored value nests deeper than payload.MAX_JSON_DEPTH: stored before that was
+    refused, it would fail every JSON serializer of the response, for good."""
+    out = {name: job[name] for name in API_FIELDS}
+    for name in ("result", "progress"):
+        hidden = out[name] is not None and too_deep(out[name])
+        out[f"{name}_omitted"] = hidden
+        if hidden:
+            out[name] = None
     return out
 
 
@@ -221,5 +235,5 @@ def attempts_view(log: Any, *, show_worker: bool) -> list[dict[str, Any]]:
 
 
 def api_view(job: Job | Mapping[str, Any]) -> dict[str, Any]:
-    full = job if isinstance(job, Mapping) else job.to_dict()
-    return {name: full[name] for name in API_FIELDS}
+    """One job as the API shows it (:func:`shown_values`)."""
+    return shown_values(job if isinstance(job, Mapping) else job.to_dict())

@@ -4,25 +4,35 @@
 the dashboard: the same bucket for both) may make ``lease_api_rate`` requests a second
 on average, in bursts of up to twice that. Failed authentications (an unknown bearer
 token on the API or /metrics, an unknown token on the sign-in form) are counted per
-client address and over all addresses together: once either budget is spent, every
-attempt from that address (or, for the global one, from anywhere) is answered 429
-before its token is even compared, right or wrong, so neither one address nor many
-rotating ones can guess faster than FAILED_OVERALL a second. A request without any
-token is no guess and costs nothing.
+client address and over all addresses together: once the address's budget is spent,
+every attempt from it is answered 429 before its token is even compared, right or
+wrong; once the global one is, so is every attempt from an address that has not
+authenticated with a right token in the last RECENT_SECONDS (those keep their own
+budget only). So neither one address nor many rotating ones can guess faster than
+FAILED_OVERALL a second, and a flood of guesses does not lock out the users already
+known to this process. A request without any token is no guess and costs nothing.
+
+Successful sign-ins on the dashboard's form are rate-limited too, per client address
+(SIGN_INS_PER_ADDRESS): each opens a session row, and a token keeps at most
+celery_lease.ops.dashboard.access.MAX_SESSIONS_PER_TOKEN of them.
+
+A client address is the peer's, or behind a proxy trusted with ``serve
+--proxy-headers`` the one it forwards (behind an untrusted proxy every client shares
+the proxy's budgets); an IPv6 address counts as its /64, the block one host is
+usually given, so that its 2^64 addresses share one budget.
 
 Over a budget a request is answered 429 with ``Retry-After`` (whole seconds until the
 bucket holds a request again) and reads nothing. The buckets live in the serve
 process: with N processes behind a balancer a token gets up to N times the rate.
-The client address is the peer's, or behind a proxy trusted with ``serve
---proxy-headers`` the one it forwards: behind an untrusted proxy every client shares
-the proxy's budget.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import threading
 import time
+from collections import OrderedDict
 
 #: Buckets kept at most; the least recently used are dropped first (a dropped bucket
 #: is full again, which is why failures are also counted over all addresses).
@@ -35,13 +45,34 @@ FAILED_PER_ADDRESS = 5.0
 #: long as it lasts (signed-in dashboard sessions carry no token and are unaffected).
 #: One address alone cannot spend it: its own budget locks it first.
 FAILED_OVERALL = 20.0
+#: Successful sign-ins a minute from one client address, in bursts of as many: a person
+#: signs in a few times a day; an office behind one address still gets 30 a minute.
+SIGN_INS_PER_ADDRESS = 30
+#: How long a right token from an address lets that address past a spent global
+#: failure budget (a dashboard session's lifetime).
+RECENT_SECONDS = 12 * 3600.0
+
+
+def client_key(address: str) -> str:
+    """The budget an address spends: an IPv6 address's /64 (an IPv4 one mapped into
+    IPv6 is the IPv4 address), anything else as it is."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 class Throttle:
-    def __init__(self, rate: float) -> None:
+    def __init__(self, rate: float, burst: float | None = None) -> None:
         #: Requests a second per token; 0 (or less) turns the throttle off.
         self.rate = rate
-        self.burst = max(1.0, 2 * rate)
+        #: Requests at once (a full bucket); by default twice the rate.
+        self.burst = max(1.0, 2 * rate if burst is None else burst)
         self._lock = threading.Lock()
         self._buckets: dict[str, tuple[float, float]] = {}  # token -> (tokens, at)
 
@@ -70,16 +101,54 @@ class Gate:
         self._requests = Throttle(rate)
         self._failed_here = Throttle(FAILED_PER_ADDRESS)
         self._failed_anywhere = Throttle(FAILED_OVERALL)
+        self._sign_ins = Throttle(SIGN_INS_PER_ADDRESS / 60.0, burst=SIGN_INS_PER_ADDRESS)
+        self._lock = threading.Lock()
+        #: client key -> when it last offered a right token (monotonic), oldest first.
+        self._known: OrderedDict[str, float] = OrderedDict()
+
+    def _recent(self, key: str) -> bool:
+        with self._lock:
+            at = self._known.get(key)
+            return at is not None and time.monotonic() - at < RECENT_SECONDS
 
     def locked(self, address: str) -> float:
         """Seconds until ``address`` may try a token again (0: now). Counts nothing:
-        only a failure does (:meth:`failed`)."""
-        return max(self._failed_here.wait(address, count=False), self._failed_anywhere.wait("", count=False))
+        only a failure does (:meth:`attempted`)."""
+        key = client_key(address)
+        here = self._failed_here.wait(key, count=False)
+        if self._recent(key):
+            return here
+        return max(here, self._failed_anywhere.wait("", count=False))
 
     def failed(self, address: str) -> None:
         """Count a failed authentication from ``address``."""
-        self._failed_here.wait(address)
+        self._failed_here.wait(client_key(address))
         self._failed_anywhere.wait("")
+
+    def attempted(self, address: str, right: bool) -> None:
+        """Count an authentication from ``address``: a failure, or a right token that
+        lets the address past a spent global budget for RECENT_SECONDS."""
+        if not right:
+            self.failed(address)
+            return
+        key = client_key(address)
+        with self._lock:
+            self._known.pop(key, None)
+            self._known[key] = time.monotonic()
+            if len(self._known) > MAX_BUCKETS:
+                self._known.popitem(last=False)
+
+    def sign_ins_wait(self, address: str) -> float:
+        """Seconds until ``address`` may sign in again (0: now); counts nothing."""
+        return self._sign_ins.wait(client_key(address), count=False)
+
+    def signed_in(self, address: str) -> float:
+        """0 when ``address`` may open a session now (counted, and the address is known
+        for RECENT_SECONDS), else the seconds until it may (nothing counted)."""
+        wait = self._sign_ins.wait(client_key(address))
+        if not wait:
+            self.attempted(address, True)
+        return wait
 
     def admit(self, ident: str) -> float:
         """0 when the token ``ident`` (Holder.ident) may make a request now (counted),

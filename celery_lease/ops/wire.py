@@ -50,10 +50,15 @@ class AttemptOut(BaseModel):
 class JobOut(JobFields):
     #: Every attempt in order (at most the last 50).
     attempts: list[AttemptOut] = []
+    #: True when the stored value nests lists and objects deeper than 100 levels (stored
+    #: before that was refused): shown as null.
+    result_omitted: bool = False
+    progress_omitted: bool = False
 
 
 class JobSummaryOut(JobFields):
-    """A job in a list: result or progress over 1 KiB is null (*_omitted); see one job's route."""
+    """A job in a list: result or progress over 1 KiB (see one job's route), or nested
+    deeper than 100 levels, is null (*_omitted)."""
 
     result_bytes: int | None = None
     result_omitted: bool = False
@@ -133,7 +138,8 @@ class KindLimitsOut(BaseModel):
 
 
 class LimitOut(KindLimitsOut):
-    #: The concurrency key (None: the kind as a whole).
+    #: The concurrency key (None: the kind as a whole); for a token that may not read
+    #: payloads, a label standing for it ("key-" and 12 hex digits: keys are payload text).
     key: str | None = None
     paused: bool
     running: int

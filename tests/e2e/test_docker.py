@@ -11,6 +11,7 @@ the `postgres` and `redis` containers (and a free port instead of the published 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -462,11 +463,12 @@ def _local(arg: str, tmp_path: Path, port: int | None) -> str:
 
 @pytest.fixture
 def run_service(compose, tmp_path):
-    """Start a service's command locally; returns (process, log path, port or None)."""
+    """Start a service's command locally; returns (process, log path, port or None).
+    ``variables``: more of the .env's variables, beside SECRETS."""
     started: list[subprocess.Popen] = []
 
-    def start(name: str, db: str, broker: str, **env_overrides: str):
-        service = resolve(compose["services"][name], SECRETS)
+    def start(name: str, db: str, broker: str, variables: dict[str, str] | None = None, **env_overrides: str):
+        service = resolve(compose["services"][name], {**SECRETS, **(variables or {})})
         env = _local_env(tmp_path, service["environment"])
         env.update({"CELERY_LEASE_DATABASE_URL": db, "CELERY_BROKER_URL": broker, **env_overrides})
         command = [CELERY, *service["command"][1:]]
@@ -617,9 +619,8 @@ def test_flower_command_serves_only_with_the_login(run_service, healthcheck, pg,
     assert healthcheck("flower", pg, broker, port=port) == 0
 
 
-def test_api_command_serves_health_and_jobs(run_service, healthcheck, pg, broker):
-    proc, log, port = run_service("api", pg, broker)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
+def _wait_for_health(proc, log, client) -> None:
+    """Until the API process answers /healthz with 200 (failing at once if it exits)."""
 
     def healthz():
         assert proc.poll() is None, _log(log)[-3000:]
@@ -629,11 +630,50 @@ def test_api_command_serves_health_and_jobs(run_service, healthcheck, pg, broker
             return None
 
     assert wait_for(healthz, timeout=60, interval=0.2, what="the API to answer").status_code == 200
+
+
+def test_api_command_serves_health_and_jobs(run_service, healthcheck, pg, broker):
+    proc, log, port = run_service("api", pg, broker)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
+
+    _wait_for_health(proc, log, client)
     assert client.get("/api/v1/jobs").status_code == 401
     ok = client.get("/api/v1/jobs", headers={"Authorization": "Bearer compose-test-token-4b7e19"})
     assert ok.status_code == 200
     client.close()
     assert healthcheck("api", pg, broker, port=port) == 0
+
+
+def test_compose_api_believes_its_proxy_and_sends_secure_cookies(compose):
+    """Before: the API served without --proxy-headers, and the Secure cookie could not
+    come from the environment: behind the TLS proxy .env.example recommends, the cookie
+    was never Secure and every user shared the proxy's failed-sign-in budget."""
+    api = resolve(compose, SECRETS)["services"]["api"]
+    command = api["command"]
+    assert "--proxy-headers" in command
+    assert command[command.index("--forwarded-allow-ips") + 1] == "172.16.0.0/12,192.168.0.0/16"  # Docker's bridges
+    assert api["environment"]["CELERY_LEASE_DASHBOARD_SECURE_COOKIE"] == "true"
+    mine = {"CELERY_LEASE_FORWARDED_ALLOW_IPS": "10.1.2.3", "CELERY_LEASE_DASHBOARD_SECURE_COOKIE": "false"}
+    api = resolve(compose, {**SECRETS, **mine})["services"]["api"]
+    assert api["command"][api["command"].index("--forwarded-allow-ips") + 1] == "10.1.2.3"
+    assert api["environment"]["CELERY_LEASE_DASHBOARD_SECURE_COOKIE"] == "false"
+
+
+def test_api_command_behind_its_proxy_counts_each_client_and_sends_secure_cookies(run_service, pg, broker):
+    # Here the "proxy" is this test on 127.0.0.1 (in compose: a Docker bridge address).
+    proc, log, port = run_service("api", pg, broker, {"CELERY_LEASE_FORWARDED_ALLOW_IPS": "127.0.0.1"})
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
+
+    _wait_for_health(proc, log, client)
+    token = json.loads(SECRETS["CELERY_LEASE_API_TOKENS"]).popitem()[0]
+    guesser = {"X-Forwarded-For": "198.51.100.7", "X-Forwarded-Proto": "https"}
+    codes = [client.post("/dashboard/login", data={"token": "g" * 30}, headers=guesser).status_code for _ in range(15)]
+    assert codes[-1] == 429, codes  # this client's budget spent...
+    user = {"X-Forwarded-For": "198.51.100.8", "X-Forwarded-Proto": "https"}
+    signed_in = client.post("/dashboard/login", data={"token": token}, headers=user)
+    assert signed_in.status_code == 303, signed_in.status_code  # ...not the next one's
+    assert "secure" in signed_in.headers["set-cookie"].lower()
+    client.close()
 
 
 # --- least privilege: the roles and the passwords (issue 19) ----------------------------

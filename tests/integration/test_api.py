@@ -36,6 +36,8 @@ GLOBEX = "globex-token-77aa-8e21b6"  # tenant "globex" only
 READER = "reader-token-1d0c-3f9a6b"  # every tenant, read-only
 TOKENS = {ADMIN: None, ACME: "acme", GLOBEX: "globex", READER: {"tenant": None, "read_only": True}}
 SUMMARY_FIELDS = {"result_bytes", "result_omitted", "progress_bytes", "progress_omitted"}
+#: What the job's own route adds to JOB_FIELDS.
+JOB_ONLY_FIELDS = {"attempts", "result_omitted", "progress_omitted"}
 #: /metrics takes an unrestricted token whenever API tokens are configured.
 SCRAPER = {"Authorization": f"Bearer {ADMIN}"}
 
@@ -202,7 +204,7 @@ def test_get_job_returns_its_fields(admin, pg, make_job):
     r = admin.get(f"/api/v1/jobs/{job}")
     assert r.status_code == 200
     body = r.json()
-    assert set(body) == JOB_FIELDS | {"attempts"}  # the payload and lease internals are not exposed
+    assert set(body) == JOB_FIELDS | JOB_ONLY_FIELDS  # the payload and lease internals are not exposed
     assert body["attempts"] == []  # made as succeeded: never claimed, no attempt log
     assert body["id"] == job and body["status"] == "succeeded" and body["kind"] == "echo"
     assert body["result"] == {"rows": 10} and body["progress"] == {"done": 10}
@@ -300,6 +302,116 @@ def test_retry_over_http_makes_a_new_job_fenced_above_the_original(server, admin
             r = c.post(f"/api/v1/jobs/{mine}/retry")
             assert (r.status_code, r.json()["error"]) == (403, "forbidden"), token
     assert _count_jobs(pg) == before
+
+
+def _retries_of(db: str, job_id: str) -> list[dict]:
+    with sa.create_engine(db).connect() as conn:
+        return [dict(r) for r in conn.execute(sa.select(jobs).where(jobs.c.parent_id == job_id)).mappings()]
+
+
+def _claimed_token(store: Store, job_id: str) -> int:
+    """A worker's claim of the job, as a delivery claims it: the fencing token its
+    attempt gets (ctx.fencing_token)."""
+    from celery_lease.lifecycle.claim import claim_delivery
+
+    row = claim_delivery(store, job_id, "w@test/1/boot", "tests.apps.app.echo")
+    assert row is not None and row["status"] == "running", job_id
+    return row["lease_generation"]
+
+
+def test_a_job_is_retried_once_so_no_fencing_token_is_handed_out_twice(server, admin, pg, make_job):
+    """A retry POSTed twice (a double click, a client sending again a POST whose reply
+    it lost), or by several clients at once, makes one job: two would both start at
+    the original's generation, and two bodies would run under the same token. Trying
+    again is a retry of the retry, whose tokens are above every token of the first."""
+    ended = {"finished_at": sa.func.now(), "attempt": 3}
+    original = make_job(pg, status="failed", error="internal error", lease_generation=7, **ended)
+    first = admin.post(f"/api/v1/jobs/{original}/retry")
+    assert first.status_code == 200, first.text
+    retry = first.json()["job_id"]
+    again = admin.post(f"/api/v1/jobs/{original}/retry")
+    assert (again.status_code, again.json()["error"]) == (409, "conflict"), again.text
+    assert retry in again.json()["detail"]  # names the retry to retry instead
+    assert [str(r["id"]) for r in _retries_of(pg, original)] == [retry]
+
+    # Eight clients at once, each request its own transaction: one job.
+    racing = make_job(pg, status="expired", lease_generation=3, **ended)
+    answers: list[httpx.Response] = []
+    go = threading.Barrier(8)
+
+    def post() -> None:
+        with server.client(ADMIN) as c:
+            go.wait()
+            answers.append(c.post(f"/api/v1/jobs/{racing}/retry"))
+
+    threads = [threading.Thread(target=post) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(a.status_code for a in answers) == [200] + [409] * 7, [a.text for a in answers]
+    assert len(_retries_of(pg, racing)) == 1
+
+    # Every token handed out for the original and its retries is distinct and each
+    # retry's above all earlier ones: the retry is claimed and cancelled (a revoke
+    # bumps its generation), then retried in turn and claimed.
+    store = Store(pg)
+    try:
+        tokens = [7, _claimed_token(store, retry)]
+        assert admin.post(f"/api/v1/jobs/{retry}/cancel").json()["cancelled"] is True
+        tokens.append(_row(pg, retry)["lease_generation"])
+        assert admin.post(f"/api/v1/jobs/{original}/retry").status_code == 409  # still one retry
+        second = admin.post(f"/api/v1/jobs/{retry}/retry")
+        assert second.status_code == 200, second.text
+        assert _row(pg, second.json()["job_id"])["parent_id"] == retry
+        tokens.append(_claimed_token(store, second.json()["job_id"]))
+    finally:
+        store.dispose()
+    assert tokens == sorted(set(tokens)) == [7, 8, 9, 10], tokens
+
+
+@pytest.mark.parametrize("database", ["pg", "sqlite_url"])
+def test_racing_retries_of_one_job_make_one_job(database, request, make_job):
+    """Two retries in transactions that overlap (the dashboard's, the API's, the CLI's:
+    ops.retry): the second waits for the first's commit and makes nothing, on
+    PostgreSQL (the retry's primary key) as on SQLite (one writer at a time)."""
+    from types import SimpleNamespace
+
+    from celery_lease.lifecycle import transition as tr
+    from celery_lease.ops.retry import AlreadyRetried, retry_as_new, retry_id
+    from tests.conftest import local_pipeline
+
+    db = request.getfixturevalue(database)
+    original = make_job(db, status="cancelled", lease_generation=5, finished_at=sa.func.now())
+    store = Store(db)
+    leases = SimpleNamespace(store=store, lifecycle=local_pipeline(store))
+    outcome: list[object] = []
+    try:
+        # The first retry's transaction, held open: its row inserted, not committed.
+        first = store.durable.connect()
+        tx = first.begin()
+        stmt = tr.RETRY_AS_NEW.statement(store.dialect, tenant=None)
+        assert len(first.execute(stmt, {"new_id": retry_id(original), "job_id": original}).all()) == 1
+
+        def second() -> None:
+            try:
+                outcome.append(retry_as_new(leases, original))  # type: ignore[arg-type]
+            except AlreadyRetried as exc:
+                outcome.append(exc)
+
+        racer = threading.Thread(target=second)
+        racer.start()
+        racer.join(1.0)
+        assert racer.is_alive() and not outcome, outcome  # it waits for the first
+        tx.commit()
+        first.close()
+        racer.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], AlreadyRetried), outcome
+        assert outcome[0].retry_id == retry_id(original)
+    finally:
+        store.dispose()
+    made = _retries_of(db, original)
+    assert [(str(r["id"]), r["lease_generation"]) for r in made] == [(retry_id(original), 5)]
 
 
 def _count_jobs(db: str) -> int:
@@ -673,7 +785,7 @@ def test_openapi_schema_declares_the_routes_and_bearer_auth(server):
         "/metrics",
     } <= set(schema["paths"])
     assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    assert set(schema["components"]["schemas"]["JobOut"]["properties"]) == JOB_FIELDS | {"attempts"}
+    assert set(schema["components"]["schemas"]["JobOut"]["properties"]) == JOB_FIELDS | JOB_ONLY_FIELDS
     assert set(schema["components"]["schemas"]["AttemptOut"]["properties"]) == {
         "attempt",
         "worker",
@@ -733,7 +845,7 @@ def _fuzz(server, seeded, *, max_examples: int, derandomize: bool) -> None:
     # sent with a valid one and count as "invalid data accepted".
     api.config.generation.update(with_security_parameters=False)
     operations = [result.ok() for result in api.get_all_operations()]
-    assert len(operations) == 10
+    assert len(operations) == 12
 
     for operation, mode in itertools.product(operations, GenerationMode):
         # A cursor is opaque: a string the schema allows is still refused (400) unless

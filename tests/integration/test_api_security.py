@@ -58,6 +58,49 @@ def test_a_list_page_carries_summaries_and_the_job_route_the_whole_value(server,
         assert whole.status_code == 200 and whole.json()["result"] == big
 
 
+def _nested(depth: int, leaf: object = 1) -> object:
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_a_deep_value_already_stored_is_omitted_not_a_server_error(server, pg, make_job):
+    """Before: a result or progress 400 levels deep (under 1 KiB), stored as a row could
+    hold it, made the job's route and every list page holding it answer 500 for good
+    (the response serializer stops at 255 levels): paging could not get past the row.
+    Now such a value is null with *_omitted, and every read path answers."""
+    older = make_job(pg, status="succeeded", result={"n": 1}, created_at=sa.func.now() - sa.text("interval '1 minute'"))
+    deep = make_job(pg, status="succeeded", result=_nested(400), progress=_nested(400), finished_at=sa.func.now())
+    near = make_job(pg, status="running", progress=_nested(100), created_at=sa.func.now() + sa.text("interval '1 minute'"))
+    with server.client(ADMIN) as admin:
+        job = admin.get(f"/api/v1/jobs/{deep}")
+        assert job.status_code == 200, job.text
+        body = job.json()
+        assert (body["result"], body["result_omitted"], body["progress"], body["progress_omitted"]) == (None, True, None, True)
+        whole = admin.get(f"/api/v1/jobs/{near}").json()  # at the limit: shown whole
+        assert (whole["progress"], whole["progress_omitted"]) == (_nested(100), False)
+        seen, cursor = [], None
+        while True:  # one job a page: the cursor pages past the deep row
+            r = admin.get("/api/v1/jobs", params={"limit": 1, **({"cursor": cursor} if cursor else {})})
+            assert r.status_code == 200, r.text
+            seen += r.json()["jobs"]
+            cursor = r.json()["next_cursor"]
+            if cursor is None:
+                break
+    assert [j["id"] for j in seen] == [near, deep, older]
+    assert (seen[1]["result"], seen[1]["result_omitted"], seen[1]["progress_omitted"]) == (None, True, True)
+    with _signed_in(server, ADMIN) as board:
+        assert deep in board.get("/dashboard/jobs").text
+        assert board.get(f"/dashboard/jobs/{deep}").status_code == 200
+    env = _env(pg, "redis://127.0.0.1:1/0")
+    for args in (["show", deep], ["list"]):
+        done = subprocess.run(
+            [CELERY, "-A", "tests.apps.app", "lease", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0 and deep in done.stdout, done.stderr[-2000:]
+
+
 def test_a_list_page_stops_at_its_byte_cap_and_pages_on(server, pg, make_job):
     """500 rows of values just under the summary limit would make a 1.3 MB page: the
     page stops before passing MAX_PAGE_BYTES, and its cursor reaches every job once."""
@@ -514,3 +557,264 @@ def test_no_third_party_script_and_a_csp_on_every_response(server, pg):
         assert "frame-ancestors 'none'" in r.headers.get("content-security-policy", ""), (r.request.url, r.status_code)
         assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
     assert responses[-1].status_code == 413
+
+
+def test_concurrency_keys_are_labels_for_tokens_that_may_not_read_payloads(server, pg, make_job):
+    """Before: a concurrency key (payload text, e.g. a customer's name) was shown to every
+    token on a job's page, the Kinds and Reconciliation pages and /api/v1/limits. Now a
+    token that may not read payloads sees a stable label for it there."""
+    key = "cust-4111-secret"
+    held = make_job(pg, kind="echo", tenant="acme", concurrency_key=key, held="limit")
+    make_job(pg, kind="echo", tenant="acme", concurrency_key="cust-other", status="running")
+    pages = [f"/dashboard/jobs/{held}", "/dashboard/kinds", "/dashboard/reconcile"]
+
+    def api_keys(token: str) -> set[str | None]:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as api:
+            answer = api.get("/api/v1/limits")
+        assert answer.status_code == 200 and key not in answer.text, token
+        return {r["key"] for r in answer.json()["kinds"] if r["kind"] == "echo"}
+
+    with _signed_in(server, ADMIN) as admin:
+        for page in pages:
+            assert key in admin.get(page).text, page
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {ADMIN}"}) as api:
+        assert {r["key"] for r in api.get("/api/v1/limits").json()["kinds"] if r["kind"] == "echo"} == {key, "cust-other"}
+    labels = {}
+    for token in (ACME, READER):
+        with _signed_in(server, token) as other:
+            texts = [other.get(page).text for page in pages]
+        for page, text in zip(pages, texts):
+            assert key not in text, (token, page)
+        shown = api_keys(token)
+        # One label per key, the same on every page and route.
+        assert len(shown) == 2 and all(re.fullmatch(r"key-[0-9a-f]{12}", k) for k in shown), shown
+        labels[token] = shown
+        for text in texts:
+            assert any(label in text for label in shown)
+    assert labels[ACME] == labels[READER]
+
+
+# --- issue 39: the dashboard grants a token what the API grants it -------------------------
+
+
+def test_the_dashboard_refuses_a_tenant_token_the_retry_the_api_refuses_it(server, pg, make_job):
+    """Before: a tenant's token got 403 from POST /api/v1/jobs/{id}/retry, yet retried its
+    jobs on the dashboard, one or a filter's 1,000 per POST, every round. Now the
+    dashboard refuses it too and shows it no retry button; cancel (the API grants it on
+    its own jobs) and delete stay; a read-only token does nothing."""
+    mine = [make_job(pg, status="failed", tenant="acme", finished_at=sa.func.now()) for _ in range(2)]
+    pending = make_job(pg, status="pending", tenant="acme")
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {ACME}"}, timeout=30) as api:
+        assert api.post(f"/api/v1/jobs/{mine[0]}/retry").status_code == 403
+
+    def count() -> int:
+        with sa.create_engine(pg).connect() as conn:
+            return conn.execute(sa.text("SELECT count(*) FROM celery_lease_jobs")).scalar_one()
+
+    before = count()
+    with _signed_in(server, ACME) as acme:
+        listing_page = acme.get("/dashboard/jobs?status=failed").text
+        csrf = re.search(r'name="csrf" value="([^"]+)"', listing_page).group(1)
+        assert 'id="bulk-retry"' not in listing_page and 'id="bulk-cancel"' in listing_page
+        job_page = acme.get(f"/dashboard/jobs/{mine[0]}").text
+        assert 'id="retry"' not in job_page and 'id="delete"' in job_page
+        assert acme.post(f"/dashboard/jobs/{mine[0]}/retry", data={"csrf": csrf}).status_code == 403
+        assert acme.get("/dashboard/bulk?action=retry&status=failed").status_code == 403
+        bulk = acme.post("/dashboard/bulk", data={"csrf": csrf, "action": "retry", "status": "failed"})
+        assert bulk.status_code == 403, bulk.text
+        assert acme.post(f"/dashboard/jobs/{pending}/cancel", data={"csrf": csrf}).status_code == 303
+    assert count() == before
+    with sa.create_engine(pg).connect() as conn:
+        assert conn.execute(sa.text("SELECT status FROM celery_lease_jobs WHERE id = :j"), {"j": pending}).scalar() == "cancelled"
+    with _signed_in(server, READER) as reader:
+        page = reader.get(f"/dashboard/jobs/{mine[1]}").text
+        csrf = re.search(r'name="csrf" value="([^"]+)"', page).group(1)
+        assert 'id="retry"' not in page and 'id="bulk-retry"' not in reader.get("/dashboard/jobs").text
+        assert reader.post(f"/dashboard/jobs/{mine[1]}/retry", data={"csrf": csrf}).status_code == 403
+    assert count() == before
+    with _signed_in(server, ADMIN) as admin:  # a token bound to no tenant retries, there as through the API
+        assert 'id="retry"' in admin.get(f"/dashboard/jobs/{mine[0]}").text
+        page = admin.get("/dashboard/jobs")
+        assert 'id="bulk-retry"' in page.text
+        csrf = re.search(r'name="csrf" value="([^"]+)"', page.text).group(1)
+        # Each job once: a second round retries none of them again (retry the retries).
+        for done in (2, 0):
+            bulk = admin.post("/dashboard/bulk", data={"csrf": csrf, "action": "retry", "status": "failed", "tenant": "acme"})
+            assert f'data-done="{done}"' in bulk.text, bulk.text
+    assert count() == before + 2
+
+
+# --- the dashboard's sign-in: cookies, origins, sign-in rates (issue 39) ----------------
+
+
+def test_a_cookie_that_is_not_ascii_is_no_session(server, pg):
+    """Before: a session cookie with a non-ASCII character (a stray byte from another
+    app on the same host) made every dashboard page answer 500. Now it is no session:
+    pages lead to the sign-in form, the rest is 401, as for any forged cookie."""
+    for value in ("caf\u00e9.abc", "\u00e9" * 10, "abc.\u00ff\u00fe"):
+        cookie = [(b"cookie", f"celery_lease_session={value}".encode())]
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            page = http.get("/dashboard/jobs", headers=cookie)
+            assert page.status_code == 303 and page.headers["location"] == "/dashboard/login", (value, page.status_code)
+            assert http.get("/dashboard/live.json", headers=cookie).status_code == 401
+            assert http.post("/dashboard/logout", data={"csrf": "x"}, headers=cookie).status_code == 401
+
+
+def _proxied(pg_url, redis_server, tmp_path) -> Server:
+    """A server behind a trusted proxy on 127.0.0.1: X-Forwarded-For names the client."""
+    return Server(pg_url, redis_server.url, tmp_path, args=("--proxy-headers", "--forwarded-allow-ips", "127.0.0.1"))
+
+
+def test_a_sign_in_posted_from_another_site_is_refused(pg_url, redis_server, tmp_path, pg, make_job):
+    """Before: a page of another site could auto-post its own token to the sign-in
+    form and have the victim's browser signed in as the attacker's tenant. Now every
+    dashboard form must come from this server's own origin (Origin, else Sec-Fetch-Site,
+    else Referer); behind a TLS proxy, the origin it forwards."""
+    srv = _proxied(pg_url, redis_server, tmp_path)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            foreign = [
+                {"Origin": "https://attacker.example"},
+                {"Origin": "null"},  # a sandboxed frame, a data: page
+                {"Origin": srv.url.replace("127.0.0.1", "localhost")},
+                {"Sec-Fetch-Site": "cross-site"},
+                {"Sec-Fetch-Site": "same-site"},
+                {"Referer": "https://attacker.example/trap.html"},
+            ]
+            for headers in foreign:
+                r = http.post("/dashboard/login", data={"token": ACME}, headers={**headers, "X-Forwarded-For": "10.7.0.1"})
+                assert r.status_code == 403 and "set-cookie" not in r.headers, (headers, r.status_code)
+            own = [
+                {"Origin": srv.url},
+                {"Sec-Fetch-Site": "same-origin", "Referer": srv.url + "/dashboard/login"},
+                {},  # no browser headers at all: curl, a script
+            ]
+            for headers in own:
+                r = http.post("/dashboard/login", data={"token": ACME}, headers={**headers, "X-Forwarded-For": "10.7.0.2"})
+                assert r.status_code == 303 and "set-cookie" in r.headers, (headers, r.status_code)
+            # Behind a TLS proxy that forwards its scheme and host (Host rewritten).
+            via_proxy = {"X-Forwarded-For": "10.7.0.3", "X-Forwarded-Proto": "https", "X-Forwarded-Host": "jobs.example.com"}
+            r = http.post("/dashboard/login", data={"token": ADMIN}, headers={**via_proxy, "Origin": "https://jobs.example.com"})
+            assert r.status_code == 303 and "secure" in r.headers["set-cookie"].lower()
+            for wrong in ("http://jobs.example.com", "https://jobs.example.com.attacker.example"):
+                r = http.post("/dashboard/login", data={"token": ADMIN}, headers={**via_proxy, "Origin": wrong})
+                assert r.status_code == 403, wrong
+            # The other forms too, a valid CSRF token notwithstanding.
+            job = make_job(pg, status="pending")
+            http.cookies.clear()
+            assert http.post("/dashboard/login", data={"token": ADMIN}).status_code == 303
+            csrf = re.search(r'name="csrf" value="([^"]+)"', http.get("/dashboard/jobs").text).group(1)
+            evil = {"Origin": "https://attacker.example"}
+            assert http.post(f"/dashboard/jobs/{job}/cancel", data={"csrf": csrf}, headers=evil).status_code == 403
+            assert http.post("/dashboard/logout", data={"csrf": csrf}, headers=evil).status_code == 403
+            assert http.post(f"/dashboard/jobs/{job}/cancel", data={"csrf": csrf}, headers={"Origin": srv.url}).status_code == 303
+    finally:
+        srv.stop()
+
+
+def _session_rows(pg: str) -> dict[str, int]:
+    with sa.create_engine(pg).connect() as conn:
+        rows = conn.execute(sa.text("SELECT token, count(*) FROM celery_lease_sessions GROUP BY token"))
+        return {token: n for token, n in rows}
+
+
+def test_successful_sign_ins_are_rate_limited_and_a_token_keeps_a_bounded_number_of_sessions(pg_url, redis_server, tmp_path, pg):
+    """Before: a right token signed in 400 times in 1.4 s, each a 12-hour session row.
+    Now one address signs in SIGN_INS_PER_ADDRESS times a minute (bursts of as many),
+    and a token keeps MAX_SESSIONS_PER_TOKEN sessions: signing in past that ends its
+    oldest."""
+    SIGN_INS_PER_ADDRESS, MAX_SESSIONS_PER_TOKEN = 30, 50  # as docs/operations.md says
+    before = _session_rows(pg)
+    srv = _proxied(pg_url, redis_server, tmp_path)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            one = {"X-Forwarded-For": "10.8.0.1"}
+            answers = [http.post("/dashboard/login", data={"token": ACME}, headers=one) for _ in range(SIGN_INS_PER_ADDRESS + 10)]
+            codes = [r.status_code for r in answers]
+            assert codes[:SIGN_INS_PER_ADDRESS] == [303] * SIGN_INS_PER_ADDRESS and codes[-5:] == [429] * 5, codes
+            assert int(answers[-1].headers["Retry-After"]) >= 1
+            # Another address has its own budget; the spent one refuses a guess unread too.
+            assert http.post("/dashboard/login", data={"token": ACME}, headers={"X-Forwarded-For": "10.8.0.2"}).status_code == 303
+            assert http.post("/dashboard/login", data={"token": "z" * 30}, headers=one).status_code == 429
+            # Sessions of one token, from many addresses: the oldest end past the cap.
+            cookies = []
+            for i in range(MAX_SESSIONS_PER_TOKEN + 10):
+                r = http.post("/dashboard/login", data={"token": ADMIN}, headers={"X-Forwarded-For": f"10.9.0.{i}"})
+                assert r.status_code == 303, (i, r.status_code)
+                cookies.append(r.cookies["celery_lease_session"])
+                http.cookies.clear()
+        new = {token: n for token, n in _session_rows(pg).items() if token not in before}
+        assert sorted(new.values()) == sorted([SIGN_INS_PER_ADDRESS + 1, MAX_SESSIONS_PER_TOKEN]), new  # ACME's, ADMIN's
+
+        def signed_in(cookie: str) -> bool:
+            return httpx.get(srv.url + "/dashboard/jobs", cookies={"celery_lease_session": cookie}).status_code == 200
+
+        assert not signed_in(cookies[0]) and not signed_in(cookies[9])
+        assert signed_in(cookies[10]) and signed_in(cookies[-1])
+    finally:
+        srv.stop()
+
+
+def test_failures_are_counted_per_ipv6_64_and_known_addresses_pass_a_global_lockout(pg_url, redis_server, tmp_path, pg):
+    """Before: each IPv6 address had a budget of its own (a host has 2^64 of them), and
+    a few addresses spending the global failure budget locked every right token out.
+    Now an IPv6 address counts as its /64, and an address that offered a right token
+    recently (a sign-in, an API request) keeps signing in through a global lockout."""
+    srv = _proxied(pg_url, redis_server, tmp_path)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+
+            def login(token: str, address: str) -> int:
+                http.cookies.clear()
+                return http.post("/dashboard/login", data={"token": token}, headers={"X-Forwarded-For": address}).status_code
+
+            codes = [login("w" * 30, f"2001:db8:5:7::{i:x}") for i in range(1, 16)]
+            assert codes[:10] == [401] * 10 and codes[-3:] == [429] * 3, codes
+            assert login(ADMIN, "2001:db8:5:7:ffff::1") == 429  # the same /64
+            assert login("w" * 30, "2001:db8:5:8::1") == 401  # the next one: its own budget
+            assert login(ADMIN, "::ffff:10.6.0.9") == 303  # IPv4 mapped: the IPv4 address
+
+            assert login(ADMIN, "10.6.0.1") == 303  # known from here on
+            with srv.client(ADMIN) as api:
+                assert api.get("/api/v1/limits", headers={"X-Forwarded-For": "10.6.0.2"}).status_code == 200
+            known_passed, fresh_locked = [], []
+            for round_ in range(3):
+                # Guesses from ever new addresses until the global budget is spent.
+                for i in range(400):
+                    if login("w" * 30, f"10.{100 + round_}.{i // 200}.{i % 200}") == 429:
+                        break
+                else:
+                    raise AssertionError("the global failure budget was never spent")
+                # First (the global budget refills 20 a second): an address never seen.
+                fresh_locked.append(login(ADMIN, f"10.{110 + round_}.0.1"))
+                known_passed.append(login(ADMIN, "10.6.0.1"))
+                bearer = {"Authorization": f"Bearer {ADMIN}", "X-Forwarded-For": "10.6.0.2"}
+                known_passed.append(http.get("/api/v1/limits", headers=bearer).status_code)
+            assert known_passed == [303, 200] * 3, known_passed
+            assert 429 in fresh_locked, fresh_locked  # an address never seen waits it out
+    finally:
+        srv.stop()
+
+
+def test_the_secure_cookie_can_come_from_the_environment(pg, broker, client_app, monkeypatch):
+    """Before: lease_dashboard_secure_cookie came from app.conf only, so a container
+    configured by its environment (docker/compose.yaml) could never require it. Now
+    CELERY_LEASE_DASHBOARD_SECURE_COOKIE sets it, and a value that is no yes or no
+    stops the server rather than leave the cookie as it was."""
+    from fastapi.testclient import TestClient
+
+    from celery_lease.errors import ConfigurationError
+    from celery_lease.ops.api import create_app
+
+    tokens = {"CELERY_LEASE_API_TOKENS": json.dumps({ADMIN: None})}
+    for value, secure in (("true", True), ("1", True), ("false", False)):
+        monkeypatch.setenv("CELERY_LEASE_DASHBOARD_SECURE_COOKIE", value)
+        mod = client_app(pg, broker, extra_env=tokens)
+        with TestClient(create_app(mod.leases)) as http:  # plain http://testserver
+            r = http.post("/dashboard/login", data={"token": ADMIN}, follow_redirects=False)
+        assert r.status_code == 303 and ("secure" in r.headers["set-cookie"].lower()) is secure, value
+    monkeypatch.setenv("CELERY_LEASE_DASHBOARD_SECURE_COOKIE", "ture")
+    mod = client_app(pg, broker, extra_env=tokens)
+    with pytest.raises(ConfigurationError, match="CELERY_LEASE_DASHBOARD_SECURE_COOKIE must be true or false"):
+        create_app(mod.leases)
+    monkeypatch.delenv("CELERY_LEASE_DASHBOARD_SECURE_COOKIE")  # before client_app closes the apps

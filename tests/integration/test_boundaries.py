@@ -66,6 +66,11 @@ def _refused(exc: BaseException) -> str:
         ({"token": SECRET}, {"run_id": SECRET}, "run_id must be a UUID"),
         ({"token": SECRET}, {"run_after": float("nan")}, "run_after is out of range"),
         ({"token": SECRET}, {"run_after": 1e300}, "run_after is out of range"),
+        (
+            {"token": SECRET, "x": json.loads("[" * 400 + "1" + "]" * 400)},
+            {},
+            "payload nests lists and objects 401 levels deep, over the limit of 100",
+        ),
     ],
 )
 def test_submit_refuses_what_the_table_cannot_hold_without_echoing_it(pg, broker, client_app, payload, options, says):

@@ -91,6 +91,53 @@ def test_show_as_text_and_json(cli, pg, make_job):
     ]
 
 
+def test_show_prints_the_checkpoint(cli, pg, make_job):
+    """Before: show left the checkpoint out (where a failed job would resume). Now it
+    is a field, as JSON; a large one is cut on the terminal, whole with --json."""
+    job = make_job(pg, status="failed", finished_at=sa.func.now(), checkpoint={"offset": 42, "file": "a\x1b[2Jb"})
+    proc = cli("show", job)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(None, 1) for line in proc.stdout.splitlines() if len(line.split(None, 1)) == 2)
+    assert json.loads(lines["checkpoint"]) == {"offset": 42, "file": "a\x1b[2Jb"}
+    assert "\x1b" not in proc.stdout  # escaped, as every value shown
+    assert json.loads(cli("show", job, "--json").stdout)["checkpoint"] == {"offset": 42, "file": "a\x1b[2Jb"}
+    big = make_job(pg, status="failed", finished_at=sa.func.now(), checkpoint={"rows": list(range(3000))})
+    line = next(x for x in cli("show", big).stdout.splitlines() if x.startswith("checkpoint"))
+    assert len(line) < 2100 and "--json shows all" in line
+    assert json.loads(cli("show", big, "--json").stdout)["checkpoint"] == {"rows": list(range(3000))}
+    none = make_job(pg, status="pending")
+    assert json.loads(cli("show", none, "--json").stdout)["checkpoint"] is None
+
+
+def test_retry_makes_one_new_job_of_an_ended_one(cli, pg, make_job):
+    """``lease retry`` is the API's retry: a new job fenced above the original, once per
+    job (retry the retry to try again); bad input changes nothing."""
+    original = make_job(pg, status="failed", attempt=3, lease_generation=4, payload={"n": 2}, finished_at=sa.func.now())
+    proc = cli("retry", original)
+    assert proc.returncode == 0, proc.stderr
+    new = proc.stdout.strip()
+    row = _rows(pg)[new]
+    assert (str(row["parent_id"]), row["status"], row["attempt"], row["lease_generation"]) == (original, "pending", 0, 4)
+    assert row["payload"] == {"n": 2}
+    line = _one_line_error(cli("retry", original))
+    assert "already retried" in line and new in line
+    pending = make_job(pg, status="pending")
+    before = _rows(pg)
+    for args, code, what in (
+        (["retry", "not-a-uuid"], 2, "malformed job id"),
+        (["retry", str(uuid.uuid4())], 1, "no job"),
+        (["retry", pending], 1, "is pending: only failed, expired or cancelled jobs are retried"),
+        (["retry", new], 1, "is pending"),
+    ):
+        proc = cli(*args)
+        assert proc.returncode == code and what in _one_line_error(proc), (args, proc.stderr)
+    assert _rows(pg) == before
+    with sa.create_engine(pg).begin() as conn:
+        conn.execute(sa.update(jobs).where(jobs.c.id == new).values(status="cancelled", lease_generation=6))
+    data = json.loads(cli("retry", new, "--json").stdout)
+    assert data["id"] == new and _rows(pg)[data["job_id"]]["lease_generation"] == 6
+
+
 def test_show_takes_a_unique_id_prefix(cli, pg, make_job):
     twins = [make_job(pg, id=f"4faa87cc-0000-4000-8000-00000000000{i}") for i in (1, 2)]
     alone = make_job(pg, id="5e1f0a2b-0000-4000-8000-000000000003", status="failed", error="boom", finished_at=sa.func.now())
@@ -243,6 +290,24 @@ def test_unreachable_database_is_one_line_without_the_password(cli, args):
     line = _one_line_error(cli(*args, db=db))
     assert "cannot reach the job database" in line
     assert "hunter2-secret" not in line
+
+
+@pytest.mark.parametrize(
+    "db, says",
+    [
+        (
+            "postgresql+psycopg2://root:hunter2-secret@127.0.0.1:5432/no_such_db_3f1a",
+            "the server at 127.0.0.1:5432 has no database 'no_such_db_3f1a'",
+        ),
+        ("postgresql+psycopg2://root:hunter2-secret@127.0.0.1:1/postgres", "cannot connect to the server at 127.0.0.1:1"),
+    ],
+)
+def test_a_wrong_database_name_and_a_wrong_port_are_told_apart(cli, db, says):
+    """Before: both were "cannot reach the job database ...: OperationalError"."""
+    for args in (["list"], ["migrate"]):
+        line = _one_line_error(cli(*args, db=db))
+        assert line.endswith(says), line
+        assert "hunter2-secret" not in line and "FATAL" not in line
 
 
 def test_serve_refuses_a_malformed_token_setting(cli):

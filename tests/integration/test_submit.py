@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+import uuid
 from datetime import datetime
 
 import pytest
@@ -248,6 +249,50 @@ def test_submit_to_an_unreachable_database_raises_one_clear_error_without_driver
         text = str(caught.value)
         assert "cannot reach the job database" in text
         assert "topsecret" not in text and "Connection refused" not in text and "port 1 failed" not in text
+
+
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        (
+            "postgresql+psycopg2://root:topsecret@127.0.0.1:5432/no_such_db_3f1a",
+            "the server at 127.0.0.1:5432 has no database 'no_such_db_3f1a'",
+        ),
+        ("postgresql+psycopg2://root:topsecret@127.0.0.1:1/postgres", "cannot connect to the server at 127.0.0.1:1"),
+        (
+            "postgresql+psycopg2://no_such_role_3f1a:topsecret@127.0.0.1:5432/postgres",
+            "the server at 127.0.0.1:5432 refused the credentials of user 'no_such_role_3f1a' "
+            "(the role, its password, or pg_hba.conf)",
+        ),
+        (
+            "postgresql+psycopg2://root:topsecret@/postgres?host=127.0.0.1:1&host=127.0.0.1:2",
+            "cannot connect to the server at 127.0.0.1:1 and 127.0.0.1:2",
+        ),
+    ],
+)
+def test_submit_says_whether_the_server_the_database_or_the_credentials_are_wrong(url, says):
+    """Before: a wrong database name and a wrong port both read "cannot reach the job
+    database ...: OperationalError". Now the message says which, in words of our own:
+    never the driver's text, never the password."""
+    app = Celery("misconfigured", broker="memory://")
+    leases = CeleryLease(app, url)
+
+    @leases.job(kind="misconfigured_noop")
+    def noop(ctx, payload):
+        return None
+
+    try:
+        # A single submit (a prepared statement on a raw connection), a batch (a
+        # transaction) and a read reach the database three ways: one message.
+        for call in (lambda: noop.submit({}), lambda: noop.submit_many([{}, {}]), lambda: leases.get(str(uuid.uuid4()))):
+            with pytest.raises(DatabaseUnavailable) as caught:
+                call()
+            text = str(caught.value)
+            assert text.startswith("cannot reach the job database ") and text.endswith(f"(database_url): {says}"), text
+            assert "topsecret" not in text and "FATAL" not in text and "does not exist" not in text
+            assert "Connection refused" not in text and "failed:" not in text
+    finally:
+        leases.store.dispose()
 
 
 def test_unreachable_database_stops_the_worker_with_one_clear_line(broker):

@@ -22,7 +22,17 @@ from celery_lease.db.statements import events, reads
 from celery_lease.errors import ConfigurationError, InvalidPayload
 from celery_lease.ops import listing
 from celery_lease.ops.cli_common import printable
-from celery_lease.payload import Codec, UnstorableValue, cap_error, dump_checkpoint, storable, storable_text
+from celery_lease.payload import (
+    MAX_JSON_DEPTH,
+    Codec,
+    UnstorableValue,
+    cap_error,
+    dump_checkpoint,
+    dump_progress,
+    storable,
+    storable_text,
+    too_deep,
+)
 from celery_lease.producer import refused_value
 from celery_lease.settings import Settings
 from celery_lease.status import Event
@@ -75,6 +85,37 @@ def test_checkpoints_refuse_nul_and_keep_their_size_error():
         dump_checkpoint({"i": "\x00"}, 100)
     with pytest.raises(InvalidPayload):  # UnstorableValue is an InvalidPayload, as before
         dump_checkpoint({"x": object()}, 100)
+
+
+def _nested(depth: int) -> object:
+    value: object = "x"
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def test_values_nested_deeper_than_the_limit_are_refused_wherever_they_enter():
+    """Before: a value 400 levels deep was stored, and every reader whose serializer
+    stops sooner (the API's, at 255) failed on its row for good."""
+    codec = Codec(lambda ctx, payload: payload)
+    assert codec.dump_payload(_nested(MAX_JSON_DEPTH)) == _nested(MAX_JSON_DEPTH)  # at the limit: fine
+    for depth in (MAX_JSON_DEPTH + 1, 400, 5000):  # 5000: past Python's own recursion limit
+        says = (
+            f"levels deep, over the limit of {MAX_JSON_DEPTH}" if depth < 1000 else f"deeper than the limit of {MAX_JSON_DEPTH}"
+        )
+        for refuse in (
+            lambda v: codec.dump_payload(v),
+            lambda v: codec.dump_result(v),
+            lambda v: dump_progress(v, 10**6),
+            lambda v: dump_checkpoint(v, 10**6),
+        ):
+            with pytest.raises(UnstorableValue, match=says):
+                refuse(_nested(depth))
+    with pytest.raises(UnstorableValue, match="^payload nests lists and objects 401 levels deep, over the limit of 100$"):
+        codec.dump_payload(_nested(401))
+    # Brackets in strings and keys are text, not nesting; nor are escaped quotes.
+    assert storable({"[" * 300: "{" * 300, "q": '\\"[[[' * 100}, "result", 10**6, "s") > 0
+    assert too_deep(_nested(MAX_JSON_DEPTH + 1)) and not too_deep(_nested(MAX_JSON_DEPTH)) and not too_deep(None)
 
 
 def test_cap_error_survives_nul_and_lone_surrogates():

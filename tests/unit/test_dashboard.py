@@ -74,6 +74,24 @@ def test_signing_out_ends_the_session_everywhere(store):
     assert sessions.viewer(sessions.sign_in(ADMIN)) is not None  # a new sign-in works
 
 
+def test_a_token_keeps_its_newest_sessions_and_a_non_ascii_cookie_is_none(store):
+    from celery_lease.ops.dashboard import access
+
+    sessions = _sessions(store)
+    cookies = [sessions.sign_in(ADMIN) for _ in range(access.MAX_SESSIONS_PER_TOKEN + 3)]
+    acme = sessions.sign_in(ACME)
+    # SQLite's clock has milliseconds: which of sessions opened in one are "oldest" is
+    # any (tests/integration/test_api_security.py checks the order on PostgreSQL).
+    live = [sessions.viewer(c) is not None for c in cookies]
+    assert live.count(True) == access.MAX_SESSIONS_PER_TOKEN and live[-1]
+    assert sessions.viewer(acme) is not None  # another token's are its own
+    session, signature = cookies[-1].split(".")
+    for odd in (f"{session}.{signature[:-1]}\u00e9", f"{session}\u00ff.{signature}", "\u00e9.\u00e9"):
+        assert sessions.viewer(odd) is None
+        sessions.sign_out(odd)  # nothing to end, no error
+    assert sessions.viewer(cookies[-1]) is not None
+
+
 def test_csrf_tokens_belong_to_one_session(store):
     sessions = _sessions(store)
     one, two = sessions.viewer(sessions.sign_in(ADMIN)), sessions.viewer(sessions.sign_in(ADMIN))

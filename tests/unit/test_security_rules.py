@@ -129,3 +129,29 @@ def test_payloads_are_for_unrestricted_tokens_unless_said_otherwise():
     assert not Grant("acme").sees_payloads and not Grant(None, read_only=True).sees_payloads
     assert _grant({"tenant": "acme", "payloads": True}).sees_payloads
     assert not _grant({"tenant": None, "payloads": False}).sees_payloads
+
+
+def test_a_client_address_budget_is_an_ipv6_64_and_known_addresses_pass_a_global_lockout(monkeypatch):
+    assert throttle.client_key("2001:db8:1:2:aaaa::1") == throttle.client_key("2001:DB8:1:2::ffff") == "2001:db8:1:2::/64"
+    assert throttle.client_key("2001:db8:1:3::1") == "2001:db8:1:3::/64"
+    assert throttle.client_key("::ffff:192.0.2.7") == "192.0.2.7" and throttle.client_key("192.0.2.7") == "192.0.2.7"
+    assert throttle.client_key("testclient") == "testclient"  # not an address: as it is
+    now = [100.0]
+    monkeypatch.setattr(throttle.time, "monotonic", lambda: now[0])
+    gate = throttle.Gate(rate=0)
+    gate.attempted("192.0.2.1", True)  # a right token from here
+
+    def flood() -> None:  # the global budget, spent from ever new addresses
+        for i in range(int(2 * throttle.FAILED_OVERALL)):
+            gate.attempted(f"198.51.100.{i}", False)
+
+    flood()
+    assert gate.locked("203.0.113.9") > 0  # a stranger waits
+    assert gate.locked("192.0.2.1") == 0  # a known address does not...
+    now[0] += throttle.RECENT_SECONDS
+    flood()
+    assert gate.locked("192.0.2.1") > 0  # ...for ever
+    # Successful sign-ins: a burst of SIGN_INS_PER_ADDRESS a minute, per address.
+    assert all(gate.signed_in("192.0.2.5") == 0 for _ in range(throttle.SIGN_INS_PER_ADDRESS))
+    assert gate.sign_ins_wait("192.0.2.5") == pytest.approx(60 / throttle.SIGN_INS_PER_ADDRESS)
+    assert gate.signed_in("192.0.2.5") > 0 and gate.sign_ins_wait("192.0.2.6") == 0

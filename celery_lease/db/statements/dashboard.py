@@ -20,6 +20,7 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 
 from celery_lease.db.schema import events, history, history_events, jobs, limits
 from celery_lease.db.statements.common import db_now, db_now_plus, epoch_seconds, sql_function
@@ -308,7 +309,7 @@ def job_states(ids: list[str]) -> sa.Select:
 # --- actions -------------------------------------------------------------------------------
 
 
-def retry_as_new_job(tenant: str | None) -> sa.Insert:
+def retry_as_new_job(tenant: str | None, dialect: str) -> Any:
     """retry_as_new_job: a failed, expired or cancelled job, submitted again as a new
     pending job (:new_id) with the same kind, task, queue, payload, limits, tenant and
     run, a fresh attempt budget, and the old job as its parent.
@@ -318,10 +319,18 @@ def retry_as_new_job(tenant: str | None) -> sa.Insert:
     dropped when it ended. The new job is woken at once (woken_at: now).
 
     It starts at the old job's lease_generation, the highest fencing token the old job
-    handed out (every revoke bumps it too): its first claim's token is above all of
-    them. A system that saw the old job's tokens accepts the retry's writes, and a
-    stale holder of the old job cannot outbid the retry (the same resource, one
-    sequence of tokens)."""
+    handed out (every revoke bumps it too; a terminal job's never moves again): its
+    first claim's token is above all of them. A system that saw the old job's tokens
+    accepts the retry's writes, and a stale holder of the old job cannot outbid the
+    retry (the same resource, one sequence of tokens).
+
+    A job is retried at most once, so that sequence stays one: :new_id is the one id
+    its retry can have (ops/retry.py derives it from the old job's), and a job by that
+    id already existing, here or in the history, inserts nothing. Two retries of one
+    job would both start at its generation and hand out the same tokens; a second one
+    retries the retry, which starts above every token of the first. Racing retries
+    (two transactions) meet on the primary key: the second waits for the first and
+    then inserts nothing."""
     # trace_context too: the retry's attempts stay in the trace of the original submit.
     copied = (
         "lease_generation",
@@ -336,8 +345,11 @@ def retry_as_new_job(tenant: str | None) -> sa.Insert:
         "priority",
         "trace_context",
     )
+    new_id = sa.bindparam("new_id", type_=_c.id.type)
+    same = jobs.alias("same_id")  # not correlated with the old job's row
+    taken = sa.select(sa.literal(1)).where(same.c.id == new_id).exists()
     source = sa.select(
-        sa.bindparam("new_id", type_=_c.id.type),
+        new_id,
         *(_c[name] for name in copied),
         _c.concurrency_key,
         sa.literal(Status.PENDING.value),
@@ -346,12 +358,17 @@ def retry_as_new_job(tenant: str | None) -> sa.Insert:
         db_now(),
         db_now(),
         db_now(),
-    ).where(_c.id == sa.bindparam("job_id", type_=_c.id.type), _c.status.in_(_RETRYABLE))
+    ).where(_c.id == sa.bindparam("job_id", type_=_c.id.type), _c.status.in_(_RETRYABLE), ~taken)
     if tenant is not None:
         source = source.where(_c.tenant == tenant)
     source = everywhere(source)
     columns = ["id", *copied, "concurrency_key", "status", "attempt", "parent_id", "created_at", "updated_at", "woken_at"]
-    return sa.insert(jobs).from_select(columns, source).returning(_c.id, _c.task, _c.queue, _c.run_id, _c.attempt)
+    insert: Any = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(jobs)
+    return (
+        insert.from_select(columns, source)
+        .on_conflict_do_nothing(index_elements=[_c.id])
+        .returning(_c.id, _c.task, _c.queue, _c.run_id, _c.attempt)
+    )
 
 
 def delete_finished_jobs(ids: list[str], tenant: str | None, dialect: str) -> Any:

@@ -17,6 +17,11 @@ def get_job(job_id: str) -> sa.Select:
     return everywhere(sa.select(jobs).where(_c.id == job_id))
 
 
+def get_checkpoint(job_id: str) -> sa.Select:
+    """get_checkpoint: one job's checkpoint (no row: no such job)."""
+    return everywhere(sa.select(_c.checkpoint).where(_c.id == job_id))
+
+
 def ids_between(low: str, high: str, limit: int) -> sa.Select:
     """ids_between: the first ``limit`` job ids from ``low`` to ``high`` (a prefix's
     range: a range scan of the primary key, never a scan of the table)."""

@@ -28,6 +28,18 @@ def open_session() -> sa.Insert:
     )
 
 
+def end_oldest_sessions() -> sa.Delete:
+    """end_oldest_sessions: end the sessions of ``token`` but ``id`` (just opened) and
+    its ``keep`` newest others. Each sign-in runs it after drop_expired_sessions, so the
+    table holds at most ``keep + 1`` rows per token signed in with since SESSION_SECONDS:
+    a scan of it is small, and ``token`` needs no index."""
+    others = (_c.token == sa.bindparam("token")) & (_c.id != sa.bindparam("id"))
+    newest = (
+        sa.select(_c.id).where(others).order_by(_c.created_at.desc(), _c.id.desc()).limit(sa.bindparam("keep", type_=sa.Integer))
+    )
+    return sessions.delete().where(others, _c.id.not_in(newest.scalar_subquery()))
+
+
 def session_token() -> sa.Select:
     """session_token: the token hash of an unexpired session (no row: none)."""
     return sa.select(_c.token).where(_c.id == sa.bindparam("id"), _c.expires_at > db_now())

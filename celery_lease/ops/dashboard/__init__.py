@@ -41,6 +41,7 @@ from celery_lease.errors import DatabaseUnavailable
 from celery_lease.ops.dashboard import actions, fleet, pages
 from celery_lease.ops.dashboard.access import COOKIE
 from celery_lease.ops.dashboard.web import HERE, Board, PageError, SignIn, redirect
+from celery_lease.ops.keys import KeyLabels
 from celery_lease.ops.throttle import Gate
 from celery_lease.ops.tokens import Keyring
 
@@ -85,7 +86,8 @@ def create_dashboard(leases: CeleryLease, keyring: Keyring, secret: bytes, gate:
         # (the API's handler logs the driver's text; the page never shows it).
         return error_page(request, 503, "the job database lacks celery-lease's tables (run: celery -A <app> lease migrate)")
 
-    pages.register(app, board)
+    labels = KeyLabels(secret)
+    pages.register(app, board, labels)
     actions.register(app, board)
-    fleet.register(app, board)
+    fleet.register(app, board, labels)
     return app

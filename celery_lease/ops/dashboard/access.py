@@ -12,7 +12,11 @@ read), then its row, then the token among those configured now: signing out dele
 the row, so a copied cookie stops working in every serve process at once, also after
 restarts; removing a token from the configuration ends its sessions; a session never
 grants more than its token does today, and it expires after SESSION_SECONDS (the
-database's clock).
+database's clock). A token holds at most MAX_SESSIONS_PER_TOKEN sessions: signing in
+past that ends its oldest ones, so sign-ins repeated with one token cannot pile up rows
+(they are also rate-limited per address: throttle.SIGN_INS_PER_ADDRESS). A cookie
+that is not one this server signed (another server's, a forged one, one with
+characters no cookie of ours has) is no session: the sign-in form, never an error.
 
 The secret is ``app.conf.lease_dashboard_secret`` (tokens.load_secret); without one,
 each server process draws a random key at start: its sessions end when it restarts,
@@ -21,9 +25,14 @@ and several server processes behind one address need the setting.
 The cookie is HttpOnly (scripts cannot read it), SameSite=Strict (a cross-site page
 cannot make the browser send it), and Secure when the request came over HTTPS (as seen
 by the server, or forwarded by a proxy trusted with ``serve --proxy-headers``) or
-always with ``app.conf.lease_dashboard_secure_cookie``. Every action is a POST whose
-form carries ``csrf``, an HMAC of the session id: a page of another site can neither
-read it nor guess it.
+always with ``app.conf.lease_dashboard_secure_cookie`` (or
+``CELERY_LEASE_DASHBOARD_SECURE_COOKIE=true``). Every action is a POST whose form
+carries ``csrf``, an HMAC of the session id: a page of another site can neither read
+it nor guess it. The sign-in form has no session to tie a token to, so every form
+POST, sign-in included, must also come from this server's own pages
+(celery_lease.ops.dashboard.web.foreign_origin): else another site could post its own
+token to the sign-in form and have the victim's browser act, unawares, in the
+attacker's tenant.
 """
 
 from __future__ import annotations
@@ -40,6 +49,9 @@ COOKIE = "celery_lease_session"
 SESSION_SECONDS = 12 * 3600
 #: A longer cookie is refused unread.
 MAX_COOKIE_CHARS = 200
+#: Sessions one token keeps open; signing in past this ends the token's oldest. A
+#: token shared by a team keeps a session per person and browser.
+MAX_SESSIONS_PER_TOKEN = 50
 
 
 @dataclass(frozen=True)
@@ -75,21 +87,29 @@ class Sessions:
 
     def _session_id(self, cookie: str | None) -> str | None:
         """The session id of a well-formed cookie this server signed, else None."""
-        if not cookie or len(cookie) > MAX_COOKIE_CHARS or cookie.count(".") != 1:
+        # Non-ASCII text is no cookie of ours (and compare_digest refuses it).
+        if not cookie or len(cookie) > MAX_COOKIE_CHARS or not cookie.isascii() or cookie.count(".") != 1:
             return None
         session, signature = cookie.split(".")
         if not hmac.compare_digest(signature, keyed(self._key, "cookie", session)):
             return None
         return session
 
+    def holder(self, offered: str) -> Holder | None:
+        """The configured token ``offered`` is, or None (nothing is written)."""
+        return self._keyring.find(offered)
+
     def sign_in(self, offered: str) -> str | None:
         """Open a session for a configured token: its cookie value; None when it is no
         configured token (nothing is written)."""
-        holder = self._keyring.find(offered)
-        if holder is None:
-            return None
+        holder = self.holder(offered)
+        return None if holder is None else self.open(holder)
+
+    def open(self, holder: Holder) -> str:
+        """Open a session for ``holder``, ending its oldest past MAX_SESSIONS_PER_TOKEN:
+        its cookie value."""
         session = secrets.token_urlsafe(32)
-        self._store.open_session(keyed(self._key, "session", session), holder.ident, SESSION_SECONDS)
+        self._store.open_session(keyed(self._key, "session", session), holder.ident, SESSION_SECONDS, MAX_SESSIONS_PER_TOKEN)
         return f"{session}.{keyed(self._key, 'cookie', session)}"
 
     def viewer(self, cookie: str | None) -> Viewer | None:

@@ -2,7 +2,9 @@
 
 Every action is a POST carrying the session's CSRF token, refused (403) to a read-only
 token before anything is read, and limited to the viewer's tenant (another tenant's
-job is a 404, as if it did not exist).
+job is a 404, as if it did not exist). A token may do here what it may do through the
+API: retry, which the API grants only tokens bound to no tenant, is refused (403) to a
+tenant's token too, and its buttons are not shown to it.
 
 - **cancel**: :meth:`CeleryLease.cancel` (pending or running -> cancelled; the worker
   learns at its next heartbeat). The job page's Cancel is a GET of a confirmation page
@@ -10,7 +12,8 @@ job is a 404, as if it did not exist).
 - **retry** a failed, expired or cancelled job: a *new* job (the ``retry as new job``
   transition, statement ``retry_as_new_job``) with the same kind, payload, queue, tenant and run, a fresh
   attempt budget, and the old job as its ``parent_id``; the old one stays as it ended
-  (a terminal job never changes). Its wakeup is published at once.
+  (a terminal job never changes). Its wakeup is published at once. A job is retried
+  once (ops/retry.py): a second retry is refused, or skipped in bulk.
 - **delete** a terminal job and its events (the ``delete`` transition,
   ``delete_finished_jobs``); a pending or
   running job must be cancelled first.
@@ -35,7 +38,7 @@ from celery_lease.ops.dashboard import filters
 from celery_lease.ops.dashboard.access import Viewer
 from celery_lease.ops.dashboard.pages import RETRYABLE, SCAN
 from celery_lease.ops.dashboard.web import Board, PageError, form, job_id, redirect
-from celery_lease.ops.retry import retry_as_new
+from celery_lease.ops.retry import NotRetried, retry_as_new
 from celery_lease.status import Status
 
 if TYPE_CHECKING:
@@ -66,6 +69,15 @@ def _action(value: str | None) -> str:
     return value
 
 
+def _allowed(viewer: Viewer, action: str) -> None:
+    """Refuse (403) what the API refuses the viewer's token: every action to a read-only
+    token, retry to a tenant's (templates hide the same buttons)."""
+    if not viewer.can_act:
+        raise PageError(403, "this token is read-only: it can look, not act")
+    if action == "retry" and viewer.tenant is not None:
+        raise PageError(403, "retry needs a token bound to no tenant (as the API's retry)")
+
+
 class Acts:
     """What an action does, on ids the viewer may see."""
 
@@ -77,9 +89,15 @@ class Acts:
 
     def retry(self, ids: list[str]) -> list[str]:
         """The ids of the new jobs retrying those of ``ids`` that ended otherwise than by
-        success (ops.retry, as the API's retry)."""
-        made = (retry_as_new(self.board.leases, old, tenant=self.viewer.tenant) for old in ids)
-        return [new for new in made if new is not None]
+        success and were not retried before (ops.retry, as the API's retry)."""
+        _allowed(self.viewer, "retry")
+        made = []
+        for old in ids:
+            try:
+                made.append(retry_as_new(self.board.leases, old, tenant=self.viewer.tenant))
+            except NotRetried:  # moved on since it was selected, or retried before
+                continue
+        return made
 
     def delete(self, ids: list[str]) -> int:
         """Delete the ended jobs among ``ids`` with their events (the ``delete`` transition)."""
@@ -128,11 +146,13 @@ def register(app: FastAPI, board: Board) -> None:
     @app.post("/jobs/{job}/retry")
     async def retry(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:
         await form(request, viewer)
+        _allowed(viewer, "retry")
         row = visible(job, viewer)
-        made = Acts(board, viewer).retry([row["id"]])
-        if not made:
-            raise PageError(409, f"job {row['id']} is {row['status']}: only failed, expired or cancelled jobs are retried")
-        return redirect(request, f"/jobs/{made[0]}")
+        try:
+            made = retry_as_new(board.leases, row["id"], tenant=viewer.tenant)
+        except NotRetried as exc:
+            raise PageError(409, str(exc)) from None
+        return redirect(request, f"/jobs/{made}")
 
     @app.post("/jobs/{job}/delete")
     async def delete(request: Request, job: str, viewer: Viewer = Depends(board.viewer)) -> Response:
@@ -146,8 +166,7 @@ def register(app: FastAPI, board: Board) -> None:
     def bulk_confirm(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:
         params = dict(request.query_params)
         action = _action(params.pop("action", None))
-        if not viewer.can_act:
-            raise PageError(403, "this token is read-only: it can look, not act")
+        _allowed(viewer, action)
         try:
             f = filters.parse(params, tenant=viewer.tenant, payloads=viewer.sees_payloads)
         except ValueError as exc:
@@ -170,6 +189,7 @@ def register(app: FastAPI, board: Board) -> None:
     async def bulk(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:
         fields = await form(request, viewer)
         action = _action(fields.pop("action", None))
+        _allowed(viewer, action)
         fields.pop("csrf", None)
         try:
             f = filters.parse(fields, tenant=viewer.tenant, payloads=viewer.sees_payloads)

@@ -20,6 +20,7 @@ from celery_lease.errors import UnknownKind
 from celery_lease.flow.limits import LimitChange
 from celery_lease.ops.dashboard.access import Viewer
 from celery_lease.ops.dashboard.web import Board, PageError, form, redirect
+from celery_lease.ops.keys import KeyLabels
 
 log = logging.getLogger("celery_lease.dashboard")
 
@@ -119,7 +120,7 @@ def register(app: FastAPI, board: Board) -> None:
 
     @app.get("/kinds", response_class=HTMLResponse)
     def kinds(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:
-        rows = leases.limits(tenant=viewer.tenant)
+        rows = labels.rows(leases.limits(tenant=viewer.tenant), "key", payloads=viewer.sees_payloads)
         # A rate budget counts every tenant's claims: a tenant's token sees none.
         budgets = board.store.rate_budgets() if viewer.tenant is None else {}
         for i, r in enumerate(rows):  # the kind's pause button goes on its first row
@@ -216,7 +217,7 @@ def register(app: FastAPI, board: Board) -> None:
             stale_count=data["stale_count"],
             cap=COUNT_CAP,
             stale_seconds=stale_seconds,
-            held=data["held"],
+            held=labels.rows(data["held"], "concurrency_key", payloads=viewer.sees_payloads),
             queues=sorted(queues.values(), key=lambda q: q["queue"]),
             sent=request.query_params.get("sent"),
         )

@@ -20,6 +20,7 @@ from celery_lease.ops import listing
 from celery_lease.ops.dashboard import filters
 from celery_lease.ops.dashboard.access import COOKIE, SESSION_SECONDS, Viewer, csrf_ok
 from celery_lease.ops.dashboard.web import Board, PageError, form, job_id, redirect
+from celery_lease.ops.keys import KeyLabels
 from celery_lease.ops.throttle import retry_after
 from celery_lease.status import TERMINAL, AttemptOutcome, Event, Status
 
@@ -138,7 +139,10 @@ def _from_events(job: dict[str, Any], events: list[dict[str, Any]]) -> list[dict
     return out
 
 
-def register(app: FastAPI, board: Board) -> None:
+def register(app: FastAPI, board: Board, labels: KeyLabels) -> None:
+    """Sign-in, the list and a job's page; a job's concurrency key (payload text) is
+    shown as ``labels`` to a viewer who may not read payloads."""
+
     @app.get("/", include_in_schema=False)
     def home(request: Request, viewer: Viewer = Depends(board.viewer)):
         return redirect(request, "/jobs")
@@ -151,19 +155,28 @@ def register(app: FastAPI, board: Board) -> None:
 
     @app.post("/login")
     async def login(request: Request):
-        # Failed sign-ins spend the address's and everyone's budget (throttle.Gate): once
-        # spent, a token is not even compared, so a right guess is no faster to find.
+        # Failed sign-ins spend the address's and everyone's budget, successful ones the
+        # address's sign-in budget (throttle.Gate): once either is spent, a token is not
+        # even compared, so a right guess is no faster to find.
         address = request.client.host if request.client else ""
-        wait = board.gate.locked(address)
-        if wait:
+
+        def too_many(wait: float) -> Response:
             refused = board.render(request, "login.html", None, status=429, error="Too many sign-ins: wait a moment.")
             refused.headers["Retry-After"] = retry_after(wait)
             return refused
-        fields = await form(request, None, action=False)
-        cookie = board.sessions.sign_in(fields.get("token", ""))
-        if cookie is None:
-            board.gate.failed(address)
+
+        wait = max(board.gate.locked(address), board.gate.sign_ins_wait(address))
+        if wait:
+            return too_many(wait)
+        fields = await form(request, None, action=False)  # 403 from another site's page
+        holder = board.sessions.holder(fields.get("token", ""))
+        if holder is None:
+            board.gate.attempted(address, False)
             return board.render(request, "login.html", None, status=401, error="Unknown token.")
+        wait = board.gate.signed_in(address)
+        if wait:
+            return too_many(wait)
+        cookie = board.sessions.open(holder)
         response = redirect(request, "/jobs")
         response.set_cookie(
             COOKIE,
@@ -233,6 +246,7 @@ def register(app: FastAPI, board: Board) -> None:
         row = board.store.job(job_id(job), tenant=viewer.tenant, cap=SHOW_CHARS, payloads=viewer.sees_payloads)
         if row is None:
             raise PageError(404, "no such job")
+        row["concurrency_key"] = labels.shown(row["concurrency_key"], payloads=viewer.sees_payloads)
         # A tenant sees neither the worker hosts nor the events of other tenants.
         show_worker = viewer.tenant is None
         events = board.store.job_events(row["id"], MAX_EVENTS)

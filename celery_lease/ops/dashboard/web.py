@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, urlsplit
 
 import jinja2
 from fastapi import Request
@@ -128,9 +128,55 @@ def redirect(request: Request, to: str) -> RedirectResponse:
     return RedirectResponse(base(request) + to, status_code=303)
 
 
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def _origin(scheme: str, host: str) -> str:
+    """``scheme://host[:port]`` lowercased, without the scheme's default port."""
+    scheme, host = scheme.strip().lower(), host.strip().lower()
+    default = _DEFAULT_PORTS.get(scheme)
+    if default and host.endswith(f":{default}"):
+        host = host[: -len(default) - 1]
+    return f"{scheme}://{host}"
+
+
+def _first(request: Request, header: str) -> str | None:
+    value = request.headers.get(header)
+    return (value.split(",")[0].strip() or None) if value else None
+
+
+def foreign_origin(request: Request) -> bool:
+    """True when the browser says this POST was sent by a page of another origin: its
+    Origin (``null`` included), else Sec-Fetch-Site cross-site or same-site, else its
+    Referer names another origin. Without any of them (curl, scripts) it is no
+    browser's cross-site form: it passes.
+
+    This server's origin is the request's scheme and Host, or the scheme and host a
+    proxy forwards (X-Forwarded-Proto / X-Forwarded-Host, whoever sent them): a page of
+    another site cannot make a browser send either header, nor Host, so believing them
+    lets no cross-site form through, and the check holds behind a TLS proxy that
+    rewrites both, with or without ``serve --proxy-headers``."""
+    offered = request.headers.get("origin")
+    if offered is None:
+        if request.headers.get("sec-fetch-site", "").lower() in ("cross-site", "same-site"):
+            return True
+        referer = request.headers.get("referer")
+        if not referer:
+            return False
+        parts = urlsplit(referer)
+        offered = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+    schemes = {request.url.scheme, _first(request, "x-forwarded-proto")}
+    hosts = {request.headers.get("host"), _first(request, "x-forwarded-host")}
+    own = {_origin(scheme, host) for scheme in schemes for host in hosts if scheme and host}
+    return _origin(*offered.split("://", 1)) not in own if "://" in offered else True
+
+
 async def form(request: Request, viewer: Viewer | None, *, action: bool = True) -> dict[str, str]:
-    """The POSTed url-encoded form. An action also needs a viewer who may act, and the
-    session's CSRF token in the form (403 otherwise, before anything is read)."""
+    """The POSTed url-encoded form, sent from this server's own pages (403 otherwise:
+    foreign_origin). An action also needs a viewer who may act, and the session's CSRF
+    token in the form (403 otherwise, before anything is read)."""
+    if foreign_origin(request):
+        raise PageError(403, "this form was sent from another site's page: sign in and act from the dashboard itself")
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
         raise PageError(400, "expected a form (application/x-www-form-urlencoded)")
     body = await request.body()  # bounded by celery_lease.ops.guard before it was read
