@@ -31,6 +31,7 @@ from celery_lease.flow.limits import parse_priority
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 from celery_lease.payload import storable_text
+from celery_lease.resends import ResendGate
 from celery_lease.routing import QueueRouter
 from celery_lease.settings import Settings
 from celery_lease.status import Event, Status
@@ -120,6 +121,7 @@ class Producer:
         self._settings = settings
         self._hooked_engines: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
         self._wakeups = wakeups.Publisher(app)
+        self._resends = ResendGate(self._wakeups.queue_of, self._wakeups.waiting)
         self._router = QueueRouter(app)
 
     def serialize(self, spec: JobKind, payload: Any) -> Any:
@@ -380,6 +382,7 @@ class Producer:
         A failure to publish (broker down) never fails the caller: the row is already
         committed, its woken_at is cleared, and the sweeper delivers it later.
         """
+        jobs = self._resends.admit(jobs)  # the sweeper's re-sends: not while a copy may wait
         if not jobs:
             return 0
         items = [(j.id, j.task, j.queue) if isinstance(j, Job) else (str(j["id"]), j["task"], j["queue"]) for j in jobs]

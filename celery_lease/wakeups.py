@@ -23,8 +23,9 @@ differently from call to call for the same task is not supported.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,6 +183,31 @@ class Publisher:
             direct.flush()
         for task, body, headers, route in sent:
             after(sender=task, body=body, headers=headers, exchange=route.exchange, routing_key=route.routing_key)
+
+    def queue_of(self, task: str, queue: str | None) -> str | None:
+        """The broker queue a (task, queue)'s wakeups go to; None when the route names
+        not exactly one queue (a topic exchange, a route decided per message)."""
+        route = self._route(task, queue)
+        names = {getattr(entity, "name", None) for entity in (route.declare if route is not None else ())}
+        return names.pop() if len(names) == 1 else None
+
+    def waiting(self, names: Collection[str]) -> dict[str, int]:
+        """How many messages wait in each of these broker queues (one passive declare
+        each; a queue the broker does not know holds none). Raises when it cannot tell."""
+        counts: dict[str, int] = {}
+        with self._app.pool.acquire(block=True, timeout=5) as conn:
+            for name in names:
+                channel = conn.channel()
+                try:
+                    counts[name] = channel.queue_declare(queue=name, passive=True).message_count
+                except conn.channel_errors as exc:
+                    if "404" not in str(getattr(exc, "reply_code", "")) and "NOT_FOUND" not in str(exc):
+                        raise
+                    counts[name] = 0  # (a Redis list is gone once empty; AMQP: never declared)
+                finally:
+                    with contextlib.suppress(Exception):  # (AMQP closed it already after a 404)
+                        channel.close()
+        return counts
 
     def _route(self, task: str, queue: str | None) -> _Route | None:
         key = (task, queue)

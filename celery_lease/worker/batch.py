@@ -14,8 +14,10 @@ One wakeup of the kind lets its worker process:
    completer's (complete_jobs, with their run events), each row fenced by its own
    generation: a lost lease on one row leaves the others written; a row missing from
    the result is re-checked alone (fenced), by the completer's algorithm
-   (completion.write_successes). Any other outcome is written as it comes, by its own
-   transition.
+   (completion.write_successes), and tried again through a database outage as the
+   completer's are (completion.complete_within_leases): the next handler waits, the
+   bodies that finished keep their attempt. Any other outcome is written as it comes,
+   by its own transition.
 
 Successes are not held back for long: after a handler that took FLUSH_AFTER or more,
 and once the oldest waiting success has waited FLUSH_AFTER, the waiting ones are written
@@ -32,9 +34,13 @@ this process is a duplicate skipped without a statement; any other delivery runs
 claim (it may find other due jobs). A job left pending with no wakeup by a crash is
 re-woken by the sweeper, as any other.
 
-Not here: flow-control limits (refused at declaration), OpenTelemetry spans and Flower
-task events for the jobs of a batch other than the delivery's own (their rows and run
-events are the record).
+Celery's tools: every job of the batch is a task of its own. The delivery's job has
+Celery's task events and the attempt span task_prerun started; each other job gets an
+attempt span of its own (a child of its own submit) and, when the worker sends events,
+its own task events (worker.events.BatchTasks), so Flower lists every job. Their
+results are their rows, as every leased job's (``AsyncResult(job.id)``).
+
+Not here: flow-control limits (refused at declaration).
 """
 
 from __future__ import annotations
@@ -46,15 +52,18 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Retry
 
+from celery_lease import tracing
 from celery_lease.errors import DatabaseUnavailable, JobFailed, JobRefused, LeaseLost
 from celery_lease.lifecycle.batch import claim_batch
 from celery_lease.lifecycle.owner import owner_of
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import Attempt
-from celery_lease.worker.completion import Riding, successes, write_successes
+from celery_lease.worker.completion import Riding, complete_within_leases, write_successes
+from celery_lease.worker.outcome import Outcome
 
 if TYPE_CHECKING:
     from celery_lease.kinds import JobKind
+    from celery_lease.worker.events import BatchTasks
 
 log = logging.getLogger("celery_lease.worker")
 
@@ -139,11 +148,13 @@ class Batches:
 
     # --- the body --------------------------------------------------------------------------
 
-    def run(self, spec: JobKind, lead: Attempt, on_progress: Callable[[Any], None] | None) -> Any:
+    def run(
+        self, spec: JobKind, lead: Attempt, on_progress: Callable[[Any], None] | None, tasks: BatchTasks | None = None
+    ) -> Any:
         """Run every attempt of ``lead``'s batch, one after another; returns the lead's
         value and raises the lead's Retry / JobRefused / JobFailed, after the whole batch
-        (Celery reports the delivery's task as its own job's outcome)."""
-        state = self._state
+        (Celery reports the delivery's task as its own job's outcome; ``tasks`` sends
+        the task events of the others, when the worker sends events)."""
         successes = BatchSuccesses(self)
         value: Any = None
         signal: Exception | None = None
@@ -153,24 +164,61 @@ class Batches:
                 if a is not lead and not self._may_start(spec, a):
                     continue
                 started = time.monotonic()
-                try:
-                    result = state.execute(spec, a, on_progress if a is lead else None, completer=successes)
-                except (Retry, JobRefused, JobFailed) as exc:  # recorded already
-                    signal, result = (exc if a is lead else signal), None
-                except (LeaseLost, DatabaseUnavailable):
-                    log.warning("celery-lease: job %s: outcome not written; the reaper will requeue it", a.job_id)
-                    result = None
                 if a is lead:
-                    value = result
+                    value, signal = self._execute(spec, a, on_progress, successes)
+                else:
+                    self._execute_own_task(spec, a, successes, tasks)
                 if not a.pending_write:
                     self._done(a)
                 if successes.due(time.monotonic() - started):
                     successes.flush()
         finally:
-            successes.flush()
+            try:
+                successes.flush()
+            finally:
+                if tasks is not None:
+                    tasks.close()
         if signal is not None:
             raise signal
         return value
+
+    def _execute(
+        self, spec: JobKind, a: Attempt, on_progress: Callable[[Any], None] | None, successes: BatchSuccesses
+    ) -> tuple[Any, Exception | None]:
+        """Run one attempt of the batch: its value, or the Retry / JobRefused / JobFailed
+        it raised once its outcome was recorded."""
+        try:
+            with tracing.current(a):
+                return self._state.execute(spec, a, on_progress, completer=successes), None
+        except (Retry, JobRefused, JobFailed) as exc:  # recorded already
+            return None, exc
+        except (LeaseLost, DatabaseUnavailable):
+            log.warning("celery-lease: job %s: outcome not written; the reaper will requeue it", a.job_id)
+            return None, None
+
+    def _execute_own_task(self, spec: JobKind, a: Attempt, successes: BatchSuccesses, tasks: BatchTasks | None) -> None:
+        """A job of the batch other than the delivery's: an attempt span and task events
+        of its own (the delivery's come from task_prerun / task_postrun and Celery)."""
+        clock = tracing.clock()
+        if clock is not None:
+            tracing.start_attempt(a, a.queue or spec.queue, clock, None)
+        if tasks is not None:
+            tasks.started(a)
+        began = time.monotonic()
+        try:
+            value, raised = self._execute(spec, a, None, successes)
+        finally:
+            tracing.end_attempt(a)
+        if tasks is None:
+            return
+        if isinstance(raised, Retry):
+            tasks.retried(a, raised)
+        elif raised is not None:
+            tasks.failed(a, raised)
+        elif a.outcome is Outcome.SUCCEEDED:
+            tasks.succeeded(a, value, time.monotonic() - began)
+        else:
+            tasks.stopped(a)
 
     def _may_start(self, spec: JobKind, a: Attempt) -> bool:
         """Whether the next attempt of a batch starts: not once its lease is lost while it
@@ -199,9 +247,16 @@ class Batches:
 
     def complete(self, items: list[tuple[Attempt, Any, Any]]) -> None:
         """Write these successes in one statement, as the completer does (complete_jobs:
-        their run events too; after a lost reply, those that landed count as written)."""
+        their run events too; after a lost reply, those that landed count as written),
+        tried again through a database outage as the completer's are. (The batch waits
+        meanwhile: on warm shutdown it stops waiting once every lease lapsed by its own
+        clock, and leaves them to the reaper, as a single job's outcome would be.)"""
         store = self._state.store
-        write_successes(self._state.pipeline, items, lambda live: store.complete_many(successes(live)))
+
+        def stopping(live: list[tuple[Attempt, Any, Any]]) -> bool:
+            return shutdown.requested() and all(a.is_lost for a, _, _ in live)
+
+        write_successes(self._state.pipeline, items, lambda live: complete_within_leases(store, live, lambda: stopping(live)))
 
 
 class BatchSuccesses:

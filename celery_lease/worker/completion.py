@@ -293,16 +293,21 @@ class BatchCompleter(Drainer):
         write_successes(self._pipeline, batch, self._complete_many)
 
     def _complete_many(self, live: list[Item]) -> set[str]:
-        """complete_jobs, tried again while the database is unreachable, also for the
-        attempts whose leases lapsed by their own clocks meanwhile: their bodies
-        finished, and the statement is fenced (a job the reaper took is not written).
-        Dropped, the success was lost while its row stayed running under this process
-        (issue #27, item 4); only a lease known gone is."""
-        try:
-            return retry_within_lease(
-                lambda: self._store.complete_many(successes([item for item in live if not item[0].gone])),
-                lambda: all(item[0].gone for item in live),
-                what=f"{len(live)} success(es)",
-            )
-        except LeaseLost:  # every one known gone
-            return set()
+        return complete_within_leases(self._store, live)
+
+
+def complete_within_leases(store: Store, live: list[Item], give_up: Callable[[], bool] | None = None) -> set[str]:
+    """complete_jobs for these successes, tried again while the database is unreachable
+    (the completer's and a batched kind's batch's), also for the attempts whose leases
+    lapsed by their own clocks meanwhile: their bodies finished, and the statement is
+    fenced (a job the reaper took is not written). Dropped, the success was lost while
+    its row stayed running under this process (issue #27, item 4); only a lease known
+    gone is, or all of them once ``give_up()`` says so (left to the reaper)."""
+    try:
+        return retry_within_lease(
+            lambda: store.complete_many(successes([item for item in live if not item[0].gone])),
+            lambda: all(item[0].gone for item in live) or (give_up is not None and give_up()),
+            what=f"{len(live)} success(es)",
+        )
+    except LeaseLost:  # every one known gone
+        return set()

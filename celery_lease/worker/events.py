@@ -18,17 +18,27 @@ STARTED event would merely be merged into it. Such an event's fields are merged 
 though, so ``task-revoked`` and the attempt's ``task-started`` carry ``state`` explicitly:
 a job cancelled after publishing progress shows REVOKED, a held job that runs STARTED.
 
+A batched kind's delivery (worker/batch.py) runs many jobs under one message: Celery
+reports the delivery's own job; each other job of the batch gets its own events from
+:class:`BatchTasks` (``task-received``, ``task-started``, then ``task-succeeded``,
+``task-failed``, ``task-retried``, ``task-revoked`` or ``task-held``, under its job id and
+its kind's task name), so Flower lists every job of the batch as a task.
+
 Sent only when the worker sends task events (``-E`` / ``worker_send_task_events``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, signals, states
 from celery.utils.saferepr import saferepr
+
+from celery_lease.status import Status
+from celery_lease.worker.outcome import Outcome
 
 if TYPE_CHECKING:
     from celery import Task
@@ -57,17 +67,20 @@ def attempt_started(task: Task, attempt: Attempt) -> None:
     running with no body until its lease expired. Events are a view; the row is the truth."""
     if not enabled(task):
         return
-    argsrepr = (attempt.canvas or {}).get("argsrepr")
     try:
-        task.send_event(
-            "task-started",
-            state=states.STARTED,
-            retries=max(attempt.attempt - 1, 0),
-            args=argsrepr if isinstance(argsrepr, str) else saferepr([attempt.payload], MAX_REPR),
-            kwargs=saferepr({"attempt": attempt.attempt, "max_attempts": attempt.max_attempts}),
-        )
+        task.send_event("task-started", state=states.STARTED, **_described(attempt))
     except Exception as exc:
         log.warning("celery-lease: job %s: task-started event not sent (%s)", attempt.job_id, type(exc).__name__)
+
+
+def _described(attempt: Attempt) -> dict[str, Any]:
+    """The fields that describe an attempt's job in its ``task-started`` event."""
+    argsrepr = (attempt.canvas or {}).get("argsrepr")
+    return {
+        "retries": max(attempt.attempt - 1, 0),
+        "args": argsrepr if isinstance(argsrepr, str) else saferepr([attempt.payload], MAX_REPR),
+        "kwargs": saferepr({"attempt": attempt.attempt, "max_attempts": attempt.max_attempts}),
+    }
 
 
 def revoked(task: Task) -> None:
@@ -110,3 +123,87 @@ def connect(app: Celery) -> None:
             app._celery_lease_events_enabled = None  # read again
 
     app._celery_lease_event_handlers = (note_task_events,)
+
+
+class BatchTasks:
+    """The task events of the jobs a batched delivery runs besides its own (which Celery
+    reports): each is announced as a task of its own, under its job id, by the worker
+    that runs it, in one dispatcher for the batch. A view: never raises (the broker
+    unreachable costs the events, not the jobs), and sends nothing without ``-E``."""
+
+    def __init__(self, task: Task) -> None:
+        self._task = task
+        self._stack = contextlib.ExitStack()
+        self._dispatcher: Any = None
+        self._failed = False
+
+    @classmethod
+    def of(cls, task: Task) -> BatchTasks | None:
+        return cls(task) if enabled(task) else None
+
+    def started(self, attempt: Attempt) -> None:
+        """Received and started at once: the job left the broker's view with the
+        delivery's message; it starts when its turn in the batch comes."""
+        described = _described(attempt)
+        canvas = attempt.canvas or {}
+        self._send(
+            "task-received",
+            attempt.job_id,
+            name=self._task.name,
+            args=described["args"],
+            kwargs=described["kwargs"],
+            retries=described["retries"],
+            root_id=canvas.get("root_id") or attempt.job_id,
+            parent_id=canvas.get("parent_id") or attempt.parent_id,
+            eta=None,
+            expires=None,
+        )
+        self._send("task-started", attempt.job_id, state=states.STARTED, **described)
+
+    def succeeded(self, attempt: Attempt, value: Any, runtime: float) -> None:
+        self._send("task-succeeded", attempt.job_id, result=saferepr(value, MAX_REPR), runtime=runtime)
+
+    def retried(self, attempt: Attempt, exc: Exception) -> None:
+        """``exc``: Celery's Retry the attempt raised (its ``exc`` carries the stored,
+        text-free error, as the delivery's own task-retried does)."""
+        self._send("task-retried", attempt.job_id, exception=saferepr(getattr(exc, "exc", None) or exc), traceback="")
+
+    def failed(self, attempt: Attempt, exc: Exception) -> None:
+        self._send("task-failed", attempt.job_id, exception=saferepr(exc), traceback="")
+
+    def stopped(self, attempt: Attempt) -> None:
+        """An attempt that ended without an outcome Celery names, by its job's status:
+        cancelled, REVOKED; pending again (snoozed, handed off), HELD. A lease lost
+        unnoticed leaves no outcome: the row says which."""
+        if attempt.outcome is Outcome.CANCELLED:
+            status: Status | None = Status.CANCELLED
+        elif attempt.outcome in (Outcome.SNOOZED, Outcome.SUSPENDED):
+            status = Status.PENDING
+        else:
+            try:
+                job = self._task.owner.get(attempt.job_id)  # (a LeaseTask's owner)
+            except Exception:  # (the database away: the event is a view, the row the truth)
+                return
+            status = None if job is None else job.status
+        if status is Status.CANCELLED:
+            self._send("task-revoked", attempt.job_id, terminated=False, signum=None, expired=False, state=states.REVOKED)
+        elif status is Status.PENDING:
+            self._send("task-held", attempt.job_id)
+
+    def close(self) -> None:
+        try:
+            self._stack.close()  # (its producer goes back to the pool)
+        except Exception as exc:
+            log.warning("celery-lease: a batch's event dispatcher not closed cleanly (%s)", type(exc).__name__)
+
+    def _send(self, type_: str, job_id: str, **fields: Any) -> None:
+        if self._failed:
+            return  # the broker refused this batch's events once: the rest are not tried
+        task = self._task
+        try:
+            if self._dispatcher is None:
+                self._dispatcher = self._stack.enter_context(task.app.events.default_dispatcher(hostname=task.request.hostname))
+            self._dispatcher.send(type_, uuid=job_id, retry=True, retry_policy=task.app.conf.task_publish_retry_policy, **fields)
+        except Exception as exc:
+            self._failed = True
+            log.warning("celery-lease: job %s: %s event not sent (%s)", job_id, type_, type(exc).__name__)

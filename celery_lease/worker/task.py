@@ -365,7 +365,10 @@ def run_leased(self: LeaseTask, *args: Any, **kwargs: Any) -> Any:
         raise Ignore()
     events.attempt_started(self, attempt)
     with tracing.current(attempt):  # the handler's spans and the jobs it creates are the attempt's
-        value = self.worker_state().execute(self.spec, attempt, self.emit_progress)
+        if attempt.batch is not None:  # each other job of a batched delivery is a task to Celery's tools too
+            value = self.worker_state().batches.run(self.spec, attempt, self.emit_progress, events.BatchTasks.of(self))
+        else:
+            value = self.worker_state().execute(self.spec, attempt, self.emit_progress)
     if attempt.outcome is not Outcome.SUCCEEDED:
         _announce_skipped(self)
         raise Ignore()

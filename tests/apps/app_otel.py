@@ -72,3 +72,4 @@ if os.environ.get("CL_TEST_SPANS"):
 
 # (After the instrumentation: "early" means before CeleryLease connects its signals.)
 from tests.apps.app import app, echo, flaky, leases, parent, steps  # noqa: E402, F401  (celery -A finds the app here)
+from tests.apps.app_batch import b_note  # noqa: E402, F401  (a batched kind: batch=4)

@@ -95,3 +95,59 @@ def test_a_warm_stop_does_not_wait_30s_for_a_delivery_the_pool_had_forgotten(pg,
     assert took < 20, f"warm stop took {took:.1f}s"  # 32-33 s before
     # The delivery ran after the stop had begun: its jobs wait, pending, for a worker.
     assert {mod.leases.get(i).status for i in ids} == {Status.PENDING}
+
+
+@pytest.mark.timeout(180)
+def test_every_job_of_a_batch_is_a_task_with_its_own_events_and_result(pg, broker, client_app, workers):
+    """A worker sending task events (``-E``) runs batches of four: only one job of each
+    batch came by its own message, whose task Celery reports; every other job sends its
+    own task-received, task-started and task-succeeded / task-failed / task-retried under
+    its job id and its kind's task name (worker.events.BatchTasks), so Flower lists
+    each. Its AsyncResult reads its row, as the delivery's job's does."""
+    import threading
+
+    mod = client_app(pg, broker, module="tests.apps.app_batch")
+    w1 = workers(pg, broker, name="ev", module="tests.apps.app_batch", concurrency=1, as_deployed=True)
+    captured: list[dict] = []
+    conn = mod.app.connection_for_read()
+    receiver = mod.app.events.Receiver(conn, handlers={"*": captured.append})
+    threading.Thread(target=lambda: receiver.capture(limit=None, timeout=None, wakeup=False), daemon=True).start()
+    try:
+
+        def of(job_id: str, kind: str) -> list[dict]:
+            return [e for e in list(captured) if e.get("uuid") == job_id and e["type"] == kind]
+
+        # The receiver listens once it sees a job's events (one submitted before its queue
+        # was bound would be missed: submit another each round until one is seen).
+        warm: list[str] = []
+
+        def listening() -> bool:
+            if any(of(job_id, "task-succeeded") for job_id in warm):
+                return True
+            warm.append(mod.b_note.submit({"n": -1}).id)
+            return False
+
+        wait_for(listening, timeout=60, interval=1.0, what="the receiver to get events")
+        wait_for(lambda: all(mod.leases.get(i).status is Status.SUCCEEDED for i in warm), timeout=30, what="the warm-up")
+
+        payloads: list[dict] = [{"n": i} for i in range(12)]
+        payloads[2], payloads[5] = {"raise": True}, {"nul": True}  # retried; failed at once (unstorable)
+        ids = [j.id for j in mod.b_note.submit_many(payloads)]  # three wakeups (batch=4)
+        ok = [i for n, i in enumerate(ids) if n not in (2, 5)]
+        wait_for(lambda: all(of(i, "task-succeeded") for i in ok), timeout=60, interval=0.5, what="every success's event")
+        wait_for(lambda: of(ids[5], "task-failed") and of(ids[2], "task-retried"), timeout=30, what="the failure's events")
+        for job_id in ids:
+            received = of(job_id, "task-received")
+            assert received and all(e["name"] == mod.b_note.name for e in received), (job_id, received)
+            assert of(job_id, "task-started"), job_id
+        assert "claimed a batch of 4" in w1.log()
+        for n, job_id in enumerate(ids):
+            if job_id in ok:
+                result = mod.b_note.AsyncResult(job_id)
+                assert result.get(timeout=30) == {"n": n, "attempt": 1}
+                assert result.state == "SUCCESS"
+        assert mod.b_note.AsyncResult(ids[5]).state == "FAILURE"
+        assert "NUL" in of(ids[5], "task-failed")[0]["exception"]
+    finally:
+        receiver.should_stop = True
+        conn.release()

@@ -250,3 +250,35 @@ def test_instrumented_before_celery_lease_the_attempt_links_to_celerys_run_span(
         (linked,) = a["links"]
         assert linked in runs
     assert sorted(a["links"][0] for a in attempts) == sorted(runs)
+
+
+@pytest.mark.timeout(120)
+def test_every_job_of_a_batch_has_an_attempt_span_of_its_own(pg, broker, client_app, workers, traces):
+    """A batched kind (batch=4): one message brings a batch, whose delivery's job gets
+    the span task_prerun starts; every other job of it gets its own attempt span too,
+    a child of its submit, with its own outcome (worker/batch.py)."""
+    mod = client_app(pg, broker, module=APP)
+    with traces.tracer.start_as_current_span("caller"):
+        ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(4)] + [{"nul": True}] + [{"n": 5}] * 3)]
+    w1 = workers(pg, broker, module=APP, concurrency=1, extra_env={"CL_TEST_SPANS": str(traces.path)})
+    wait_for(
+        lambda: all(mod.leases.get(i).status in (Status.SUCCEEDED, Status.FAILED) for i in ids),
+        timeout=60,
+        interval=0.25,
+        what="the batches to end",
+    )
+    (many,) = ours(traces.here(), "PRODUCER")
+    spans = wait_for(
+        lambda: (found := attempts_by_job(traces.workers())) and set(found) == set(ids) and found,
+        timeout=30,
+        interval=0.25,
+        what="an attempt span per job",
+    )
+    assert "claimed a batch of 4" in w1.log()  # (two messages for eight jobs)
+    for job_id in ids:
+        job = mod.leases.get(job_id)
+        (span,) = spans[job_id]
+        assert (span["parent_id"], span["trace_id"]) == (many["span_id"], many["trace_id"])
+        assert span["attributes"]["celery_lease.lease_generation"] == job.lease_generation
+        assert span["attributes"]["celery_lease.outcome"] == ("failed" if job_id == ids[4] else "succeeded")  # (unstorable)
+    w1.kill()

@@ -332,3 +332,37 @@ def test_a_batch_claims_slow_follow_up_does_not_cost_the_batch(pg, broker, clien
     worker.end(lead)
     worker.flush()
     assert [(r.status, r.attempt, r.lease_generation) for r in rows(pg, ids)] == [("succeeded", 1, 1)] * 4 + [("pending", 0, 0)]
+
+
+def test_a_batchs_successes_are_written_through_a_database_outage_within_their_leases(pg, broker, client_app):
+    """A reviewer's question: are a batched kind's plain successes retried through a
+    database outage, as the completer's are (completion.complete_within_leases)? They
+    were not: the batch's one statement met DatabaseUnavailable, the successes were
+    logged as given to the reaper, and each job's finished body cost it an attempt. For
+    OUTAGE seconds (well within the 30 s leases) every try of that statement loses its
+    connection and no new connection is accepted; once the database is back, every
+    success lands, under the attempt and fencing token that ran it."""
+    import threading
+
+    from tests.harness.pgfaults import PgFaultProxy
+
+    outage_seconds = 2.0
+    url = sa.engine.make_url(pg)
+    proxy = PgFaultProxy(url.host or "127.0.0.1", url.port or 5432).start()
+    try:
+        mod = client_app(proxy.url_for(pg), broker, module="tests.apps.app_batch")
+        ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(4)])]
+        worker = mod.leases.worker
+        lead = _claim(mod, ids[0])
+        outage = proxy.fail("completed_logged", times=None)  # the successes' one statement (its events' CTE)
+        proxy.refuse(outage_seconds)
+        threading.Timer(outage_seconds, proxy.remove, [outage]).start()
+        started = time.monotonic()
+        assert worker.execute(mod.b_note.spec, lead) == {"n": 0, "attempt": 1}
+        worker.end(lead)
+        assert outage.hits >= 1 and time.monotonic() - started >= outage_seconds - 0.5
+        assert [(r.status, r.attempt, r.lease_generation, r.result) for r in rows(pg, ids)] == [
+            ("succeeded", 1, 1, {"n": i, "attempt": 1}) for i in range(4)
+        ]
+    finally:
+        proxy.close()

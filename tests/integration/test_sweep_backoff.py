@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 #: The staleness threshold of these tests (seconds).
 STALE = 0.5
 
@@ -47,3 +49,59 @@ def test_resends_back_off_no_further_than_four_thresholds(pg, client_app):
     engine.dispose()
     resent = _resends(mod.leases.store, job.id, 2.6)
     assert len(resent) == 1 and 1.9 <= resent[0] <= 2.6, resent
+
+
+class _Queue:
+    """The broker queue "celery", counted and emptied through kombu (any transport)."""
+
+    def __init__(self, url: str) -> None:
+        from kombu import Connection
+
+        self.conn = Connection(url)
+
+    def count(self) -> int:
+        channel = self.conn.channel()
+        try:
+            return channel.queue_declare(queue="celery", passive=True).message_count
+        except self.conn.channel_errors:  # a Redis list is gone once empty
+            return 0
+        finally:
+            channel.close()
+
+    def purge(self) -> None:
+        channel = self.conn.channel()
+        try:
+            channel.queue_purge("celery")
+        finally:
+            channel.close()
+
+
+@pytest.mark.parametrize("transport", ["redis", "amqp"])
+def test_a_job_no_worker_takes_has_a_bounded_number_of_wakeups_queued(pg, client_app, request, transport):
+    """Nobody consumes the job's queue (a real Redis, a real RabbitMQ): its wakeup stays
+    there. Backing off alone, the sweeper still added a copy every RESEND_BACKOFF_MAX
+    thresholds, without end (17 copies after 60 thresholds). A re-send is published only
+    when the broker's queue cannot hold an earlier copy (celery_lease/resends.py): here,
+    never. Once that wakeup is lost (the queue purged), it is re-sent within the backoff."""
+    url = request.getfixturevalue("broker") if transport == "redis" else request.getfixturevalue("amqp_broker").url
+    stale = 0.1
+    mod = client_app(pg, url, conf={"lease_sweep_stale_seconds": stale})
+    queue = _Queue(url)
+    try:
+        job = mod.echo.submit({"value": 1})
+        assert queue.count() == 1
+        started = time.monotonic()
+        while time.monotonic() - started < 60 * stale:
+            mod.leases.sweep()
+            time.sleep(stale / 5)
+        assert queue.count() <= 2, queue.count()
+
+        queue.purge()  # the wakeup is lost (a broker restart without persistence)
+        deadline = time.monotonic() + 5 * stale  # the backoff: at most RESEND_BACKOFF_MAX thresholds
+        while queue.count() == 0 and time.monotonic() < deadline:
+            mod.leases.sweep()
+            time.sleep(stale / 5)
+        assert queue.count() == 1
+        assert mod.leases.get(job.id).status.value == "pending"
+    finally:
+        queue.conn.release()

@@ -140,7 +140,8 @@ def _resend_due() -> sa.ColumnElement[bool]:
 
 @functools.cache
 def claim_due_wakeups(dialect: str) -> sa.Update:
-    """claim_due_wakeups: due pending jobs with no wakeup since :stale_seconds, at most :limit.
+    """claim_due_wakeups: due pending jobs with no wakeup since :stale_seconds, at most :limit;
+    ``resent`` tells a re-send (the job was woken before) from a first wakeup.
 
     Stamps woken_at before the caller publishes, so two beats never both send the
     same batch, and a crash after this statement only delays the wakeup by one
@@ -167,8 +168,11 @@ def claim_due_wakeups(dialect: str) -> sa.Update:
     stale = sa.and_(pending, _c.woken_at < db_now_plus(-_seconds("stale_seconds")), _due(_c), _resend_due())
     rewake = _batch("stale", stale, order, limit - _count(never) - _count(came_due))
     due = sa.union_all(*(sa.select(b.c.id) for b in (never, came_due, rewake))).cte("due")
+    # ``resent``: the job had a wakeup before, which the broker may still hold (an IN, not
+    # a correlated EXISTS: one hashed probe per row).
+    resent = _c.id.in_(sa.select(rewake.c.id)).label("resent")
     # Locked by this statement: still pending and due.
-    return sa.update(jobs).where(_picked(due, dialect)).values(woken_at=db_now()).returning(*WAKEUP_COLUMNS)
+    return sa.update(jobs).where(_picked(due, dialect)).values(woken_at=db_now()).returning(*WAKEUP_COLUMNS, resent)
 
 
 @functools.cache
