@@ -1,4 +1,5 @@
-"""``python -m bench [run] [options]``, ``python -m bench scale | maintenance | profile | cpu | flow | dashboard | screenshot``.
+"""``python -m bench [run] [options]``, ``python -m bench scale | maintenance | profile | cpu | flow | fair | dashboard |
+screenshot``.
 
 The default (``run``) measures every system and body side by side, then the scale
 figures, and writes bench/results/latest.md: the figures of issue #12 with their goals,
@@ -111,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     flow_p.add_argument("--handover", type=int, default=120, help="jobs of a concurrency=1 kind for the handover (default 120)")
     flow_p.add_argument("--only", choices=["all", "handover"], default="all", help="run only the handover part")
     flow_p.add_argument("--results", type=Path, default=RESULTS)
+    fair_p = sub.add_parser("fair", help="fair share's claim and submit cost, 1 tenant vs 10,000 (a few minutes)")
+    fair_p.add_argument("--rows", type=int, default=1_000_000, help="pending jobs per fair kind (default 1,000,000)")
+    fair_p.add_argument("--tenants", type=int, default=10_000, help="tenants of the many-tenant kind (default 10,000)")
+    fair_p.add_argument("--samples", type=int, default=500, help="timed claims and submits per kind (default 500)")
+    fair_p.add_argument("--results", type=Path, default=RESULTS)
     dash_p = sub.add_parser("dashboard", help="every dashboard page's time with --rows jobs in the table (~3 min at 1M)")
     dash_p.add_argument("--rows", type=int, default=1_000_000, help="finished jobs (default 1,000,000)")
     dash_p.add_argument("--samples", type=int, default=15, help="timed requests per page (default 15)")
@@ -134,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.cpu import main as cpu_main
 
         return cpu_main(args, log)
+
+    if args.command == "fair":
+        from bench.fair import main as fair_main
+
+        return fair_main(args, log)
 
     if args.command == "flow":
         from bench.flow import main as flow_main

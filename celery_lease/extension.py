@@ -194,6 +194,8 @@ class CeleryLease:
         rate_limit: str | None = None,
         timeout: float | None = None,
         batch: int | None = None,
+        fair: bool = False,
+        **celery_options: Any,
     ) -> Callable[[Callable], LeaseTask]:
         """Register ``fn(ctx, payload)`` as the handler of jobs of ``kind``.
 
@@ -207,8 +209,10 @@ class CeleryLease:
         next ``raise_if_cancelled()`` with anything it writes afterwards discarded.
 
         ``batch``: one wakeup claims up to ``batch`` due jobs of the kind and runs them one
-        after another in one worker process (docs/flow-control.md#batched-kinds).
+        after another in one worker process (docs/flow-control.md#batched-kinds). ``fair``:
+        claims share the workers among tenants by weight (docs/flow-control.md#fair-share).
         """
+        refuse_celery_options(celery_options)  # max_retries=, bind=True, autoretry_for=...: say what to use
         limits = Limits.declare(concurrency, concurrency_key, rate_limit)
         batch = check_batch(batch, limits)
         if max_attempts < 1:
@@ -233,6 +237,7 @@ class CeleryLease:
                 limits=limits,
                 timeout=None if timeout is None else float(timeout),
                 batch=batch,
+                fair=bool(fair),
             )
             self.registry.add(spec)
             task = self.app.task(

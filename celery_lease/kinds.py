@@ -36,6 +36,8 @@ class JobKind:
     #: Up to this many due jobs of the kind claimed, run one after another and completed
     #: by one wakeup in one worker process (worker/batch.py); None: one job per wakeup.
     batch: int | None = None
+    #: Claims share the fleet among the kind's tenants by weight (statements/fair.py).
+    fair: bool = False
 
 
 #: The largest batch= a kind may declare: one claim's rows and one completion's bound

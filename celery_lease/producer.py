@@ -142,9 +142,8 @@ class Producer:
         }
 
     def _shared_columns(self, spec: JobKind, options: dict[str, Any], queue: str | None) -> dict[str, Any]:
-        """What every job of one submit shares (checked options; ``queue``: the routed
-        one, celery_lease.routing): q.BATCH_SHARED_COLUMNS, and due_at / due_in from
-        which the database sets run_after and woken_at."""
+        """What every job of one submit shares (checked options): q.BATCH_SHARED_COLUMNS
+        (``queue``: routed), due_at / due_in (run_after, woken_at) and ``fair`` (its key)."""
         due_at, due_in = run_after_time(options.get("run_after"))
         return {
             "kind": spec.kind,
@@ -164,6 +163,7 @@ class Producer:
             "canvas": options.get("canvas"),
             "priority": parse_priority(options.get("priority") or 0),
             "held": None,
+            "fair": spec.fair,
             # A job created by a handler carries its attempt's context (the span then
             # current); a submit's own jobs, its span's (see _write).
             "trace_context": tracing.carrier(),

@@ -81,6 +81,7 @@ TABLES = (
     "celery_lease_chords",
     "celery_lease_limits",
     "celery_lease_pauses",
+    "celery_lease_tenant_weights",
     "celery_lease_landings",
     "celery_lease_outbox",
     "celery_lease_history",

@@ -51,6 +51,9 @@ def make_app(db: str | None, broker: str | None, job_options: dict | None = None
     tasks["noop_rated"] = _job(leases, "noop_rated", {"rate_limit": "100000/s"}, body_name="noop")
     # The handover of one slot: each job waits for the previous one's release.
     tasks["noop_one"] = _job(leases, "noop_one", {"concurrency": 1}, body_name="noop")
+    # Fair share (python -m bench fair): one tenant's backlog, and 10,000 tenants'.
+    for name in ("noop_fair", "noop_fair_many"):
+        tasks[name] = _job(leases, name, {"fair": True}, body_name="noop")
     return app, leases, tasks
 
 

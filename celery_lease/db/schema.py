@@ -96,6 +96,11 @@ jobs = sa.Table(
     # outcome; appended by the claim, closed by what ends the attempt, in their own
     # statements (db/statements/attempt_log.py). NULL before the first claim.
     sa.Column("attempts", JSON),
+    # Fair share (a kind declared fair=True; NULL for every other job): the job's place
+    # in its kind's weighted round of tenants, set at submit (statements/fair.py) and
+    # re-spaced when its tenant's weight changes. Claims of a fair kind take the
+    # smallest first within the top priority. Added last: migration 0015.
+    sa.Column("fair_key", sa.Float),
     sa.CheckConstraint(_in("status", Status), name="celery_lease_jobs_status_check"),
     sa.CheckConstraint("attempt >= 0 AND max_attempts >= 1", name="celery_lease_jobs_attempts_check"),
     # Room on each page for a row's next version, so an update that changes no indexed
@@ -160,6 +165,29 @@ sa.Index(
     jobs.c.priority,
     jobs.c.created_at,
     **_partial("status = 'pending' AND priority > 0"),
+)
+
+# Fair share: a fair kind's claim order within one queue, concurrency key and priority
+# (its first due row is what a claim takes, and its smallest key the round's head, both
+# one probe), and a tenant's last key (one probe at submit). Only pending jobs of fair
+# kinds are in them.
+sa.Index(
+    "celery_lease_jobs_fair",
+    jobs.c.kind,
+    jobs.c.queue,
+    # NULL as '': statements/fair.key_group, an equality an ordered walk can follow.
+    sa.func.coalesce(jobs.c.concurrency_key, sa.literal_column("''")),
+    jobs.c.priority.desc(),
+    jobs.c.fair_key,
+    jobs.c.created_at,
+    **_partial("status = 'pending' AND fair_key IS NOT NULL"),
+)
+sa.Index(
+    "celery_lease_jobs_fair_tenant",
+    jobs.c.kind,
+    jobs.c.tenant,
+    jobs.c.fair_key,
+    **_partial("status = 'pending' AND fair_key IS NOT NULL"),
 )
 
 runs = sa.Table(
@@ -236,6 +264,17 @@ pauses = sa.Table(
     # A row pauses its kind: no claim of that kind succeeds until resume deletes it.
     sa.Column("kind", sa.String(200), primary_key=True),
     sa.Column("paused_at", TS, nullable=False),
+)
+
+tenant_weights = sa.Table(
+    "celery_lease_tenant_weights",
+    metadata,
+    # A tenant's share of its fair kinds' claims (``celery lease weight``, the API): a
+    # tenant with no row has weight 1, as have jobs without a tenant.
+    sa.Column("tenant", sa.String(200), primary_key=True),
+    sa.Column("weight", sa.Float, nullable=False),
+    sa.Column("updated_at", TS, nullable=False),
+    sa.CheckConstraint("weight > 0", name="celery_lease_tenant_weights_weight_check"),
 )
 
 # --- the dashboard ---------------------------------------------------------------------

@@ -26,6 +26,7 @@ from celery_lease.db.prepared import Prepared, PreparedScript
 from celery_lease.db.reads import Reads
 from celery_lease.db.statements import attempt as attempt_sql
 from celery_lease.db.statements import cancel, canvas, events, landing, maintenance, outbox, submit
+from celery_lease.db.statements.fair import fair_params
 from celery_lease.job import Job
 from celery_lease.status import Event
 
@@ -106,12 +107,13 @@ class Store(Reads, History, Database):
         (a retry after a dropped connection): it is read back, not inserted again nor
         reported as a conflict, and appended to ``landed``."""
         stmt = submit.insert_jobs(self.dialect, on_key_conflict_nothing=keyed)
+        params = fair_params(rows)
 
         def work(conn: Connection) -> list[Job]:
-            if len(rows) == 1:
-                result = conn.execute(stmt, rows[0])
+            if len(params) == 1:
+                result = conn.execute(stmt, params[0])
             else:
-                result = conn.execute(stmt, rows)
+                result = conn.execute(stmt, params)
             return [Job.from_row(r) for r in result.mappings()]
 
         # The INSERT is one statement: outside a caller's transaction it commits alone.
@@ -128,7 +130,7 @@ class Store(Reads, History, Database):
         alone a prepared one; returns those inserted, built from what was sent and the
         database's created_at / run_after. Missing ids are insert_jobs' lost-reply rows."""
         text = json.dumps(records, separators=(",", ":"))
-        params = {**shared, "jobs": text}
+        params = {"fair": False, **shared, "jobs": text}
         rows: list[Any]
         retried: list[bool] = []
         again = partial(retried.append, True)  # a dropped connection made it try again

@@ -143,7 +143,8 @@ class FlowControl:
         limited = self.limited(spec)
 
         def swapped(row: dict[str, Any]) -> None:
-            log.info("celery-lease: job %s (%s): claimed higher-priority job %s in its place", job_id, spec.kind, row["id"])
+            say = log.debug if spec.fair else log.info  # a fair kind swaps on most claims
+            say("celery-lease: job %s (%s): claimed job %s in its place", job_id, spec.kind, row["id"])
             # The swap never leaves the kind and queue: the claimed row's queue is the delivered job's.
             self._publish([{"id": job_id, "task": spec.task, "queue": row["queue"]}])
 

@@ -47,7 +47,9 @@ from celery_lease.flow.limits import DEFAULT, LimitChange
 from celery_lease.job import parse_job_id
 from celery_lease.ops import listing, metrics
 from celery_lease.ops.guard import Guard
-from celery_lease.ops.retry import retry_as_new
+from celery_lease.ops.keys import KeyLabels
+from celery_lease.ops.retry import NotRetried, retry_as_new
+from celery_lease.ops.tenants import add_tenant_routes
 from celery_lease.ops.throttle import Gate, retry_after
 from celery_lease.ops.tokens import (
     TOKENS_ENV,
@@ -352,6 +354,8 @@ def create_app(leases: CeleryLease) -> FastAPI:
         """A kind's concurrency and rate limit back to what the code declares."""
         admin(kind, who)
         return change_limits(kind, LimitChange(concurrency=DEFAULT, rate=DEFAULT))
+
+    add_tenant_routes(api, leases, caller, ApiError, _ERRORS)  # GET /api/v1/tenants, PUT .../{tenant}/weight
 
     @api.get(
         "/healthz", response_model=HealthOut, responses={400: _ERRORS[400], 503: {"model": HealthOut}}, description=STRICT_QUERY

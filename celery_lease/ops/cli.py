@@ -36,7 +36,7 @@ import click
 from celery_lease.errors import UnknownKind
 from celery_lease.job import Job
 from celery_lease.ops import (
-    cli_kinds,  # noqa: F401  (registers pause, resume, limits, limit)
+    cli_kinds,  # noqa: F401  (registers pause, resume, limits, limit, tenants, weight)
     listing,
 )
 from celery_lease.ops.cli_common import (

@@ -1,5 +1,5 @@
-"""``celery lease pause | resume | limits | limit``: flow control, stored and fleet-wide
-(docs/flow-control.md)."""
+"""``celery lease pause | resume | limits | limit | tenants | weight``: flow control and
+fair share, stored and fleet-wide (docs/flow-control.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from celery_lease.errors import UnknownKind
+from celery_lease.flow.fair import FairShare
 from celery_lease.flow.limits import LimitChange
 from celery_lease.ops.cli_common import CliError, _boundary, _emit, _leases, _table, json_option, lease, printable
 
@@ -101,3 +102,44 @@ def limit(ctx: click.Context, kind: str, concurrency: str | None, rate: str | No
 
     text = f"{printable(kind)}: {shown('concurrency', 'concurrency')}, {shown('rate', 'rate_limit')}"
     _emit(as_json, {"kind": kind, **now}, text)
+
+
+def _share(value: Any) -> str:
+    return "" if value is None else f"{value:.0%}"
+
+
+@lease.command(help="Per tenant: its weight in fair kinds, its pending and running fair jobs, and its share.")
+@json_option
+@click.pass_context
+@_boundary
+def tenants(ctx: click.Context, as_json: bool) -> None:
+    rows = FairShare(_leases(ctx).store).tenants()
+    cells = [
+        [
+            "(none)" if r["tenant"] is None else printable(r["tenant"]),
+            f"{r['weight']:g}",
+            str(r["pending"]),
+            str(r["running"]),
+            _share(r["share"]),
+        ]
+        for r in rows
+    ]
+    _emit(as_json, {"tenants": rows}, _table(["TENANT", "WEIGHT", "PENDING", "RUNNING", "SHARE"], cells))
+
+
+@lease.command(
+    help="Set TENANT's weight in every fair kind (stored; obeyed by the next claims of every worker): "
+    "a positive number, or 'default' (1). A tenant of weight 3 is given three claims for one of a tenant of weight 1.",
+    context_settings={"ignore_unknown_options": True},  # "-1" is a weight to refuse, not an option
+)
+@click.argument("tenant")
+@click.argument("weight", metavar="N|default")
+@json_option
+@click.pass_context
+@_boundary
+def weight(ctx: click.Context, tenant: str, weight: str, as_json: bool) -> None:
+    try:
+        row = FairShare(_leases(ctx).store).set_weight(tenant, weight)
+    except ValueError as exc:  # refused before anything was written
+        raise CliError(str(exc), exit_code=2) from None
+    _emit(as_json, row, f"{printable(tenant)}: weight {row['weight']:g}")

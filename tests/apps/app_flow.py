@@ -120,3 +120,9 @@ def chaos_limited(ctx: JobContext, payload: dict) -> dict:
         return {"resumed_from": start}
 
     return _span(ctx, "chaos_limited", payload, body)
+
+
+@leases.job(kind="fair_import", fair=True, max_attempts=1, lease_seconds=LEASE)
+def fair_import(ctx: JobContext, payload: dict) -> dict:
+    """A fair kind (tests/e2e/test_flow.py): sleeps payload["sleep"] in its span."""
+    return _span(ctx, "fair_import", payload, lambda: _work(ctx, payload))

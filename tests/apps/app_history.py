@@ -155,6 +155,12 @@ def h_limited(ctx: JobContext, payload: dict) -> dict:
     return _body(ctx, "h_limited", payload, _steps(ctx, payload))
 
 
+@leases.job(kind="h_fair", fair=True, **COMMON)
+def h_fair(ctx: JobContext, payload: dict) -> dict:
+    """A fair kind: most of its claims swap in the first job of its fair order."""
+    return _body(ctx, "h_fair", payload, _steps(ctx, payload))
+
+
 @leases.job(kind="h_rated", rate_limit="5/s", **COMMON)
 def h_rated(ctx: JobContext, payload: dict) -> dict:
     return _body(ctx, "h_rated", payload, _steps(ctx, payload))

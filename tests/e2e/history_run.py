@@ -60,6 +60,7 @@ FAULTS = {"kill_worker": 2, "kill_child": 2, "cut_all": 2, "lose_reply": 4, "fai
 #: Items of the mix and their relative frequency.
 MIX = {
     "plain": 4,
+    "fair": 2,
     "batch": 2,
     "priority": 2,
     "limited": 3,
@@ -259,12 +260,14 @@ class Run:
             "rated": (m.h_rated, self._steps(rng, steps=1, sleep=0.02), None),
             "snooze": (m.h_snooze, {"times": rng.randint(1, 3), "delay": rng.choice((0.0, 0.2, 0.5))}, None),
             "timeout": (m.h_timeout, {"seconds": 2.0, "cooperative": rng.random() < 0.5}, None),
+            "fair": (m.h_fair, self._steps(rng), rng.choice((None, 0, 3))),
         }
         if item in simple:
             task, payload, priority = simple[item]
+            tenant = rng.choice(("t1", "t2", "t3", None)) if item == "fair" else None
             job = self._retry(
                 f"submit {item}",
-                lambda: task.submit(payload, idempotency_key=key, run_id=self.run_id, priority=priority),
+                lambda: task.submit(payload, idempotency_key=key, run_id=self.run_id, priority=priority, tenant=tenant),
             )
             self._record_submit(job.id, item)
         elif item == "batch":  # several at once: one wakeup per four, claimed and completed together
@@ -518,7 +521,7 @@ class Run:
             self.ops,
             concurrency={"h_limited": 2, "h_timeout": 2},
             rates={"h_rated": (5, 1)},
-            effect_kinds=frozenset({"h_plain", "h_limited", "h_rated", "h_snooze", "h_timeout", "h_sum", "h_errback"}),
+            effect_kinds=frozenset({"h_plain", "h_fair", "h_limited", "h_rated", "h_snooze", "h_timeout", "h_sum", "h_errback"}),
             node_kills=dict(self.node_kills),
             pid_kills=dict(self.pid_kills),
             ended_workers=self.fleet.exits(restarting=self._restarting),

@@ -505,3 +505,27 @@ def test_changing_a_kinds_concurrency_on_the_kinds_page_binds_the_running_fleet(
     finally:
         srv.stop()
         engine.dispose()
+
+
+def test_the_kinds_page_shows_each_tenants_share_beside_its_weight_and_an_admin_sets_it(server, pg, make_job):
+    from celery_lease.db.schema import tenant_weights
+
+    for tenant, n in (("acme", 3), ("globex", 1)):
+        for i in range(n):
+            make_job(pg, tenant=tenant, fair_key=float(i + 1))
+    with _session(server, ADMIN) as http:
+        token = _csrf(http)
+        assert http.post("/dashboard/tenants/acme/weight", data={"csrf": token, "weight": "3"}).status_code == 303
+        page = http.get("/dashboard/kinds").text
+        acme = re.search(r'<tr data-tenant="acme">(.*?)</tr>', page, re.S).group(1)
+        assert re.search(r'tenant-weight">3\b', acme) and 'tenant-share">75%' in acme, acme
+        assert 'tenant-share">25%' in re.search(r'<tr data-tenant="globex">(.*?)</tr>', page, re.S).group(1)
+        for bad in ("0", "-1", "lots", ""):
+            r = http.post("/dashboard/tenants/acme/weight", data={"csrf": token, "weight": bad})
+            assert r.status_code == 400 and "weight must be" in r.text, bad
+    with _session(server, ACME) as http:  # a tenant's token: its own row, and no form
+        page = http.get("/dashboard/kinds").text
+        assert 'data-tenant="acme"' in page and 'data-tenant="globex"' not in page and "tenant-set-weight" not in page
+        assert http.post("/dashboard/tenants/acme/weight", data={"csrf": _csrf(http), "weight": "9"}).status_code == 403
+    with sa.create_engine(pg).connect() as conn:
+        assert conn.execute(sa.select(tenant_weights.c.tenant, tenant_weights.c.weight)).all() == [("acme", 3.0)]

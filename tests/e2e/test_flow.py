@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from celery_lease import Status
 from celery_lease.db.schema import jobs
-from celery_lease.flow.control import OVERRIDES_REFRESH_SECONDS
+from celery_lease.flow.fair import FairShare
 from celery_lease.flow.limits import DEFAULT, LimitChange, Rate
 from tests.apps.app import effects
 from tests.apps.app_flow import flow_metadata, spans
@@ -354,3 +354,42 @@ def test_a_rate_override_binds_every_worker(db, fleet):
     per_window = Counter(math.floor(r["started_at"].timestamp()) for r in rows.values())
     assert max(per_window.values()) <= 2, per_window
     assert len(per_window) >= 5  # 10 claims at 2 a second (the code's 4/s would take 3 windows)
+
+
+# --- fair share --------------------------------------------------------------------------
+
+
+def ended_order(db, kind: str) -> list[dict]:
+    """The spans of ``kind`` that ended, in the order they ended."""
+    return sorted((r for r in span_rows(db, kind) if r["ended_at"] is not None), key=lambda r: r["ended_at"])
+
+
+def test_fair_kind_a_late_tenants_jobs_finish_beside_a_bulk_import_not_after_it(db, pg, broker, workers, client_app):
+    mod = client_app(pg, broker, module=MODULE)
+    workers(pg, broker, name="w1", module=MODULE, concurrency=2)
+    a = mod.fair_import.submit_many([{"tenant": "a", "sleep": 0.02}] * 400, tenant="a")
+    b = mod.fair_import.submit_many([{"tenant": "b", "sleep": 0.02}] * 20, tenant="b")
+    wait_all(db, [j.id for j in a + b], timeout=180)
+    ended = ended_order(db, "fair_import")
+    assert len(ended) == 420 and {r["attempt"] for r in ended} == {1}
+    a_ends = [i for i, r in enumerate(ended) if r["tenant"] == "a"]
+    last_b = max(i for i, r in enumerate(ended) if r["tenant"] == "b")
+    # Every one of b's 20 ended before a's 120th. (The same kind without fair=True runs
+    # them in submit order: all of them after a's 400th.)
+    assert last_b < a_ends[119], (last_b, a_ends[119])
+
+
+def test_fair_kind_shares_claims_by_weight(db, pg, broker, workers, client_app):
+    mod = client_app(pg, broker, module=MODULE)
+    fair = FairShare(mod.leases.store)
+    fair.set_weight("a", 3)
+    # Both backlogs are queued before the worker starts: neither had a head start.
+    a = mod.fair_import.submit_many([{"tenant": "a", "sleep": 0.02}] * 300, tenant="a")
+    b = mod.fair_import.submit_many([{"tenant": "b", "sleep": 0.02}] * 300, tenant="b")
+    workers(pg, broker, name="w1", module=MODULE, concurrency=2)
+    wait_for(lambda: len([r for r in span_rows(db, "fair_import") if r["ended_at"]]) >= 120, timeout=120, interval=0.2)
+    first = ended_order(db, "fair_import")[:120]
+    from_a = sum(1 for r in first if r["tenant"] == "a")
+    assert 75 <= from_a <= 105, from_a
+    assert {r["tenant"] for r in fair.tenants()} == {"a", "b"}
+    wait_all(db, [j.id for j in a + b], timeout=180)

@@ -781,6 +781,8 @@ def test_openapi_schema_declares_the_routes_and_bearer_auth(server):
         "/api/v1/runs/{run_id}/events",
         "/api/v1/limits",
         "/api/v1/kinds/{kind}/limits",
+        "/api/v1/tenants",
+        "/api/v1/tenants/{tenant}/weight",
         "/healthz",
         "/metrics",
     } <= set(schema["paths"])
@@ -851,9 +853,9 @@ def _fuzz(server, seeded, *, max_examples: int, derandomize: bool) -> None:
         # A cursor is opaque: a string the schema allows is still refused (400) unless
         # this server issued it, so "schema-valid input is accepted" cannot hold there.
         excluded = [positive_data_acceptance] if operation.path == "/api/v1/jobs" else []
-        no_input = not operation.path.startswith("/api/") or operation.path == "/api/v1/limits"
+        no_input = not operation.path.startswith("/api/") or operation.path in ("/api/v1/limits", "/api/v1/tenants")
         if mode is GenerationMode.NEGATIVE and (no_input or operation.method.upper() == "DELETE"):
-            # /healthz, /metrics and /api/v1/limits declare no input to violate (see the
+            # /healthz, /metrics, /api/v1/limits and /api/v1/tenants declare no input to violate (see the
             # test below); DELETE /api/v1/kinds/{kind}/limits only a path segment of at
             # most 200 characters without NUL, which generation never manages to violate.
             continue
@@ -894,6 +896,8 @@ def test_every_route_refuses_query_parameters_it_does_not_declare(admin, seeded)
         ("GET", "/api/v1/limits"),
         ("PUT", "/api/v1/kinds/echo/limits"),
         ("DELETE", "/api/v1/kinds/echo/limits"),
+        ("GET", "/api/v1/tenants"),
+        ("PUT", "/api/v1/tenants/acme/weight"),
         ("GET", "/healthz"),
         ("GET", "/metrics"),
     ):
@@ -917,3 +921,34 @@ def test_no_randomly_generated_request_gets_a_server_error(server, seeded):
     """On demand: CL_TEST_FUZZ_EXAMPLES=2000 bash dev.sh test tests/integration/test_api.py -m slow
     (a failure prints the seed that reproduces it)."""
     _fuzz(server, seeded, max_examples=int(os.environ["CL_TEST_FUZZ_EXAMPLES"]), derandomize=False)
+
+
+def test_tenant_weights_over_http(server, admin, acme, pg, client_app):
+    """PUT /api/v1/tenants/{tenant}/weight: tokens bound to no tenant and not read-only;
+    a bad weight is 400 saying what is wrong and changes nothing; GET /api/v1/tenants
+    lists weights, pending and running fair jobs, and each tenant's share."""
+    mod = client_app(pg, "memory://", module="tests.apps.app_flow")
+    mod.fair_import.submit_many([{}] * 3, tenant="acme")
+    mod.fair_import.submit({}, tenant="globex")
+    r = admin.put("/api/v1/tenants/acme/weight", json={"weight": 3})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"tenant": "acme", "weight": 3.0, "pending": 3, "running": 0, "share": 0.75}
+    for bad, says in ((0, "greater than 0"), (-2, "greater than 0"), ("lots", "default"), ("3", "number"), (True, "number")):
+        r = admin.put("/api/v1/tenants/acme/weight", json={"weight": bad})
+        assert (r.status_code, r.json()["error"]) == (400, "bad_request"), (bad, r.text)
+        assert says in r.json()["detail"], (bad, r.json())
+    assert admin.put("/api/v1/tenants/acme/weight", json={}).status_code == 400
+    for client, detail in ((acme, "a tenant's token cannot change weights"), (server.client(READER), "this token is read-only")):
+        r = client.put("/api/v1/tenants/globex/weight", json={"weight": 5})
+        assert r.status_code == 403 and detail in r.json()["detail"], r.text
+    listed = {t["tenant"]: t for t in admin.get("/api/v1/tenants").json()["tenants"]}
+    assert listed["acme"]["weight"] == 3.0 and listed["globex"] == {
+        "tenant": "globex",
+        "weight": 1.0,
+        "pending": 1,
+        "running": 0,
+        "share": 0.25,
+    }
+    assert [t["tenant"] for t in acme.get("/api/v1/tenants").json()["tenants"]] == ["acme"]  # its own row only
+    r = admin.put("/api/v1/tenants/acme/weight", json={"weight": "default"})
+    assert r.json()["weight"] == 1.0

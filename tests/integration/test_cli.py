@@ -342,3 +342,20 @@ def test_list_takes_celery_state_names_shows_progress_and_refuses_an_unknown_kin
     assert [line for line in text.splitlines() if line.startswith(running)][0].count('{"rows":5}') == 1
     line = _one_line_error(cli("list", "--kind", "no_such_kind"))
     assert "no job handler for kind 'no_such_kind'" in line and "echo" in line
+
+
+def test_weight_sets_a_tenants_weight_and_refuses_bad_input_changing_nothing(cli, pg):
+    from celery_lease.db.schema import tenant_weights
+
+    proc = cli("weight", "acme", "3")
+    assert (proc.returncode, proc.stdout.strip()) == (0, "acme: weight 3"), proc.stderr
+    for bad, says in (("0", "above 0"), ("-1", "above 0"), ("lots", "positive number"), ("nan", "above 0")):
+        line = _one_line_error(cli("weight", "acme", bad))
+        assert says in line, (bad, line)
+    with sa.create_engine(pg).connect() as conn:
+        assert conn.execute(sa.select(tenant_weights.c.tenant, tenant_weights.c.weight)).all() == [("acme", 3.0)]
+    listed = json.loads(cli("tenants", "--json").stdout)["tenants"]
+    assert [(t["tenant"], t["weight"]) for t in listed] == [("acme", 3.0)]
+    assert cli("weight", "acme", "default").stdout.strip() == "acme: weight 1"
+    with sa.create_engine(pg).connect() as conn:
+        assert conn.execute(sa.select(tenant_weights)).all() == []

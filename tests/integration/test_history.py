@@ -1,6 +1,6 @@
 """Finished jobs past the hot table (db/schema.py, "finished jobs past the hot table"):
 the archive moves them and their events into day partitions, every read still finds
-them, retention drops a day whole, and the migration that makes it runs while a worker
+them, retention drops a day whole, and the migrations run while the previous release
 works. SQLite keeps the one table."""
 
 from __future__ import annotations
@@ -149,32 +149,65 @@ def test_sqlite_keeps_every_job_in_the_one_table(sqlite_url, broker, client_app,
     assert mod.leases.prune(older_than=0) == 1
 
 
-def test_the_migration_runs_while_a_worker_works(broker, client_app, workers):
-    """Upgrading from 0013 while a worker claims and finishes a stream of jobs: no job
-    is lost or fails, and the history works at once."""
+#: The previous release's writes of one job, on the columns it knows (0013's): a submit,
+#: a claim, a success.
+_PREVIOUS_RELEASE = (
+    "INSERT INTO celery_lease_jobs (id, kind, task, status, max_attempts, lease_seconds, payload, created_at,"
+    " updated_at) VALUES (:id, 'previous', 'previous.task', 'pending', 1, 30, '{}', now(), now())",
+    "UPDATE celery_lease_jobs SET status = 'running', attempt = 1, lease_generation = lease_generation + 1,"
+    " lease_expires_at = now() + interval '30 seconds', started_at = now(), updated_at = now()"
+    " WHERE id = :id AND status = 'pending'",
+    "UPDATE celery_lease_jobs SET status = 'succeeded', result = '{}', lease_expires_at = NULL,"
+    " finished_at = now(), updated_at = now() WHERE id = :id AND status = 'running'",
+)
+
+
+def test_the_migrations_run_while_the_previous_release_works(broker, client_app, workers):
+    """Upgrading from 0013 to the head while the previous release's fleet submits, claims
+    and finishes a stream of jobs (its statements, on the columns it knows): none of its
+    writes fails, and this release's workers then run on the migrated database, the
+    history at once. This release reads and writes fair_key (0015), so it is migrated
+    before its workers start, and a fleet of the previous release is what runs meanwhile."""
     with throwaway_database("celery_lease_online") as url:
         store = Store(url)
         migrate.upgrade(store, "0013_kind_limits")
         from tests.apps.app import test_metadata
 
         test_metadata.create_all(store.durable)
-        mod = client_app(url, broker, conf=CONF)
-        workers(url, broker)
-        submitted: list[str] = []
+        engine = sa.create_engine(url)
+        finished: list[str] = []
+        errors: list[str] = []
         stop = threading.Event()
 
-        def submit():
+        def previous_fleet():
             while not stop.is_set():
-                submitted.append(mod.echo.submit({"value": len(submitted)}).id)
-                stop.wait(0.02)
+                job_id = str(uuid.uuid4())
+                try:
+                    for statement in _PREVIOUS_RELEASE:
+                        with engine.begin() as conn:
+                            assert conn.execute(sa.text(statement), {"id": job_id}).rowcount == 1
+                except Exception as exc:  # the assertion below names it
+                    errors.append(repr(exc))
+                    return
+                finished.append(job_id)
+                stop.wait(0.01)
 
-        feeder = threading.Thread(target=submit, daemon=True)
-        feeder.start()
-        wait_for(lambda: len(submitted) >= 20, timeout=30, what="a stream of submits")
+        fleet = threading.Thread(target=previous_fleet, daemon=True)
+        fleet.start()
+        wait_for(lambda: len(finished) >= 20 or errors, timeout=30, what="the previous release's jobs")
         assert migrate.upgrade(store) == migrate.head()
-        wait_for(lambda: len(submitted) >= 60, timeout=30, what="submits after the migration")
+        during = len(finished)
+        wait_for(lambda: len(finished) >= during + 20 or errors, timeout=30, what="its jobs after the migration")
         stop.set()
-        feeder.join()
+        fleet.join()
+        engine.dispose()
+        assert errors == []
+        count = "SELECT count(*) FROM celery_lease_jobs WHERE kind = 'previous' AND status = 'succeeded'"
+        assert _scalar(url, count) == len(finished)
+
+        mod = client_app(url, broker, conf=CONF)
+        workers(url, broker)
+        submitted = [mod.echo.submit({"value": i}).id for i in range(20)]
         for job_id in submitted:
             assert mod.leases.wait(job_id, 60).status is Status.SUCCEEDED
         _backdate(url, submitted[0], 1)

@@ -12,7 +12,8 @@ it does, one module per subject:
 * :mod:`.reads`, :mod:`.metrics`, :mod:`.dashboard`: reads;
 * :mod:`.landing`: a transaction's fate after a lost reply.
 
-* :mod:`.flow`: flow control (limits, pauses, held jobs, rate windows).
+* :mod:`.flow`: flow control (limits, pauses, held jobs, rate windows);
+  :mod:`.fair`: fair share's order keys and tenants' weights.
 
 Statements are SQLAlchemy Core constructs with bound parameters; statuses come from
 :class:`Status`. Each state transition is exactly one guarded statement:

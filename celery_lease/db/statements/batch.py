@@ -34,7 +34,8 @@ def claim_batch() -> sa.Select:
     delivery of a batched kind claims what is due (its own job may already run in
     another batch). Nothing of a paused kind is claimed; held jobs are not taken.
 
-    Rows are picked best priority first, then oldest, FOR UPDATE SKIP LOCKED: two
+    Rows are picked best priority first, then (a fair kind) smallest fair_key, then
+    oldest, FOR UPDATE SKIP LOCKED: two
     batches claiming at once take different rows, neither waits. One row more than :n
     is picked and not claimed: its id comes back as ``next_id`` on every row, so a full
     batch can wake the kind again for what is left (worker/batch.py); NULL when the
@@ -48,7 +49,7 @@ def claim_batch() -> sa.Select:
     )
     limit = sa.bindparam("n", type_=sa.Integer)
     picked = (
-        sa.select(_c.id, _c.priority, _c.created_at)
+        sa.select(_c.id, _c.priority, _c.fair_key, _c.created_at)
         .select_from(jobs.join(delivered, sa.and_(_c.kind == delivered.c.kind, _c.queue.is_not_distinct_from(delivered.c.queue))))
         .where(
             # (Literal 'pending' and held IS NULL: the wakeup index's predicate, which a
@@ -59,14 +60,16 @@ def claim_batch() -> sa.Select:
             _due(_c),
             ~sa.exists().where(pauses.c.kind == _c.kind),
         )
-        .order_by(_c.priority.desc(), _c.created_at)
+        # A fair kind's in fair order (statements/fair.py: a batch is a weighted mix of
+        # tenants); fair_key is NULL for every job of any other kind.
+        .order_by(_c.priority.desc(), _c.fair_key, _c.created_at)
         .limit(limit + 1)
         .with_for_update(of=jobs, skip_locked=True)
         .cte("picked")
         .prefix_with("MATERIALIZED")
     )
     # (Numbered apart: PostgreSQL takes no window function beside FOR UPDATE.)
-    order = (picked.c.priority.desc(), picked.c.created_at)
+    order = (picked.c.priority.desc(), picked.c.fair_key, picked.c.created_at)
     ranked = sa.select(picked.c.id, sa.func.row_number().over(order_by=order).label("rank")).cte("ranked")
     cancelled = sa.exists().where(runs.c.id == _c.run_id, runs.c.cancelled_at.is_not(None))
     claimed = (

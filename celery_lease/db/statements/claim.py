@@ -35,6 +35,7 @@ from celery_lease.db.statements.attempt import completed_events, completing
 from celery_lease.db.statements.attempt_log import open_attempt
 from celery_lease.db.statements.common import _PENDING, _c, _delivered, _due, db_now, db_now_plus
 from celery_lease.db.statements.events import event_rows, events_cte, logged
+from celery_lease.db.statements.fair import fair_head_job
 from celery_lease.db.statements.flow import _rate_open_for, count_rate_claim
 from celery_lease.db.statements.in_force import below_concurrency, not_overridden
 from celery_lease.status import Event, Status
@@ -73,7 +74,8 @@ def claim(
     * ``swap`` (always, but for the bench's baseline): flow control's guards: nothing
       of a paused kind is claimed, and the first due pending job of the same kind,
       queue and concurrency key with a higher priority is claimed in place of the
-      delivered one (whose wakeup the caller sends again); without ``concurrency`` and
+      delivered one (whose wakeup the caller sends again), or for a fair kind the first
+      due pending job in fair order (statements/fair.py); without ``concurrency`` and
       ``rate``, nothing of a kind an operator's override limits either (the caller's
       view of which kinds are limited may be stale: it then claims on the limited path);
     * ``concurrency``: only while fewer jobs of the claimed job's kind and key run than
@@ -122,7 +124,15 @@ def claim(
 def _claim_update(*, swap: bool, concurrency: bool, rate: bool) -> sa.Update:
     """The UPDATE every claim is (see the module's docstring), with its guards."""
     delivered = sa.bindparam("job_id", type_=ID)
-    target = sa.func.coalesce(_better_job(), delivered) if swap else delivered
+    if swap:
+        # A fair kind's delivery claims its kind's first job in fair order (fair.py); any
+        # other kind's, a better-priority job or the delivered one. Chosen once (its
+        # probes lock what they pick) and read by the run's lock and the update alike:
+        # written out in both, the probes were planned, and paid for, twice.
+        chosen = sa.select(sa.func.coalesce(fair_head_job(), _better_job(), delivered).label("id")).cte("target")
+        target: Any = sa.select(chosen.prefix_with("MATERIALIZED").c.id).scalar_subquery()
+    else:
+        target = delivered
     run = (
         sa.select(runs.c.cancelled_at.is_not(None).label("cancelled"))
         .select_from(runs.join(jobs, runs.c.id == _c.run_id))

@@ -19,6 +19,7 @@ from celery_lease.db.statements.common import (
     db_now_plus,
 )
 from celery_lease.db.statements.events import _events_of
+from celery_lease.db.statements.fair import fair_key, fair_key_of_row
 from celery_lease.status import Event, Status
 
 
@@ -53,6 +54,7 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
         updated_at=db_now(),
         run_after=sa.case((due_in.is_not(None), db_now_plus(due_in)), else_=due_at),
         woken_at=sa.case((sa.and_(due_in.is_(None), due_at.is_(None)), db_now()), else_=sa.null()),
+        fair_key=fair_key_of_row(),  # bound by fair.fair_params
     ).returning(*jobs.c)
 
 
@@ -110,11 +112,17 @@ def insert_job_batch(*, on_key_conflict_nothing: bool) -> sa.Select:
     values: dict[str, Any] = {name: per_job.c[name] for name in BATCH_JOB_FIELDS}
     for name in BATCH_SHARED_COLUMNS:
         values[name] = sa.cast(sa.bindparam(name, type_=_c[name].type), _c[name].type)
+    # A fair kind's (:fair) n-th job in the array is its tenant's n-th new one: the
+    # tenant's last key is read once for the statement, the head once per row (its
+    # concurrency key is the row's).
+    nth = sa.func.row_number().over()
+    key = fair_key(values["kind"], values["queue"], values["concurrency_key"], values["priority"], values["tenant"], nth)
     values.update(
         created_at=db_now(),
         updated_at=db_now(),
         run_after=sa.case((due_in.is_not(None), db_now_plus(due_in)), else_=due_at),
         woken_at=sa.case((sa.and_(due_in.is_(None), due_at.is_(None)), db_now()), else_=sa.null()),
+        fair_key=sa.case((sa.bindparam("fair", type_=sa.Boolean), key), else_=sa.null()),
     )
     insert = postgresql.insert(jobs).from_select(list(values), sa.select(*values.values()))
     if on_key_conflict_nothing:

@@ -11,7 +11,8 @@ network. Pages::
     /dashboard/jobs/{id}      one job: payload (tokens that may read payloads), result,
                               error, progress, checkpoint size, attempts, its run's
                               events; cancel, retry, delete
-    /dashboard/kinds          limits, pauses, running and waiting per key; pause / resume
+    /dashboard/kinds          limits, pauses, running and waiting per key; pause / resume;
+                              tenants' weights and shares (fair kinds); set a weight
     /dashboard/live           per kind and minute: submitted, succeeded, failed, p50/p95
                               queue wait and run time
     /dashboard/workers        who holds which lease, its last renewal, leases about to lapse

@@ -17,6 +17,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from celery_lease.errors import UnknownKind
+from celery_lease.flow.fair import FairShare
 from celery_lease.flow.limits import LimitChange
 from celery_lease.ops.dashboard.access import Viewer
 from celery_lease.ops.dashboard.web import Board, PageError, form, redirect
@@ -115,8 +116,11 @@ def broker_queues(board: Board, names: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def register(app: FastAPI, board: Board) -> None:
+def register(app: FastAPI, board: Board, labels: KeyLabels) -> None:
+    """The fleet's routes; concurrency keys (payload text) are shown as ``labels`` to a
+    viewer who may not read payloads."""
     leases = board.leases
+    fair = FairShare(leases.store)
 
     @app.get("/kinds", response_class=HTMLResponse)
     def kinds(request: Request, viewer: Viewer = Depends(board.viewer)) -> Response:
@@ -126,7 +130,9 @@ def register(app: FastAPI, board: Board) -> None:
         for i, r in enumerate(rows):  # the kind's pause button goes on its first row
             r["first"] = i == 0 or rows[i - 1]["kind"] != r["kind"]
             r["budget"] = budgets.get(r["kind"]) if r["rate_limit"] and r["first"] else None
-        return board.render(request, "kinds.html", viewer, rows=rows)
+        # Fair share per tenant: a tenant's token sees its own row only.
+        tenants = [t for t in fair.tenants() if viewer.tenant is None or t["tenant"] == viewer.tenant]
+        return board.render(request, "kinds.html", viewer, rows=rows, tenants=tenants)
 
     async def flow(request: Request, viewer: Viewer, kind: str, pause: bool) -> Response:
         await form(request, viewer)
@@ -160,6 +166,18 @@ def register(app: FastAPI, board: Board) -> None:
             leases.flow.set_limits(kind, change)
         except UnknownKind as exc:
             raise PageError(404, str(exc)) from None
+        except ValueError as exc:
+            raise PageError(400, str(exc)) from None
+        return redirect(request, "/kinds")
+
+    @app.post("/tenants/{tenant}/weight")
+    async def weight(request: Request, tenant: str, viewer: Viewer = Depends(board.viewer)) -> Response:
+        """The Kinds page's weight form: a positive number or 'default' (1), for the fleet."""
+        fields = await form(request, viewer)
+        if viewer.tenant is not None:
+            raise PageError(403, "a tenant's token cannot change weights that share the fleet among tenants")
+        try:
+            fair.set_weight(tenant, fields.get("weight", "").strip())
         except ValueError as exc:
             raise PageError(400, str(exc)) from None
         return redirect(request, "/kinds")
