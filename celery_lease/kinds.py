@@ -46,18 +46,16 @@ MAX_BATCH = 1000
 
 
 def check_batch(batch: Any, limits: Limits | None) -> int | None:
-    """``batch=`` as declared, checked: an int from 1 to MAX_BATCH, and not combined with
-    flow control's limits, which are counted per claim and per running job under a lock
-    a batch claim does not take (a pause does apply to a batched kind)."""
+    """``batch=`` as declared, checked: an int from 1 to MAX_BATCH. It combines with
+    flow control's limits (``limits``): a limited kind's batch claim takes the kind's
+    limits row lock and claims, in the same statement, no more than its free slots (per
+    concurrency key) and what its rate window still takes (db/statements/batch.py:
+    claim_batch_limited); a pause applies too. (On SQLite a batched kind claims one job
+    per wakeup, through the single claim, limited or not.)"""
     if batch is None:
         return None
     if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"batch must be an int from 1 to {MAX_BATCH}, not {batch!r}")
-    if limits is not None:
-        raise ValueError(
-            "batch= cannot be combined with concurrency= or rate_limit=: a batch claims up to batch jobs at once, "
-            "which no concurrency or rate limit would bound; declare a kind without batch= for limited work"
-        )
     return batch
 
 

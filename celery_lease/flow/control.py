@@ -100,11 +100,8 @@ class FlowControl:
     def limited(self, spec: JobKind, *, fresh: bool = False) -> bool:
         """Whether claims of ``spec`` take the limited path (CLAIM_LIMITED, under its
         limits row lock): the code declares a limit, or an operator's override does (as
-        this process last read, at most OVERRIDES_REFRESH_SECONDS ago). A batched kind
-        never: its claims take no limit (kinds.check_batch); set_limits refuses it.
-        ``fresh``: the overrides read now."""
-        if spec.batch is not None:
-            return False
+        this process last read, at most OVERRIDES_REFRESH_SECONDS ago); a batched
+        kind's too (CLAIM_BATCH_LIMITED). ``fresh``: the overrides read now."""
         return spec.limits is not None or spec.kind in self._overridden_kinds(fresh)
 
     def _overridden_kinds(self, fresh: bool = False) -> frozenset[str]:
@@ -178,6 +175,12 @@ class FlowControl:
         held if a pause refused it, to be woken by the resume."""
         self._follow_up(job_id, spec, self._db.hold(job_id, spec.task), False)
 
+    def batch_claimed(self, job_id: str, spec: JobKind, first: dict[str, Any], own: bool) -> None:
+        """After a limited batched kind's claim (``first``: its first row): its rate window's
+        wakes (FlowStore.batch_follow_ups); its job not claimed (``own``), as a single claim's."""
+        woken, later = self._db.batch_follow_ups(spec.kind, first)
+        self._follow_up(job_id, spec, ClaimResult(row=first if own else None, wake=woken, later=later), True)
+
     def _follow_up(self, job_id: str, spec: JobKind, result: ClaimResult, limited: bool) -> None:
         """What a claim's outcome asks to publish: woken jobs, the next window's wakeup,
         an early window wakeup again."""
@@ -232,7 +235,7 @@ class FlowControl:
         if spec is None:
             return False
         declared = spec.limits is not None and spec.limits.concurrency is not None
-        return declared or (spec.batch is None and kind in self._overridden_kinds())
+        return declared or kind in self._overridden_kinds()
 
     # --- every way a job ends ----------------------------------------------------------
 
@@ -324,14 +327,11 @@ class FlowControl:
 
         A kind is accepted when this process declares it or the database has a row of
         it (a job, a limits row, a pause): UnknownKind otherwise, so a typo creates
-        nothing. ValueError for a kind declared with ``batch=``, whose claims no limit
-        bounds."""
+        nothing."""
         spec = self._registry.get(kind)
         if spec is None and not self._db.kind_exists(kind):
             known = ", ".join(self._registry.names()) or "none"
             raise UnknownKind(f"no kind {kind!r}: no handler declares it here and no job has it (declared: {known})")
-        if spec is not None and spec.batch is not None:
-            raise ValueError(f"kind {kind!r} is declared with batch=, which no concurrency or rate limit bounds")
         self._db.override(kind, change)
         self._overridden_at = -OVERRIDES_REFRESH_SECONDS  # this process's next claim reads it
         try:

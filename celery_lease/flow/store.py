@@ -51,6 +51,17 @@ class ClaimResult:
     again: dict | None = None
 
 
+def declared_limits(kind: str, declared: Limits | None) -> dict[str, Any]:
+    """flow.lock_limits' parameters: the limits the code declares for ``kind``."""
+    rate = None if declared is None else declared.rate
+    return {
+        "of_kind": kind,
+        "new_concurrency": None if declared is None else declared.concurrency,
+        "new_rate": rate and rate.count,
+        "new_per_seconds": rate and rate.per_seconds,
+    }
+
+
 class FlowStore:
     """The statements of one step (lock, then claim; lock, then hold; lock, then wake)
     run alone in their transaction (Store.alone: prepared, one round trip)."""
@@ -83,16 +94,7 @@ class FlowStore:
         in force from the row, an operator's override included. A claim that opened a
         rate window wakes the jobs held for it, as its follow-up (with the caller's
         ``follow_ups``)."""
-        rate = None if declared is None else declared.rate
-        params = {
-            "job_id": job_id,
-            "owner": owner,
-            "wakeup_task": task,
-            "of_kind": kind,
-            "new_concurrency": None if declared is None else declared.concurrency,
-            "new_rate": rate and rate.count,
-            "new_per_seconds": rate and rate.per_seconds,
-        }
+        params = {"job_id": job_id, "owner": owner, "wakeup_task": task, **declared_limits(kind, declared)}
         result = ClaimResult()
 
         def window_opened(row: dict[str, Any]) -> None:
@@ -140,6 +142,19 @@ class FlowStore:
             return self._tx(work)
         except _NoWakeup:
             return None
+
+    def batch_follow_ups(self, kind: str, first: dict[str, Any]) -> tuple[list[dict], tuple[float, dict] | None]:
+        """After a limited batched kind's claim (``first``: its first row): the jobs held
+        for the rate that a window it opened still takes, woken (as a single claim's
+        window_opened wakes them); and, when jobs are left held for the rate, the next
+        window's wakeup (see _window_wakeup)."""
+        woken: list[dict] = []
+        more = 0
+        if first["opened"] and first["window_claims"] is not None:
+            more = first["window_rate"] - first["window_claims"]
+            woken = self._tx(lambda c: self._wake(c, Held.RATE, kind, more))
+        left = bool(first["held_rate"]) or (more > 0 and len(woken) == more)
+        return woken, self._window_wakeup(kind, None) if left else None
 
     def hold(self, job_id: str, task: str) -> ClaimResult:
         """After a refused claim of an unlimited kind: held for a pause, or (retry) not

@@ -8,8 +8,10 @@ worker/batch.py.)
 
 Not ``fenced`` as a whole: each row carries its own guard (pending and due), and the
 caller decides what a missing row means (worker/batch.py). It frees no flow-control
-slot: a batched kind has no limits (``@leases.job`` refuses ``batch`` with
-``concurrency`` or ``rate_limit``).
+slot. A limited kind's (a limit in code or an operator's override) is
+CLAIM_BATCH_LIMITED: the kind's limits row is locked first in the same transaction
+(flow.lock_limits, as the single limited claim), then one statement bounds the batch
+by the limits in force.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db.statements import batch
+from celery_lease.db.statements import flow as fs
 from celery_lease.lifecycle.claim import ClaimLanded, landed_rows, new_token
 from celery_lease.lifecycle.transition import Transition
 from celery_lease.status import Event
@@ -36,12 +39,20 @@ CLAIM_BATCH = Transition(
     Event.CLAIMED,
     releases=False,
 )
+#: The same for a limited kind, under its limits row lock: also takes ``of_kind`` and
+#: the limits its code declares (new_concurrency, new_rate, new_per_seconds).
+CLAIM_BATCH_LIMITED = Transition(
+    "limited claim (batch)",
+    lambda dialect: batch.claim_batch_limited(),
+    Event.CLAIMED,
+    releases=False,
+)
 
 
-def claim_batch(pipeline: Pipeline, store: Store, params: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Execute CLAIM_BATCH for ``params`` (job_id, wakeup_task, owner, n) under a new
-    claim token; return its rows (one row of NULLs but ``paused`` when nothing was
-    claimed).
+def claim_batch(pipeline: Pipeline, store: Store, params: Mapping[str, Any], *, limited: bool = False) -> list[dict[str, Any]]:
+    """Execute CLAIM_BATCH (``limited``: CLAIM_BATCH_LIMITED) for ``params`` (job_id,
+    wakeup_task, owner, n) under a new claim token; return its rows (one row of NULLs
+    but ``paused`` when nothing was claimed).
 
     A re-run adopts by identity: when the first try's reply was lost and the Landing
     cannot tell whether it committed (the server restarted since), the claim runs
@@ -55,6 +66,8 @@ def claim_batch(pipeline: Pipeline, store: Store, params: Mapping[str, Any]) -> 
 
     def adopt_on_rerun(conn: Connection) -> None:
         nonlocal tries
+        if limited:  # first: the lock order of flow control (limits row, then job rows)
+            conn.execute(fs.lock_limits(store.dialect), params)
         tries += 1
         if tries > 1:
             rows = landed_rows(store, conn, params)
@@ -62,9 +75,10 @@ def claim_batch(pipeline: Pipeline, store: Store, params: Mapping[str, Any]) -> 
                 raise ClaimLanded(rows)
 
     try:
-        return pipeline.execute(CLAIM_BATCH, params, before=adopt_on_rerun)
+        return pipeline.execute(CLAIM_BATCH_LIMITED if limited else CLAIM_BATCH, params, before=adopt_on_rerun)
     except ClaimLanded as landed:
         # (Raised inside the re-run's transaction: the lease restarts roll back; the
         # leases stand from the first try, after the moment the attempts count from.
         # ``next_id`` is not known: what is left of the kind waits for the sweeper.)
-        return [{**row, "next_id": None, "paused": False} for row in landed.rows]
+        unknown = {"held_rate": 0, "window_claims": None, "window_rate": None, "opened": False, "next_queue": None}
+        return [{**row, "next_id": None, "paused": False, **unknown} for row in landed.rows]

@@ -109,7 +109,6 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorOut, "description": "missing or unknown bearer token (/metrics: when tokens are configured)"},
     403: {"model": ErrorOut, "description": "a read-only token asked to change a job, or a tenant's token a kind's limits"},
     404: {"model": ErrorOut, "description": "no such job, run or kind visible to this token"},
-    409: {"model": ErrorOut, "description": "a kind whose claims no limit can bound (declared with batch=)"},
     429: {"model": ErrorOut, "description": "this token's request rate (lease_api_rate) is spent: see Retry-After"},
     503: {"model": ErrorOut, "description": "the job database cannot be reached, or is not migrated"},
 }
@@ -330,8 +329,6 @@ def create_app(leases: CeleryLease) -> FastAPI:
             return {"kind": kind, **leases.flow.set_limits(kind, change)}
         except UnknownKind as exc:
             raise ApiError(404, "not_found", str(exc)) from None
-        except ValueError as exc:  # a batched kind
-            raise ApiError(409, "conflict", str(exc)) from None
 
     @api.put("/api/v1/kinds/{kind}/limits", response_model=KindLimitsOut, responses=_ERRORS, description=STRICT_QUERY)
     def set_kind_limits(body: LimitsIn, kind: str = KIND, who: Caller = Security(caller)):

@@ -90,12 +90,9 @@ def limit(ctx: click.Context, kind: str, concurrency: str | None, rate: str | No
         change = LimitChange.parse(concurrency=concurrency, rate=rate, given=(concurrency is not None, rate is not None))
     except ValueError as exc:
         raise CliError(str(exc), exit_code=2) from None
-    try:
-        leases = _leases(ctx)
-        leases.import_task_modules()  # the kinds the workers declare, not only those imported here
-        now = _flow_call(lambda: leases.flow.set_limits(kind, change))
-    except ValueError as exc:  # a batched kind: refused before anything was written
-        raise CliError(str(exc), exit_code=2) from None
+    leases = _leases(ctx)
+    leases.import_task_modules()  # the kinds the workers declare, not only those imported here
+    now = _flow_call(lambda: leases.flow.set_limits(kind, change))
 
     def shown(label: str, key: str) -> str:
         return f"{label} {now[key] or 'none'} (from {now[key + '_source']})"

@@ -40,7 +40,12 @@ attempt span of its own (a child of its own submit) and, when the worker sends e
 its own task events (worker.events.BatchTasks), so Flower lists every job. Their
 results are their rows, as every leased job's (``AsyncResult(job.id)``).
 
-Not here: flow-control limits (refused at declaration).
+A limited kind (``concurrency=``, ``rate_limit=``, or an operator's override) claims
+with CLAIM_BATCH_LIMITED, under its limits row lock: the batch is bounded by the free
+slots and the rate window, and the refused rows are held as a single claim's are. A
+kind with a concurrency limit writes each success at once (record.succeed: its slot
+is freed and held jobs woken by its transition); successes the batch writes free any
+slot they hold too (Batches.release).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from celery.exceptions import Retry
 
 from celery_lease import tracing
 from celery_lease.errors import DatabaseUnavailable, JobFailed, JobRefused, LeaseLost
+from celery_lease.flow.store import declared_limits
 from celery_lease.lifecycle.batch import claim_batch
 from celery_lease.lifecycle.owner import owner_of
 from celery_lease.worker import shutdown
@@ -94,14 +100,24 @@ class Batches:
         sent_at = time.monotonic()
         owner = owner_of(hostname)
         params = {"job_id": job_id, "wakeup_task": spec.task, "owner": owner, "n": spec.batch}
+        limited = state.flow is not None and state.flow.limited(spec)
+        if limited:
+            params.update(declared_limits(spec.kind, spec.limits))
         # A re-run of the claim after a lost reply adopts the rows its first try took, by
         # the claim's token, never other rows (lifecycle.batch.claim_batch).
-        found = claim_batch(state.pipeline, state.store, params)
+        found = claim_batch(state.pipeline, state.store, params, limited=limited)
         rows = [r for r in found if r["id"] is not None]  # (nothing claimed: one row of NULLs)
         with state._lock:
             state._live.update((str(r["id"]), r["lease_generation"]) for r in rows if r["status"] != _CANCELLED)
+        paused = bool(found and found[0]["paused"])
+        if limited and found and not paused:
+            self._limited_follow_ups(job_id, spec, found[0], any(str(r["id"]) == job_id for r in rows))
+            if not rows and found[0]["next_id"] is not None:
+                # A limit refused every row picked (now held), and more are due: woken as
+                # a full batch's rest is, so the held rows do not hide them.
+                self._wake(spec, found[0]["next_id"], found[0]["next_queue"])
         if not rows:
-            self._nothing_claimed(job_id, spec, paused=bool(found and found[0]["paused"]))
+            self._nothing_claimed(job_id, spec, paused=paused)
             return None
         attempts = [Attempt.from_claim(str(r["id"]), r, sent_at=sent_at) for r in rows if r["status"] != _CANCELLED]
         attempts.sort(key=lambda a: a.job_id != job_id)  # the delivery's own job first
@@ -130,6 +146,17 @@ class Batches:
             lead.deadline = sent_at + spec.timeout
         log.info("celery-lease: job %s (%s): claimed a batch of %d", job_id, spec.kind, len(attempts))
         return lead
+
+    def _limited_follow_ups(self, job_id: str, spec: JobKind, first: dict[str, Any], own: bool) -> None:
+        """A limited kind's batch: what its rate window asks for, and a delivery whose own
+        job it did not claim (``own``) followed up as a single limited claim's
+        (FlowControl.batch_claimed). Never fails the delivery: what is not woken is the
+        sweeper's to recover."""
+        try:
+            self._state.flow.batch_claimed(job_id, spec, first, own)
+        except Exception:
+            what = "wakeups after its batch claim not sent; the sweeper will"
+            log.warning("celery-lease: job %s (%s): %s", job_id, spec.kind, what, exc_info=True)
 
     def _nothing_claimed(self, job_id: str, spec: JobKind, *, paused: bool) -> None:
         """A paused kind's delivery is held for its resume (FlowControl.hold marks it);
@@ -243,6 +270,14 @@ class Batches:
         self._state.heartbeat.remove(a)
         self._state._release(a)
 
+    def release(self, attempts: list[Attempt]) -> None:
+        """Successes written by the batch (not through a transition, which releases its
+        own rows): the slots of a concurrency limit they held are freed, and the jobs it
+        held woken (FlowControl.release; a kind with no such limit costs nothing)."""
+        flow = self._state.flow
+        if flow is not None:
+            flow.release([{"kind": a.kind, "concurrency_key": a.concurrency_key} for a in attempts])
+
     # --- the completion --------------------------------------------------------------------
 
     def complete(self, items: list[tuple[Attempt, Any, Any]]) -> None:
@@ -301,3 +336,4 @@ class BatchSuccesses:
             for attempt, _, _ in items:
                 attempt.pending_write = False
                 self._batches._done(attempt)
+            self._batches.release([a for a, _, _ in items])

@@ -126,3 +126,25 @@ def chaos_limited(ctx: JobContext, payload: dict) -> dict:
 def fair_import(ctx: JobContext, payload: dict) -> dict:
     """A fair kind (tests/e2e/test_flow.py): sleeps payload["sleep"] in its span."""
     return _span(ctx, "fair_import", payload, lambda: _work(ctx, payload))
+
+
+# Batched kinds with flow control's limits (CLAIM_BATCH_LIMITED): each batch is bounded
+# by the free slots (per key) and the rate window.
+@leases.job(kind="b_capped", batch=10, concurrency=2, max_attempts=1, lease_seconds=LEASE)
+def b_capped(ctx: JobContext, payload: dict) -> dict:
+    return _span(ctx, "b_capped", payload, lambda: _work(ctx, payload))
+
+
+@leases.job(kind="b_rated", batch=10, rate_limit="5/s", max_attempts=1, lease_seconds=LEASE)
+def b_rated(ctx: JobContext, payload: dict) -> dict:
+    return _span(ctx, "b_rated", payload, lambda: _work(ctx, payload))
+
+
+@leases.job(kind="b_keyed", batch=10, concurrency=1, concurrency_key=lambda p: p["tenant"], max_attempts=1, lease_seconds=LEASE)
+def b_keyed(ctx: JobContext, payload: dict) -> dict:
+    return _span(ctx, "b_keyed", payload, lambda: _work(ctx, payload))
+
+
+@leases.job(kind="b_open", batch=10, max_attempts=1, lease_seconds=LEASE)
+def b_open(ctx: JobContext, payload: dict) -> dict:
+    return _span(ctx, "b_open", payload, lambda: _work(ctx, payload))

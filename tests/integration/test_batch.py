@@ -36,7 +36,7 @@ def job_updates() -> Iterator[list[str]]:
     executed = Prepared.execute
 
     def execute(self, *args, **kwargs):
-        record(None, None, self.prepare_sql)
+        record(None, None, getattr(self, "prepare_sql", ""))  # (a PreparedScript: the lock and a wake)
         return executed(self, *args, **kwargs)
 
     sa.event.listen(sa.engine.Engine, "before_cursor_execute", record)
@@ -127,12 +127,103 @@ def test_batch_is_an_int_from_1_to_1000(client_app, pg, broker, bad):
         mod.leases.job(kind="b_bad", batch=bad)
 
 
-def test_batch_refuses_flow_control_limits(client_app, pg, broker):
-    mod = client_app(pg, broker)
-    with pytest.raises(ValueError, match="cannot be combined with concurrency"):
-        mod.leases.job(kind="b_limited", batch=10, concurrency=2)
-    with pytest.raises(ValueError, match="cannot be combined with concurrency"):
-        mod.leases.job(kind="b_rated", batch=10, rate_limit="5/s")
+@pytest.fixture
+def flow_mod(pg, broker, client_app):
+    """The flow-control app, whose batched kinds have limits (b_capped, b_rated,
+    b_keyed), and b_open, which has none in code; its spans table created."""
+    mod = client_app(pg, broker, module="tests.apps.app_flow")
+    engine = sa.create_engine(pg)
+    try:
+        mod.flow_metadata.create_all(engine)
+    finally:
+        engine.dispose()
+    return mod
+
+
+def held_of(pg, ids: list[str]) -> list[tuple[str, str | None]]:
+    engine = sa.create_engine(pg)
+    try:
+        with engine.connect() as conn:
+            found = {str(r.id): (r.status, r.held) for r in conn.execute(sa.select(jobs).where(jobs.c.id.in_(ids)))}
+    finally:
+        engine.dispose()
+    return [found[i] for i in ids]
+
+
+def _claimed(mod, kind: str, job_id: str) -> list[str]:
+    """The ids a delivery of ``job_id`` claims in one batch (ONE job update statement)."""
+    lead = _lead(mod, kind, job_id)
+    return [] if lead is None else [a.job_id for a in lead.batch]
+
+
+def _lead(mod, kind: str, job_id: str):
+    spec = getattr(mod, kind).spec
+    with job_updates() as updates:
+        lead = mod.leases.worker.begin(job_id, spec, HOST)
+    claims = [u for u in updates if "picked" in u]
+    assert len(claims) == 1 and updates[0] == claims[0], updates  # after the limits row lock: ONE statement
+    return lead
+
+
+def test_a_limited_batch_claims_at_most_its_free_slots_and_holds_the_rest(pg, flow_mod):
+    mod = flow_mod
+    ids = [j.id for j in mod.b_capped.submit_many([{"n": i} for i in range(30)])]
+    lead = _lead(mod, "b_capped", ids[0])
+    assert sorted(a.job_id for a in lead.batch) == sorted(ids[:2])  # N = min(batch=10, concurrency 2 - 0 running)
+    # The rest of the first 10 picked are held by the limit; the 11th is the next wakeup's.
+    assert held_of(pg, ids[:12]) == [("running", None)] * 2 + [("pending", "limit")] * 8 + [("pending", None)] * 2
+    assert _claimed(mod, "b_capped", ids[10]) == []  # both slots taken: nothing
+    assert held_of(pg, ids[10:21]) == [("pending", "limit")] * 10 + [("pending", None)]
+    # The batch's successes free their slots: as many held jobs are woken as slots freed.
+    worker = mod.leases.worker
+    worker.execute(mod.b_capped.spec, lead)
+    worker.end(lead)
+    states = held_of(pg, ids)
+    assert states[:2] == [("succeeded", None)] * 2
+    # Woken (held cleared, a wakeup sent) as slots freed, best first: the oldest held.
+    # (Each success freed its slot; a wake counts the running jobs, not the woken.)
+    assert states[2:4] == [("pending", None)] * 2
+    assert states[2:21].count(("pending", None)) <= 2 + 2 + 1  # and the next wakeup's
+    # (The jobs of one submit_many share created_at: which due job comes first is open.)
+    assert len(_claimed(mod, "b_capped", ids[2])) == 2  # the two slots freed
+    assert _claimed(mod, "b_capped", ids[4]) == []
+
+
+def test_a_limited_batch_takes_what_the_rate_window_still_takes_and_counts_it(pg, flow_mod):
+    from celery_lease.db.schema import limits
+
+    mod = flow_mod
+    ids = [j.id for j in mod.b_rated.submit_many([{"n": i} for i in range(12)])]
+    assert len(_claimed(mod, "b_rated", ids[0])) == 5  # rate 5/s: N = min(10, 5 left in the window)
+    states = held_of(pg, ids)
+    assert states.count(("running", None)) == 5
+    assert states.count(("pending", "rate")) == 5  # the rest of the batch waits for the next window
+    engine = sa.create_engine(pg)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(limits.c.rate_claims).where(limits.c.kind == "b_rated")).scalar() == 5
+    finally:
+        engine.dispose()
+
+
+def test_a_limited_batch_bounds_each_concurrency_key(pg, flow_mod):
+    mod = flow_mod
+    tenants = ["a", "a", "b", "a", "b", "c"]
+    ids = [j.id for j in mod.b_keyed.submit_many([{"tenant": t} for t in tenants])]
+    # concurrency=1 per tenant: one job of each key, in claim order; the others held.
+    assert sorted(_claimed(mod, "b_keyed", ids[0])) == sorted([ids[0], ids[2], ids[5]])
+    assert [h for _, h in held_of(pg, [ids[1], ids[3], ids[4]])] == ["limit"] * 3
+
+
+def test_an_operators_override_binds_a_batched_kind(pg, flow_mod):
+    from celery_lease.flow.limits import LimitChange
+
+    mod = flow_mod
+    ids = [j.id for j in mod.b_open.submit_many([{"n": i} for i in range(4)])]
+    in_force = mod.leases.flow.set_limits("b_open", LimitChange(concurrency=1))  # once refused for batch=
+    assert in_force["concurrency"] == 1
+    assert _claimed(mod, "b_open", ids[0]) == ids[:1]
+    assert [h for _, h in held_of(pg, ids[1:])] == ["limit"] * 3
 
 
 @pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "unprepared"])
@@ -366,3 +457,13 @@ def test_a_batchs_successes_are_written_through_a_database_outage_within_their_l
         ]
     finally:
         proxy.close()
+
+
+def test_on_sqlite_a_limited_batched_kind_claims_one_job_per_wakeup_within_its_limit(sqlite_url, broker, client_app):
+    # (SQLite has no batch claim: each delivery is a single claim, limited as any kind's.)
+    mod = client_app(sqlite_url, broker, module="tests.apps.app_flow")
+    ids = [j.id for j in mod.b_capped.submit_many([{"n": i} for i in range(3)])]
+    worker, spec = mod.leases.worker, mod.b_capped.spec
+    claimed = [worker.begin(i, spec, HOST) for i in ids]
+    assert [a is not None and a.batch is None for a in claimed] == [True, True, False]  # concurrency=2
+    assert held_of(sqlite_url, ids) == [("running", None)] * 2 + [("pending", "limit")]

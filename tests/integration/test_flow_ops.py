@@ -313,6 +313,17 @@ def test_cli_limit_sets_none_and_default_and_limits_agrees(cli, pg):
     assert stored_limits(pg) == {"limited2": (None, None, None), "rated": (None, 0, None)}
 
 
+def test_cli_limit_works_on_a_batched_kind(cli, pg):
+    # (Once refused: a batch claim took no limit. Now its batches are bounded by it.)
+    proc = cli("limit", "b_open", "--concurrency", "3")
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout.strip() == "b_open: concurrency 3 (from override), rate none (from code)"
+    proc = cli("limit", "b_capped", "--rate", "7/s")
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout.strip() == "b_capped: concurrency 2 (from code), rate 7/s (from override)"
+    assert stored_limits(pg) == {"b_open": (3, None, None), "b_capped": (None, 7, 1)}
+
+
 @pytest.mark.parametrize(
     "args, says",
     [

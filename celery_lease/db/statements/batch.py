@@ -14,11 +14,13 @@ import functools
 
 import sqlalchemy as sa
 
-from celery_lease.db.schema import ID, jobs, pauses, runs
+from celery_lease.db.schema import ID, jobs, limits, pauses, runs
 from celery_lease.db.statements.claim import CLAIMED_COLUMNS, RUN_CANCELLED, claimed_values
-from celery_lease.db.statements.common import _PENDING, _c, _due
+from celery_lease.db.statements.common import _PENDING, _c, _due, db_now
 from celery_lease.db.statements.events import _events_of, logged
-from celery_lease.status import Event, Status
+from celery_lease.db.statements.flow import _new_window, _rate_budget, count_rate_claims
+from celery_lease.db.statements.in_force import in_force_concurrency, in_force_rate, running_like
+from celery_lease.status import Event, Held, Status
 
 
 @functools.cache
@@ -89,6 +91,124 @@ def claim_batch() -> sa.Select:
     flags = sa.select(paused.label("paused")).cte("flags")
     return logged(
         sa.select(claimed, following.label("next_id"), flags.c.paused)
+        .select_from(flags.outerjoin(claimed, sa.true()))
+        .add_cte(_events_of(claimed, event, detail, "logged"))
+    )
+
+
+#: No bound: a limit not in force (as flow.top_up spells it).
+_MOST = 2**31 - 1
+
+
+@functools.cache
+def claim_batch_limited() -> sa.Select:
+    """claim_batch_limited: claim_batch for a kind with a limit (in code or an operator's
+    override), run after flow.lock_limits of :of_kind in the same transaction, so the
+    counts it reads are exact. Returns claim_batch's columns, and on every row (the
+    one row of NULLs too): ``held_rate``, the rows it held for the rate;
+    ``window_claims`` / ``window_rate``, the window's count after it and the rate in force
+    (NULL without a rate, or when nothing started); ``opened``, this claim opened a new
+    rate window.
+
+    The batch is bounded, in this ONE statement, by :n, by what the rate window still
+    takes (the claims started are counted in it) and, per concurrency key, by the
+    concurrency in force minus that key's running jobs. The first :n rows picked (in
+    claim_batch's order) are each claimed or, refused by a limit, held: ``limit`` (its
+    key is full) or ``rate`` (the window is spent), to be woken as a single claim's
+    refused job is (a slot's release, the next window). One more row is picked and left
+    as ``next_id``: every row due is thus claimed, held or reached by a wakeup. Held
+    rows are not picked again, but for the delivered job (a woken job, a rate window's
+    wakeup carried by a held job). ``next_queue``: the queue of the batch (and of
+    ``next_id``), also when nothing was claimed."""
+    named = jobs.alias("named")
+    delivered = (
+        sa.select(named.c.kind, named.c.queue)
+        .where(
+            named.c.id == sa.bindparam("job_id", type_=ID),
+            named.c.task == sa.bindparam("wakeup_task", type_=_c.task.type),
+            named.c.kind == sa.bindparam("of_kind", type_=sa.String),
+        )
+        .cte("delivered")
+    )
+    n = sa.bindparam("n", type_=sa.Integer)
+    row = limits.alias("lim")
+    # Read before this statement counts its claims (one snapshot for the whole statement).
+    caps = (
+        sa.select(
+            in_force_concurrency(row.c).label("cap"),
+            sa.func.coalesce(_rate_budget(row), _MOST).label("budget"),
+            sa.and_(in_force_rate(row.c).is_not(None), _new_window(row.c)).label("opened"),
+        )
+        .where(row.c.kind == sa.bindparam("of_kind"))
+        .cte("caps")
+    )
+    picked = (
+        sa.select(_c.id, _c.priority, _c.fair_key, _c.created_at, _c.concurrency_key)
+        .select_from(jobs.join(delivered, sa.and_(_c.kind == delivered.c.kind, _c.queue.is_not_distinct_from(delivered.c.queue))))
+        .where(
+            _c.status == _PENDING,
+            sa.or_(_c.held.is_(None), _c.id == sa.bindparam("job_id", type_=ID)),
+            _c.task == sa.bindparam("wakeup_task"),
+            _due(_c),
+            ~sa.exists().where(pauses.c.kind == _c.kind),
+        )
+        .order_by(_c.priority.desc(), _c.fair_key, _c.created_at)
+        .limit(n + 1)
+        .with_for_update(of=jobs, skip_locked=True)
+        .cte("picked")
+        .prefix_with("MATERIALIZED")
+    )
+    # (Numbered apart: PostgreSQL takes no window function beside FOR UPDATE.)
+    order = (picked.c.priority.desc(), picked.c.fair_key, picked.c.created_at)
+    cap = sa.select(caps.c.cap).scalar_subquery()
+    running = running_like(sa.bindparam("of_kind", type_=sa.String), picked.c.concurrency_key)
+    free = sa.case((cap.is_(None), _MOST), (cap > running, cap - running), else_=0)
+    ranked = sa.select(
+        picked.c.id,
+        sa.func.row_number().over(order_by=order).label("rank"),
+        sa.func.row_number().over(partition_by=picked.c.concurrency_key, order_by=order).label("key_rank"),
+        free.label("free"),
+    ).cte("ranked")
+    # Within its key's free slots, then numbered again: the rate bounds the kind.
+    fits = (
+        sa.select(ranked.c.id, sa.func.row_number().over(order_by=ranked.c.rank).label("place"))
+        .where(ranked.c.rank <= n, ranked.c.key_rank <= ranked.c.free)
+        .cte("fits")
+    )
+    budget = sa.select(caps.c.budget).scalar_subquery()
+    taken = sa.select(fits.c.id).where(fits.c.place <= budget)
+    cancelled = sa.exists().where(runs.c.id == _c.run_id, runs.c.cancelled_at.is_not(None))
+    claimed = (
+        sa.update(jobs).where(_c.id.in_(taken)).values(**claimed_values(cancelled)).returning(*CLAIMED_COLUMNS).cte("claimed")
+    )
+    refused = ranked.c.rank <= n
+    reason = sa.case((ranked.c.key_rank > ranked.c.free, Held.LIMIT.value), else_=Held.RATE.value)
+    held = (
+        sa.update(jobs)
+        .where(_c.id == ranked.c.id, refused, _c.id.not_in(taken))
+        .values(held=reason, woken_at=db_now())
+        .returning(_c.held)
+        .cte("held")
+    )
+    started = sa.select(sa.func.count()).select_from(claimed).where(claimed.c.status == Status.RUNNING.value).scalar_subquery()
+    counted = count_rate_claims(started).where(started > 0).cte("counted")
+    was_cancelled = claimed.c.status == Status.CANCELLED.value
+    event = sa.case((was_cancelled, sa.literal(Event.CANCELLED.value)), else_=sa.literal(Event.CLAIMED.value))
+    detail = sa.case((was_cancelled, sa.literal(RUN_CANCELLED)), else_=sa.bindparam("owner", type_=sa.Text))
+    following = sa.select(ranked.c.id).where(ranked.c.rank == n + 1).scalar_subquery()
+    paused = sa.exists().where(pauses.c.kind == sa.select(delivered.c.kind).scalar_subquery())
+    held_rate = sa.select(sa.func.count()).select_from(held).where(held.c.held == Held.RATE.value).scalar_subquery()
+    flags = sa.select(
+        paused.label("paused"),
+        held_rate.label("held_rate"),
+        sa.select(counted.c.rate_claims).scalar_subquery().label("window_claims"),
+        sa.select(counted.c.window_rate).scalar_subquery().label("window_rate"),
+        sa.func.coalesce(sa.select(caps.c.opened).scalar_subquery(), sa.false()).label("opened"),
+        sa.select(delivered.c.queue).scalar_subquery().label("next_queue"),
+    ).cte("flags")
+    return logged(
+        sa.select(claimed, following.label("next_id"), flags.c.paused, flags.c.held_rate)
+        .add_columns(flags.c.window_claims, flags.c.window_rate, flags.c.opened, flags.c.next_queue)
         .select_from(flags.outerjoin(claimed, sa.true()))
         .add_cte(_events_of(claimed, event, detail, "logged"))
     )

@@ -108,13 +108,19 @@ def count_rate_claim() -> sa.Update:
     """count_rate_claim: one more claim in the kind's current rate window (a new window
     starts at 1), when a rate is in force. Returns the count (1 means this claim opened
     the window) and ``window_rate``, the rate in force."""
+    return count_rate_claims(1)
+
+
+def count_rate_claims(count) -> sa.Update:
+    """``count`` more claims (an int, or a column expression: a batch's claimed rows) in
+    the kind's current rate window, as count_rate_claim counts one."""
     now = rate_window_now(in_force_per_seconds(limits.c))
     return (
         sa.update(limits)
         .where(limits.c.kind == sa.bindparam("of_kind"), in_force_rate(limits.c).is_not(None))
         .values(
             rate_window=now,
-            rate_claims=sa.case((_new_window(limits.c), 1), else_=limits.c.rate_claims + 1),
+            rate_claims=sa.case((_new_window(limits.c), count), else_=limits.c.rate_claims + count),
         )
         .returning(limits.c.rate_claims, in_force_rate(limits.c).label("window_rate"))
     )
