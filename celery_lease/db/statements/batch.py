@@ -11,6 +11,7 @@ the server whether the transaction committed.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -36,43 +37,15 @@ def claim_batch() -> sa.Select:
     delivery of a batched kind claims what is due (its own job may already run in
     another batch). Nothing of a paused kind is claimed; held jobs are not taken.
 
-    Rows are picked best priority first, then (a fair kind) smallest fair_key, then
-    oldest, FOR UPDATE SKIP LOCKED: two
-    batches claiming at once take different rows, neither waits. One row more than :n
-    is picked and not claimed: its id comes back as ``next_id`` on every row, so a full
+    Rows are picked as :func:`_picked` says (priority, fair order, age; SKIP LOCKED).
+    One row more than :n is picked and not claimed: its id comes back as ``next_id`` on every row, so a full
     batch can wake the kind again for what is left (worker/batch.py); NULL when the
     batch took everything due. ``paused``: the delivered job's kind is paused.
     """
-    named = jobs.alias("named")
-    delivered = (
-        sa.select(named.c.kind, named.c.queue)
-        .where(named.c.id == sa.bindparam("job_id", type_=ID), named.c.task == sa.bindparam("wakeup_task", type_=_c.task.type))
-        .cte("delivered")
-    )
+    delivered = _delivered()
     limit = sa.bindparam("n", type_=sa.Integer)
-    picked = (
-        sa.select(_c.id, _c.priority, _c.fair_key, _c.created_at)
-        .select_from(jobs.join(delivered, sa.and_(_c.kind == delivered.c.kind, _c.queue.is_not_distinct_from(delivered.c.queue))))
-        .where(
-            # (Literal 'pending' and held IS NULL: the wakeup index's predicate, which a
-            # prepared generic plan can only use when the WHERE visibly implies it.)
-            _c.status == _PENDING,
-            _c.held.is_(None),
-            _c.task == sa.bindparam("wakeup_task"),
-            _due(_c),
-            ~sa.exists().where(pauses.c.kind == _c.kind),
-        )
-        # A fair kind's in fair order (statements/fair.py: a batch is a weighted mix of
-        # tenants); fair_key is NULL for every job of any other kind.
-        .order_by(_c.priority.desc(), _c.fair_key, _c.created_at)
-        .limit(limit + 1)
-        .with_for_update(of=jobs, skip_locked=True)
-        .cte("picked")
-        .prefix_with("MATERIALIZED")
-    )
-    # (Numbered apart: PostgreSQL takes no window function beside FOR UPDATE.)
-    order = (picked.c.priority.desc(), picked.c.fair_key, picked.c.created_at)
-    ranked = sa.select(picked.c.id, sa.func.row_number().over(order_by=order).label("rank")).cte("ranked")
+    picked = _picked(delivered, limit, _c.held.is_(None))
+    ranked = sa.select(picked.c.id, sa.func.row_number().over(order_by=_order(picked)).label("rank")).cte("ranked")
     cancelled = sa.exists().where(runs.c.id == _c.run_id, runs.c.cancelled_at.is_not(None))
     claimed = (
         sa.update(jobs)
@@ -81,9 +54,7 @@ def claim_batch() -> sa.Select:
         .returning(*CLAIMED_COLUMNS)
         .cte("claimed")
     )
-    was_cancelled = claimed.c.status == Status.CANCELLED.value
-    event = sa.case((was_cancelled, sa.literal(Event.CANCELLED.value)), else_=sa.literal(Event.CLAIMED.value))
-    detail = sa.case((was_cancelled, sa.literal(RUN_CANCELLED)), else_=sa.bindparam("owner", type_=sa.Text))
+    event, detail = _claim_event(claimed)
     following = sa.select(ranked.c.id).where(ranked.c.rank == limit + 1).scalar_subquery()
     # Always at least one row: nothing claimed is one row of NULLs but ``paused``, so a
     # delivery that found nothing learns in this same statement whether a pause is why.
@@ -120,16 +91,7 @@ def claim_batch_limited() -> sa.Select:
     rows are not picked again, but for the delivered job (a woken job, a rate window's
     wakeup carried by a held job). ``next_queue``: the queue of the batch (and of
     ``next_id``), also when nothing was claimed."""
-    named = jobs.alias("named")
-    delivered = (
-        sa.select(named.c.kind, named.c.queue)
-        .where(
-            named.c.id == sa.bindparam("job_id", type_=ID),
-            named.c.task == sa.bindparam("wakeup_task", type_=_c.task.type),
-            named.c.kind == sa.bindparam("of_kind", type_=sa.String),
-        )
-        .cte("delivered")
-    )
+    delivered = _delivered(of_kind=True)
     n = sa.bindparam("n", type_=sa.Integer)
     row = limits.alias("lim")
     # Read before this statement counts its claims (one snapshot for the whole statement).
@@ -142,24 +104,9 @@ def claim_batch_limited() -> sa.Select:
         .where(row.c.kind == sa.bindparam("of_kind"))
         .cte("caps")
     )
-    picked = (
-        sa.select(_c.id, _c.priority, _c.fair_key, _c.created_at, _c.concurrency_key)
-        .select_from(jobs.join(delivered, sa.and_(_c.kind == delivered.c.kind, _c.queue.is_not_distinct_from(delivered.c.queue))))
-        .where(
-            _c.status == _PENDING,
-            sa.or_(_c.held.is_(None), _c.id == sa.bindparam("job_id", type_=ID)),
-            _c.task == sa.bindparam("wakeup_task"),
-            _due(_c),
-            ~sa.exists().where(pauses.c.kind == _c.kind),
-        )
-        .order_by(_c.priority.desc(), _c.fair_key, _c.created_at)
-        .limit(n + 1)
-        .with_for_update(of=jobs, skip_locked=True)
-        .cte("picked")
-        .prefix_with("MATERIALIZED")
-    )
-    # (Numbered apart: PostgreSQL takes no window function beside FOR UPDATE.)
-    order = (picked.c.priority.desc(), picked.c.fair_key, picked.c.created_at)
+    held_or_delivered = sa.or_(_c.held.is_(None), _c.id == sa.bindparam("job_id", type_=ID))
+    picked = _picked(delivered, n, held_or_delivered, _c.concurrency_key)
+    order = _order(picked)
     cap = sa.select(caps.c.cap).scalar_subquery()
     running = running_like(sa.bindparam("of_kind", type_=sa.String), picked.c.concurrency_key)
     free = sa.case((cap.is_(None), _MOST), (cap > running, cap - running), else_=0)
@@ -192,9 +139,7 @@ def claim_batch_limited() -> sa.Select:
     )
     started = sa.select(sa.func.count()).select_from(claimed).where(claimed.c.status == Status.RUNNING.value).scalar_subquery()
     counted = count_rate_claims(started).where(started > 0).cte("counted")
-    was_cancelled = claimed.c.status == Status.CANCELLED.value
-    event = sa.case((was_cancelled, sa.literal(Event.CANCELLED.value)), else_=sa.literal(Event.CLAIMED.value))
-    detail = sa.case((was_cancelled, sa.literal(RUN_CANCELLED)), else_=sa.bindparam("owner", type_=sa.Text))
+    event, detail = _claim_event(claimed)
     following = sa.select(ranked.c.id).where(ranked.c.rank == n + 1).scalar_subquery()
     paused = sa.exists().where(pauses.c.kind == sa.select(delivered.c.kind).scalar_subquery())
     held_rate = sa.select(sa.func.count()).select_from(held).where(held.c.held == Held.RATE.value).scalar_subquery()
@@ -212,3 +157,57 @@ def claim_batch_limited() -> sa.Select:
         .select_from(flags.outerjoin(claimed, sa.true()))
         .add_cte(_events_of(claimed, event, detail, "logged"))
     )
+
+
+def _delivered(*, of_kind: bool = False) -> sa.CTE:
+    """The kind and queue of the delivered job :job_id, whose task must be :wakeup_task
+    (a wakeup is untrusted input); ``of_kind``: and whose kind is :of_kind (the kind
+    whose limits row the transaction locked)."""
+    named = jobs.alias("named")
+    guards = [named.c.id == sa.bindparam("job_id", type_=ID), named.c.task == sa.bindparam("wakeup_task", type_=_c.task.type)]
+    if of_kind:
+        guards.append(named.c.kind == sa.bindparam("of_kind", type_=sa.String))
+    return sa.select(named.c.kind, named.c.queue).where(*guards).cte("delivered")
+
+
+def _picked(delivered: sa.CTE, n: Any, held: sa.ColumnElement[bool], *columns: Any) -> sa.CTE:
+    """Up to ``n`` + 1 due pending jobs of the delivered job's kind and queue that
+    ``held`` admits, best priority first, then (a fair kind) smallest fair_key, then
+    oldest, FOR UPDATE SKIP LOCKED: two batches claiming at once take different rows,
+    neither waits. Nothing of a paused kind."""
+    same = sa.and_(_c.kind == delivered.c.kind, _c.queue.is_not_distinct_from(delivered.c.queue))
+    return (
+        sa.select(_c.id, _c.priority, _c.fair_key, _c.created_at, *columns)
+        .select_from(jobs.join(delivered, same))
+        .where(
+            # (Literal 'pending' and held IS NULL: the wakeup index's predicate, which a
+            # prepared generic plan can only use when the WHERE visibly implies it.)
+            _c.status == _PENDING,
+            held,
+            _c.task == sa.bindparam("wakeup_task"),
+            _due(_c),
+            ~sa.exists().where(pauses.c.kind == _c.kind),
+        )
+        # fair_key is NULL for every job of a kind that is not fair (statements/fair.py:
+        # a fair kind's batch is a weighted mix of tenants).
+        .order_by(_c.priority.desc(), _c.fair_key, _c.created_at)
+        .limit(n + 1)
+        .with_for_update(of=jobs, skip_locked=True)
+        .cte("picked")
+        .prefix_with("MATERIALIZED")
+    )
+
+
+def _order(picked: sa.CTE) -> tuple[Any, ...]:
+    """_picked's order, to number its rows apart: PostgreSQL takes no window function
+    beside FOR UPDATE."""
+    return (picked.c.priority.desc(), picked.c.fair_key, picked.c.created_at)
+
+
+def _claim_event(claimed: sa.CTE) -> tuple[Any, Any]:
+    """Each claimed row's run event and its detail: 'claimed' by :owner, or 'cancelled'
+    for a job its cancelled run kept from starting."""
+    was_cancelled = claimed.c.status == Status.CANCELLED.value
+    event = sa.case((was_cancelled, sa.literal(Event.CANCELLED.value)), else_=sa.literal(Event.CLAIMED.value))
+    detail = sa.case((was_cancelled, sa.literal(RUN_CANCELLED)), else_=sa.bindparam("owner", type_=sa.Text))
+    return event, detail
