@@ -131,7 +131,7 @@ class CeleryLease:
     def maintenance(self) -> Maintenance:
         if self._maintenance is None:
             self._maintenance = Maintenance(
-                self.store, self.lifecycle, self.producer.publish_wakeups, self.settings, flow=self.flow
+                self.store, self.lifecycle, self.producer.publish_sweep, self.settings, flow=self.flow
             )
         return self._maintenance
 

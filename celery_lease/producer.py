@@ -1,10 +1,9 @@
 """The producer side: store new jobs and wake workers for them.
 
-``submit``/``submit_many`` write the rows (with their run and its ``dispatched`` events)
-and then publish one wakeup per due job. Inside a caller's transaction the wakeups are
-published only after it commits; a rollback leaves neither row nor wakeup. A broker
-that cannot take a wakeup never fails the caller: the row is committed, and the sweeper
-delivers it later.
+``submit``/``submit_many`` write the rows (with their run and its ``dispatched`` events),
+then publish one wakeup per due job, after the caller's transaction commits when inside
+one (a rollback leaves neither). A broker that cannot take a wakeup never fails the
+caller: the row is committed, and the sweeper delivers it later.
 """
 
 from __future__ import annotations
@@ -376,13 +375,14 @@ class Producer:
         sa.event.listen(engine, "commit", on_commit)
         sa.event.listen(engine, "rollback", on_rollback)
 
-    def publish_wakeups(self, jobs: Sequence[Job | dict]) -> int:
-        """Publish one wakeup per job; the Celery task id is the job id.
+    def publish_sweep(self, rows: Sequence[dict]) -> int:
+        """The sweeper's wakeups: its re-sends only where no earlier copy may wait (resends.py)."""
+        return self.publish_wakeups(self._resends.admit(rows))
 
-        A failure to publish (broker down) never fails the caller: the row is already
-        committed, its woken_at is cleared, and the sweeper delivers it later.
-        """
-        jobs = self._resends.admit(jobs)  # the sweeper's re-sends: not while a copy may wait
+    def publish_wakeups(self, jobs: Sequence[Job | dict]) -> int:
+        """Publish one wakeup per job; the Celery task id is the job id. A failure to
+        publish (broker down) never fails the caller: the row is already committed, its
+        woken_at is cleared, and the sweeper delivers it later."""
         if not jobs:
             return 0
         items = [(j.id, j.task, j.queue) if isinstance(j, Job) else (str(j["id"]), j["task"], j["queue"]) for j in jobs]

@@ -47,7 +47,7 @@ class Maintenance:
         self,
         store: Store,
         lifecycle: Pipeline,
-        publish_wakeups: Callable[[Sequence[dict]], int],
+        publish_sweep: Callable[[Sequence[dict]], int],
         settings: Settings,
         flow: FlowControl | None = None,
     ) -> None:
@@ -58,7 +58,8 @@ class Maintenance:
         self._lifecycle = lifecycle
         #: Flow control: the sweep also recovers held jobs whose wakeup was missed.
         self._flow = flow
-        self._publish = publish_wakeups
+        #: The sweep's wakeups, its re-sends gated (Producer.publish_sweep).
+        self._publish = publish_sweep
         self._settings = settings
 
     @staticmethod
