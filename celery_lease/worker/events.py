@@ -83,9 +83,13 @@ def _described(attempt: Attempt) -> dict[str, Any]:
     }
 
 
+#: The fields of a cancelled job's ``task-revoked`` (a durable cancel, not a terminate).
+_REVOKED = {"terminated": False, "signum": None, "expired": False, "state": states.REVOKED}
+
+
 def revoked(task: Task) -> None:
     if enabled(task):
-        task.send_event("task-revoked", terminated=False, signum=None, expired=False, state=states.REVOKED)
+        task.send_event("task-revoked", **_REVOKED)
 
 
 #: At most this many ids are announced per cancel (a cancelled run may hold many more).
@@ -102,7 +106,7 @@ def announce_revoked(app: Celery, job_ids: list[str]) -> None:
     try:
         with app.events.default_dispatcher() as dispatcher:
             for job_id in job_ids[:MAX_ANNOUNCED]:
-                dispatcher.send("task-revoked", uuid=job_id, terminated=False, signum=None, expired=False, state=states.REVOKED)
+                dispatcher.send("task-revoked", uuid=job_id, **_REVOKED)
     except Exception as exc:  # the broker is down: nothing else depends on this event
         log.warning("celery-lease: cannot announce %d cancelled job(s) to task events (%s)", len(job_ids), type(exc).__name__)
 
@@ -186,7 +190,7 @@ class BatchTasks:
                 return
             status = None if job is None else job.status
         if status is Status.CANCELLED:
-            self._send("task-revoked", attempt.job_id, terminated=False, signum=None, expired=False, state=states.REVOKED)
+            self._send("task-revoked", attempt.job_id, **_REVOKED)
         elif status is Status.PENDING:
             self._send("task-held", attempt.job_id)
 
