@@ -79,9 +79,8 @@ class CeleryLease:
         self.registry = Registry()
         self._tasks: dict[str, LeaseTask] = {}
         self._worker: WorkerState | None = None
-        self._worker_pid = 0
         self._eager: EagerRunner | None = None
-        self._eager_pid = 0
+        self._worker_pid = self._eager_pid = 0
         self.canvas = Canvas(app, self.registry, lambda: self.producer, lambda: self.store)
         app.lease = self  # found by the CLI plugin (`celery -A proj lease ...`) and results.py
         signals.connect(
@@ -124,7 +123,8 @@ class CeleryLease:
     @property
     def producer(self) -> Producer:
         if self._producer is None:
-            self._producer = Producer(self.app, self.store, self.settings)
+            many = self.registry.claims_many if self.store.capabilities.batched_claims else None  # (waking.py)
+            self._producer = Producer(self.app, self.store, self.settings, coalesces=many)
         return self._producer
 
     @property

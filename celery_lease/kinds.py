@@ -112,6 +112,16 @@ class Registry:
         """The kind named ``kind``, or None when this process does not declare it."""
         return self._kinds.get(kind)
 
+    def claims_many(self, task: str) -> bool:
+        """Whether a delivery of ``task`` claims what is due of its kind, many jobs at a
+        time (worker/batch.py): a kind with ``batch=``, or with no limit in its code (a
+        kind with a declared limit claims one job per delivery, under its limits row).
+        A task of no kind here: False."""
+        for spec in self._kinds.values():
+            if spec.task == task:
+                return spec.batch is not None or spec.limits is None
+        return False
+
     def __iter__(self) -> Iterator[JobKind]:
         return iter(self._kinds.values())
 

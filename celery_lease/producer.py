@@ -19,10 +19,10 @@ from typing import Any
 
 import sqlalchemy as sa
 from celery import Celery
-from sqlalchemy import exc as sa_exc
 
 from celery_lease import tracing, wakeups
 from celery_lease.db import migrate
+from celery_lease.db.refused import refused_value
 from celery_lease.db.schema import jobs as jobs_table
 from celery_lease.db.store import Store
 from celery_lease.errors import ConfigurationError, InvalidPayload, LeaseError
@@ -34,6 +34,7 @@ from celery_lease.resends import ResendGate
 from celery_lease.routing import QueueRouter
 from celery_lease.settings import Settings
 from celery_lease.status import Event, Status
+from celery_lease.waking import Waking
 
 log = logging.getLogger("celery_lease")
 
@@ -102,19 +103,8 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def refused_value(exc: BaseException) -> bool:
-    """The database (or its driver) refused one of the values: SQLSTATE class 22, or
-    a value the driver cannot even send (NUL in text, a lone surrogate)."""
-    if isinstance(exc, LeaseError):
-        return False
-    orig = exc.orig if isinstance(exc, sa_exc.StatementError) else exc
-    if isinstance(orig, (ValueError, UnicodeError, OverflowError)):
-        return True
-    return str(getattr(orig, "pgcode", "") or "").startswith("22")
-
-
 class Producer:
-    def __init__(self, app: Celery, store: Store, settings: Settings) -> None:
+    def __init__(self, app: Celery, store: Store, settings: Settings, coalesces: Callable[[str], bool] | None = None) -> None:
         self._app = app
         self._store = store
         self._settings = settings
@@ -122,6 +112,8 @@ class Producer:
         self._wakeups = wakeups.Publisher(app)
         self._resends = ResendGate(self._wakeups.queue_of, self._wakeups.waiting)
         self._router = QueueRouter(app)
+        #: ``coalesces(task)``: its submits' wakeups are coalesced (waking.py).
+        self.waking = Waking(app, self._wakeups.routing_key, coalesces or (lambda _task: False))
 
     def serialize(self, spec: JobKind, payload: Any) -> Any:
         """Validate and serialize one payload; raises InvalidPayload, storing nothing."""
@@ -338,7 +330,7 @@ class Producer:
             # takes the others (worker/batch.py), all marked woken by the insert.
             due = due[::wake_every]
         if connection is None:
-            self.publish_wakeups(due)
+            self.publish_wakeups(due, coalesce=True)
         else:
             self._publish_after_commit(connection, due)
         return jobs
@@ -354,7 +346,7 @@ class Producer:
         after_commit = connection.info.get(AFTER_COMMIT)
         if after_commit is not None:
             if jobs:
-                after_commit(lambda: self.publish_wakeups(jobs))
+                after_commit(lambda: self.publish_wakeups(jobs, coalesce=True))
             return
         pending = connection.info.setdefault(_COMMIT_WAKEUPS, [])
         pending.extend(jobs)
@@ -367,7 +359,7 @@ class Producer:
             jobs = conn.info.pop(_COMMIT_WAKEUPS, None)
             if jobs:
                 conn.connection.dbapi_connection.commit()
-                self.publish_wakeups(jobs)
+                self.publish_wakeups(jobs, coalesce=True)
 
         def on_rollback(conn):
             conn.info.pop(_COMMIT_WAKEUPS, None)
@@ -379,13 +371,15 @@ class Producer:
         """The sweeper's wakeups: its re-sends only where no earlier copy may wait (resends.py)."""
         return self.publish_wakeups(self._resends.admit(rows))
 
-    def publish_wakeups(self, jobs: Sequence[Job | dict]) -> int:
-        """Publish one wakeup per job; the Celery task id is the job id. A failure to
-        publish (broker down) never fails the caller: the row is already committed, its
+    def publish_wakeups(self, jobs: Sequence[Job | dict], *, coalesce: bool = False) -> int:
+        """Publish one wakeup per job (``coalesce``, a submit's: one per kind and queue
+        on its way, waking.py); the Celery task id is the job id. A failure to publish
+        (broker down) never fails the caller: the row is already committed, its
         woken_at is cleared, and the sweeper delivers it later."""
         if not jobs:
             return 0
-        items = [(j.id, j.task, j.queue) if isinstance(j, Job) else (str(j["id"]), j["task"], j["queue"]) for j in jobs]
+        every = [(j.id, j.task, j.queue) if isinstance(j, Job) else (str(j["id"]), j["task"], j["queue"]) for j in jobs]
+        items, marks = self.waking.admit(every) if coalesce else (every, [])
         try:
             self._wakeups.publish(items)
             return len(items)
@@ -393,8 +387,9 @@ class Producer:
             log.warning(
                 "celery-lease: cannot publish %d wakeup(s) (%s); the sweeper will deliver them", len(items), type(exc).__name__
             )
+        self.waking.forget(marks)
         try:
-            self._store.mark_not_woken([job_id for job_id, _, _ in items])
+            self._store.mark_not_woken([job_id for job_id, _, _ in every])
         except LeaseError:
-            log.warning("celery-lease: %d wakeups left to the sweeper's staleness threshold", len(items))
+            log.warning("celery-lease: %d wakeups left to the sweeper's staleness threshold", len(every))
         return 0

@@ -191,6 +191,15 @@ class Publisher:
         names = {getattr(entity, "name", None) for entity in (route.declare if route is not None else ())}
         return names.pop() if len(names) == 1 else None
 
+    def routing_key(self, task: str, queue: str | None) -> str | None:
+        """The routing key a (task, queue)'s wakeups are published with to the nameless
+        exchange (straight to one queue), which the delivery carries back; None for any
+        other route (waking.py coalesces only these)."""
+        route = self._route(task, queue)
+        if route is None or route.exchange != "" or not isinstance(route.routing_key, str):
+            return None
+        return route.routing_key
+
     def waiting(self, names: Collection[str]) -> dict[str, int]:
         """How many messages wait in each of these broker queues (one passive declare
         each; a queue the broker does not know holds none). Raises when it cannot tell."""

@@ -67,6 +67,11 @@ class RedisDirect:
         self._tag_base = kombu_uuid()[:-8]
         self._tags = 0
 
+    @property
+    def client(self) -> Any:
+        """The Redis client this channel's direct wakeups use."""
+        return self._client
+
     @classmethod
     def of(cls, producer: Any) -> RedisDirect | None:
         channel = producer.channel

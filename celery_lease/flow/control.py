@@ -19,10 +19,8 @@ process and host at once (Celery's own ``rate_limit`` is per worker).
   rate-limited kind schedules one wakeup for the next window, and the first claim of a
   window wakes the jobs held for it; a resume wakes every job the pause held. A
   release takes the same limits row lock as the claims, so a job held by a claim that
-  raced with the release is seen by it. The sweeper still recovers what a crash made
-  us miss (:meth:`FlowControl.sweep`).
-* **Priority** is decided by the database, not the broker: see ``claim_job_flow``. The
-  delivered job whose turn was taken gets a new wakeup.
+  raced with the release is seen by it. The sweeper recovers what a crash missed.
+* **Priority** is decided by the database: the delivered job whose turn was taken gets a new wakeup.
 * **Runtime limits.** An operator's override (:meth:`FlowControl.set_limits`: ``celery
   lease limit``, the API, the dashboard) is stored in the kind's limits row; the
   limited claim, the hold and every wake read the limit in force from that row (the
@@ -30,9 +28,8 @@ process and host at once (Celery's own ``rate_limit`` is per worker).
   of a limited kind with no round trip of its own. A kind the code leaves unlimited
   claims with CLAIM, which takes no lock: each worker process learns which such kinds
   an override limits from a cache read at most every OVERRIDES_REFRESH_SECONDS, and
-  claims them with CLAIM_LIMITED from then on. CLAIM itself refuses a kind an override
-  limits, so a claim made after the override committed never runs past it: the
-  refused delivery reads the overrides afresh and claims with CLAIM_LIMITED.
+  claims them with CLAIM_LIMITED from then on. CLAIM (and CLAIM_BATCH) refuses a kind an
+  override limits; the refused delivery reads the overrides afresh and claims limited.
 """
 
 from __future__ import annotations
@@ -171,9 +168,12 @@ class FlowControl:
         return row
 
     def hold(self, job_id: str, spec: JobKind) -> None:
-        """A batched kind's claim (worker/batch.py) took nothing: its delivered job is
-        held if a pause refused it, to be woken by the resume."""
-        self._follow_up(job_id, spec, self._db.hold(job_id, spec.task), False)
+        """A batched kind's claim (worker/batch.py) took nothing: if a pause refused it,
+        its delivered job and the kind's other due ones are held, woken by the resume."""
+        result = self._db.hold(job_id, spec.task)
+        if result.held == Held.PAUSE.value:
+            self._db.hold_paused(job_id, spec.task)
+        self._follow_up(job_id, spec, result, False)
 
     def batch_claimed(self, job_id: str, spec: JobKind, first: dict[str, Any], own: bool) -> None:
         """After a limited batched kind's claim (``first``: its first row): its rate window's

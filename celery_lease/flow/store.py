@@ -161,6 +161,10 @@ class FlowStore:
         held by anything, or neither (a duplicate delivery, or one for another task)."""
         return self._hold(job_id, task, None)
 
+    def hold_paused(self, job_id: str, task: str) -> int:
+        """The rest of a paused kind's due jobs, beside the delivered one (hold_paused)."""
+        return len(self._store.alone(fs.hold_paused(), {"job_id": job_id, "wakeup_task": task}, fast=True))
+
     def _hold(self, job_id: str, task: str, kind: str | None) -> ClaimResult:
         params = {"job_id": job_id, "wakeup_task": task, "of_kind": kind, "limited": kind is not None}
         lock = fs.lock_limits_row() if kind is not None else None

@@ -217,6 +217,35 @@ def execute(
     return row
 
 
+def execute_many(store: Store, stmt: Any, params: Mapping[str, Any], *, limited: bool) -> tuple[list[Row], bool]:
+    """A claim of many rows (lifecycle/batch.py) executed as every claim is: alone in
+    its transaction (prepared, one round trip; a ``limited`` one after its kind's limits
+    row lock), its lost reply settled by its token (LandedClaim). Returns its rows and
+    whether they were adopted from a first try whose reply was lost (then they carry only
+    ADOPT's columns)."""
+    assert durability.is_durable(stmt), "a claim's statement must be declared durable"
+    params = {**params, "token": new_token()}
+    check = LandedClaim(store, params)
+    lock = fs.lock_limits(store.dialect) if limited else None
+
+    def run() -> list[Row]:
+        return store.alone(stmt, params, lock=lock, on_retry=check)
+
+    try:
+        try:
+            rows = run()
+            if check.retried and all(r["id"] is None for r in rows):
+                check()  # the retry claimed nothing: the first try may have
+            return rows, False
+        except DatabaseUnavailable:
+            if not check.retried:
+                raise
+            rows = retry_briefly(check.landed)
+            return (rows, True) if rows else (run(), False)
+    except ClaimLanded as landed:
+        return landed.rows, True
+
+
 def _settle(store: Store, check: LandedClaim, successes: RidingSuccesses | None, run: Callable[[], Row | None]) -> Row | None:
     """A claim whose connection dropped and whose retry found the server gone (a
     backend crash resets every connection, and the server refuses them while it

@@ -77,6 +77,10 @@ _CANCELLED = "cancelled"
 
 #: Seconds a batch's successes may wait for one statement (see the module's docstring).
 FLUSH_AFTER = 0.05
+#: A kind with no ``batch=``: a claim takes about this many seconds of its bodies ...
+CLAIM_SECONDS = 0.05
+#: ... and at most this many jobs (Batches.size).
+DEFAULT_CAP = 100
 
 
 class Batches:
@@ -85,6 +89,24 @@ class Batches:
     def __init__(self, state: Any) -> None:
         #: The process's WorkerState (worker/executor.py, which owns this object).
         self._state = state
+        #: Per kind with no ``batch=``: how long its attempts took here (a moving average).
+        self._took: dict[str, float] = {}
+
+    def size(self, spec: JobKind) -> int:
+        """How many jobs a claim of ``spec`` takes: its ``batch=``; else as many as run in
+        about CLAIM_SECONDS by what its attempts took in this process (one until one ran:
+        a lone job, or a long one, is not held behind another), at most DEFAULT_CAP."""
+        if spec.batch is not None:
+            return spec.batch
+        took = self._took.get(spec.kind)
+        if took is None:
+            return 1
+        return max(1, min(DEFAULT_CAP, int(CLAIM_SECONDS / max(took, CLAIM_SECONDS / DEFAULT_CAP))))
+
+    def _measured(self, spec: JobKind, took: float) -> None:
+        if spec.batch is None:
+            before = self._took.get(spec.kind)
+            self._took[spec.kind] = took if before is None else 0.8 * before + 0.2 * took
 
     # --- task_prerun ---------------------------------------------------------------------
 
@@ -99,13 +121,18 @@ class Batches:
                 return None
         sent_at = time.monotonic()
         owner = owner_of(hostname)
-        params = {"job_id": job_id, "wakeup_task": spec.task, "owner": owner, "n": spec.batch}
+        params = {"job_id": job_id, "wakeup_task": spec.task, "owner": owner, "n": self.size(spec)}
         limited = state.flow is not None and state.flow.limited(spec)
-        if limited:
-            params.update(declared_limits(spec.kind, spec.limits))
-        # A re-run of the claim after a lost reply adopts the rows its first try took, by
-        # the claim's token, never other rows (lifecycle.batch.claim_batch).
-        found = claim_batch(state.pipeline, state.store, params, limited=limited)
+        for _ in range(2):
+            if limited:
+                params.update(declared_limits(spec.kind, spec.limits))
+            # A re-run of the claim after a lost reply adopts the rows its first try took, by
+            # the claim's token, never other rows (lifecycle.batch.claim_batch).
+            found = claim_batch(state.store, params, limited=limited)
+            if limited or not (found and found[0].get("overridden")) or state.flow is None:
+                break
+            # Refused by an override this process had not read: claimed on the limited path.
+            limited = state.flow.limited(spec, fresh=True)
         rows = [r for r in found if r["id"] is not None]  # (nothing claimed: one row of NULLs)
         with state._lock:
             state._live.update((str(r["id"]), r["lease_generation"]) for r in rows if r["status"] != _CANCELLED)
@@ -169,7 +196,8 @@ class Batches:
 
     def _wake(self, spec: JobKind, job_id: str, queue: str | None) -> None:
         try:
-            self._state.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}])
+            # Coalesced as a submit's: a wakeup of the kind already on its way takes the rest.
+            self._state.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}], coalesce=True)
         except Exception:
             log.warning("celery-lease: %s: the rest of a full batch not woken; the sweeper will", spec.kind)
 
@@ -195,6 +223,7 @@ class Batches:
                     value, signal = self._execute(spec, a, on_progress, successes)
                 else:
                     self._execute_own_task(spec, a, successes, tasks)
+                self._measured(spec, time.monotonic() - started)
                 if not a.pending_write:
                     self._done(a)
                 if successes.due(time.monotonic() - started):

@@ -33,10 +33,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_lease.db.blips import retry_within_lease
+from celery_lease.db.refused import refused_value
 from celery_lease.errors import LeaseLost
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.claim import RidingSuccesses
-from celery_lease.producer import refused_value
 from celery_lease.worker.runtime import Drainer
 
 if TYPE_CHECKING:

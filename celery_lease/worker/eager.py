@@ -44,7 +44,7 @@ class _LocalProducer(Producer):
         super().__init__(app, store, settings)
         self.woken: list[str] = []
 
-    def publish_wakeups(self, jobs: Sequence[Job | dict]) -> int:
+    def publish_wakeups(self, jobs: Sequence[Job | dict], *, coalesce: bool = False) -> int:
         self.woken.extend(str(j["id"]) if isinstance(j, dict) else j.id for j in jobs)
         return len(jobs)
 

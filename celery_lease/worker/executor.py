@@ -106,8 +106,9 @@ class WorkerState:
 
     # --- task_prerun / task_postrun ------------------------------------------------
 
-    def begin(self, job_id: str, spec: JobKind, hostname: str | None) -> Attempt | None:
-        """Claim the job named by the delivery; None when it is not claimable."""
+    def begin(self, job_id: str, spec: JobKind, hostname: str | None, routing_key: Any = None) -> Attempt | None:
+        """Claim the job named by the delivery (``routing_key``: as delivered), or what is
+        due of its kind; None when nothing is claimable."""
         if shutdown.requested():
             # Warm shutdown: leave the job pending, and since this (early-acked)
             # delivery is spent, wake another worker for it now rather than after the
@@ -118,8 +119,9 @@ class WorkerState:
             except LeaseError:
                 log.warning("celery-lease: job %s: not re-woken at shutdown; the sweeper will", job_id)
             return None
-        if spec.batch is not None and self.store.capabilities.batched_claims and not self.eager:
-            # (In-process runs run the one job they name.)
+        if self._claims_many(spec):
+            # Its wakeup's mark goes before the claim reads the table (waking.py).
+            self.producer.waking.arrived(spec.task, routing_key)
             return self.batches.begin(job_id, spec, hostname)
         sent_at = time.monotonic()
         owner = owner_of(hostname)
@@ -159,6 +161,15 @@ class WorkerState:
             self._hand_off_late(attempt)
             return None
         return attempt
+
+    def _claims_many(self, spec: JobKind) -> bool:
+        """A delivery claims what is due of its kind (worker/batch.py): a kind with
+        ``batch=``, or whose wakeups are coalesced (waking.py), on a database that claims
+        many rows in one statement. (In-process runs run the one job they name.)"""
+        if self.eager or not self.store.capabilities.batched_claims:
+            return False
+        waking = self.producer.waking
+        return spec.batch is not None or (waking.enabled and waking.coalesces(spec.task))
 
     def _start(self, row: dict[str, Any], spec: JobKind, sent_at: float) -> Attempt:
         """The attempt the claim took (a higher-priority job may be claimed in place of

@@ -111,7 +111,7 @@ def connect(
             started = tracing.clock()  # the attempt's span starts with its claim
             # Recorded at once: the claim is committed, and nothing after it may keep the
             # body from running (Celery swallows what a task_prerun receiver raises).
-            request.lease_attempt = attempt = worker_state().begin(request.id, task.spec, request.hostname)
+            request.lease_attempt = attempt = worker_state().begin(request.id, task.spec, request.hostname, queue)
             if started is not None and attempt is not None:
                 tracing.start_attempt(attempt, queue, started, request)
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from celery_lease.db.prepared import Prepared
+from celery_lease.db.engine import Database
 from celery_lease.db.schema import jobs
 
 HOST = "w@host"
@@ -33,18 +33,19 @@ def job_updates() -> Iterator[list[str]]:
         if "UPDATE celery_lease_jobs" in statement and "renewable" not in statement:
             seen.append(statement)
 
-    executed = Prepared.execute
+    executed = Database.execute_prepared
 
-    def execute(self, *args, **kwargs):
-        record(None, None, getattr(self, "prepare_sql", ""))  # (a PreparedScript: the lock and a wake)
-        return executed(self, *args, **kwargs)
+    def execute(self, stmt, *args, **kwargs):
+        for part in getattr(stmt, "parts", (stmt,)):  # (a PreparedScript: the lock, then the claim)
+            record(None, None, part.prepare_sql)
+        return executed(self, stmt, *args, **kwargs)
 
     sa.event.listen(sa.engine.Engine, "before_cursor_execute", record)
-    Prepared.execute = execute
+    Database.execute_prepared = execute
     try:
         yield seen
     finally:
-        Prepared.execute = executed
+        Database.execute_prepared = executed
         sa.event.remove(sa.engine.Engine, "before_cursor_execute", record)
 
 
@@ -256,14 +257,18 @@ def test_a_claim_and_a_completion_whose_replies_were_lost_are_found_landed(pg, b
         proxy.close()
 
 
-def test_submit_many_wakes_a_batched_kind_once_per_batch(pg, broker, mod):
+def test_submits_of_a_batched_kind_share_one_wakeup_until_a_delivery_claims(pg, broker, mod):
     import redis
 
     client = redis.Redis.from_url(broker)
     try:
         before = client.llen("celery")
         mod.b_note.submit_many([{"n": i} for i in range(9)])  # batch=4
-        assert client.llen("celery") - before == 3
+        mod.b_note.submit({"n": 9})
+        assert client.llen("celery") - before == 1  # one on its way: its claim takes the rest
+        mod.leases.producer.waking.arrived(mod.b_note.spec.task, "celery")  # a delivery is about to claim
+        mod.b_note.submit({"n": 10})
+        assert client.llen("celery") - before == 2  # committed after that claim may read: its own
     finally:
         client.close()
 
@@ -409,10 +414,10 @@ def test_a_batch_claims_slow_follow_up_does_not_cost_the_batch(pg, broker, clien
     ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(5)])]
     publish = worker.producer.publish_wakeups
 
-    def slow_publish(wakeups):
+    def slow_publish(wakeups, **kw):
         if wakeups:  # (the claim's transition publishes none, through this same call)
             time.sleep(1.5)
-        return publish(wakeups)
+        return publish(wakeups, **kw)
 
     monkeypatch.setattr(worker.producer, "publish_wakeups", slow_publish)
     started = time.monotonic()

@@ -18,6 +18,7 @@ from sqlalchemy import exc as sa_exc
 from celery_lease import cancel_notice
 from celery_lease.beat.periodic import CRON_GRACE, MAX_CLOCK_SKEW, MAX_TICK_AGE, Periodic, TickRefused
 from celery_lease.db.engine import Database
+from celery_lease.db.refused import refused_value
 from celery_lease.db.statements import events, reads
 from celery_lease.errors import ConfigurationError, InvalidPayload
 from celery_lease.ops import listing
@@ -33,7 +34,6 @@ from celery_lease.payload import (
     storable_text,
     too_deep,
 )
-from celery_lease.producer import refused_value
 from celery_lease.settings import Settings
 from celery_lease.status import Event
 

@@ -15,12 +15,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_lease.db.durability import durable
 from celery_lease.db.schema import ID, jobs, limits, pauses, runs
 from celery_lease.db.statements.claim import CLAIMED_COLUMNS, RUN_CANCELLED, claimed_values
 from celery_lease.db.statements.common import _PENDING, _c, _due, db_now
 from celery_lease.db.statements.events import _events_of, logged
 from celery_lease.db.statements.flow import _new_window, _rate_budget, count_rate_claims
-from celery_lease.db.statements.in_force import in_force_concurrency, in_force_rate, running_like
+from celery_lease.db.statements.in_force import in_force_concurrency, in_force_rate, not_overridden, running_like
 from celery_lease.status import Event, Held, Status
 
 
@@ -44,7 +45,10 @@ def claim_batch() -> sa.Select:
     """
     delivered = _delivered()
     limit = sa.bindparam("n", type_=sa.Integer)
-    picked = _picked(delivered, limit, _c.held.is_(None))
+    # No operator's override limits the kind: else nothing is claimed and ``overridden``
+    # says why (the caller claims again with claim_batch_limited), so a claim made after
+    # an override committed never runs past it.
+    picked = _picked(delivered, limit, _c.held.is_(None), guard=not_overridden(delivered.c.kind))
     ranked = sa.select(picked.c.id, sa.func.row_number().over(order_by=_order(picked)).label("rank")).cte("ranked")
     cancelled = sa.exists().where(runs.c.id == _c.run_id, runs.c.cancelled_at.is_not(None))
     claimed = (
@@ -58,12 +62,15 @@ def claim_batch() -> sa.Select:
     following = sa.select(ranked.c.id).where(ranked.c.rank == limit + 1).scalar_subquery()
     # Always at least one row: nothing claimed is one row of NULLs but ``paused``, so a
     # delivery that found nothing learns in this same statement whether a pause is why.
-    paused = sa.exists().where(pauses.c.kind == sa.select(delivered.c.kind).scalar_subquery())
-    flags = sa.select(paused.label("paused")).cte("flags")
-    return logged(
-        sa.select(claimed, following.label("next_id"), flags.c.paused)
-        .select_from(flags.outerjoin(claimed, sa.true()))
-        .add_cte(_events_of(claimed, event, detail, "logged"))
+    kind = sa.select(delivered.c.kind).scalar_subquery()
+    paused = sa.exists().where(pauses.c.kind == kind)
+    flags = sa.select(paused.label("paused"), (~not_overridden(kind)).label("overridden")).cte("flags")
+    return durable(
+        logged(
+            sa.select(claimed, following.label("next_id"), flags.c.paused, flags.c.overridden)
+            .select_from(flags.outerjoin(claimed, sa.true()))
+            .add_cte(_events_of(claimed, event, detail, "logged"))
+        )
     )
 
 
@@ -151,11 +158,13 @@ def claim_batch_limited() -> sa.Select:
         sa.func.coalesce(sa.select(caps.c.opened).scalar_subquery(), sa.false()).label("opened"),
         sa.select(delivered.c.queue).scalar_subquery().label("next_queue"),
     ).cte("flags")
-    return logged(
-        sa.select(claimed, following.label("next_id"), flags.c.paused, flags.c.held_rate)
-        .add_columns(flags.c.window_claims, flags.c.window_rate, flags.c.opened, flags.c.next_queue)
-        .select_from(flags.outerjoin(claimed, sa.true()))
-        .add_cte(_events_of(claimed, event, detail, "logged"))
+    return durable(
+        logged(
+            sa.select(claimed, following.label("next_id"), flags.c.paused, flags.c.held_rate)
+            .add_columns(flags.c.window_claims, flags.c.window_rate, flags.c.opened, flags.c.next_queue)
+            .select_from(flags.outerjoin(claimed, sa.true()))
+            .add_cte(_events_of(claimed, event, detail, "logged"))
+        )
     )
 
 
@@ -170,7 +179,9 @@ def _delivered(*, of_kind: bool = False) -> sa.CTE:
     return sa.select(named.c.kind, named.c.queue).where(*guards).cte("delivered")
 
 
-def _picked(delivered: sa.CTE, n: Any, held: sa.ColumnElement[bool], *columns: Any) -> sa.CTE:
+def _picked(
+    delivered: sa.CTE, n: Any, held: sa.ColumnElement[bool], *columns: Any, guard: sa.ColumnElement[bool] | None = None
+) -> sa.CTE:
     """Up to ``n`` + 1 due pending jobs of the delivered job's kind and queue that
     ``held`` admits, best priority first, then (a fair kind) smallest fair_key, then
     oldest, FOR UPDATE SKIP LOCKED: two batches claiming at once take different rows,
@@ -187,6 +198,7 @@ def _picked(delivered: sa.CTE, n: Any, held: sa.ColumnElement[bool], *columns: A
             _c.task == sa.bindparam("wakeup_task"),
             _due(_c),
             ~sa.exists().where(pauses.c.kind == _c.kind),
+            *(() if guard is None else (guard,)),
         )
         # fair_key is NULL for every job of a kind that is not fair (statements/fair.py:
         # a fair kind's batch is a weighted mix of tenants).

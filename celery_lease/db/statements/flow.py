@@ -23,6 +23,7 @@ from celery_lease.db.statements.common import (
     _batch,
     _c,
     _delivered,
+    _due,
     _picked,
     _seconds,
     db_now,
@@ -155,6 +156,31 @@ def hold_job() -> sa.Update:
         .where(_delivered())  # as claim_job's: an untrusted wakeup for another task writes nothing
         .values(held=reason, woken_at=db_now())
         .returning(_c.held, *WAKEUP_COLUMNS)
+    )
+
+
+@functools.cache
+def hold_paused() -> sa.Update:
+    """hold_paused: after a claim of a paused kind that claims many jobs per delivery
+    (worker/batch.py) took nothing, the other due pending jobs of the delivered job's
+    kind and queue are held for the pause too, as hold_job holds the delivered one: their
+    wakeups were coalesced into its (waking.py), so the resume must find them held. The
+    pause row is read FOR SHARE, as there."""
+    named = jobs.alias("named")
+    of_delivered = named.c.id == sa.bindparam("job_id"), named.c.task == sa.bindparam("wakeup_task")
+    paused = sa.exists(sa.select(pauses.c.kind).where(pauses.c.kind == _c.kind).with_for_update(read=True))
+    return (
+        sa.update(jobs)
+        .where(
+            _c.kind == sa.select(named.c.kind).where(*of_delivered).scalar_subquery(),
+            _c.queue.is_not_distinct_from(sa.select(named.c.queue).where(*of_delivered).scalar_subquery()),
+            _c.status == _PENDING,
+            _c.held.is_(None),
+            _due(_c),
+            paused,
+        )
+        .values(held=Held.PAUSE.value, woken_at=db_now())
+        .returning(_c.id)
     )
 
 
