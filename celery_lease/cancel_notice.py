@@ -1,29 +1,15 @@
-"""Faster cancel notice: a Redis pub/sub message (or, on an AMQP broker, a fanout
-exchange: celery_lease/notice_amqp.py) that wakes the heartbeats.
+"""Faster cancel notice: a Redis pub/sub message (on an AMQP broker a fanout exchange:
+:mod:`celery_lease.notice_amqp`) that wakes the heartbeats of the workers holding a job.
 
-The table is the truth and the heartbeat is the guarantee: a cancelled job's lease is
-revoked by the cancel statement itself, and the worker holding it learns at its next
-renewal (within ``lease_seconds / 3``). This module only shortens that wait. When the
-broker is Redis, ``cancel`` publishes the cancelled ids, and every worker process that
-holds a lease listens and renews at once when a notice names a job it holds; the
-renewal finds the revoked lease and marks the attempt lost. On RabbitMQ the same
-notices go through a fanout exchange of the broker (:mod:`celery_lease.notice_amqp`);
-other brokers have none (the heartbeat alone).
-
-A notice is untrusted input: anything that can reach the Redis server can publish one.
-So a listener
-
-* hears only its own app's channel (:func:`channel`: the app's name and the broker's
-  database number; pub/sub itself ignores database numbers);
-* parses each notice: a JSON list of at most :data:`MAX_IDS` job ids, at most
-  :data:`MAX_NOTICE_BYTES` long; anything else is ignored whole;
-* acts only on a notice that names a job this process holds (no statement otherwise);
-* renews at most :data:`WAKE_RATE` times a second (bursts of :data:`WAKE_BURST`): a
-  flood of notices naming held jobs costs a bounded number of statements, and the
-  notices over the rate are dropped (the heartbeat still covers them).
-
-Best-effort in both directions: a notice that cannot be published, that is dropped, or
-that arrives while a listener is reconnecting is simply lost and the heartbeat takes over.
+The table is the truth and the heartbeat the guarantee: the cancel statement revokes the
+lease and the holder learns at its next renewal; a notice only makes that renewal happen
+at once. Best effort both ways: a notice not published, dropped or missed while a
+listener reconnects is lost, and the heartbeat takes over. The rule: a notice is
+untrusted input (anything that reaches Redis can publish one), so a listener hears only
+its own app's :func:`channel`, parses each notice (a JSON list of at most :data:`MAX_IDS`
+job ids, at most :data:`MAX_NOTICE_BYTES`; anything else is ignored whole), acts only on
+jobs this process holds, and renews at most :data:`WAKE_RATE` times a second (bursts of
+:data:`WAKE_BURST`), dropping the rest.
 """
 
 from __future__ import annotations
@@ -66,7 +52,8 @@ def redis_url(broker_url: Any) -> str | None:
 
 
 def channel(broker_url: Any, app_name: str | None) -> str:
-    """The channel of one app's notices on one Redis database."""
+    """The channel of one app's notices on one Redis database (the database number is in
+    the name: pub/sub itself ignores database numbers)."""
     db = 0
     url = redis_url(broker_url)
     if url is not None:

@@ -1,39 +1,13 @@
 """Celery's canvas on leased tasks: chain, group, chord, link and link_error, with the
-hand-offs made durable where Celery's are not.
+hand-offs made durable where Celery's are not (docs/coming-from-celery.md).
 
-Celery freezes every step's task id before anything runs; a leased step's job id is that
-task id (and, unless the caller gave one, its idempotency key is ``celery:<task id>``, so
-applying the same frozen step twice creates one job). What a step still has to do after
-it succeeds is stored in its row (the ``canvas`` column), never in the wakeup:
-
-* **chain** ``a.s(p) | b.s() | c.s()``: when a leased step succeeds, the next step, if it
-  is a leased task, is created *in the transaction that records the success*, its payload
-  being the result (``b.si(q)`` keeps its own payload). A worker killed at any point either
-  committed both or neither. A plain next step (or a nested group or chord) is applied
-  right after that commit with the result, as Celery's worker would: Celery's guarantee,
-  not ours, covers that one hand-off. A plain step followed by a leased one: Celery's
-  worker calls the leased task's ``apply_async``, which submits the job.
-* **link** / **link_error**: the same, for each callback. An errback gets the failed
-  job's id (Celery's ``errback(task_id)`` form); a leased errback gets the payload
-  ``{"job_id": ..., "error": ...}``. Errbacks fire whenever the job ends otherwise than
-  by success: an attempt fails it (a ``Failure``, spent retries, a timeout), it is
-  cancelled (``leases.cancel``, the API, revoke, a cancelled run; error "cancelled"),
-  the reaper expires it ("lease expired") or restart recovery fails it. In each case a
-  leased errback is created in the transaction of that transition (:class:`Endings`
-  for those outside an attempt), a plain one applied after its commit.
-* **group** (and a chord's header): the leased members are one submit, one INSERT in
-  one transaction with their events, their wakeups published together once every
-  member was applied (:mod:`celery_lease.grouping`); if that write fails, none of them
-  is stored and the error reaches the caller. Plain members are Celery's, as before.
-* **chord**: needs celery-lease's result backend (installed when the app has none).
-  ``apply_chord`` writes a counter row before the header is applied; each header job's
-  success counts it down in its own success transaction, and the one that reaches zero
-  creates the body with the header's results in header order: the body is created once.
-  A header job that ends otherwise (fails, expires, is cancelled) removes the counter
-  in that transaction (so the body never runs) and fires the body's errbacks once.
-  The pruner deletes counters older than the retention with no pending or running
-  header job left. Header tasks must all be leased.
-* ``priority=`` is kept in the row (``canvas["priority"]``).
+A leased step's job id is its frozen task id (idempotency key ``celery:<task id>``
+unless the caller gave one, so applying the same frozen step twice creates one job).
+What a step still has to do after it ends is stored in its row (the ``canvas`` column),
+never in the wakeup. The rule: a leased follow-up (next chain step, errback, chord body)
+is created in the transaction of the transition that sets it off, so exactly once; a
+plain one is applied after that commit, under Celery's guarantee. Chords need
+celery-lease's result backend and all-leased headers; ``priority=`` is kept in the row.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """Exceptions raised by celery-lease.
 
-Control flow inside a handler (not errors of celery-lease itself)::
-
-    Failure                 the handler gives up: job -> failed, message stored, no retry
-    JobCancelled            raised by ctx.raise_if_cancelled(): stop now, write nothing
-     └── JobSuspended       warm shutdown: stop now, the job is handed to another worker
-    JobSnoozed              raised by ctx.snooze(s): back to pending, due in s seconds,
-                            no attempt spent
-
-Raised to Celery after the outcome is stored, so Flower shows the job's state::
-
-    JobFailed               the job is failed; carries only the stored error
-     └── JobRefused         ... by the handler's own Failure (or a refused value): an
-                            expected outcome, so Celery logs it at INFO, no traceback
-    celery.exceptions.Retry the job will run again after its backoff
-
-Errors of celery-lease, all under one base::
-
-    LeaseError
-     ├── ConfigurationError     a setting is missing or wrong (names the setting)
-     ├── DatabaseUnavailable    the job database cannot be reached
-     ├── InvalidPayload         submit refused the payload; nothing was stored
-     ├── UnknownKind            submit named a kind no @leases.job registered
-     ├── CheckpointTooLarge     a checkpoint exceeds its cap (on save or on load)
-     └── LeaseLost              a fenced write matched no row: another attempt, the
-                                reaper or a cancel owns the job now
-
-Every class's docstring is its default message.
+* Control flow inside a handler, not errors: :class:`Failure` (give up: failed, no retry),
+  :class:`JobCancelled` from ``ctx.raise_if_cancelled()`` (stop now, write nothing) and its
+  :class:`JobSuspended` (warm shutdown: the job goes to another worker), :class:`JobSnoozed`
+  from ``ctx.snooze(s)`` (pending again, due in s seconds, no attempt spent).
+* Raised to Celery after the outcome is stored, so Flower shows the job's state:
+  :class:`JobFailed` (carries only the stored error), its :class:`JobRefused` (the handler's
+  own Failure: logged at INFO, no traceback), and ``celery.exceptions.Retry``.
+* Errors of celery-lease, all under :class:`LeaseError`, whose docstring is each one's
+  default message: ConfigurationError (names the setting), DatabaseUnavailable,
+  InvalidPayload, UnknownKind, CheckpointTooLarge, LeaseLost (another attempt owns the job).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """CeleryLease: the one object a Celery app adds to get durable, leased jobs.
 
-This module only wires the parts together and offers the public methods; each part
-takes the narrow collaborators it needs (store, producer, registry, settings), never
-this object:
+This module only wires the parts together and offers the public methods; each part takes
+the narrow collaborators it needs (store, producer, registry, settings), never this object:
 
     settings.Settings      typed lease_* settings, read when first needed
     db.store.Store         engines, transactions, one method per named statement
@@ -123,8 +122,8 @@ class CeleryLease:
     @property
     def producer(self) -> Producer:
         if self._producer is None:
-            many = self.registry.claims_many if self.store.capabilities.batched_claims else None  # (waking.py)
-            self._producer = Producer(self.app, self.store, self.settings, coalesces=many)
+            many = self.store.capabilities.batched_claims and self.settings.coalesce_wakeups  # (waking.py)
+            self._producer = Producer(self.app, self.store, self.settings, coalesces=self.registry.claims_many if many else None)
         return self._producer
 
     @property
@@ -209,7 +208,7 @@ class CeleryLease:
         next ``raise_if_cancelled()`` with anything it writes afterwards discarded.
 
         ``batch``: one wakeup claims up to ``batch`` due jobs of the kind and runs them one
-        after another in one worker process (docs/flow-control.md#batched-kinds). ``fair``:
+        after another in one worker process (docs/flow-control.md#many-jobs-per-claim). ``fair``:
         claims share the workers among tenants by weight (docs/flow-control.md#fair-share).
         """
         refuse_celery_options(celery_options)  # max_retries=, bind=True, autoretry_for=...: say what to use

@@ -1,34 +1,13 @@
 """Green pools (``celery worker -P gevent`` / ``-P eventlet``): the job database's driver
-made cooperative with the hub.
+made cooperative with the hub (docs/guide.md, "gevent and eventlet").
 
-Celery monkey-patches sockets, threads and sleeps for a green pool, but psycopg2 talks to
-PostgreSQL in C: without a wait callback every statement blocks the whole process, so
-a handler waiting 2.5 s in PostgreSQL stalls every other greenlet, the heartbeat among
-them, and the other jobs' leases lapse. :func:`cooperate` installs psycopg2's wait
-callback (the psycogreen recipe: poll the connection, park the greenlet on its socket
-until it is ready), so each statement yields to the hub while it waits.
-
-Why the heartbeat stays a greenlet rather than a real OS thread: once psycopg2 is green,
-the heartbeat's renewals are I/O like any other and run while a hundred handlers wait on
-theirs; and a real thread could not share the process's monkey-patched locks, queues
-and connection pool with the greenlets safely. The price is the one every green program
-pays: a handler that never yields (a CPU-bound loop, a C extension that blocks without
-releasing to the hub) stops every greenlet of its process, the heartbeat included. Its
-leases, and those of every job in that process, are then not renewed: each attempt
-counts its lease lost by its own clock, the reaper requeues the jobs once the leases
-elapse, and whatever the stalled handlers write afterwards is refused by the lease
-generation. Run such kinds on a prefork or threads worker (a queue of their own).
-
-A module that bound ``time.sleep`` before the hub patched it keeps the blocking one:
-kombu's ``retry_over_time`` (``from time import sleep``), which Celery's consumer runs to
-reconnect to a lost broker, slept the whole process for a second at a time, so a broker
-restart froze every greenlet, the heartbeat too, and the jobs' leases lapsed (issue #27,
-item 6: the lease lives in PostgreSQL, no broker outage may cost one). :func:`cooperate`
-rebinds such a module's ``sleep`` to the hub's.
-
-eventlet's own ``monkey_patch()`` already makes psycopg2 green; an installed wait
-callback (eventlet's, psycogreen's, the application's) is left as it is. In green mode
-psycopg2 does not run COPY (a handler's own ``copy_expert`` in an effect fails there).
+psycopg2 talks to PostgreSQL in C, which Celery's monkey-patching does not reach: without
+a wait callback every statement blocks the whole process, the heartbeat greenlet included,
+and the other jobs' leases lapse. :func:`cooperate` installs psycopg2's wait callback (the
+psycogreen recipe), so each statement yields to the hub while it waits, and rebinds to the
+hub's ``sleep`` the modules that bound the blocking one before the hub patched ``time``.
+The rule: an installed wait callback (eventlet's, psycogreen's, the application's) is
+left as it is. In green mode psycopg2 does not run COPY.
 """
 
 from __future__ import annotations
@@ -68,7 +47,9 @@ def cooperate() -> str | None:
 def _green_sleeps(name: str) -> list[str]:
     """Rebind to the hub's sleep the ``sleep`` of every loaded module that holds the
     blocking one (bound before the hub patched ``time``); returns their names. The
-    hubs' own modules keep theirs (they block on purpose, off the hub)."""
+    hubs' own modules keep theirs (they block on purpose, off the hub). One such module
+    is kombu's (``retry_over_time``, Celery's broker reconnect): left blocking, a broker
+    restart froze every greenlet, the heartbeat too, and the jobs' leases lapsed."""
     import time
 
     if name == "gevent":

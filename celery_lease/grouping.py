@@ -1,20 +1,15 @@
-"""A Celery group's leased members as one submit: one INSERT, one transaction, one
-batch of wakeups.
+"""A Celery group's leased members as one submit: one INSERT, one transaction, one batch of
+wakeups.
 
-Celery applies a group (and a chord's header) member by member: ``group._apply_tasks``
-calls each member's ``apply_async(producer=P, group_id=...)`` inside one
-``app.producer_or_acquire()`` block that yields ``P``, and returns the members' frozen
-results. For an app with a CeleryLease that block is a :class:`Batch`: a leased member
-applied with the batch's producer and a group id is checked and turned into its row at
-once (a bad payload or option still raises at that member), its frozen result is
-returned, and the rows are written when the block ends, before ``group.apply_async``
-returns, by one :meth:`~celery_lease.producer.Producer.submit_rows`: all of them or
-none, the error reaching the caller. A block left by an exception writes none of its
-rows. Plain members are published by Celery as they come, as before.
-
-Only the app's own ``producer_or_acquire`` is wrapped (:func:`install`), never Celery's
-class: apps without a CeleryLease are untouched. A leased task applied outside such a
-block (no producer, or no group id) submits at once, as always.
+Celery applies a group (and a chord's header) member by member inside one
+``app.producer_or_acquire()`` block. For an app with a CeleryLease that block is a
+:class:`Batch`: a leased member applied with the batch's producer and a group id is
+checked and turned into its row at once (a bad payload still raises at that member), and
+the rows are written when the block ends, before ``group.apply_async`` returns, by one
+:meth:`~celery_lease.producer.Producer.submit_rows`. The rule: all rows or none, the error
+reaching the caller; a block left by an exception writes none. Only the app's own
+``producer_or_acquire`` is wrapped (:func:`install`), never Celery's class; a leased task
+applied outside such a block submits at once. Plain members are Celery's, as before.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Cancel notices over an AMQP broker (RabbitMQ), where there is no Redis pub/sub.
 
-Same contract as the Redis notices of :mod:`celery_lease.cancel_notice` (best effort, a
-shortcut before the next heartbeat, untrusted input parsed and rate-limited by its
-``Listener``): ``cancel`` publishes the notice to a fanout exchange named after the app's
-notice channel, non-durable, so a notice nobody listens to is dropped at once; every
-worker process that holds a lease binds a private queue to it (exclusive, auto-deleted
-with its connection, no acks, no persistence) and wakes its heartbeat.
-
-Why a fanout exchange on the broker rather than PostgreSQL LISTEN/NOTIFY: a listener
-then costs each worker process one connection to the broker, which RabbitMQ is built to
-hold by the thousand, instead of one more to the job database, whose connections are
-the scarce resource of a fleet of prefork workers.
+Same contract as :mod:`celery_lease.cancel_notice` (best effort, a shortcut before the
+next heartbeat, untrusted input parsed and rate-limited by its ``Listener``): ``cancel``
+publishes to a non-durable fanout exchange named after the app's notice channel, so a
+notice nobody listens to is dropped at once; every worker process that holds a lease binds
+a private queue to it (exclusive, auto-deleted, no acks, no persistence) and wakes its
+heartbeat. The broker, not PostgreSQL LISTEN/NOTIFY, because job database connections are
+the scarce resource of a fleet of prefork workers (docs/decisions.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Typed payloads and results: validate and serialize at submit, rebuild in the worker.
 
-A handler may annotate its payload and return type with a dataclass or a pydantic
-model. ``submit`` validates and serializes to plain JSON before anything is stored, so
-a bad payload raises there and nothing is written.
-
-Every JSON value celery-lease stores (payload, result, progress, checkpoint) passes
-:func:`storable`: JSON, under its cap, nested at most MAX_JSON_DEPTH deep, and free of
-what PostgreSQL cannot store (a NUL character, which neither ``text`` nor ``jsonb``
-accepts, and lone UTF-16 surrogates, which are not Unicode text at all). Such a value
-is *refused*, never silently altered: changing one character of a result could corrupt
-a checksum or an identifier downstream.
-Stored error messages are the exception: they are text for people, so NUL and lone
-surrogates are *replaced* with U+FFFD before the message is capped (:func:`cap_error`).
-
-Refusals raise :class:`UnstorableValue` whose message never quotes the value (a payload
-may carry a secret that must not end up in the caller's logs or the job table).
+A handler may annotate its payload and return type with a dataclass or a pydantic model;
+``submit`` validates and serializes to plain JSON before anything is stored, so a bad
+payload raises there and nothing is written. The rule: every JSON value celery-lease
+stores (payload, result, progress, checkpoint) passes :func:`storable` (JSON, under its
+cap, at most MAX_JSON_DEPTH deep, no NUL character or lone UTF-16 surrogate, which
+PostgreSQL cannot store) or is *refused*, never silently altered. Stored error messages
+are text for people: NUL and lone surrogates are *replaced* with U+FFFD before the
+message is capped (:func:`cap_error`). Refusals raise :class:`UnstorableValue`, whose
+message never quotes the value (it may carry a secret).
 """
 
 from __future__ import annotations
@@ -107,7 +101,9 @@ def too_deep(value: Any) -> bool:
 def storable(value: Any, what: str, cap: int, setting: str) -> int:
     """Check that ``value`` can be stored as JSON; return its size in bytes.
 
-    Raises UnstorableValue naming ``what`` and the reason, never quoting the value.
+    Raises UnstorableValue naming ``what`` and the reason, never quoting the value. A
+    value is refused, never altered: changing one character of a result could corrupt a
+    checksum or an identifier downstream.
     """
     try:
         # ensure_ascii=False keeps lone surrogates as characters, so encoding finds them;

@@ -1,25 +1,14 @@
 """Which of the sweeper's re-sent wakeups are published: a job's copies in the broker stay
 bounded (docs/lifecycle.md, "Re-sent wakeups").
 
-The sweeper re-sends a job's wakeup once it is stale (db/statements/maintenance.py,
-``_resend_due``: after one threshold, then backing off to RESEND_BACKOFF_MAX thresholds).
-Backing off alone, a job whose queue nobody consumes got a copy every few thresholds
-without end: each copy waits in the queue, and nothing says it is there. So a re-send
-is published only when no earlier wakeup of the job can still be waiting in its queue,
-as far as the broker tells (one passive declare per queue and sweep):
-
-* the queue is empty: every earlier copy left it (delivered, or lost); or
-* the queue holds fewer messages than this process saw in it after its previous look
-  (its own re-sends counted): a consumer is taking its messages, so the earlier copies
-  are being delivered, and the backoff bounds how many wait meanwhile.
-
-A queue nobody consumes only grows: its jobs keep the wakeups they have, and get none
-more. A lost wakeup is re-sent at the latest once its queue drains or is seen being
-consumed; when the broker cannot tell (it is down, the route names no single queue),
-the re-send is published, as before: a copy too many costs a delivery, a lost wakeup
-a job. The stale row was stamped by the sweep either way, so a re-send held back here
-is looked at again after the backoff. First wakeups (never woken, or came due) are
-always published.
+The sweeper re-sends a stale wakeup with a backoff (db/statements/maintenance.py,
+``_resend_due``). The rule: a re-send is published only when no earlier wakeup of the job
+can still be waiting in its queue, as far as the broker tells (one passive declare per
+queue and sweep): the queue is empty, or holds fewer messages than this process saw after
+its previous look (a consumer is taking them). When the broker cannot tell (it is down,
+the route names no single queue), the re-send is published: a copy too many costs a
+delivery, a lost wakeup a job. A re-send held back is looked at again after the backoff;
+first wakeups (never woken, or came due) are always published.
 """
 
 from __future__ import annotations

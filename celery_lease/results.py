@@ -1,29 +1,14 @@
 """Celery's result API over the job rows: ``AsyncResult(job.id).state`` and ``.get()``.
 
-:class:`LeaseBackend` is a Celery result backend that reads a job's row. ``CeleryLease``
-makes it the app's result backend when the app has none (``result_backend`` unset), so
-``app.AsyncResult(job_id)``, ``celery.result.AsyncResult(job_id)``, chains' and groups'
-results and chords all work with no other setting. An app with its own result backend
-keeps it for its plain tasks; leased tasks still answer through this one (each leased
-task's ``backend``), ``leases.AsyncResult(job_id)`` reads a job from anywhere, and the
-app's own backend answers for job ids from their rows too (:class:`RowFallback`), so
-``app.AsyncResult(job_id)`` and groups mixing plain and leased tasks work with it.
-
-States, from the row:
-
-==============================  ==========  ==================================
-job                             state       ``.result`` / what ``.get()`` does
-==============================  ==========  ==================================
-pending, never attempted        PENDING     None (also for an unknown id)
-pending after a failed attempt  RETRY       None
-running                         STARTED     the job's progress (``ctx.publish``)
-succeeded                       SUCCESS     the stored result
-failed / expired                FAILURE     ``JobFailed(stored error)``, raised by ``.get()``
-cancelled (or revoked)          REVOKED     ``TaskRevokedError``, raised by ``.get()``
-==============================  ==========  ==================================
-
-Plain tasks' results are not stored by this backend (as with no backend at all): give
-the app a result backend of its own for those.
+:class:`LeaseBackend` is a Celery result backend that reads a job's row; ``CeleryLease``
+installs it when the app has no ``result_backend``, so ``AsyncResult``, chains' and
+groups' results and chords work with no other setting. An app with its own backend keeps
+it for plain tasks; leased tasks still answer through this one, and the app's backend
+answers for job ids from their rows too (:class:`RowFallback`). States come from the row
+(docs/coming-from-celery.md): PENDING (also an unknown id), RETRY, STARTED (``.result``:
+the progress), SUCCESS, FAILURE (``.get()`` raises ``JobFailed(stored error)``), REVOKED
+(``.get()`` raises ``TaskRevokedError``). Plain tasks' results are not stored by this
+backend (as with no backend at all): give the app a result backend of its own for those.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
-"""The queue a job belongs to: the one Celery routes its task to, resolved once at submit.
+"""The queue a job belongs to: the one Celery routes its task to, resolved once at submit
+(docs/guide.md, "queue").
 
-Celery decides where a task message goes from, in this order (Celery's own
-``Router.route``, called here, so the semantics are Celery's exactly):
-
-1. ``queue=`` given to ``apply_async`` / ``submit`` (or to a signature's options);
-2. the task's own ``queue`` (``@leases.job(queue=...)`` sets it);
-3. ``app.conf.task_routes``: dicts (names, globs, compiled regexes), router functions
-   and classes, and strings naming either;
-4. ``task_default_queue``.
-
-The name found is stored in the job's ``queue`` column, and every wakeup of the job
-(submit's, the sweeper's, a requeue's, a retry's, a held job's when capacity frees, a
-chain's next step) is sent there with ``queue=`` that name. A router consulted per
-wakeup would see no payload (a wakeup carries none) and could send the job elsewhere
-than its first wakeup; the stored name also is what the dashboard shows and filters by
-and what reconciliation counts beside the broker's queue lengths.
-
-A router function receives ``args=(payload,)``, the payload as it is stored (its JSON
-form), and ``kwargs={}``. Routes that are only dicts do not depend on the payload, so
-their answer is kept per (task, queue=) for the process; a function or class is asked
-once per job. A route that names an exchange but no queue stores NULL (the job's
-wakeups are then routed by Celery each time, as before), shown as the default queue.
+Celery's own ``Router.route`` is called, so the precedence is Celery's exactly: ``queue=``
+given to the call or signature, the task's own ``queue``, ``app.conf.task_routes``, then
+``task_default_queue``. A router function receives ``args=(payload,)`` (the stored JSON
+form) and ``kwargs={}``. The rule: the name found is stored in the job's ``queue`` column
+and every wakeup of the job is sent there, never routed again (a wakeup carries no
+payload, so a router asked per wakeup could send the job elsewhere than its first). Routes
+that are only dicts are kept per (task, queue=) for the process; a function or class is
+asked once per job. A route naming an exchange but no queue stores NULL (Celery routes
+each wakeup, as before).
 """
 
 from __future__ import annotations

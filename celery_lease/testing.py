@@ -1,49 +1,13 @@
 """Testing a project's leased jobs with pytest: handlers run on a throwaway database,
 in-process (eager) or through a real Celery worker thread, with no broker server.
 
-A pytest plugin, registered by entry point (``pytest11``) when celery-lease is installed:
-a test module needs no ``conftest.py`` to use these fixtures. ``-p no:celery_lease.testing``
-turns it off; a conftest's ``pytest_plugins = ["celery_lease.testing"]`` is harmless. Its
-fixtures all start with ``lease_`` or are ``celery_lease``, so they stand beside
-pytest-celery's and Celery's own (``celery_app``, ``celery_worker``, ``celery_config``).
-
-Fixtures:
-
-``lease_app``
-    The Celery app under test: the one named by the ini option ``celery_lease_app``
-    (``[tool.pytest.ini_options] celery_lease_app = "proj.celery:app"``) or the
-    environment variable ``CELERY_LEASE_TEST_APP``; else Celery's own ``celery_app``
-    fixture (an app with a memory broker, configured by ``celery_config``). Override it
-    in a test module to pick another app.
-``lease_database_url``
-    A migrated database for one test: a SQLite file in the test's ``tmp_path``, or, when
-    ``CELERY_LEASE_TEST_PG_ADMIN`` holds an admin URL (``postgresql+psycopg2://user@host/postgres``),
-    a throwaway PostgreSQL database created for the test and dropped after it.
-``celery_lease``
-    The ``CeleryLease`` of ``lease_app``, switched to ``lease_database_url`` for the test
-    (its parts are remade on that database and restored afterwards).
-``lease_worker``
-    ``celery_lease`` with a real Celery worker running in a thread of the test process
-    (solo pool, in-memory broker: the app's ``broker_url`` is ``memory://`` for the test),
-    consuming every queue the app routes to (the default queue, ``task_queues``, the queues
-    ``task_routes``' dicts name and each kind's own; a router function's per-payload queues
-    must be in ``task_queues``)
-    and a maintenance thread doing what beat would (sweep and reap every 0.2 s, so retries
-    and delayed jobs run). ``task.delay(p)``, ``task.submit(p)``, chains and groups go
-    through the worker: claim, heartbeat, fenced writes and retries as in production.
-``lease_eager``
-    ``lease_eager(leases)`` switches your ``CeleryLease`` to ``lease_database_url`` and eager
-    mode (``task_always_eager``) for the test and restores it afterwards. Then
-    ``task.delay(p)`` / ``apply_async`` / ``apply`` return a finished ``LeaseResult`` and
-    ``task(p)`` the finished ``Job``: the handler ran here, once per attempt, with the same
-    claim, fenced writes, checkpoints, effects, ``Failure`` and retries (at once, without the
-    backoff) as in a worker; children and chain steps ran too; nothing reached the broker.
-
-Without pytest: ``with celery_lease.testing.eager(leases, database_url): ...``.
-
-With pytest-celery installed, ``celery_worker`` is its Docker-based worker (pytest-celery
-1.x); Celery's in-process one comes back with ``pytest_plugins = ["celery.contrib.pytest"]``
-in a conftest. ``lease_worker`` needs neither.
+A pytest plugin, registered by entry point (``pytest11``): a test module needs no
+``conftest.py``, ``-p no:celery_lease.testing`` turns it off, and a conftest's
+``pytest_plugins = ["celery_lease.testing"]`` is harmless. Its fixtures (``lease_app``,
+``lease_database_url``, ``celery_lease``, ``lease_worker``, ``lease_eager``) start with
+``lease_`` or are ``celery_lease``, so they stand beside pytest-celery's and Celery's
+own; docs/converting.md#tests shows them at work. Without pytest:
+``with celery_lease.testing.eager(leases, database_url): ...``.
 """
 
 from __future__ import annotations
@@ -205,6 +169,9 @@ def run(task: Any, payload: Any) -> Job:
 
 @pytest.fixture
 def lease_database_url(tmp_path) -> Iterator[str]:
+    """A migrated database for one test: a SQLite file in the test's ``tmp_path``, or, when
+    ``CELERY_LEASE_TEST_PG_ADMIN`` holds an admin URL (``postgresql+psycopg2://user@host/postgres``),
+    a throwaway PostgreSQL database created for the test and dropped after it."""
     admin = os.environ.get(PG_ADMIN_ENV)
     if admin:
         with throwaway_postgres(admin) as url:
@@ -215,6 +182,12 @@ def lease_database_url(tmp_path) -> Iterator[str]:
 
 @pytest.fixture
 def lease_eager(lease_database_url) -> Iterator[Callable[[CeleryLease], CeleryLease]]:
+    """``lease_eager(leases)`` switches ``leases`` to ``lease_database_url`` and eager mode
+    (``task_always_eager``) for the test. ``delay`` / ``apply_async`` / ``apply`` then return
+    a finished ``LeaseResult`` and ``task(p)`` the finished ``Job``: the handler ran here,
+    once per attempt, with the worker's claim, fenced writes, checkpoints, effects,
+    ``Failure`` and retries (at once, without the backoff); children and chain steps ran
+    too; nothing reached the broker."""
     stack: list[Any] = []
 
     def switch(leases: CeleryLease) -> CeleryLease:
@@ -233,6 +206,10 @@ def pytest_addoption(parser) -> None:
 
 @pytest.fixture
 def lease_app(request) -> Celery:
+    """The Celery app under test: the one named by the ini option ``celery_lease_app``
+    (``"proj.celery:app"``) or ``CELERY_LEASE_TEST_APP``; else Celery's own ``celery_app``
+    fixture (a memory broker, configured by ``celery_config``). Override it in a test module
+    to pick another app."""
     spec = request.config.getini(APP_OPTION) or os.environ.get(APP_ENV)
     if spec:
         return load_app(spec)
@@ -247,6 +224,8 @@ def lease_app(request) -> Celery:
 
 @pytest.fixture
 def celery_lease(lease_app, lease_database_url) -> Iterator[CeleryLease]:
+    """The ``CeleryLease`` of ``lease_app``, switched to ``lease_database_url`` for the test
+    (its parts are remade on that database and restored afterwards)."""
     leases = getattr(lease_app, "lease", None)
     if not isinstance(leases, CeleryLease):
         raise pytest.UsageError(f"celery-lease: the app {lease_app.main!r} has no CeleryLease (create CeleryLease(app) in it)")
@@ -256,6 +235,11 @@ def celery_lease(lease_app, lease_database_url) -> Iterator[CeleryLease]:
 
 @pytest.fixture
 def lease_worker(celery_lease) -> Iterator[CeleryLease]:
+    """``celery_lease`` with a real Celery worker in a thread of the test process (solo pool;
+    the app's ``broker_url`` is ``memory://`` for the test) consuming every queue the app
+    routes to (:func:`worker_queues`; a router function's per-payload queues must be in
+    ``task_queues``), and a thread doing beat's sweep and reap every 0.2 s, so retries and
+    delayed jobs run. Claims, heartbeats, fenced writes and retries are production's."""
     from celery.contrib.testing.worker import start_worker
 
     app = celery_lease.app

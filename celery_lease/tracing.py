@@ -1,26 +1,14 @@
-"""OpenTelemetry traces of submits and attempts (optional: the ``otel`` extra).
+"""OpenTelemetry traces of submits and attempts (optional: the ``otel`` extra; docs/tracing.md).
 
-Active only once the application has imported ``opentelemetry`` and set a tracer
-provider (an SDK's, not the API's no-op default); until then every hook below costs
-one dict lookup and celery-lease imports nothing of opentelemetry.
-
-What is traced (docs/tracing.md):
-
-* a PRODUCER span per ``submit`` / ``submit_many`` call (``submit <queue>``), around
-  the insert and the wakeups; its context (W3C ``traceparent`` / ``tracestate``) is
-  stored in the job row's ``trace_context`` column;
-* a CONSUMER span per attempt (``process <queue>``), from just before the claim to the
-  outcome, whose parent is the context stored in the row. The row, not the wakeup, is
-  the carrier: every attempt of a job (retries, after a reap, a hand-off, a wakeup the
-  sweeper re-sent) is a child of the submit that created it. A job created by a
-  handler (``ctx.submit``, a chain's next step, a callback) carries the context of the
-  attempt that created it.
-
-Beside ``opentelemetry-instrumentation-celery``: the claim (in ``task_prerun``) writes
-the attempt span's context into the delivery's request, so Celery's own
-``run/<task>`` span is a child of the attempt span rather than of the wakeup message.
-If Celery's instrumentation was set up before celery-lease connected its signals (so
-its span already exists at the claim), the attempt span links to it instead.
+Active only once the application has imported ``opentelemetry`` and set a tracer provider
+(an SDK's, not the API's no-op default); until then every hook costs one dict lookup and
+celery-lease imports nothing of opentelemetry. A PRODUCER span per ``submit`` /
+``submit_many`` (``submit <queue>``) stores its context in the job row's
+``trace_context``; a CONSUMER span per attempt (``process <queue>``, claim to outcome) is
+its child. The rule: the row, not the wakeup, carries the context, so every attempt of a
+job is a child of the submit that created it, and a job a handler creates carries its
+attempt's context. Beside ``opentelemetry-instrumentation-celery``, Celery's ``run/<task>``
+span is made a child of the attempt span (or linked to it, if it already existed).
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Publishing wakeups: one Celery task message per job, whose task id is the job id.
 
-A wakeup carries no payload (the row has it); losing, duplicating or delaying one
-never loses, duplicates or corrupts a job, because the claim decides who runs it.
-
-Every wakeup of a (task, queue) is the same message but for its id, so a
-:class:`Publisher` builds what ``app.send_task`` would rebuild per message once per
-process: the route (router, exchange, routing key, delivery mode, entities to
-declare), the header template and the serialized body. Per message it copies the
-headers, fires ``before_task_publish``, publishes with the producer, and fires
-``after_task_publish``, with the arguments ``send_task`` gives those signals; the
+A wakeup carries no payload (the row has it); losing, duplicating or delaying one never
+loses, duplicates or corrupts a job, because the claim decides who runs it. The rule: the
 message on the broker is the one ``send_task(task, task_id=job_id, queue=queue,
 ignore_result=True)`` would publish (tests/integration/test_submit_perf.py compares
-them). Several wakeups go through the producer's batch (kombu >= 5.7), which the Redis
-transport sends as one pipelined round trip per batch instead of one per message.
-
-Settings the template cannot honour (sent events, the deprecated ``task_sent`` signal,
-task protocol 1, per-task ``expires``, priority inherited from a parent task) take
-``send_task`` per message instead: slower, the same messages. The route of a (task,
-queue) is asked of ``task_routes`` once per process, so a router that answers
-differently from call to call for the same task is not supported.
+them), with the same publish signals; a :class:`Publisher` only builds the route, header
+template and body once per (task, queue) and process. Settings the template cannot
+honour (sent events, ``task_sent``, protocol 1, per-task ``expires``, inherited priority)
+take ``send_task`` per message. The route is asked of ``task_routes`` once per process,
+so a router answering differently from call to call for the same task is not supported.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """The maintenance tasks (reap, sweep, prune) and the beat entries celery-lease keeps.
 
 Two kinds of entries live in ``app.conf.beat_schedule``: the maintenance ticks (unless
-``CeleryLease(app, install_beat=False)``) and the periodic leased jobs declared with
-``leases.periodic(...)``. Celery and Django projects configure the app *after* creating
-it (``app.config_from_object(...)``, ``app.conf.beat_schedule = {...}``), which replaces
-the schedule, so the entries are not written once but kept:
-
-* each time the app's configuration is loaded (``on_after_configure``, which a later
-  ``config_from_object`` triggers again), missing entries are put back silently;
-* when beat starts (``beat_init``), entries missing from its scheduler (e.g. dropped by an
-  ``app.conf.beat_schedule = {...}`` assignment, which fires no signal) are added to the
-  scheduler itself, which has already read the schedule by then, with a warning that names
-  them. Without the maintenance entries nothing reaps, retries or delivers delayed jobs.
-
-Maintenance ticks run every few seconds; Celery logs "received" and "succeeded" for every
-task at INFO, so those lines (and beat's "Sending due task") are lowered to DEBUG for the
-maintenance tasks only.
+``CeleryLease(app, install_beat=False)``) and the periodic leased jobs of
+``leases.periodic(...)``. Projects configure the app after creating it, which replaces
+the schedule, so the entries are kept, not written once: put back silently each time
+the configuration loads (``on_after_configure``), and added to beat's own scheduler,
+with a warning naming them, when beat starts (``beat_init``) without them (an
+``app.conf.beat_schedule = {...}`` assignment fires no signal). Celery's per-task INFO
+lines (and beat's "Sending due task") are lowered to DEBUG for the maintenance tasks.
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """Leased jobs in the beat schedule, one job per schedule slot.
 
-``leases.periodic(name, task, every, payload)`` adds a beat entry that targets the small
-task ``celery_lease.beat_submit``. When beat fires the entry, that task's
-``apply_async`` runs *in the beat process* and stamps the message with the tick's own
-time; a worker then derives the slot from the entry's schedule and that time, and
-submits the job with the idempotency key ``beat:{name}:{slot start}``. Several beat
-processes firing the same slot therefore submit one job: the second submit of a
-(kind, key) returns the first job and stores nothing.
-
-A tick is untrusted input (anything that can write to the broker can send one): the
-worker never takes a key from it. It refuses a tick whose name is not an entry of this
-app, whose time is more than :data:`MAX_TICK_AGE` old or more than
-:data:`MAX_CLOCK_SKEW` ahead, or (crontab) whose minute the crontab does not fire in
-(allowing :data:`CRON_GRACE` for a late beat). So a forged tick can at most submit a
-slot that is due now, which beat submits anyway; it cannot claim a future slot's key
-ahead of time, nor replay a slot long gone.
-
-Slots:
-
-* interval schedules (seconds, ``timedelta``, ``celery.schedules.schedule``): slots are
-  aligned to the Unix epoch, ``[k * period, (k + 1) * period)``, so beats started at
-  different moments agree on them;
-* ``crontab``: the minute the tick fires in (a crontab fires at most once a minute).
-
-The kind may be named before any module declares it (``leases.periodic(...)`` in
-``proj/celery.py`` or an ``on_after_finalize`` hook, the handler in an autodiscovered
-``tasks.py``): it is resolved when beat starts, after the task modules are imported, and
-beat refuses to start (exits naming the entry and the kind) when no handler declares it.
-A worker resolves it at the entry's first tick.
-
-Limits, stated plainly: a slot is at most once, not exactly once. A tick that never
-reaches a worker (message lost) leaves its slot unrun, like any beat tick. The beat
-hosts' clocks must agree to well within the period, and a beat stalled past its slot's
-end gives its late tick the next slot (run once, like any other).
+``leases.periodic(name, task, every, payload)`` adds a beat entry for the task
+``celery_lease.beat_submit``, stamped with the tick's time in the beat process; a worker
+derives the slot from the entry's schedule and that time and submits the job with the
+idempotency key ``beat:{name}:{slot start}``, so several beats firing one slot submit
+one job. Interval slots are aligned to the Unix epoch; a crontab's slot is the minute
+the tick fires in. A tick is untrusted input: the worker takes no key from it and
+refuses one of an unknown entry, older than :data:`MAX_TICK_AGE`, further ahead than
+:data:`MAX_CLOCK_SKEW` or off its crontab (:data:`CRON_GRACE`), so a forged tick can at
+most submit a slot due now. A slot runs at most once, not exactly once.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Beat's maintenance ticks, run by a thread of each worker's main process.
 
-Ticks used to be ordinary tasks in the worker pool, so they waited behind prefetched
-job messages: with every pool slot busy with long jobs a tick waited until one freed
-(minutes), and with an ``expires`` taken from beat's clock it was then discarded. A
-reaper that does not run undoes every other guarantee, so ticks do not go through the
-pool at all:
-
-* each worker's main process runs one :class:`TickRunner` thread with its own broker
-  connection, consuming only the maintenance queue (one message at a time), whatever
-  the pool is doing (prefork, threads, solo);
-* the pool's consumer does not take that queue (``entries.register`` deselects it);
-* ticks carry no ``expires``: whether one is stale would be judged by comparing beat's
-  clock with the worker's. A backlog (workers were down while beat ran) is drained
-  instead: a tick of a kind this worker ran less than half an interval ago is acked
-  and skipped. Ticks are idempotent and bounded, so running one late is harmless.
-
-With ``task_send_sent_event`` on, beat announces every tick it sends (``task-sent``),
-and Flower lists it as PENDING until an event says how it ended; the pool's consumer
-would send those, but a tick never reaches it. So the runner announces the end of each
-tick itself (``task-succeeded``, or ``task-failed`` naming the exception type only), a
-skipped one included: otherwise Flower piled up a PENDING tick every few seconds.
+The rule: a tick never goes through the worker pool, whatever the pool is doing (a
+reaper that does not run undoes every other guarantee). Each worker's main process runs
+one :class:`TickRunner` thread with its own broker connection, consuming only the
+maintenance queue, one message at a time; the pool's consumer does not take that queue
+(``entries.register``). Ticks carry no ``expires``: a backlog is drained instead (a tick
+of a kind this worker ran less than half an interval ago is acked and skipped). The
+runner announces each tick's end to event monitors itself (:meth:`TickRunner._announce`).
 """
 
 from __future__ import annotations
@@ -115,6 +102,8 @@ class TickRunner:
         run, interval = entry
         now = time.monotonic()
         last = self._last.get(name or "")
+        # A backlog (workers were down while beat ran) is drained, not run tick by tick:
+        # ticks are idempotent and bounded, so skipping or running one late is harmless.
         if last is not None and now - last < interval / 2:
             self._announce(task_id, "task-succeeded", result="skipped", runtime=0.0)
             return
@@ -128,9 +117,10 @@ class TickRunner:
             self._announce(task_id, "task-failed", exception=type(exc).__name__, traceback=None)
 
     def _announce(self, task_id: Any, event: str, **fields: Any) -> None:
-        """Tell event monitors (Flower) how a tick beat announced has ended (see the module
-        docstring); one event, never retried: a monitor that misses it only shows a tick
-        as PENDING, as before."""
+        """Tell event monitors (Flower) how a tick beat announced has ended: with
+        ``task_send_sent_event`` beat announces every tick it sends, and only the pool's
+        consumer, which a tick never reaches, would announce its end. One event, never
+        retried: a monitor that misses it only shows that tick as PENDING."""
         if not (self._app.conf.task_send_sent_event and isinstance(task_id, str)):
             return
         try:

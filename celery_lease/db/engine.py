@@ -1,24 +1,15 @@
 """Engines, connections and transactions of the job database.
 
-Two kinds of commit share one database:
-
-* durable (synchronous): everything anyone may have been told or may rely on — submit,
-  cancel, reap, sweep, recovery, prune, and the lease life: claim (its generation is a
-  fencing token that must never be issued twice, also across a crash), renewal (the
-  worker counts on the lease it was told it holds), success (with effects and
-  children), failure, retry, handoff. A success that ``wait()`` or the API reported
-  survives a crash of PostgreSQL. Batched successes share one flush (Completer).
-* fast: progress and checkpoint writes only. On PostgreSQL they commit with
-  ``synchronous_commit = off``: a crash can lose the last few hundred milliseconds of
-  them, which only repeats work from an earlier checkpoint. A statement marked
-  durable in the catalogue (:mod:`celery_lease.db.durability`) commits synchronously
-  even there.
-
-Reads that may lag (lists, counts, metrics) may run on a replica instead
-(``lagging``: lease_read_database_url); nothing else does.
-
-Database errors never carry the driver's text outward (it can hold host names or
-credentials): DatabaseUnavailable names the setting and what went wrong (db/unreachable.py).
+The rule: two kinds of commit share one database. Durable (synchronous) for everything
+anyone may have been told or may rely on: submit, cancel, reap, sweep, recovery, prune,
+and the lease life (claim, renewal, success, failure, retry, handoff), so a reported
+success or an issued fencing token survives a crash of PostgreSQL. Fast for progress and
+checkpoint writes only (PostgreSQL: ``synchronous_commit = off``, a crash loses the last
+few hundred milliseconds, which only repeats work); a statement marked durable
+(:mod:`celery_lease.db.durability`) commits synchronously even there. Reads that may lag
+(lists, counts, metrics) may run on a replica (``lagging``: lease_read_database_url),
+nothing else. Database errors never carry the driver's text outward (it can hold host
+names or credentials): DatabaseUnavailable names the setting (db/unreachable.py).
 """
 
 from __future__ import annotations

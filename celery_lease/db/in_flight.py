@@ -1,17 +1,12 @@
 """What a dropped connection may still be doing on the server, waited for before a retry.
 
 A backend notices that its client is gone only when it next reads or writes, so a
-statement still in flight when the connection dropped (waiting for a lock, or its
-commit waiting in ``commit_delay``) can commit after the client gave it up. A retry,
+statement still in flight when the connection dropped (waiting for a lock, or its commit
+waiting in ``commit_delay``) can commit after the client gave it up. The rule: a retry,
 and the caller's look at what landed (``on_retry``: a claim's adoption by its token, a
-success read back by its generation), must see that outcome, not race it. (A claim
-retried while its first try waited for a lock skipped the job that first try had
-locked and claimed the delivered one; the first try then claimed the other under the
-same owner and token, and it ran no body until the reaper spent its attempt:
-history[prepared] seed 639886.)
-
-A Landing transaction (db/landing.py) needs no wait: its marker row's unique index
-makes the retry's own insert wait for the first try's outcome.
+success read back by its generation), must see that outcome, not race it. A Landing
+transaction (db/landing.py) needs no wait: its marker row's unique index makes the
+retry's own insert wait for the first try's outcome.
 """
 
 from __future__ import annotations

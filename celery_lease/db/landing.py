@@ -1,29 +1,15 @@
-"""A transaction whose lost reply is settled by what it wrote, never by guessing.
+"""A transaction whose lost reply is settled by what it wrote, never by guessing
+(docs/lifecycle.md, "A lost reply is settled ...").
 
-When the connection drops while COMMIT is on its way (or its answer is), the client
-cannot tell whether the transaction committed. Re-running it is wrong both ways: if it
-had committed, the retry matches nothing (the job already moved) and whatever the first
-try set off after its commit is never done; if it had not, the retry is right.
-
-So the first statement of a :class:`Landing`'s transaction inserts a marker row under a
-token the client made (landing.transaction_mark, which also takes the transaction's
-server process and id), and the Landing keeps what the transaction's work returned.
-After a dropped connection it asks by inserting the same token (landing.settle_mark):
-the key is taken -> the transaction committed, and the first try's value is the result;
-free -> it aborted (or a crash forgot it: the server may even have handed its xid to
-another transaction, which is why no xid is ever asked about) and the work runs again
-under a new token; still in progress (the server has not noticed its client is gone)
--> the question waits on the key, that server process is ended
-(landing.end_stranded_transaction), which aborts it, and the question is asked again.
-A commit is taken from nothing but its own row. The pruner deletes marker rows after
-LANDING_RETENTION (beat/maintenance.py): a question kept longer than that (a process
-cut off from the database for an hour) is answered "aborted", and the work runs again,
-guarded (every transition matches the row's state, an attempt's its fencing
-generation, so one that had committed matches nothing and is not applied twice).
-While the server cannot be asked, :meth:`Landing.run` raises DatabaseUnavailable and
-keeps the question for its next call: a caller riding out a blip calls it again.
-
-SQLite has no lost reply (a local file): an error there is a rollback.
+When the connection drops while COMMIT (or its answer) is on its way, the client cannot
+tell whether the transaction committed. So a :class:`Landing` transaction first inserts a
+marker row under a token the client made (landing.transaction_mark); after a dropped
+connection it inserts the same token again (landing.settle_mark): taken -> committed, the
+first try's value is the result; free -> aborted, the work runs again under a new token;
+held by a transaction still in progress -> that server process is ended and the question
+asked again. The rule: a commit is taken from nothing but its own row, never an xid.
+While the server cannot be asked, :meth:`Landing.run` raises DatabaseUnavailable and keeps
+the question for its next call. SQLite has no lost reply: an error there is a rollback.
 """
 
 from __future__ import annotations

@@ -67,7 +67,16 @@ def _inline_constants(stmt: sa.ClauseElement, column_keys: Sequence[str] | None)
     def replace(element: Any) -> Any:
         return literals.get(id(element)) if isinstance(element, sa.BindParameter) else None
 
-    return sa.sql.visitors.replacement_traverse(stmt, {}, replace) if literals else stmt  # type: ignore[call-overload]
+    if not literals:
+        return stmt
+    inlined = sa.sql.visitors.replacement_traverse(stmt, {}, replace)  # type: ignore[call-overload]
+    try:
+        inlined.compile(dialect=_DOLLAR, column_keys=column_keys)
+    except sa.exc.CompileError:
+        # The traversal copies a CTE once per place that names it (a CTE read by several
+        # subqueries: claim_batch_limited's caps), which SQLAlchemy refuses: bound as is.
+        return stmt
+    return inlined
 
 
 class Prepared:

@@ -1,39 +1,15 @@
 """A backend for Django's tasks framework whose tasks are durable leased jobs.
 
-    TASKS = {
-        "default": {
-            "BACKEND": "celery_lease.django.LeaseTaskBackend",
-            "QUEUES": ["default", "emails"],        # Django queue names; "default" is Celery's default routing
-            "OPTIONS": {"MAX_ATTEMPTS": 3, "LEASE_SECONDS": 60},
-        }
-    }
-
-Each backend registers one job kind on the project's CeleryLease (``django_task`` for the
-``default`` alias, ``django_task_<alias>`` otherwise, or ``OPTIONS["KIND"]``) whose payload
-names the task (``module.function``) and its arguments. ``task.enqueue(...)`` submits a
-job (inside ``transaction.atomic()`` on the job database it joins that transaction, see
-:mod:`celery_lease.django.transaction`), the project's Celery workers run it with leases,
-fencing, retries and Flower, and ``result.status`` / ``result.refresh()`` read its row:
-
-=============================  ===============
-job                            ``status``
-=============================  ===============
-pending (also between retries) READY
-running                        RUNNING
-succeeded                      SUCCESSFUL
-failed, expired, cancelled     FAILED (``errors[0].traceback`` is the stored error)
-=============================  ===============
-
-A task that raises is retried with backoff while attempts remain (``MAX_ATTEMPTS``, 3;
-1 gives Django's no-retry behaviour), then FAILED with the error ``"internal error:
-<exception type> (ref <r>)"``; the exception's text and traceback go to the worker log
-only, under that reference. ``priority`` (-100..100) is
-the job's priority plus 100; ``run_after`` waits in the database.
-
-OPTIONS: ``APP`` (the Celery app's import path, default: Celery's current app),
-``KIND``, ``MAX_ATTEMPTS``, ``LEASE_SECONDS``, ``TIMEOUT`` (seconds per attempt).
-``result.worker_ids`` has one entry per attempt; the row keeps only the last attempt's
-worker, so every entry names it.
+``TASKS = {"default": {"BACKEND": "celery_lease.django.LeaseTaskBackend", "QUEUES": [...],
+"OPTIONS": {...}}}`` registers one job kind on the project's CeleryLease (``django_task``
+for the ``default`` alias, ``django_task_<alias>`` otherwise, or ``OPTIONS["KIND"]``)
+whose payload names the task and its arguments; ``enqueue`` inside
+``transaction.atomic()`` joins that transaction (:mod:`celery_lease.django.transaction`).
+Statuses map as in ``_STATUS`` (pending, also between retries, is READY). A task that
+raises is retried with backoff while attempts remain, then FAILED with ``"internal error:
+<exception type> (ref <r>)"``; its text and traceback go to the worker log only. OPTIONS:
+``APP`` (default: Celery's current app), ``KIND``, ``MAX_ATTEMPTS`` (3; 1 is Django's
+no-retry), ``LEASE_SECONDS``, ``TIMEOUT`` (seconds per attempt).
 """
 
 from __future__ import annotations
@@ -140,6 +116,7 @@ class LeaseTaskBackend(BaseTaskBackend):
             kwargs=job.payload.get("kwargs", {}),
             backend=self.alias,
             errors=errors,
+            # One entry per attempt; the row keeps only the last attempt's worker.
             worker_ids=[job.lease_owner or ""] * job.attempt,
         )
         if status == TaskResultStatus.SUCCESSFUL:

@@ -1,18 +1,13 @@
 """Testing a Django project's leased jobs on Django's own test database.
 
-The default test job database (``celery_lease.testing``: a SQLite file per test) is not
-Django's, so a submit inside ``transaction.atomic()`` does not join the test's
-transaction (a rollback test fails falsely) and ``ctx.effect`` cannot reach the
-project's tables. :func:`job_database` makes Django's test database the job database:
-
-* ``with job_database(leases): ...`` in a test, or, with pytest, ``lease_database_url``
-  overridden by a fixture that returns ``job_database_url()`` (docs/converting.md#tests);
-* with a *transactional* test (``TransactionTestCase``, pytest-django's
-  ``django_db(transaction=True)``): a plain ``TestCase`` / ``django_db`` runs each test
-  inside one transaction that no other connection sees, and the worker and the eager
-  runner read jobs on their own connections.
-
-PostgreSQL only: SQLite's Django test database is in memory, per connection.
+The default test job database (a SQLite file per test) is not Django's, so a submit in
+``transaction.atomic()`` does not join the test's transaction and ``ctx.effect`` cannot
+reach the project's tables. :func:`job_database` (or a ``lease_database_url`` fixture
+returning :func:`job_database_url`, docs/converting.md#tests) makes Django's test
+database the job database. Tests must be transactional (``TransactionTestCase``,
+``django_db(transaction=True)``): a plain ``TestCase`` runs in one transaction that the
+worker's and the eager runner's own connections cannot see. PostgreSQL only: SQLite's
+Django test database is in memory, per connection.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Submits inside Django's ``transaction.atomic()`` join that transaction.
 
-When a submit is made without ``connection=`` while one of Django's connections is in an
-atomic block on the *same* PostgreSQL database as the job table, the job's rows are
-written through that very connection (so they commit or roll back with the caller's own
-rows) and the wakeups are published by ``transaction.on_commit``: after COMMIT, never
-after a rollback. "Same database" is checked on the server (database name, server start
-time and port), not by comparing settings, so two spellings of one host still match and
-two servers with one database name do not.
-
-Outside an atomic block (Django's autocommit) or on another database, the submit commits
-on its own, as without Django.
-
-How a Django connection becomes a SQLAlchemy one: an engine whose pool hands out the
-calling thread's Django DBAPI connection, and whose dialect never commits, rolls back or
-closes it: those belong to Django's transaction management.
+A submit without ``connection=`` while one of Django's connections is in an atomic block
+on the *same* PostgreSQL database as the job table writes the job's rows through that
+very connection and publishes its wakeups by ``transaction.on_commit``: they commit or
+roll back with the caller's own rows. "Same database" is checked on the server
+(database name, server start time and port), so two spellings of one host match and two
+servers with one database name do not. Outside an atomic block or on another database
+the submit commits on its own. Django's connection is lent to SQLAlchemy by an engine
+whose dialect never commits, rolls back or closes it (:func:`_engine_for`).
 """
 
 from __future__ import annotations

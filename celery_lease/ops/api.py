@@ -1,32 +1,14 @@
-"""The HTTP API: jobs, runs, health and metrics over the job table.
+"""The HTTP API: jobs, runs, limits, health and metrics over the job table.
 
 Started by ``celery -A proj lease serve [--host H] [--port P]`` (FastAPI on uvicorn;
-needs the ``api`` extra). Routes::
-
-    GET  /api/v1/jobs/{id}            one job
-    POST /api/v1/jobs/{id}/cancel     cancel a pending or running job
-    POST /api/v1/jobs/{id}/retry      a new job of an ended one, fencing tokens above its own
-    GET  /api/v1/jobs                 ?status=&kind=&queue=&limit=&cursor=  newest first
-    GET  /api/v1/runs/{id}/events     ?after=&limit=  a run's event log, oldest first
-    GET  /api/v1/limits               flow control per kind and key: limits, running, waiting
-    PUT  /api/v1/kinds/{kind}/limits  {"concurrency": n|null|"default", "rate_limit": "10/s"|null|"default"}
-    DELETE /api/v1/kinds/{kind}/limits  both back to what the code declares
-    GET  /healthz                     200 when the database answers, else 503
-    GET  /metrics                     Prometheus text (see celery_lease.metrics)
-    GET  /openapi.json                the OpenAPI schema (no /docs, /redoc: they load scripts
-                                      from a CDN onto the dashboard's origin)
-    /dashboard                        the dashboard (celery_lease.ops.dashboard)
-
-Around every route (celery_lease.ops.guard): bodies over 16 KiB are answered 413 before
-they are read, and every response carries the Content-Security-Policy and framing
-headers.
-
-Tokens come from ``lease_api_tokens`` (or ``CELERY_LEASE_API_TOKENS``): token -> tenant,
-or None for every tenant. A tenant token sees its tenant's jobs only (another's is 404,
-at the same cost); writing routes refuse read-only tokens, retry and limits any tenant
-token (403). Errors are JSON ``{"error": code, "detail": text}``; bad input changes and
-reads nothing, never a 5xx. docs/operations.md has the routes' whole contract and the
-security model (throttles, sessions, proxies); docs/flow-control.md the limits.
+needs the ``api`` extra), beside the dashboard (celery_lease.ops.dashboard). Around
+every route (celery_lease.ops.guard): bodies over 16 KiB are answered 413 unread, and
+every response carries the Content-Security-Policy and framing headers. The rule: a
+token reaches no more than its grant (celery_lease.ops.tokens): another tenant's job is
+404 at the same cost, writing routes refuse read-only tokens; errors are JSON
+``{"error": code, "detail": text}`` and bad input changes and reads nothing, never a
+5xx. docs/operations.md has the routes' whole contract and the security model;
+docs/flow-control.md the limits.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """``celery -A proj lease ...``: operate celery-lease from Celery's own CLI.
 
 Installed through the ``celery.commands`` entry point (the group and what every command
-shares: ops/cli_common.py; the flow-control commands: ops/cli_kinds.py), so it runs with the app Celery
-loaded from ``-A`` and finds the CeleryLease instance at ``app.lease``::
-
-    celery -A proj lease migrate                 upgrade the job tables
-    celery -A proj lease show ID [--json]        one job (ID: or a unique prefix, >= 8 hex digits)
-    celery -A proj lease list [--status S] [--kind K] [--queue Q] [--limit N] [--cursor C] [--json]
-    celery -A proj lease cancel ID [--json]      exit 1 when the job had already finished
-    celery -A proj lease retry ID [--json]       a failed, expired or cancelled job again, as a new job
-    celery -A proj lease cancel-run RUN [--json]
-    celery -A proj lease reap | sweep [--json]   what beat runs, once, now
-    celery -A proj lease prune [--older-than SECONDS] [--json]
-    celery -A proj lease pause KIND | resume KIND [--json]   flow control (stored, fleet-wide)
-    celery -A proj lease limits [--json]         per kind and key: limits, running, waiting
-    celery -A proj lease limit KIND [--concurrency N|none|default] [--rate R|none|default] [--json]
-    celery -A proj lease serve [--host H] [--port P] [--proxy-headers [--forwarded-allow-ips IPS]]
-                                                       the HTTP API and dashboard (celery_lease.ops.api)
-
-Errors (unknown or malformed id, bad status, unreachable database, bad configuration)
-print exactly one line, ``celery-lease: <what is wrong>``, on stderr and exit non-zero:
-2 for input refused before anything was read, 1 otherwise. Never a traceback: the
-database driver's message (which can carry a host or a password) stays out of it.
+shares: ops/cli_common.py; the flow-control commands: ops/cli_kinds.py), so it runs with
+the app Celery loaded from ``-A`` and finds the CeleryLease instance at ``app.lease``.
+The commands: docs/operations.md; a job ID may be a unique prefix of >= 8 hex digits.
+The rule: an error (unknown or malformed id, bad status, unreachable database, bad
+configuration) prints exactly one line, ``celery-lease: <what is wrong>``, on stderr
+and exits non-zero: 2 for input refused before anything was read, 1 otherwise. Never a
+traceback: the database driver's message (which can carry a host or a password) stays
+out of it.
 """
 
 from __future__ import annotations

@@ -4,61 +4,9 @@ celery-lease runs no daemon of its own, and its counters would otherwise live in
 worker and beat processes; the job table already holds the truth, so every value here
 is an aggregate over the rows present when Prometheus scrapes. All are gauges: pruning
 deletes terminal jobs (and their events) after ``lease_retention_seconds``, so totals
-may go down. Use them for rates and alerts within the retention window.
-
-==========================================  ==============================================
-metric                                      meaning
-==========================================  ==============================================
-``celery_lease_jobs{status,kind}``          jobs in each status
-``celery_lease_claims{kind}``               attempts claimed by workers, summed over jobs
-                                            (``attempt``; a shutdown handoff gives its
-                                            attempt back)
-``celery_lease_lease_losses{kind}``         leases taken from a worker by the reaper (lease
-                                            expired) or by restart recovery, summed over
-                                            jobs (``lease_losses``; every cause)
-``celery_lease_lease_losses_by_cause``      the same split by ``cause``: ``lease_expired``
-``{cause}``                                 (the reaper) or ``worker_restart`` (restart
-                                            recovery). Counted from the run event logs, so
-                                            only jobs that belong to a run are included
-                                            (the table keeps one count per job, not its
-                                            causes). A cancel also revokes a running
-                                            lease; that shows as ``cancelled`` jobs
-``celery_lease_reaped``                     jobs the reaper took back (requeued or
-                                            expired), from the run event logs: equal to
-                                            the ``lease_expired`` cause above
-``celery_lease_run_events{event}``          rows of the run event logs by event type
-``celery_lease_running``                    jobs running under a lease
-``celery_lease_heartbeat_age_seconds``      seconds since the stalest running lease was
-                                            last renewed (or claimed). A healthy worker
-                                            keeps it near ``lease_seconds / 3`` plus the
-                                            renewal statement's latency; a value near
-                                            ``lease_seconds`` means heartbeats are late
-``celery_lease_leases_overdue``             running jobs whose lease has elapsed: the
-                                            reaper's backlog (non-zero for long means no
-                                            beat is running the reaper)
-``celery_lease_flow_jobs{kind,key,state}``  flow control: jobs ``running``, or pending and
-                                            held by a limit (``waiting_limit``), a rate
-                                            (``waiting_rate``) or a pause
-                                            (``waiting_pause``). ``key``: "" for a kind
-                                            without concurrency keys, else "other" (keys
-                                            are payload text); ``lease_metrics_key_labels
-                                            = N`` gives the N busiest keys their own
-``celery_lease_paused{kind}``               1 for each paused kind
-``celery_lease_sweep_backlog``              due pending jobs with no wakeup for
-                                            ``lease_sweep_stale_seconds``: what the next
-                                            sweep will re-send (non-zero for long means
-                                            no beat is running the sweeper, or the broker
-                                            is down)
-==========================================  ==============================================
-
-Each scrape's aggregates scan the job table, so the API answers ``/metrics`` from a
-cache at most ``lease_metrics_cache_seconds`` old (default 5 s; 0 turns it off), and
-concurrent scrapes share one computation (:class:`CachedMetrics`).
-
-The number of wakeups each sweep sent is not stored anywhere (the sweeper only stamps
-``woken_at``), so it has no metric here; the sweep backlog is what can be alerted on.
-A worker's own renewal-statement latency lives in that worker's process and is not
-visible to a scrape of the database.
+may go down; use them for rates and alerts within the retention window. What each
+metric means: docs/operations.md#metrics. A scrape scans the job table, so the API
+answers ``/metrics`` from :class:`CachedMetrics`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Request rates of the HTTP API and the dashboard, token buckets in the serve process.
 
-:class:`Gate` holds them all. A signed-in token (a bearer token on the API, a session on
-the dashboard: the same bucket for both) may make ``lease_api_rate`` requests a second
-on average, in bursts of up to twice that. Failed authentications (an unknown bearer
-token on the API or /metrics, an unknown token on the sign-in form) are counted per
-client address and over all addresses together: once the address's budget is spent,
-every attempt from it is answered 429 before its token is even compared, right or
-wrong; once the global one is, so is every attempt from an address that has not
-authenticated with a right token in the last RECENT_SECONDS (those keep their own
-budget only). So neither one address nor many rotating ones can guess faster than
-FAILED_OVERALL a second, and a flood of guesses does not lock out the users already
-known to this process. A request without any token is no guess and costs nothing.
-
-Successful sign-ins on the dashboard's form are rate-limited too, per client address
-(SIGN_INS_PER_ADDRESS): each opens a session row, and a token keeps at most
-celery_lease.ops.dashboard.access.MAX_SESSIONS_PER_TOKEN of them.
-
-A client address is the peer's, or behind a proxy trusted with ``serve
---proxy-headers`` the one it forwards (behind an untrusted proxy every client shares
-the proxy's budgets); an IPv6 address counts as its /64, the block one host is
-usually given, so that its 2^64 addresses share one budget.
-
-Over a budget a request is answered 429 with ``Retry-After`` (whole seconds until the
-bucket holds a request again) and reads nothing. The buckets live in the serve
-process: with N processes behind a balancer a token gets up to N times the rate.
+:class:`Gate` holds them all. A signed-in token (API bearer or dashboard session: one
+bucket) may make ``lease_api_rate`` requests a second, in bursts of twice that. Failed
+authentications spend a budget of the client address and one over all addresses; once
+either is spent, a token offered from there is answered 429 unread, right or wrong,
+except from addresses that authenticated within RECENT_SECONDS. So no set of addresses
+guesses faster than FAILED_OVERALL a second, and known users are not locked out; a
+request without a token costs nothing. Sign-ins are limited per address too
+(SIGN_INS_PER_ADDRESS); an IPv6 address counts as its /64. Over a budget: 429 with
+``Retry-After``, nothing read. Buckets are per process: N processes, N times the rate.
 """
 
 from __future__ import annotations

@@ -8,19 +8,8 @@ whether it may only look, and whether it may read payloads::
      "oncall-5d2e...": {"tenant": None, "read_only": true},
      "support-8a1b...": {"tenant": "acme", "payloads": true}}
 
-A read-only token sees what its tenant allows and changes nothing: the API's cancel and
-every dashboard action answer it 403. Payloads (shown on the dashboard's job page, and
-searched by its payload filter; the API never returns one) are for tokens with
-``"payloads": true``, by default the tokens bound to no tenant that may act.
-
-Every token is at least MIN_TOKEN_CHARS characters: a shorter one is refused when the
-tokens are loaded (ConfigurationError, the server does not start), and a shorter offer
-is refused unread. Failed attempts are throttled (celery_lease.ops.throttle.Gate).
-
-The server's secret (``app.conf.lease_dashboard_secret`` or the environment variable
-``CELERY_LEASE_DASHBOARD_SECRET``; without one, each server process draws a random
-key at start) keys the HMACs that name a token without revealing it (:class:`Keyring`):
-in throttles and in the dashboard's session rows.
+The rule: a token is never revealed; the server's secret (``lease_dashboard_secret``)
+keys the HMACs that name it (:class:`Keyring`), in throttles and session rows.
 """
 
 from __future__ import annotations

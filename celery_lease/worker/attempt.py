@@ -1,17 +1,14 @@
 """One claimed attempt of a job: its fencing token and the lease's local state.
 
-Every write an attempt makes goes through :meth:`Attempt.write` (progress, checkpoints)
-or a fenced transition (its outcome: celery_lease/lifecycle): a guarded statement matching the job's id,
-``running`` and this attempt's ``lease_generation``. Zero rows means the lease is lost
-(cancelled, reaped, taken by a newer attempt); :meth:`mark_lost` records that once, and
-the handler sees it as ``ctx.cancelled``.
-
-The attempt also judges its lease by its own monotonic clock: once ``LAPSE_SHARE`` of
-``lease_seconds`` has passed since the last renewal the database confirmed (counted from
-when that renewal was *sent*, so never later than the expiry the database set), the
-lease is lost whatever the heartbeat is doing. A heartbeat stuck on a connection that
-stopped answering cannot keep a handler running while the reaper hands its job to
-another worker: the handler stops at its next check and writes nothing more.
+The rule: every write an attempt makes goes through :meth:`Attempt.write` (progress,
+checkpoints) or a fenced transition (its outcome: celery_lease/lifecycle), a guarded
+statement matching the job's id, ``running`` and this attempt's ``lease_generation``. Zero
+rows means the lease is lost; :meth:`mark_lost` records that once, and the handler sees
+``ctx.cancelled``. The attempt also judges its lease by its own monotonic clock: once
+``LAPSE_SHARE`` of ``lease_seconds`` has passed since the last confirmed renewal (counted
+from when it was *sent*), the lease is lost whatever the heartbeat is doing, so a
+heartbeat stuck on a dead connection cannot keep a handler running after the reaper has
+handed its job to another worker.
 """
 
 from __future__ import annotations

@@ -1,51 +1,14 @@
-"""A batched kind's deliveries (``@leases.job(kind=..., batch=N)``, PostgreSQL).
+"""A delivery that claims what is due of its kind (PostgreSQL): every kind whose wakeups
+are coalesced (waking.py) and every ``batch=`` kind.
 
-One wakeup of the kind lets its worker process:
-
-1. claim up to N due jobs of the kind and queue in ONE durable statement
-   (lifecycle.batch.CLAIM_BATCH): each row gets its own attempt, lease and fencing
-   token, and its ``claimed`` event;
-2. run their handlers one after another (the delivery's own job first, if it was
-   claimed), each through the same path as a single job (WorkerState.execute): its own
-   context, checkpoints, progress, errors, retries, snooze, effects and children;
-   meanwhile the process's heartbeat renews every lease of the batch in its one
-   statement per round, so a job waiting its turn keeps its lease;
-3. complete the plain successes (nothing else to commit) in ONE statement, the
-   completer's (complete_jobs, with their run events), each row fenced by its own
-   generation: a lost lease on one row leaves the others written; a row missing from
-   the result is re-checked alone (fenced), by the completer's algorithm
-   (completion.write_successes), and tried again through a database outage as the
-   completer's are (completion.complete_within_leases): the next handler waits, the
-   bodies that finished keep their attempt. Any other outcome is written as it comes,
-   by its own transition.
-
-Successes are not held back for long: after a handler that took FLUSH_AFTER or more,
-and once the oldest waiting success has waited FLUSH_AFTER, the waiting ones are written
-before the next handler starts. A process killed mid-batch therefore re-runs no job whose
-handler ended more than about FLUSH_AFTER before the kill: the jobs still running under
-its leases (unstarted, running, or ended in the last instant) are requeued by the reaper
-when their leases expire, exactly as a single job's.
-
-Wakeups: a ``submit_many`` of a batched kind publishes one wakeup per N jobs
-(producer.py); every other job is reached by a batch. A batch that came back full (the
-claim saw a job beyond its N) wakes the kind again at once for the rest, so nothing
-depends on which wakeup named which job. A delivery whose job is running in a batch of
-this process is a duplicate skipped without a statement; any other delivery runs the
-claim (it may find other due jobs). A job left pending with no wakeup by a crash is
-re-woken by the sweeper, as any other.
-
-Celery's tools: every job of the batch is a task of its own. The delivery's job has
-Celery's task events and the attempt span task_prerun started; each other job gets an
-attempt span of its own (a child of its own submit) and, when the worker sends events,
-its own task events (worker.events.BatchTasks), so Flower lists every job. Their
-results are their rows, as every leased job's (``AsyncResult(job.id)``).
-
-A limited kind (``concurrency=``, ``rate_limit=``, or an operator's override) claims
-with CLAIM_BATCH_LIMITED, under its limits row lock: the batch is bounded by the free
-slots and the rate window, and the refused rows are held as a single claim's are. A
-kind with a concurrency limit writes each success at once (record.succeed: its slot
-is freed and held jobs woken by its transition); successes the batch writes free any
-slot they hold too (Batches.release).
+:meth:`Batches.begin` claims up to :meth:`Batches.size` due jobs of the kind and queue in
+ONE statement (lifecycle.batch), each with its own attempt, lease and fencing token, and
+wakes the kind again at once when the claim came back full. :meth:`Batches.run` runs
+them one after another, each through the single job's path (WorkerState.execute), its
+plain success handed to the process's one completer. Rule: a job waiting its turn keeps
+its lease (the heartbeat renews every lease of the process); one whose lease is lost
+while it waits, or met by a warm stop, never starts. A delivery whose job runs here is
+a duplicate, dropped without a statement. docs/decisions.md, "Many jobs per claim".
 """
 
 from __future__ import annotations
@@ -64,7 +27,6 @@ from celery_lease.lifecycle.batch import claim_batch
 from celery_lease.lifecycle.owner import owner_of
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import Attempt
-from celery_lease.worker.completion import Riding, complete_within_leases, write_successes
 from celery_lease.worker.outcome import Outcome
 
 if TYPE_CHECKING:
@@ -75,8 +37,6 @@ log = logging.getLogger("celery_lease.worker")
 
 _CANCELLED = "cancelled"
 
-#: Seconds a batch's successes may wait for one statement (see the module's docstring).
-FLUSH_AFTER = 0.05
 #: A kind with no ``batch=``: a claim takes about this many seconds of its bodies ...
 CLAIM_SECONDS = 0.05
 #: ... and at most this many jobs (Batches.size).
@@ -117,7 +77,7 @@ class Batches:
         with state._lock:
             if any(key[0] == job_id for key in state._live):
                 # Running here in a batch: this wakeup is a duplicate; no statement.
-                log.debug("celery-lease: job %s: running in a batch here; delivery skipped", job_id)
+                log.info("celery-lease: job %s: duplicate or not claimable delivery (running here); skipped", job_id)
                 return None
         sent_at = time.monotonic()
         owner = owner_of(hostname)
@@ -210,7 +170,6 @@ class Batches:
         value and raises the lead's Retry / JobRefused / JobFailed, after the whole batch
         (Celery reports the delivery's task as its own job's outcome; ``tasks`` sends
         the task events of the others, when the worker sends events)."""
-        successes = BatchSuccesses(self)
         value: Any = None
         signal: Exception | None = None
         assert lead.batch is not None
@@ -220,39 +179,37 @@ class Batches:
                     continue
                 started = time.monotonic()
                 if a is lead:
-                    value, signal = self._execute(spec, a, on_progress, successes)
+                    value, signal = self._execute(spec, a, on_progress)
                 else:
-                    self._execute_own_task(spec, a, successes, tasks)
+                    self._execute_own_task(spec, a, tasks)
                 self._measured(spec, time.monotonic() - started)
-                if not a.pending_write:
+                if a.pending_write:
+                    # Its body is over and its success waits for the completer: no renewal
+                    # from here on (one that ran after the success committed logged a
+                    # false "lease lost (cancelled or reaped)").
+                    self._state.heartbeat.remove(a)
+                else:
                     self._done(a)
-                if successes.due(time.monotonic() - started):
-                    successes.flush()
         finally:
-            try:
-                successes.flush()
-            finally:
-                if tasks is not None:
-                    tasks.close()
+            if tasks is not None:
+                tasks.close()
         if signal is not None:
             raise signal
         return value
 
-    def _execute(
-        self, spec: JobKind, a: Attempt, on_progress: Callable[[Any], None] | None, successes: BatchSuccesses
-    ) -> tuple[Any, Exception | None]:
+    def _execute(self, spec: JobKind, a: Attempt, on_progress: Callable[[Any], None] | None) -> tuple[Any, Exception | None]:
         """Run one attempt of the batch: its value, or the Retry / JobRefused / JobFailed
         it raised once its outcome was recorded."""
         try:
             with tracing.current(a):
-                return self._state.execute(spec, a, on_progress, completer=successes), None
+                return self._state.execute(spec, a, on_progress, completer=self._state.completer), None
         except (Retry, JobRefused, JobFailed) as exc:  # recorded already
             return None, exc
         except (LeaseLost, DatabaseUnavailable):
             log.warning("celery-lease: job %s: outcome not written; the reaper will requeue it", a.job_id)
             return None, None
 
-    def _execute_own_task(self, spec: JobKind, a: Attempt, successes: BatchSuccesses, tasks: BatchTasks | None) -> None:
+    def _execute_own_task(self, spec: JobKind, a: Attempt, tasks: BatchTasks | None) -> None:
         """A job of the batch other than the delivery's: an attempt span and task events
         of its own (the delivery's come from task_prerun / task_postrun and Celery)."""
         clock = tracing.clock()
@@ -262,7 +219,7 @@ class Batches:
             tasks.started(a)
         began = time.monotonic()
         try:
-            value, raised = self._execute(spec, a, None, successes)
+            value, raised = self._execute(spec, a, None)
         finally:
             tracing.end_attempt(a)
         if tasks is None:
@@ -298,71 +255,3 @@ class Batches:
         """``a`` ended (its outcome written, or given up): no more renewals, no longer here."""
         self._state.heartbeat.remove(a)
         self._state._release(a)
-
-    def release(self, attempts: list[Attempt]) -> None:
-        """Successes written by the batch (not through a transition, which releases its
-        own rows): the slots of a concurrency limit they held are freed, and the jobs it
-        held woken (FlowControl.release; a kind with no such limit costs nothing)."""
-        flow = self._state.flow
-        if flow is not None:
-            flow.release([{"kind": a.kind, "concurrency_key": a.concurrency_key} for a in attempts])
-
-    # --- the completion --------------------------------------------------------------------
-
-    def complete(self, items: list[tuple[Attempt, Any, Any]]) -> None:
-        """Write these successes in one statement, as the completer does (complete_jobs:
-        their run events too; after a lost reply, those that landed count as written),
-        tried again through a database outage as the completer's are. (The batch waits
-        meanwhile: on warm shutdown it stops waiting once every lease lapsed by its own
-        clock, and leaves them to the reaper, as a single job's outcome would be.)"""
-        store = self._state.store
-
-        def stopping(live: list[tuple[Attempt, Any, Any]]) -> bool:
-            return shutdown.requested() and all(a.is_lost for a, _, _ in live)
-
-        write_successes(self._state.pipeline, items, lambda live: complete_within_leases(store, live, lambda: stopping(live)))
-
-
-class BatchSuccesses:
-    """A batch's plain successes (worker.completion.Completer): kept until the batch
-    writes them, in one statement (:meth:`Batches.complete`)."""
-
-    def __init__(self, batches: Batches) -> None:
-        self._batches = batches
-        self._items: list[tuple[Attempt, Any, Any]] = []
-        self._since = 0.0
-
-    def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
-        if not self._items:
-            self._since = time.monotonic()
-        self._items.append((attempt, result, progress))
-
-    def take(self) -> None:
-        return None
-
-    def settle(self, riding: Riding) -> None:
-        raise AssertionError("a batch's successes ride on no claim")
-
-    def due(self, last_took: float) -> bool:
-        """Whether the waiting successes are written before the next handler starts."""
-        return bool(self._items) and (last_took >= FLUSH_AFTER or time.monotonic() - self._since >= FLUSH_AFTER)
-
-    def flush(self, timeout: float = 10.0) -> None:
-        items, self._items = self._items, []
-        if not items:
-            return
-        heartbeat = self._batches._state.heartbeat
-        for attempt, _, _ in items:
-            # No renewal from here on: one that ran after this statement committed found
-            # the row succeeded and, the attempt still held, logged a false "lease lost
-            # (cancelled or reaped)". (Its body is over; the write is fenced and brief.)
-            heartbeat.remove(attempt)
-        try:
-            self._batches.complete(items)
-        except Exception:
-            log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(items))
-        finally:
-            for attempt, _, _ in items:
-                attempt.pending_write = False
-                self._batches._done(attempt)
-            self._batches.release([a for a, _, _ in items])

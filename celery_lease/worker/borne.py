@@ -1,19 +1,14 @@
 """What a delivered message carries besides its task: signatures (its chain, callbacks,
 errbacks and chord) and lineage headers.
 
-Celery applies them after the task's body, with the options the message gave them.
-For a leased job those options include ``tenant=`` and ``run_id=``, which decide which
-API tokens see the job and which run it joins; the broker is inside Celery's trust
-boundary, but a tenant is ours: a leased job created from a message-borne signature
-inherits its tenant and run from the job that created it, never from the message.
-
-A leased job's own message (a wakeup) carries no signatures at all (wakeups carrying
-any are refused before the claim; a leased job's canvas lives in its row, and the steps
-made from it inherit its tenant and run: canvas.FollowUp). What remains is a plain
-task's message: no leased job created the signatures it carries, so :func:`scrub`
-removes their ``tenant`` and ``run_id`` before Celery applies them. Code that calls
-``apply_async(tenant=...)`` itself (a handler, a plain task's body) is the shop's code
-and is honoured.
+Celery applies those signatures after the task's body, with the options the message gave
+them; for a leased job those include ``tenant=`` and ``run_id=``, which decide which API
+tokens see the job and which run it joins. The rule: a tenant is ours, not the broker's,
+so a leased job created from a message-borne signature inherits its tenant and run from
+the job that created it, never from the message. A wakeup carries no signatures at all
+(refused before the claim; a leased job's canvas lives in its row), so what remains is a
+plain task's message: :func:`scrub` removes its signatures' ``tenant`` and ``run_id``.
+Code that calls ``apply_async(tenant=...)`` itself is the shop's code and is honoured.
 """
 
 from __future__ import annotations

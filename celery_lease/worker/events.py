@@ -1,29 +1,13 @@
-"""What Celery's task events (and so Flower) say about a leased job.
+"""What Celery's task events (and so Flower) say about a leased job (docs/coming-from-celery.md).
 
-Celery's own events describe the wakeup message, which carries no arguments and whose
-execution ends however the job did; these fill in the job's truth:
-
-* when an attempt starts: a ``task-started`` event carrying the attempt as ``retries``
-  (attempt - 1), the payload as ``args`` (or the ``argsrepr=`` given at submit) and
-  ``{"attempt", "max_attempts"}`` as ``kwargs``. Flower merges it into the task it shows.
-* when an attempt stops because the job was cancelled (``leases.cancel``, ``revoke``), or
-  a wakeup arrives for a cancelled job: ``task-revoked``, so Flower shows REVOKED; the
-  body then raises Celery's ``Ignore`` so no ``task-succeeded`` follows.
-* when a wakeup finds its job held (a pause, a concurrency or rate limit) or not yet
-  due: ``task-held``, so Flower shows HELD instead of the STARTED Celery announced.
-
-Celery's event state (which Flower uses) ranks states: after a custom one (PROGRESS from
-``task-progress``, HELD) only SUCCESS or FAILURE would replace it, and a REVOKED or
-STARTED event would merely be merged into it. Such an event's fields are merged whole,
-though, so ``task-revoked`` and the attempt's ``task-started`` carry ``state`` explicitly:
-a job cancelled after publishing progress shows REVOKED, a held job that runs STARTED.
-
-A batched kind's delivery (worker/batch.py) runs many jobs under one message: Celery
-reports the delivery's own job; each other job of the batch gets its own events from
-:class:`BatchTasks` (``task-received``, ``task-started``, then ``task-succeeded``,
-``task-failed``, ``task-retried``, ``task-revoked`` or ``task-held``, under its job id and
-its kind's task name), so Flower lists every job of the batch as a task.
-
+Celery's own events describe the wakeup message, which carries no arguments and ends
+however the job did; these fill in the job's truth: ``task-started`` per attempt (the
+attempt as ``retries``, the payload as ``args``), ``task-revoked`` when the job was
+cancelled (the body then raises ``Ignore``, so no ``task-succeeded`` follows), and
+``task-held`` when a wakeup finds its job held or not yet due. A batched kind's other
+jobs get their own events from :class:`BatchTasks`, so Flower lists each as a task.
+The rule: ``task-revoked`` and an attempt's ``task-started`` carry ``state`` explicitly,
+since Celery's event state only merges them into a custom state (PROGRESS, HELD).
 Sent only when the worker sends task events (``-E`` / ``worker_send_task_events``).
 """
 
@@ -84,6 +68,8 @@ def _described(attempt: Attempt) -> dict[str, Any]:
 
 
 #: The fields of a cancelled job's ``task-revoked`` (a durable cancel, not a terminate).
+#: ``state`` is explicit (so is task-started's): after a custom state (PROGRESS, HELD),
+#: Celery's event state ranks REVOKED and STARTED lower and only merges their fields.
 _REVOKED = {"terminated": False, "signum": None, "expired": False, "state": states.REVOKED}
 
 

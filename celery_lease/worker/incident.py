@@ -1,17 +1,14 @@
-"""What is stored, shown and logged for an exception a handler raised (any exception
-but a Failure): an *incident*.
+"""What is stored, shown and logged for an exception a handler raised (any exception but a
+Failure): an *incident* (docs/guide.md).
 
-The stored error names the exception's type and a reference, never its text:
-``internal error: TimeoutError (ref 3f2a9c1e)``. The same reference is logged with the
-full traceback and the job id, so an operator who sees the error on the dashboard, in
-Flower or in the API greps the worker log for it. It starts with ``internal error``,
-so consumers that match that prefix still do.
-
-The text is left out because a dependency's message may carry a secret (a DSN, a
-token, a row of customer data). An operator may opt in (``lease_error_detail =
-True``): the text is then included, redacted (:func:`redact`: URL credentials,
-``key=value`` secrets, bearer tokens, JWTs) and capped at DETAIL_CHARS. Redaction is
-a best effort over known shapes, which is why it is not the default.
+The rule: the stored error names the exception's type and a reference, never its text
+(``internal error: TimeoutError (ref 3f2a9c1e)``), because a dependency's message may
+carry a secret (a DSN, a token, customer data). The same reference is logged with the
+full traceback and the job id, for an operator to grep. The prefix ``internal error``
+stays, for consumers that match it. With ``lease_error_detail = True`` the text is
+included, redacted (:func:`redact`: URL credentials, ``key=value`` secrets, bearer tokens,
+JWTs) and capped at DETAIL_CHARS: redaction is a best effort over known shapes, which is
+why it is not the default.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Celery's prefork pool at a warm stop: read each child's results until it has exited.
 
-When the consumer's connection closes (a warm stop), Celery's pool (``AsynPool.flush``,
-Celery 5.7; 5.5.0 dropped none without synack) forgets every delivery whose acceptance
-it has not read yet, including one it has already written to a child, whose message the
-broker redelivers. The pool's result
-handler then reads the children's results only while the pool still tracks a delivery
-(``ResultHandler.on_stop_not_started``). The child runs the forgotten delivery anyway
-and, before it exits, billiard's worker waits for the main process to have read every
-result it sent (``Worker._ensure_messages_consumed``: up to 300 x 0.1 s); nobody reads
-that last one, so the child waits the whole 30 s and the main process waits for it in
-``Pool.join``. Issue #27 item 7 (a batched kind's worker took 30 s longer to stop in 11
-of 52 bench cells) is this race: the window is a delivery written within the moment
-the stop begins, and the redundant wakeups of a batched kind (one per single submit,
-where one claim takes up to N jobs) were still flowing when the bench stopped its
-worker. Plain Celery tasks meet it too.
-
-:func:`drain_at_stop` makes the result handler go on reading the children's results,
-once it tracks no delivery, until every child has exited: the forgotten delivery's
-results are read (and dropped: the pool no longer tracks it), billiard counts them, and
-the child exits at once. Nothing else changes: no delivery is tracked again, and the
-broker still redelivers the forgotten one's message (for a leased job a duplicate
-wakeup, which its claim skips).
+At a warm stop Celery's pool forgets every delivery whose acceptance it has not read
+yet, including one already written to a child, and its result handler then reads the
+children's results only while it still tracks a delivery. The child runs the forgotten
+delivery anyway, and billiard makes it wait (up to 30 s) for the main process to read
+its last result before it exits, so the stop took 30 s longer. :func:`drain_at_stop`
+makes the result handler go on reading, once it tracks no delivery, until every child
+has exited: the forgotten delivery's results are read and dropped, and the child exits
+at once. The rule: nothing else changes; no delivery is tracked again, and the broker
+still redelivers the forgotten message (for a leased job a duplicate wakeup, skipped).
 """
 
 from __future__ import annotations

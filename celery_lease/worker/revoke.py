@@ -1,35 +1,13 @@
-"""Celery's revoke, on a leased job, is a durable cancel of the job.
+"""Celery's revoke, on a leased job, is a durable cancel of the job (docs/lifecycle.md).
 
-Celery's worker keeps revoked task ids in memory only: a revoked leased job would stay
-``pending`` in its row, and every later wakeup would be discarded, forever. So the
-worker's ``revoke`` control command (``celery control revoke ID``,
-``app.control.revoke``, ``AsyncResult.revoke``) also cancels the jobs it names in their
-rows (the ``revoke`` transition: errbacks, slot release and cancel notices as for
-``leases.cancel``), then does what Celery does (with ``terminate=True``, kill the process
-running it). A pending job is cancelled at once; a running one's handler learns at its
-next heartbeat (sooner through the cancel notice) and its later writes are discarded.
-
-Only a revoke by id cancels, and only a job whose task is one of this app's leased
-tasks. Celery's ``task_revoked`` signal cancels nothing: Celery also sends it when it
-discards an *expired* message, and a message's ``expires`` is whatever its sender wrote
-(``send_task(<leased task>, task_id=<any job>, expires=...)``, or
-``task_annotations = {"*": {"expires": 30}}`` with a backlog), so acting on it would let
-any message cancel any job. Celery also adds an expired message's id to the worker's
-in-memory revoked ids, which would discard every later wakeup of that job on this
-worker: for a leased task's message, that id is taken out again (unless a revoke
-command named it), so the job's next wakeup (the sweeper's) runs it.
-
-The control command runs on the worker's consumer, which also answers ``ping`` and
-receives every job: it only queues the ids (and Celery's own part of the command does
-not read a job row per id either: results.reads_skipped). A :class:`Revoker` thread cancels them,
-one statement for everything queued (a broadcast of thousands of ids included), with a
-lock timeout; an id that is not a job id (not a UUID) costs nothing, one that names no
-job an index probe. Cancelling a terminal job changes nothing. A revoke broadcast while
-no worker runs reaches nobody, as in Celery: ``leases.cancel(id)`` or
-``LeaseResult.revoke()`` cancel in the database directly. A revoke whose cancel cannot
-be written for GIVE_UP seconds (the database away) is given up, and its id taken out of
-Celery's revoked ids again: the job, still pending in its row, runs on its next wakeup
-instead of having every wakeup discarded until Celery forgets the revoke (3 h).
+Celery keeps revoked ids in memory only, so a revoked leased job would stay pending with
+every wakeup discarded. The worker's ``revoke`` control command therefore also cancels the
+jobs it names in their rows (the ``revoke`` transition, as ``leases.cancel``), then does
+what Celery does. The rules: only a revoke by id of one of this app's leased tasks
+cancels, never Celery's ``task_revoked`` signal; the consumer only queues the ids and a
+:class:`Revoker` thread cancels them, one statement per batch; a cancel not written within
+GIVE_UP seconds is given up and its id taken out of Celery's revoked ids again, so the
+job's next wakeup runs it.
 """
 
 from __future__ import annotations
@@ -142,7 +120,7 @@ def _install_control_command() -> None:
         if revoker is None:
             return original(state, task_id, terminate=terminate, signal=signal, **kwargs)
         revoker.submit(task_id)  # queued: the consumer never waits on the database
-        with results.reads_skipped():
+        with results.reads_skipped():  # on the consumer: no job row read per id
             return original(state, task_id, terminate=terminate, signal=signal, **kwargs)
 
     setattr(revoke, _MARK, True)
@@ -158,7 +136,10 @@ def connect(app: Celery, *, ours: Callable[[object], bool], cancel_ids: Callable
 
     @signals.task_revoked.connect(weak=False)
     def on_expired(sender=None, request=None, expired=False, **_):
-        # Never a cancel (see above): only forget the id Celery's expiry check added.
+        # Never a cancel: Celery also sends task_revoked for a message that merely expired,
+        # and any sender writes ``expires``, so acting on it would let any message cancel
+        # any job. Only forget the id Celery's expiry check added to its revoked ids (it
+        # would discard every later wakeup); the sweeper's next wakeup runs the job.
         if expired and request is not None and ours(sender) and request.id not in revoker.named:
             worker_state.revoked.discard(request.id)
             log.info("celery-lease: expired wakeup of job %s discarded; the job is left as it is", request.id)

@@ -1,22 +1,15 @@
 """Celery's moments mapped onto lease transitions. Handlers stay thin.
 
-- ``worker_init``: make the database driver green in a gevent / eventlet worker
-  (celery_lease/green.py); keep Celery 5.7's consumer alive through a Redis restart
-  (worker/broker_restart.py); size the connection pools for the worker's concurrency;
-  check the database is reachable; exit with one clear line if not.
-- ``worker_ready``: restart recovery, before the worker takes new work; a prefork pool
-  reads its children's results at a warm stop until they exit (worker/prefork.py).
-- ``task_prerun``: claim the job (one atomic statement) and start its heartbeats; for a
-  plain task, strip tenant and run from the leased signatures its message carries.
-- (the task body): run the handler; record success / failure / retry.
-- ``task_postrun``: stop the attempt's heartbeats; free the exception the body ended with.
-- ``worker_shutting_down``: warm shutdown; handlers stop at their next
-  ``raise_if_cancelled()`` and hand their job off.
-- ``worker_process_shutdown`` / ``worker_shutdown``: write batched successes before exit.
-- revoke control command: cancel the jobs, off the consumer (worker/revoke.py).
-
-Celery signals are process-global, so every handler first checks that the sender
-belongs to this CeleryLease's app.
+- ``worker_init``: green driver (green.py), Redis-restart guard (broker_restart.py), pool
+  sizes for the concurrency, the database checked (exit with one clear line if not).
+- ``worker_ready``: restart recovery before new work; a prefork pool drains its children's
+  results at a warm stop (prefork.py).
+- ``task_prerun``: claim the job and start its heartbeats (a plain task: scrub the leased
+  signatures it carries); the task body runs the handler and records the outcome.
+- ``task_postrun``: stop the heartbeats. ``worker_shutting_down``: warm shutdown, handlers
+  hand their job off. ``worker_process_shutdown`` / ``worker_shutdown``: write batched
+  successes. The revoke control command cancels jobs, off the consumer (revoke.py).
+The rule: Celery signals are process-global, so every handler first checks its sender.
 """
 
 from __future__ import annotations
@@ -124,10 +117,9 @@ def connect(
             worker_state().end(attempt)
             if isinstance(retval, BaseException):
                 # Ignore (a skipped delivery), Retry, JobFailed: the exception's traceback
-                # starts in Celery's trace frame, whose locals hold the exception again. That
-                # cycle (some 2,400 objects with billiard's copy of the traceback) waits for
-                # a full garbage collection: pool processes grew by ~100 KB per skipped
-                # delivery, to 200+ MB. Everything Celery reports was built from it already.
+                # starts in Celery's trace frame, whose locals hold the exception again; that
+                # cycle would wait for a full garbage collection (docs/decisions.md).
+                # Everything Celery reports was built from it already.
                 retval.__traceback__ = None
 
     @signals.worker_shutting_down.connect(weak=False)

@@ -1,16 +1,13 @@
 """Kinds' timeouts, written off the heartbeat thread, all that are due in one statement.
 
-The heartbeat thread only renews leases: a timeout's write (a retry, or a failure on
-the last attempt) may wait on the job's row, locked by the timed-out handler's own
-success transaction, and while it waited no other lease of the process was renewed.
-So the heartbeat hands overdue attempts here; one thread writes every timeout queued
-so far as one ``time out`` transition (one statement for all their rows, each fenced
-by its attempt's generation, with a lock timeout; ridden out while any of their leases
-lives), then marks each attempt lost: its handler stops at its next
-``raise_if_cancelled()`` and anything it writes afterwards is discarded (fenced).
-Timeouts that come due while a batch is written make the next one. The slot of a
-limited kind is freed by the transition, once (Pipeline); the handler's end frees
-nothing more.
+The rule: the heartbeat thread only renews leases, since a timeout's write may wait on
+the job's row (locked by the timed-out handler's own success transaction) and no other
+lease of the process would be renewed meanwhile. So the heartbeat hands overdue attempts
+here; one thread writes every timeout queued so far as one ``time out`` transition (each
+row fenced by its attempt's generation, with a lock timeout; ridden out while any of
+their leases lives), then marks each attempt lost: its handler stops at its next
+``raise_if_cancelled()`` and later writes are discarded. The slot of a limited kind is
+freed by the transition, once (Pipeline); the handler's end frees nothing more.
 """
 
 from __future__ import annotations

@@ -77,7 +77,9 @@ def test_one_statement_claims_many_and_one_completes_them(pg, mod):
     worker = mod.leases.worker
     with job_updates() as updates:
         assert worker.execute(mod.b_note.spec, lead) == {"n": 0, "attempt": 1}
+        worker.flush()  # (the process's completer writes them, in the background)
     worker.end(lead)
+    worker.flush()
     assert len(updates) == 1, updates  # four successes: ONE statement
     assert [(r.status, r.result) for r in rows(pg, ids[:4])] == [("succeeded", {"n": i, "attempt": 1}) for i in range(4)]
     # A delivery of a job the batch ran claims what is left (its wakeup is a duplicate).
@@ -85,6 +87,7 @@ def test_one_statement_claims_many_and_one_completes_them(pg, mod):
     assert rest is not None and [a.job_id for a in rest.batch] == ids[4:]
     worker.execute(mod.b_note.spec, rest)
     worker.end(rest)
+    worker.flush()
     assert [r.status for r in rows(pg, ids)] == ["succeeded"] * 6
     assert worker.begin(ids[5], mod.b_note.spec, HOST) is None  # nothing left
 
@@ -96,6 +99,7 @@ def test_a_poison_value_and_a_raising_handler_touch_only_their_own_job(pg, mod):
     worker = mod.leases.worker
     worker.execute(mod.b_note.spec, lead)
     worker.end(lead)
+    worker.flush()
     ok0, raised, poison, ok3 = rows(pg, ids)
     assert (ok0.status, ok3.status) == ("succeeded", "succeeded")
     assert (raised.status, raised.attempt) == ("pending", 1)  # retried: its own attempts (max 2)
@@ -115,6 +119,7 @@ def test_a_lease_lost_on_one_row_leaves_the_others_written(pg, mod):
     worker = mod.leases.worker
     worker.execute(mod.b_note.spec, lead)
     worker.end(lead)
+    worker.flush()
     first, taken, last = rows(pg, ids)
     assert (first.status, last.status) == ("succeeded", "succeeded")
     assert (taken.status, taken.lease_generation, taken.result) == ("running", 2, None)  # the newer holder's
@@ -179,6 +184,7 @@ def test_a_limited_batch_claims_at_most_its_free_slots_and_holds_the_rest(pg, fl
     worker = mod.leases.worker
     worker.execute(mod.b_capped.spec, lead)
     worker.end(lead)
+    worker.flush()
     states = held_of(pg, ids)
     assert states[:2] == [("succeeded", None)] * 2
     # Woken (held cleared, a wakeup sent) as slots freed, best first: the oldest held.
@@ -251,6 +257,7 @@ def test_a_claim_and_a_completion_whose_replies_were_lost_are_found_landed(pg, b
         rule = proxy.lose_reply("completed_logged")  # the successes' one statement (its events' CTE)
         worker.execute(mod.b_note.spec, lead)
         worker.end(lead)
+        worker.flush()
         assert rule.hits == 1
         assert [(r.status, r.lease_generation) for r in rows(pg, ids[:4])] == [("succeeded", 1)] * 4
     finally:
@@ -290,6 +297,7 @@ def test_a_duplicate_delivery_costs_the_claim_alone_and_a_paused_one_is_held(pg,
     assert updates == []
     worker.execute(spec, lead)
     worker.end(lead)
+    worker.flush()
     with job_updates() as updates:
         assert worker.begin(ids[1], spec, HOST) is None  # done: nothing due, nothing held
     assert len(updates) == 1
@@ -308,6 +316,7 @@ def test_a_duplicate_delivery_costs_the_claim_alone_and_a_paused_one_is_held(pg,
     assert again is not None and again.job_id == paused
     worker.execute(spec, again)
     worker.end(again)
+    worker.flush()
     assert rows(pg, [paused])[0].status == "succeeded"
 
 
@@ -325,6 +334,7 @@ def test_a_job_of_a_cancelled_run_is_cancelled_by_the_batch_claim_never_started(
     assert [r.status for r in rows(pg, [first, late, plain])] == ["cancelled", "cancelled", "running"]
     mod.leases.worker.execute(mod.b_note.spec, lead)
     mod.leases.worker.end(lead)
+    mod.leases.worker.flush()
 
 
 def test_a_batch_claim_rerun_after_a_lost_reply_and_a_restart_adopts_its_first_rows(broker, client_app):
@@ -371,6 +381,7 @@ def test_a_batch_claim_rerun_after_a_lost_reply_and_a_restart_adopts_its_first_r
         assert [(r.status, r.lease_generation) for r in rows(url, ids)] == [("running", 1)] * 4 + [("pending", 0)] * 4
         mod.leases.worker.execute(mod.b_note.spec, lead)
         mod.leases.worker.end(lead)
+        mod.leases.worker.flush()
         assert [r.status for r in rows(url, ids)] == ["succeeded"] * 4 + ["pending"] * 4
         mod.leases.store.dispose()
 
@@ -379,25 +390,28 @@ def test_a_renewal_after_a_batch_success_landed_warns_of_no_lost_lease(pg, mod, 
     """Issue #27 item 7: the batch's attempts stayed in the heartbeat until their success
     statement returned, so a renewal that ran just after it committed found the rows
     succeeded and logged "lease lost (cancelled or reaped)" for jobs that had succeeded
-    on their first attempt. Here that renewal runs right after the commit."""
-    from celery_lease.worker.batch import Batches
+    on their first attempt. Here that renewal runs right after the completer's commit."""
+    from celery_lease.worker.completion import BatchCompleter
 
     ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(4)])]
     worker = mod.leases.worker
     lead = _claim(mod, ids[0])
-    complete = Batches.complete
+    complete = BatchCompleter._complete_many
 
     def complete_then_renew(self, items):
-        complete(self, items)
+        done = complete(self, items)
         worker.heartbeat._renew([a for a in lead.batch if a.key in worker.heartbeat._attempts])
+        return done
 
-    Batches.complete = complete_then_renew  # type: ignore[method-assign]
+    BatchCompleter._complete_many = complete_then_renew  # type: ignore[method-assign]
     try:
         with caplog.at_level("WARNING", logger="celery_lease"):
             worker.execute(mod.b_note.spec, lead)
+            worker.flush()
     finally:
-        Batches.complete = complete  # type: ignore[method-assign]
+        BatchCompleter._complete_many = complete  # type: ignore[method-assign]
     worker.end(lead)
+    worker.flush()
     assert [r.status for r in rows(pg, ids)] == ["succeeded"] * 4
     assert not [r.message for r in caplog.records if "lease lost" in r.message]
 
@@ -456,6 +470,7 @@ def test_a_batchs_successes_are_written_through_a_database_outage_within_their_l
         started = time.monotonic()
         assert worker.execute(mod.b_note.spec, lead) == {"n": 0, "attempt": 1}
         worker.end(lead)
+        worker.flush()
         assert outage.hits >= 1 and time.monotonic() - started >= outage_seconds - 0.5
         assert [(r.status, r.attempt, r.lease_generation, r.result) for r in rows(pg, ids)] == [
             ("succeeded", 1, 1, {"n": i, "attempt": 1}) for i in range(4)

@@ -20,8 +20,9 @@ HOST = "celery@flow-leases"
 
 def _app(client_app, pg, broker, *, limited_lease: int = 60):
     """The tests' app with two kinds: ``quick`` (unlimited, a 2 s lease) and ``limited``
-    (concurrency 1); the limited kind's limits row exists (its lock can be held)."""
-    mod = client_app(pg, broker)
+    (concurrency 1); the limited kind's limits row exists (its lock can be held). One
+    job per delivery (the single claim, whose priority swap these tests follow)."""
+    mod = client_app(pg, broker, conf={"lease_coalesce_wakeups": False})
     leases = mod.leases
     quick = leases.job(kind="fl_quick", lease_seconds=2, name="tests.flow_leases.quick")(lambda ctx, p: {"ok": 1})
     limited = leases.job(kind="fl_limited", concurrency=1, lease_seconds=limited_lease, name="tests.flow_leases.limited")(

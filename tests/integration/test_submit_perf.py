@@ -28,6 +28,9 @@ from celery_lease.wakeups import Publisher
 from celery_lease.wakeups_redis import LPUSH_CHUNK
 from tests.conftest import wait_for
 
+#: These tests look at the wakeup of every job: not coalesced (waking.py).
+PER_JOB = {"lease_coalesce_wakeups": False}
+
 
 @pytest.fixture
 def statements(monkeypatch):
@@ -83,7 +86,7 @@ def comparable(message: dict) -> dict:
 
 
 def test_submit_many_is_one_statement_returning_the_rows_as_stored(db, broker, client_app, statements):
-    mod = client_app(db, broker)
+    mod = client_app(db, broker, conf=PER_JOB)
     payloads = [{"i": i, "pair": (i, "b"), "text": "żółw ✓", "nested": {"z": 1, "a": [None, True]}} for i in range(300)]
     statements.clear()
     created = mod.echo.submit_many(payloads, tenant="acme", queue="celery")
@@ -98,7 +101,7 @@ def test_submit_many_is_one_statement_returning_the_rows_as_stored(db, broker, c
 
 def test_a_single_submit_is_one_statement_with_its_event_on_postgresql(pg, broker, client_app, statements):
     """The row and its dispatched event go in one round trip, committed before the wakeup."""
-    mod = client_app(pg, broker)
+    mod = client_app(pg, broker, conf=PER_JOB)
     run_id = str(uuid.uuid4())
     mod.echo.submit({"i": 0}, run_id=run_id)  # creates the run
     statements.clear()
@@ -116,7 +119,7 @@ def test_a_single_submit_is_one_statement_with_its_event_on_postgresql(pg, broke
 
 
 def test_submit_many_in_a_run_and_delayed_returns_the_rows_as_stored(db, broker, client_app):
-    mod = client_app(db, broker)
+    mod = client_app(db, broker, conf=PER_JOB)
     run_id = str(uuid.uuid4())
     created = mod.echo.submit_many([{"i": i} for i in range(5)], run_id=run_id, run_after=timedelta(hours=1))
     for job in created:
@@ -126,7 +129,7 @@ def test_submit_many_in_a_run_and_delayed_returns_the_rows_as_stored(db, broker,
 
 
 def test_submit_many_in_the_callers_transaction_returns_the_rows_as_stored(db, broker, client_app):
-    mod = client_app(db, broker)
+    mod = client_app(db, broker, conf=PER_JOB)
     engine = sa.create_engine(db)
     with engine.begin() as conn:
         created = mod.echo.submit_many([{"i": i} for i in range(4)], connection=conn)
@@ -138,7 +141,7 @@ def test_submit_many_in_the_callers_transaction_returns_the_rows_as_stored(db, b
 
 
 def test_submit_many_with_keys_inserts_only_the_new_keys(db, broker, client_app):
-    mod = client_app(db, broker)
+    mod = client_app(db, broker, conf=PER_JOB)
     first = mod.echo.submit_many([{"v": "a"}, {"v": "b"}], idempotency_keys=["a", "b"])
     messages(broker)
     again = mod.echo.submit_many([{"v": "b2"}, {"v": "c"}, {"v": "d"}], idempotency_keys=["b", "c", "d"])
@@ -203,7 +206,7 @@ def test_wakeups_go_straight_to_redis_and_fall_back_to_kombu_when_that_fails(pg,
     pipeline fails, the same messages go through Producer.publish, retries and all."""
     import kombu.messaging
 
-    mod = client_app(pg, broker)
+    mod = client_app(pg, broker, conf=PER_JOB)
     via_kombu: list[str] = []
     real_publish = kombu.messaging.Producer.publish
 
@@ -267,7 +270,7 @@ def publish_log(db):
 
 @pytest.mark.parametrize("how", ["submit", "submit_many", "transaction"])
 def test_publish_signals_fire_once_per_wakeup_after_the_commit(db, broker, client_app, publish_log, how):
-    mod = client_app(db, broker)
+    mod = client_app(db, broker, conf=PER_JOB)
     if how == "submit":
         created = [mod.echo.submit({"i": i}) for i in range(3)]
     elif how == "submit_many":
@@ -292,7 +295,7 @@ def test_publish_signals_fire_once_per_wakeup_after_the_commit(db, broker, clien
 def test_submit_many_pipelines_its_wakeups(pg, broker, client_app, monkeypatch):
     """2,500 wakeups reach Redis in a few pipelined round trips, not one each, and a
     few commands (one LPUSH per queue and chunk of messages)."""
-    mod = client_app(pg, broker)
+    mod = client_app(pg, broker, conf=PER_JOB)
     executed: list[int] = []  # messages per pipeline
     commands: list[int] = []  # commands per pipeline
     real_execute = redis.client.Pipeline.execute
@@ -315,7 +318,7 @@ def test_submit_many_pipelines_its_wakeups(pg, broker, client_app, monkeypatch):
 
 
 def test_jobs_woken_by_the_fast_path_run_on_a_worker(pg, broker, client_app, workers):
-    mod = client_app(pg, broker)
+    mod = client_app(pg, broker, conf=PER_JOB)
     many = mod.echo.submit_many([{"value": i} for i in range(30)])
     one = mod.echo.submit({"value": "single"})
     workers(pg, broker)

@@ -1,17 +1,14 @@
-"""The job's attempt log (column ``attempts``): one entry per claim, in order, written
-by the statements that claim and end attempts themselves, never by a statement of its
-own (no round trip is added to a claim or a completion).
+"""The job's attempt log (column ``attempts``): one entry per claim, in order, written by the
+statements that claim and end attempts themselves, never by one of its own (no round trip
+added to a claim or a completion).
 
 Each entry is ``{"attempt", "owner", "started_at", "ended_at", "outcome"}``: the claim
-appends it open (``outcome`` "running", ``ended_at`` null) with the lease owner
-(``node/pid/boot``), and whatever ends the attempt (success, failure, retry, timeout,
-snooze, shutdown hand-off, reap, restart recovery, cancel) closes the last entry with
-its outcome (status.AttemptOutcome). Only an open last entry is closed: a cancel of a
-pending job, whose last attempt already ended, leaves the log as it is. A hand-off and
-a snooze give their attempt back, so the next claim's entry has the same number.
-
-Bounded: the oldest entry is dropped from a log of MAX_ENTRIES when a claim appends.
-Times are the database clock's (PostgreSQL: ISO 8601 with offset; SQLite: UTC text).
+appends it open (``outcome`` "running", ``ended_at`` null, owner ``node/pid/boot``), and
+whatever ends the attempt closes the last entry with its outcome (status.AttemptOutcome).
+The rule: only an open last entry is closed (a cancel of a pending job leaves the log as
+it is); a hand-off and a snooze give their attempt back, so the next entry has the same
+number. Bounded: the oldest entry is dropped from a log of MAX_ENTRIES when a claim
+appends. Times are the database clock's (PostgreSQL: ISO 8601 with offset; SQLite: UTC).
 """
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ def _picked(
     """Up to ``n`` + 1 due pending jobs of the delivered job's kind and queue that
     ``held`` admits, best priority first, then (a fair kind) smallest fair_key, then
     oldest, FOR UPDATE SKIP LOCKED: two batches claiming at once take different rows,
-    neither waits. Nothing of a paused kind."""
+    neither waits. Nothing of a paused kind. (The delivered job first among equals.)"""
     same = sa.and_(_c.kind == delivered.c.kind, _c.queue.is_not_distinct_from(delivered.c.queue))
     return (
         sa.select(_c.id, _c.priority, _c.fair_key, _c.created_at, *columns)
@@ -202,7 +202,7 @@ def _picked(
         )
         # fair_key is NULL for every job of a kind that is not fair (statements/fair.py:
         # a fair kind's batch is a weighted mix of tenants).
-        .order_by(_c.priority.desc(), _c.fair_key, _c.created_at)
+        .order_by(_c.priority.desc(), _c.fair_key, _c.created_at, _c.id != _delivered_id())
         .limit(n + 1)
         .with_for_update(of=jobs, skip_locked=True)
         .cte("picked")
@@ -213,7 +213,13 @@ def _picked(
 def _order(picked: sa.CTE) -> tuple[Any, ...]:
     """_picked's order, to number its rows apart: PostgreSQL takes no window function
     beside FOR UPDATE."""
-    return (picked.c.priority.desc(), picked.c.fair_key, picked.c.created_at)
+    return (picked.c.priority.desc(), picked.c.fair_key, picked.c.created_at, picked.c.id != _delivered_id())
+
+
+def _delivered_id() -> sa.BindParameter:
+    """:job_id, last in the order: of jobs equal in it (a submit_many's share created_at),
+    the delivered one first, so a claim of one job takes its own delivery's."""
+    return sa.bindparam("job_id", type_=ID)
 
 
 def _claim_event(claimed: sa.CTE) -> tuple[Any, Any]:

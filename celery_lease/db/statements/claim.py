@@ -1,25 +1,14 @@
 """The claim family: every statement that moves a job from pending to running.
 
-Every form of claim (plain, logged, with riding successes, limited, a priority swap,
-its rate window's count) is built by ONE plain function, :func:`claim`, from the same
-parts; :func:`adopt_claim` takes over the rows of a claim whose reply was lost, by the claim's
-token. Each is durable
-(:mod:`celery_lease.db.durability`): its generation is a fencing token that must never
-be issued twice, also across a crash of PostgreSQL.
-
-The update itself (``_claim_update``): pending -> running for one attempt, atomically.
-attempt + 1 and lease_generation + 1 in the same statement: the generation returned is
-this attempt's fencing token. A job that is running elsewhere, terminal, or not due
-yet matches nothing: the delivery is a duplicate. Guarded by the job's own task too
-(common._delivered: a wakeup is untrusted input).
-
-A job whose run is cancelled never starts: the same statement makes it ``cancelled``
-instead (the returned ``status`` says which). Such a job can exist: a child committed
-with its parent's success, or a ``submit(run_id=R, connection=...)`` committed after
-``cancel_run(R)`` looked at the run's jobs. The run's row is read FOR SHARE, so a claim
-racing a ``cancel_run`` that has marked the run but not yet committed waits for it and
-sees the run cancelled; a ``cancel_run`` that comes after the claim waits for the claim
-and then revokes it.
+Every form of claim (plain, logged, with riding successes, limited, a priority swap, its
+rate window's count) is built by ONE plain function, :func:`claim`, from the same parts;
+:func:`adopt_claim` takes over the rows of a claim whose reply was lost, by its token.
+The rule: a claim is one atomic UPDATE (``_claim_update``) that moves pending -> running
+with attempt + 1 and lease_generation + 1, the returned generation being the attempt's
+fencing token; each is durable (:mod:`celery_lease.db.durability`), so a token is never
+issued twice, also across a crash of PostgreSQL. A job running elsewhere, terminal or not
+due matches nothing (a duplicate delivery), and a job whose run is cancelled is made
+``cancelled`` instead of started (the returned ``status`` says which).
 """
 
 from __future__ import annotations
@@ -122,7 +111,9 @@ def claim(
 
 
 def _claim_update(*, swap: bool, concurrency: bool, rate: bool) -> sa.Update:
-    """The UPDATE every claim is (see the module's docstring), with its guards."""
+    """The UPDATE every claim is, with its guards: pending -> running for one attempt,
+    atomically, attempt + 1 and lease_generation + 1 in the same statement. Guarded by
+    the job's own task too (common._delivered: a wakeup is untrusted input)."""
     delivered = sa.bindparam("job_id", type_=ID)
     if swap:
         # A fair kind's delivery claims its kind's first job in fair order (fair.py); any
@@ -133,6 +124,10 @@ def _claim_update(*, swap: bool, concurrency: bool, rate: bool) -> sa.Update:
         target: Any = sa.select(chosen.prefix_with("MATERIALIZED").c.id).scalar_subquery()
     else:
         target = delivered
+    # The run's row FOR SHARE: a claim racing a cancel_run that has marked the run but not
+    # committed waits for it and sees the run cancelled; a later cancel_run waits for the
+    # claim, then revokes it. (A cancelled run's job can exist: a child committed with its
+    # parent's success, or a submit(run_id=R, connection=...) committed after cancel_run(R).)
     run = (
         sa.select(runs.c.cancelled_at.is_not(None).label("cancelled"))
         .select_from(runs.join(jobs, runs.c.id == _c.run_id))

@@ -1,21 +1,14 @@
-"""Fair share across tenants (``@leases.job(kind=..., fair=True)``): the key that orders
-a fair kind's claims, tenants' weights, and what reads them.
+"""Fair share across tenants (``@leases.job(kind=..., fair=True)``): the key that orders a
+fair kind's claims, tenants' weights, and what reads them (docs/decisions.md, fair share).
 
-Start-time fair queueing. Each pending job of a fair kind carries ``fair_key``, its
-start tag in the kind's weighted round: a tenant's next job is keyed one step of
-``1 / weight`` after the later of its own last pending job and the round's head (the
-smallest pending key of the kind, queue, concurrency key and priority). Claims take the smallest key
-first within the top priority (ties: the oldest job), so over any stretch of claims
-the tenants with jobs waiting are served in proportion to their weights; a tenant
-that arrives late starts at the head, never behind another's backlog, and a tenant
-alone takes every claim.
-
-Every decision is an index probe (celery_lease_jobs_fair, _fair_tenant): a submit reads
-the head and the tenant's last key, a claim the first row in key order, whatever the
-number of tenants or pending jobs. No tenant is enumerated per claim.
-
-A weight change re-spaces the tenant's pending jobs from the head at the new step
-(:func:`respace`), in the transaction that stores it.
+Start-time fair queueing: each pending job of a fair kind carries ``fair_key``, a
+tenant's next job keyed ``1 / weight`` after the later of its own last pending key and
+the round's head (the smallest pending key of the kind, queue, concurrency key and
+priority). Claims take the smallest key within the top priority (ties: the oldest job),
+so tenants with jobs waiting are served in proportion to their weights, and a late tenant
+starts at the head. The rule: every decision is an index probe (celery_lease_jobs_fair,
+_fair_tenant), never an enumeration of tenants. A weight change re-spaces the tenant's
+pending jobs from the head (:func:`respace`), in the transaction that stores it.
 """
 
 from __future__ import annotations

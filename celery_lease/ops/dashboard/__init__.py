@@ -2,30 +2,12 @@
 
 Server-rendered pages (Jinja2 templates in ``templates/``), one small script for the
 live figures (``static/live.js``, polling ``live.json``); nothing is loaded from the
-network. Pages::
-
-    /dashboard/login          the sign-in form (one field: token)
-    /dashboard/jobs           jobs by status, kind, queue, tenant, run, time, payload field
-                              (tokens that may read payloads); search by id; counts per
-                              kind; bulk actions
-    /dashboard/jobs/{id}      one job: payload (tokens that may read payloads), result,
-                              error, progress, checkpoint size, attempts, its run's
-                              events; cancel, retry, delete
-    /dashboard/kinds          limits, pauses, running and waiting per key; pause / resume;
-                              tenants' weights and shares (fair kinds); set a weight
-    /dashboard/live           per kind and minute: submitted, succeeded, failed, p50/p95
-                              queue wait and run time
-    /dashboard/workers        who holds which lease, its last renewal, leases about to lapse
-    /dashboard/reconcile      stale wakeups, held jobs, broker queue lengths beside pending
-                              rows; re-send wakeups
-
-Access (see :mod:`.access`): nothing but the login form and the static files is served
-without a session; a read-only token sees every page but no action (403, and no
-buttons); a tenant token sees only its tenant's jobs (another tenant's job is 404) and
-no fleet-wide figure (rate budgets, workers, broker queues); only a token that may read
-payloads (tokens.Grant.sees_payloads) sees or searches them. Every signed-in request
-spends the token's request rate, the same budget as its API requests
-(throttle.Gate); bodies and headers are those of every route (celery_lease.ops.guard).
+network. Pages: ``login``, ``jobs``, ``jobs/{id}``, ``kinds``, ``live``, ``workers``,
+``reconcile`` (docs/operations.md, "Dashboard"). The rule: a token sees and does here
+what the API lets it. Without a session only the login form and static files are served
+(:mod:`.access`); a read-only token gets no action, a tenant token only its tenant's
+jobs and no fleet-wide figure, payloads only a token that may read them; each request
+spends the token's API request rate (throttle.Gate) and passes celery_lease.ops.guard.
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """Signing in to the dashboard: API tokens, server-side sessions, CSRF tokens.
 
-The login form's one field, ``token``, takes a token of ``lease_api_tokens`` (see
-:mod:`celery_lease.ops.tokens`). Signing in opens a session: a row in the database
-(``celery_lease_sessions``) naming the token by its keyed hash, and a cookie holding a
-random session id with its HMAC under the server's secret. The cookie is derived from
-nothing but randomness and the secret: a leaked cookie tells nothing about the token,
-and the row holds only hashes keyed with the secret.
-
-On every request the cookie's HMAC is checked (a forged cookie costs no database
-read), then its row, then the token among those configured now: signing out deletes
-the row, so a copied cookie stops working in every serve process at once, also after
-restarts; removing a token from the configuration ends its sessions; a session never
-grants more than its token does today, and it expires after SESSION_SECONDS (the
-database's clock). A token holds at most MAX_SESSIONS_PER_TOKEN sessions: signing in
-past that ends its oldest ones, so sign-ins repeated with one token cannot pile up rows
-(they are also rate-limited per address: throttle.SIGN_INS_PER_ADDRESS). A cookie
-that is not one this server signed (another server's, a forged one, one with
-characters no cookie of ours has) is no session: the sign-in form, never an error.
-
-The secret is ``app.conf.lease_dashboard_secret`` (tokens.load_secret); without one,
-each server process draws a random key at start: its sessions end when it restarts,
-and several server processes behind one address need the setting.
-
-The cookie is HttpOnly (scripts cannot read it), SameSite=Strict (a cross-site page
-cannot make the browser send it), and Secure when the request came over HTTPS (as seen
-by the server, or forwarded by a proxy trusted with ``serve --proxy-headers``) or
-always with ``app.conf.lease_dashboard_secure_cookie`` (or
-``CELERY_LEASE_DASHBOARD_SECURE_COOKIE=true``). Every action is a POST whose form
-carries ``csrf``, an HMAC of the session id: a page of another site can neither read
-it nor guess it. The sign-in form has no session to tie a token to, so every form
-POST, sign-in included, must also come from this server's own pages
-(celery_lease.ops.dashboard.web.foreign_origin): else another site could post its own
-token to the sign-in form and have the victim's browser act, unawares, in the
-attacker's tenant.
+The sign-in form takes a token of ``lease_api_tokens``; a session is a row of
+``celery_lease_sessions`` naming the token by its keyed hash, and the cookie holds a
+random session id with its HMAC under the server's secret, nothing derived from the
+token. The rule: a session never grants more than its token does now. Each request
+checks the cookie's HMAC, then its row, then the token among those configured now, so
+signing out or removing a token ends the session in every serve process; a cookie this
+server did not sign is no session (the sign-in form, never an error). Every action
+POST carries ``csrf``, an HMAC of the session id. The whole model (cookie flags, the
+secret, limits, cross-site forms): docs/operations.md, "Security model".
 """
 
 from __future__ import annotations
@@ -45,7 +21,7 @@ from celery_lease.db.dashboard_store import DashboardStore
 from celery_lease.ops.tokens import Grant, Holder, Keyring, keyed
 
 COOKIE = "celery_lease_session"
-#: How long a sign-in lasts.
+#: How long a sign-in lasts (by the database's clock).
 SESSION_SECONDS = 12 * 3600
 #: A longer cookie is refused unread.
 MAX_COOKIE_CHARS = 200
@@ -115,7 +91,7 @@ class Sessions:
     def viewer(self, cookie: str | None) -> Viewer | None:
         """Who a session cookie belongs to; None when it is missing, forged, signed out,
         expired or its token is no longer configured."""
-        session = self._session_id(cookie)
+        session = self._session_id(cookie)  # the HMAC first: a forged cookie costs no read
         if session is None:
             return None
         holder = self._keyring.by_ident(self._store.session_token(keyed(self._key, "session", session)))

@@ -1,26 +1,14 @@
 """Actions on jobs: cancel, retry, delete, one job or everything a filter matches.
 
-Every action is a POST carrying the session's CSRF token, refused (403) to a read-only
-token before anything is read, and limited to the viewer's tenant (another tenant's
-job is a 404, as if it did not exist). A token may do here what it may do through the
-API: retry, which the API grants only tokens bound to no tenant, is refused (403) to a
-tenant's token too, and its buttons are not shown to it.
-
-- **cancel**: :meth:`CeleryLease.cancel` (pending or running -> cancelled; the worker
-  learns at its next heartbeat). The job page's Cancel is a GET of a confirmation page
-  (no script: the CSP allows none), whose form posts the cancel.
-- **retry** a failed, expired or cancelled job: a *new* job (the ``retry as new job``
-  transition, statement ``retry_as_new_job``) with the same kind, payload, queue, tenant and run, a fresh
-  attempt budget, and the old job as its ``parent_id``; the old one stays as it ended
-  (a terminal job never changes). Its wakeup is published at once. A job is retried
-  once (ops/retry.py): a second retry is refused, or skipped in bulk.
-- **delete** a terminal job and its events (the ``delete`` transition,
-  ``delete_finished_jobs``); a pending or
-  running job must be cancelled first.
-- **bulk**: ``GET /bulk?action=...&<filter>`` shows how many jobs the action would
-  change (the newest BULK_CAP the filter matches among the newest SCAN jobs) and asks
-  for confirmation; the POST selects them again and acts on at most BULK_CAP. More
-  matching jobs are left for the next round, which the result page offers.
+The rule: a token may do here what it may do through the API. Every action is a POST
+carrying the session's CSRF token, refused (403) to a read-only token before anything is
+read, and limited to the viewer's tenant (another tenant's job is a 404); retry is
+refused to a tenant's token too, and its buttons are not shown. Retry submits a *new*
+job (ops/retry.py, once per job); delete takes a terminal job and its events; cancel a
+pending or running one, confirmed on a page of its own (no script: the CSP allows none).
+Bulk: ``GET /bulk?action=...&<filter>`` counts the newest BULK_CAP matches among the
+newest SCAN jobs and asks for confirmation; the POST selects them again and acts on at
+most BULK_CAP, leaving the rest for the next round.
 """
 
 from __future__ import annotations

@@ -2,13 +2,10 @@
 kind's weighted round of tenants (celery_lease_jobs.fair_key), and tenants' weights are
 stored (celery_lease_tenant_weights).
 
-A nullable column is added without rewriting a row. Both indexes are partial on
-fair_key IS NOT NULL, which no existing row has, so they hold nothing; building each
-still reads celery_lease_jobs once, and writes to it wait for that (seconds per few
-million rows). The history table takes the column too (archived rows keep every column)
-and the view of all jobs is replaced with it, added last as in both tables.
-
-This release's code reads and writes fair_key: migrate before starting its workers.
+A nullable column, added without rewriting a row; the history table and the view of all
+jobs take it too. Both partial indexes start empty, but building each reads
+celery_lease_jobs once and writes to it wait for that. This release's code reads and
+writes fair_key: migrate before starting its workers.
 
 Revision ID: 0015_fair_share
 Revises: 0014_history
