@@ -8,7 +8,7 @@ them one after another, each through the single job's path (WorkerState.execute)
 plain success handed to the process's one completer. Rule: a job waiting its turn keeps
 its lease (the heartbeat renews every lease of the process); one whose lease is lost
 while it waits, or met by a warm stop, never starts. A delivery whose job runs here is
-a duplicate, dropped without a statement. docs/decisions.md, "Many jobs per claim".
+a duplicate whose claim finds nothing. docs/decisions.md, "Many jobs per claim".
 """
 
 from __future__ import annotations
@@ -72,13 +72,10 @@ class Batches:
 
     def begin(self, job_id: str, spec: JobKind, hostname: str | None) -> Attempt | None:
         """Claim the delivery's batch; its lead attempt (``attempt.batch`` holds them all),
-        or None when nothing was claimed."""
+        or None when nothing was claimed. Every delivery claims, also one whose job runs
+        here: submits may have left their jobs to its claim (waking.py), and the job it
+        names may have been reaped and be due again (nothing here can tell)."""
         state = self._state
-        with state._lock:
-            if any(key[0] == job_id for key in state._live):
-                # Running here in a batch: this wakeup is a duplicate; no statement.
-                log.info("celery-lease: job %s: duplicate or not claimable delivery (running here); skipped", job_id)
-                return None
         sent_at = time.monotonic()
         owner = owner_of(hostname)
         params = {"job_id": job_id, "wakeup_task": spec.task, "owner": owner, "n": self.size(spec)}
@@ -94,8 +91,6 @@ class Batches:
             # Refused by an override this process had not read: claimed on the limited path.
             limited = state.flow.limited(spec, fresh=True)
         rows = [r for r in found if r["id"] is not None]  # (nothing claimed: one row of NULLs)
-        with state._lock:
-            state._live.update((str(r["id"]), r["lease_generation"]) for r in rows if r["status"] != _CANCELLED)
         paused = bool(found and found[0]["paused"])
         if limited and found and not paused:
             self._limited_follow_ups(job_id, spec, found[0], any(str(r["id"]) == job_id for r in rows))
@@ -252,6 +247,5 @@ class Batches:
         return True
 
     def _done(self, a: Attempt) -> None:
-        """``a`` ended (its outcome written, or given up): no more renewals, no longer here."""
+        """``a`` ended (its outcome written, or given up): no more renewals."""
         self._state.heartbeat.remove(a)
-        self._state._release(a)

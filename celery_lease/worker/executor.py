@@ -8,7 +8,6 @@ The Celery signals in :mod:`celery_lease.worker.signals` call these at their mom
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -92,17 +91,9 @@ class WorkerState:
         self.heartbeat = Heartbeat(store, broker_url, notice_channel, on_timeout=self.timeouts.submit)
         #: Plain successes: batched on PostgreSQL, where each statement is a round trip;
         #: written at once on SQLite.
-        self.completer: Completer = completer_for(store, self.pipeline, on_written=self._release)
-        #: The deliveries of batched kinds: claimed, run and completed many at a time.
+        self.completer: Completer = completer_for(store, self.pipeline)
+        #: The deliveries that claim what is due: many jobs per claim (worker/batch.py).
         self.batches = Batches(self)
-        #: The attempts of batched kinds that live here until their outcome is written
-        #: (a delivery of one of them is a duplicate: worker/batch.py).
-        self._live: set[tuple[str, int]] = set()
-        self._lock = threading.Lock()
-
-    def _release(self, attempt: Attempt) -> None:
-        with self._lock:
-            self._live.discard(attempt.key)
 
     # --- task_prerun / task_postrun ------------------------------------------------
 
@@ -197,19 +188,15 @@ class WorkerState:
             self.record.hand_off(attempt, why=CLAIMED_LATE)
         except (LeaseLost, DatabaseUnavailable):
             log.warning("celery-lease: job %s: its late claim not handed off; the reaper will", attempt.job_id)
-        finally:
-            self._release(attempt)
 
     def end(self, attempt: Attempt | None) -> None:
         for each in attempt.batch or () if attempt is not None else ():
             if each is not attempt:
                 self.end(each)  # (a no-op for those the batch ended already)
         if attempt is not None:
-            self.heartbeat.remove(attempt)
             # (Its slot, if its kind is limited, was freed by the transition that moved
             # it out of running, once: its outcome's, or the cancel's or reap's.)
-            if not attempt.pending_write:  # else the completer releases it once written
-                self._release(attempt)
+            self.heartbeat.remove(attempt)
 
     def flush(self) -> None:
         self.completer.flush()

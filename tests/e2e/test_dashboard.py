@@ -348,7 +348,7 @@ def test_bulk_cancel_confirms_the_count_then_cancels_what_the_filter_matches(ser
 
 
 def test_reconciliation_shows_the_broker_beside_the_table_and_resends_wakeups(server, pg, broker, client_app, make_job):
-    mod = client_app(pg, broker)
+    mod = client_app(pg, broker, conf={"lease_coalesce_wakeups": False})  # a wakeup per job, to count
     waiting = mod.echo.submit({})
     gone = mod.echo.submit({})
     mod.leases.cancel(gone.id)  # its wakeup stays in Redis: it wakes a finished job

@@ -471,7 +471,9 @@ def queue_length(redis_server, queue: str = "celery") -> int:
 
 
 def test_sweeper_delivers_lost_wakeups_once_stale(pg, broker, redis_server, client_app, workers, db, make_job):
-    conf = {"lease_sweep_stale_seconds": 5}
+    # One job per delivery: a claim of what is due (waking.py) would take the job whose
+    # wakeup was lost with the other's, before any sweep.
+    conf = {"lease_sweep_stale_seconds": 5, "lease_coalesce_wakeups": False}
     mod = client_app(pg, broker, conf=conf)
     job = mod.echo.submit({"value": 1})
     redis_server.flush()  # its wakeup is lost

@@ -149,11 +149,14 @@ def test_beside_celerys_instrumentation_no_span_is_duplicated_or_orphaned(pg, br
     from opentelemetry.instrumentation.celery import CeleryInstrumentor
 
     env = {**ENV, "CL_TEST_SPANS": str(traces.path), "CL_TEST_OTEL_CELERY": "1"}
-    mod = client_app(pg, broker, conf=CONF, extra_env=ENV, module=APP)
+    # A wakeup per job, each the Celery task of its one attempt: the spans of a claim of
+    # many (one Celery run span for its delivery's job) are test_every_job_of_a_batch_...'s.
+    conf = {**CONF, "lease_coalesce_wakeups": False}
+    mod = client_app(pg, broker, conf=conf, extra_env=ENV, module=APP)
     instrumentor = CeleryInstrumentor()
     instrumentor.instrument()
     try:
-        workers(pg, broker, module=APP, conf=CONF, extra_env=env)
+        workers(pg, broker, module=APP, conf=conf, extra_env=env)
         with traces.tracer.start_as_current_span("caller"):
             one = mod.echo.submit({"value": 1})
             flaky = mod.flaky.submit({"ok_at": 2})
