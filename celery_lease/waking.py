@@ -1,21 +1,13 @@
 """Coalesced wakeups: one wakeup on its way per (task, routing key), not one per job.
 
-Rule (the invariant no due job may break): a due job is reached by a claim that starts
-after its row committed. A submit publishes its kind's wakeup only when it sets the
-(task, routing key)'s mark (SET NX, on the Redis broker); while the mark is set, a wakeup
-of that task and routing key is on its way and its claim has not started, since the
-delivery deletes the mark *before* it claims (WorkerState.begin). So a job whose submit
-found the mark set is committed before that claim reads the table: the claim takes it,
-or, full, wakes the kind again (worker/batch.py), and so on down the due jobs.
-
-The mark expires after MARK_TTL_MS: a wakeup lost with its delivery (broker restart, a
-worker killed between receiving and claiming) holds later submits back no longer than
-that; the jobs submitted meanwhile are the sweeper's, as any lost wakeup's. A mark that
-expired while its wakeup still waited (a long queue) only lets a second wakeup go.
-
-Only wakeups the worker claims many at a time take part (``coalesces``: a kind claimed
-by worker/batch.py); on another broker, or another route than a queue's, every wakeup
-is published.
+Rule: a due job is reached by a claim that starts after its row committed. A submit
+publishes its kind's wakeup only when it sets the (task, routing key)'s mark (SET NX on
+the Redis broker); the delivery deletes the mark *before* it claims (WorkerState.begin).
+So a job whose submit found the mark is committed before that claim reads the table:
+the claim takes it or, full, wakes the kind again (worker/batch.py). The mark expires
+after MARK_TTL_MS, so a wakeup lost with its delivery holds later submits back no
+longer; the jobs submitted meanwhile are the sweeper's. Only kinds whose deliveries
+claim what is due take part (``coalesces``); on another broker every wakeup is published.
 """
 
 from __future__ import annotations

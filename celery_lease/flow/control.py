@@ -1,35 +1,14 @@
-"""Flow control across the fleet: concurrency limits, rate limits, priority, pause.
+"""Flow control across the fleet: concurrency limits, rate limits, priority, pause, all
+enforced in the database at claim time, so they hold for every worker and host at once.
 
-Every limit is enforced in the database at claim time, so it holds for every worker
-process and host at once (Celery's own ``rate_limit`` is per worker).
-
-* **Which claim** (named transitions of :mod:`celery_lease.lifecycle.claim`). A kind
-  that declares no limit claims with CLAIM (or CLAIM_RIDING): one statement, with two
-  guards: no claim of a paused kind, and a higher-priority due job of the same kind,
-  queue and key is claimed in place of the delivered one. A kind with
-  ``concurrency=`` or ``rate_limit=`` claims with CLAIM_LIMITED, in one short
-  transaction that first locks the kind's row in ``celery_lease_limits``; under that
-  lock it checks the rate window and claims only while fewer than ``concurrency`` jobs
-  of the job's kind and key run. Claims of one limited kind are therefore serialized.
-* **Held, not lost.** A refused claim leaves its job ``pending`` (no attempt spent) and
-  marks why in ``jobs.held``: ``limit``, ``rate`` or ``pause``. Its wakeup is spent;
-  nothing polls. It is woken when the cause ends: a limited job leaving ``running``
-  (success, failure, retry, handoff, snooze, lease loss; a cancel; a reap) wakes as many
-  held jobs of its kind and key as there are free slots, best priority first; a
-  rate-limited kind schedules one wakeup for the next window, and the first claim of a
-  window wakes the jobs held for it; a resume wakes every job the pause held. A
-  release takes the same limits row lock as the claims, so a job held by a claim that
-  raced with the release is seen by it. The sweeper recovers what a crash missed.
-* **Priority** is decided by the database: the delivered job whose turn was taken gets a new wakeup.
-* **Runtime limits.** An operator's override (:meth:`FlowControl.set_limits`: ``celery
-  lease limit``, the API, the dashboard) is stored in the kind's limits row; the
-  limited claim, the hold and every wake read the limit in force from that row (the
-  override, else what the code declares), so a change binds every worker's next claim
-  of a limited kind with no round trip of its own. A kind the code leaves unlimited
-  claims with CLAIM, which takes no lock: each worker process learns which such kinds
-  an override limits from a cache read at most every OVERRIDES_REFRESH_SECONDS, and
-  claims them with CLAIM_LIMITED from then on. CLAIM (and CLAIM_BATCH) refuses a kind an
-  override limits; the refused delivery reads the overrides afresh and claims limited.
+Which claim a delivery takes: a kind with no limit claims with CLAIM (no lock; it refuses
+a kind an operator's override limits, and the refused delivery reads the overrides afresh);
+a limited kind with CLAIM_LIMITED, after locking its row in ``celery_lease_limits``, only
+while a slot is free and the rate window has room. A refused job stays ``pending``, its
+attempt unspent, ``held`` says why (``limit``, ``rate``, ``pause``), and it is woken when
+the cause ends: a slot's release (under the same lock), the next rate window, a resume.
+Priority and the pause are guards of every claim. An override lives in the kind's limits
+row, read by every claim, hold and wake. docs/flow-control.md is the user's view.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""The claim of a batched kind (``batch=N``): up to N rows moved by one statement.
+"""The claim of many jobs at once: up to N rows moved by one statement (every kind that
+claims what is due, worker/batch.py), CLAIM_BATCH or, for a limited kind, CLAIM_BATCH_LIMITED
+after its limits row lock in the same transaction.
 
-Executed as every claim (lifecycle.claim.execute_many): durable, one statement alone
-in its transaction, a lost reply settled by the claim's token, so a claim whose reply
-was lost is found committed (its rows adopted) or run again, never both. (A batch's
-successes are the completer's statement: worker/batch.py.)
-
-Not ``fenced`` as a whole: each row carries its own guard (pending and due), and the
-caller decides what a missing row means (worker/batch.py). It frees no flow-control
-slot. A limited kind's (a limit in code or an operator's override) is
-CLAIM_BATCH_LIMITED: the kind's limits row is locked first in the same transaction
-(flow.lock_limits, as the single limited claim), then one statement bounds the batch
-by the limits in force.
+Executed as every claim (lifecycle.claim.execute_many): durable, one statement alone in
+its transaction, a lost reply settled by the claim's token, so a claim whose reply was
+lost is found committed (its rows adopted) or run again, never both. Not ``fenced`` as a
+whole: each row carries its own guard (pending and due), and the caller decides what a
+missing row means. It frees no flow-control slot.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
-"""Every claim, named once, and the one function that executes them: :func:`execute`.
+"""Every claim, named once, and the functions that execute them (:func:`execute`, and
+:func:`execute_many` for the claim of many rows).
 
-A claim moves the job a delivery names (or a better one of its kind: a priority swap)
-from ``pending`` to ``running`` for one attempt, or to ``cancelled`` when its run is.
-It keeps the rules of every transition (celery_lease/lifecycle/transition.py):
-
-* **its statement is the catalogue's** (db/statements/claim.py: one builder for every
-  form) and **its durability is declared there** (``durable``: the generation it
-  issues is a fencing token that must never be issued twice, also across a crash):
-  :func:`execute` refuses a statement that is not;
-* **a lost reply is settled by what landed, by identity**: each claim call writes its
-  own random ``claim_token`` (:func:`new_token`; the same for its retries); before a
-  retry, and when the retry claimed nothing, :class:`LandedClaim` runs ADOPT, which
-  finds the row running under this owner with this very token (the delivered job, or
-  the one a priority swap took) and adopts it, never another row of the owner (a job
-  whose success waits to be written runs under it too); successes riding on it that
-  landed are read back;
-* **follow-ups run after the one commit that counts, once**, each best-effort
-  (:class:`ClaimFollowUps`): a claim-time cancel's errbacks and chord removal, a new
-  rate window's wake of the jobs held for it, a priority swap's new wakeup for the
-  delivered job.
-
-Why not Pipeline.execute itself: its Landing reads the transaction's id in a statement
-of its own and needs BEGIN and COMMIT, three round trips where a claim is one (a
-statement alone in its transaction, prepared on PostgreSQL). Every job pays for its
-claim, so a claim settles a lost reply by looking at the row it claimed instead.
+Rules: its statement is the catalogue's and declared durable there (the generation it
+issues is a fencing token never issued twice, also across a crash); a lost reply is
+settled by identity: each claim writes its own ``claim_token``, and a retry first adopts
+the rows running under its owner with that token (:class:`LandedClaim`), never another
+row of the owner; follow-ups (:class:`ClaimFollowUps`) run once after the commit that
+counts, each best-effort. No Landing: a claim is one statement alone in its transaction,
+one round trip where a Landing costs three (docs/lifecycle.md, "The claims").
 """
 
 from __future__ import annotations

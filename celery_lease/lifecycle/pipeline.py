@@ -1,28 +1,14 @@
-"""The one function that changes a job's state: :meth:`Pipeline.execute` (and, for the
-claim, its sibling :func:`celery_lease.lifecycle.claim.execute`).
+"""The one function that changes a job's state: :meth:`Pipeline.execute` (the claims
+have their sibling, lifecycle.claim).
 
-For any :class:`~celery_lease.lifecycle.transition.Transition`, one transaction runs:
-
-1. its statement (fenced by the attempt's lease generation when the transition is an
-   attempt's: zero rows -> LeaseLost, nothing below runs, the transaction rolls back);
-2. the run events of the rows it moved (unless the statement appends them itself);
-3. the caller's own writes (a success's effects, children and next chain steps);
-4. the errbacks of the rows that ended their job, and their chord's removal.
-
-It commits durably (the transition declares it), through a :class:`Landing`: after a
-dropped connection the server is asked whether that commit landed, so the transaction
-is never applied twice and never silently skipped. While the database is unreachable,
-an attempt's write is tried again until its lease lapses by its own clock; any other
-transition, for a few seconds. Then, after the one commit that counts, its follow-ups
-run exactly once: the wakeups of jobs it created or requeued, plain errbacks and
-callbacks, cancel notices, and the release of flow-control slots.
-
-Every claim is a named :class:`~celery_lease.lifecycle.claim.Claim` executed by the
-sibling function :func:`celery_lease.lifecycle.claim.execute`, with the same rules:
-durability declared on its statement, a lost reply settled by what landed (the claimed
-row, adopted), follow-ups once after the commit (a claim-time cancel's errbacks and
-chord: :meth:`Pipeline.claim_cancelled`). It does not go through a Landing, which would
-cost every job two more round trips: a claim is one statement alone in its transaction.
+For any :class:`~celery_lease.lifecycle.transition.Transition`, one transaction runs its
+statement (fenced by the attempt's generation: zero rows -> LeaseLost, nothing below
+runs), the run events of the rows it moved, the caller's own writes (a success's
+effects, children, chain steps), and the errbacks and chord removal of the rows that
+ended their job. It commits durably through a :class:`Landing` (a lost reply is asked
+of the server, never guessed); an attempt's write is tried again through an outage
+until its lease lapses, any other for a few seconds. Then, once, its follow-ups:
+wakeups, plain errbacks and callbacks, cancel notices, slot releases.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
-"""Every way a job leaves ``running`` or ``pending``, named once (the claims, which
-enter ``running``: :mod:`celery_lease.lifecycle.claim`).
+"""Every way a job leaves ``running`` or ``pending``, named once (the claims, which enter
+``running``: :mod:`celery_lease.lifecycle.claim`).
 
 A :class:`Transition` is a value: its statement (from the catalogue), the run event it
-logs for each job it moves, its durability, and the follow-ups its rows set off after
-the commit. :class:`celery_lease.lifecycle.pipeline.Pipeline` executes any of them the
-same way, so no call site chooses a commit mode, forgets an errback or frees a slot
-twice.
-
-Durability is declared here, never at a call site: each transition below ends an
-attempt or bumps a lease generation, so each commits durably in every mode, prepared
-statements or not (the pipeline marks its statement with db/durability.py's
-``durable``: ``SET LOCAL synchronous_commit = on`` goes with it). A fast (asynchronous) commit could be
-lost in a PostgreSQL crash while its follow-ups (an errback, a wakeup, a freed slot)
-were already sent.
-
-Follow-ups, after the commit, exactly once (also when the first try's reply was lost:
-celery_lease/db/landing.py):
-
-* ``ends``: rows that reach one of these statuses end their job otherwise than by success:
-  their errbacks fire and a chord they were a header job of is removed (canvas.Endings,
-  in the transaction; plain errbacks and wakeups after it);
-* ``wakes``: rows the statement left pending and marked woken get their wakeup;
-* ``releases``: rows leaving ``running`` free their flow-control slot;
-* ``notifies``: the workers holding the rows are told (cancel notice), sooner than
-  their next heartbeat.
+logs per row, its durability, and the follow-ups its rows set off after the commit,
+exactly once: ``ends`` (errbacks, a chord removed), ``wakes`` (a wakeup for rows left
+pending), ``releases`` (flow-control slots), ``notifies`` (cancel notices).
+:class:`~celery_lease.lifecycle.pipeline.Pipeline` executes any of them the same way, so
+no call site chooses a commit mode, forgets an errback or frees a slot twice. Each one
+here ends an attempt or bumps a generation, so each commits durably in every mode (a
+fast commit lost in a crash after its follow-ups went out would undo them).
 """
 
 from __future__ import annotations

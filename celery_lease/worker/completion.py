@@ -1,28 +1,14 @@
-"""Where a plain success (nothing else to commit) is written: a :class:`Completer`.
+"""Where a plain success (nothing else to commit) is written: the process's one
+:class:`Completer`, for single jobs and many-job claims alike.
 
-:class:`InlineCompleter` (SQLite: a local file, no round trip to save) writes each at
-once through the pipeline's ``succeed`` transition. :class:`BatchCompleter`
-(PostgreSQL) writes them in batches, one fenced statement for many attempts:
-
-A success with nothing else to commit (no effects, children, canvas follow-up or
-limited slot; a run's event is appended by the statement itself) does not need the
-handler to wait: the attempt's outcome is final once the body has returned,
-and its write stays fenced by the lease generation. So the body returns at once and
-the success waits here, at most LINGER seconds, for one of two rides:
-
-* the process's next claim (:meth:`Completer.take`): the claim statement writes every
-  waiting success too (statements.claim.claim, riding=), one round trip and one durable
-  commit for both; a steady stream of jobs pays no completion statement of its own;
-* else this thread, which writes every success gathered in one ``complete_jobs``.
-
-Either way the write is synchronous (durable) and fenced, and a success missing from
-its statement's result is re-checked alone (:func:`confirm`). A success
-whose lease lapsed by its own clock while it waited (the database away) is still
-written when the database answers: the body is over, and the fence lets it land only
-if no one took the job; only a lease known gone (Attempt.gone) drops it. If the
-process dies before the write, the job is still running under its lease and the
-reaper requeues it, exactly as if it had died a moment earlier inside the body. Warm
-exits flush (``worker_process_shutdown``).
+:class:`BatchCompleter` (PostgreSQL): the body returns at once and its success waits at
+most a few milliseconds, for the process's next single claim to carry it (one round
+trip, one durable commit for both) or for this thread's ``complete_jobs`` of every
+success gathered. Either way the write is durable and fenced by the generation; a row
+missing from the result is re-checked alone (:func:`confirm`); a success whose lease
+lapsed only by its own clock (the database away) is still written. A process that dies
+first leaves the job running under its lease, for the reaper. :class:`InlineCompleter`
+(SQLite) writes each at once. Warm exits flush.
 """
 
 from __future__ import annotations
