@@ -31,14 +31,17 @@ def main() -> int:
     args = parser.parse_args()
     dbs = harness.Databases()
     with tempfile.TemporaryDirectory(prefix="bench-lone-") as tmp:
-        redis = harness.RedisServer(Path(tmp))
-        redis.start()
-        workers = []
+        servers, workers, systems, outs = [], [], [], {}
         try:
-            systems = make_systems(args.systems, dbs, redis.url, Path(tmp))
-            outs = {}
-            for system in systems:
-                out = outs[system.name] = Path(tmp) / system.name
+            # A Redis of its own per system: both workers consume the queue "celery".
+            for name in args.systems.split(","):
+                redis = harness.RedisServer(Path(tmp) / name)
+                (Path(tmp) / name).mkdir()
+                redis.start()
+                servers.append(redis)
+                (system,) = make_systems([name], dbs, redis.url, Path(tmp))
+                systems.append(system)
+                out = outs[system.name] = Path(tmp) / name / "out"
                 out.mkdir()
                 system.reset(out)
                 worker = harness.WorkerProcess(system.worker_args(hold=False), system.env(redis.url, out), out).start()
@@ -63,7 +66,8 @@ def main() -> int:
         finally:
             for worker in workers:
                 worker.stop()
-            redis.stop()
+            for redis in servers:
+                redis.stop()
             dbs.close()
     return 0
 
