@@ -182,6 +182,17 @@ sa.Index(
     jobs.c.created_at,
     **_partial("status = 'pending' AND fair_key IS NOT NULL"),
 )
+# The claim of many jobs (statements/batch.py, _picked): the due jobs of one kind and
+# queue in claim order, walked from the first and left after n + 1 rows (migration 0016).
+sa.Index(
+    "celery_lease_jobs_due",
+    jobs.c.kind,
+    sa.func.coalesce(jobs.c.queue, sa.literal_column("''")),
+    jobs.c.priority.desc(),
+    jobs.c.fair_key,
+    jobs.c.created_at,
+    **_partial("status = 'pending' AND held IS NULL"),
+)
 sa.Index(
     "celery_lease_jobs_fair_tenant",
     jobs.c.kind,

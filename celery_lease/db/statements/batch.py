@@ -185,24 +185,31 @@ def _picked(
     """Up to ``n`` + 1 due pending jobs of the delivered job's kind and queue that
     ``held`` admits, best priority first, then (a fair kind) smallest fair_key, then
     oldest, FOR UPDATE SKIP LOCKED: two batches claiming at once take different rows,
-    neither waits. Nothing of a paused kind. (The delivered job first among equals.)"""
-    same = sa.and_(_c.kind == delivered.c.kind, _c.queue.is_not_distinct_from(delivered.c.queue))
+    neither waits. Nothing of a paused kind.
+
+    The kind and queue are values (one probe of the delivered row), compared by equality
+    with celery_lease_jobs_due's keys, so the claim walks that index in its order and
+    stops after n + 1 rows, however many jobs are pending (a join, or IS NOT DISTINCT
+    FROM, sorted every pending job of the kind per claim)."""
+    kind = sa.select(delivered.c.kind).scalar_subquery()
+    queue = sa.select(sa.func.coalesce(delivered.c.queue, "")).scalar_subquery()
     return (
         sa.select(_c.id, _c.priority, _c.fair_key, _c.created_at, *columns)
-        .select_from(jobs.join(delivered, same))
         .where(
-            # (Literal 'pending' and held IS NULL: the wakeup index's predicate, which a
-            # prepared generic plan can only use when the WHERE visibly implies it.)
+            _c.kind == kind,
+            sa.func.coalesce(_c.queue, "") == queue,
+            # (Literal 'pending' and held IS NULL: the index's predicate, which a prepared
+            # generic plan can only use when the WHERE visibly implies it.)
             _c.status == _PENDING,
             held,
             _c.task == sa.bindparam("wakeup_task"),
             _due(_c),
-            ~sa.exists().where(pauses.c.kind == _c.kind),
+            ~sa.exists().where(pauses.c.kind == kind),
             *(() if guard is None else (guard,)),
         )
         # fair_key is NULL for every job of a kind that is not fair (statements/fair.py:
         # a fair kind's batch is a weighted mix of tenants).
-        .order_by(_c.priority.desc(), _c.fair_key, _c.created_at, _c.id != _delivered_id())
+        .order_by(_c.priority.desc(), _c.fair_key, _c.created_at)
         .limit(n + 1)
         .with_for_update(of=jobs, skip_locked=True)
         .cte("picked")
@@ -213,13 +220,7 @@ def _picked(
 def _order(picked: sa.CTE) -> tuple[Any, ...]:
     """_picked's order, to number its rows apart: PostgreSQL takes no window function
     beside FOR UPDATE."""
-    return (picked.c.priority.desc(), picked.c.fair_key, picked.c.created_at, picked.c.id != _delivered_id())
-
-
-def _delivered_id() -> sa.BindParameter:
-    """:job_id, last in the order: of jobs equal in it (a submit_many's share created_at),
-    the delivered one first, so a claim of one job takes its own delivery's."""
-    return sa.bindparam("job_id", type_=ID)
+    return (picked.c.priority.desc(), picked.c.fair_key, picked.c.created_at)
 
 
 def _claim_event(claimed: sa.CTE) -> tuple[Any, Any]:
