@@ -48,7 +48,7 @@ _RULES = [(cat, re.compile(rx)) for cat, rx in RULES]
 #: The worker's background threads, told apart by what their loop calls.
 THREADS = {
     "completer thread": re.compile(M + r"(\w*Completer\._loop|_write|get) \(.*(celery_lease/worker/completion|queue)\.py"),
-    "cancel-notice thread": re.compile(r"celery_lease/cancel_notice\.py"),
+    "cancel-notice thread": re.compile(r"celery_lease/broker/cancel_notice\.py"),
     "heartbeat thread": re.compile(r"."),
 }
 

@@ -23,10 +23,11 @@ from typing import Any
 
 from celery import Celery
 
-from celery_lease import cancel_notice, grouping, results, shared
+from celery_lease import grouping, results, shared
 from celery_lease.beat import entries
 from celery_lease.beat.maintenance import Maintenance
 from celery_lease.beat.periodic import BeatJobs, Periodic
+from celery_lease.broker import cancel_notice
 from celery_lease.canvas import Canvas
 from celery_lease.db import migrate
 from celery_lease.db.engine import Database, Timeouts

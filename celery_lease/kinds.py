@@ -27,7 +27,7 @@ class JobKind:
     retry_backoff: float
     retry_backoff_max: float
     #: @leases.job(queue=...): the Celery task's own queue, which routing honours before
-    #: task_routes (celery_lease.routing); None: task_routes or the default queue decide.
+    #: task_routes (celery_lease.broker.routing); None: task_routes or the default queue decide.
     queue: str | None
     #: Flow control (concurrency, concurrency_key, rate_limit); None: unlimited.
     limits: Limits | None = None

@@ -20,7 +20,11 @@ from typing import Any
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_lease import tracing, wakeups
+from celery_lease import tracing
+from celery_lease.broker import wakeups
+from celery_lease.broker.resends import ResendGate
+from celery_lease.broker.routing import QueueRouter
+from celery_lease.broker.waking import Waking
 from celery_lease.db import migrate
 from celery_lease.db.refused import refused_value
 from celery_lease.db.schema import jobs as jobs_table
@@ -30,11 +34,8 @@ from celery_lease.flow.limits import parse_priority
 from celery_lease.job import Job, parse_job_id
 from celery_lease.kinds import JobKind
 from celery_lease.payload import storable_text
-from celery_lease.resends import ResendGate
-from celery_lease.routing import QueueRouter
 from celery_lease.settings import Settings
 from celery_lease.status import Event, Status
-from celery_lease.waking import Waking
 
 log = logging.getLogger("celery_lease")
 

@@ -25,11 +25,11 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
+from celery_lease.broker.routing import QueueRouter, consumed_queues
 from celery_lease.db import migrate
 from celery_lease.db.store import Store
 from celery_lease.extension import CeleryLease
 from celery_lease.job import Job
-from celery_lease.routing import QueueRouter, consumed_queues
 
 log = logging.getLogger("celery_lease")
 
@@ -249,7 +249,7 @@ def lease_worker(celery_lease) -> Iterator[CeleryLease]:
 
 
 def worker_queues(leases: CeleryLease) -> list[str]:
-    """The queues ``lease_worker`` consumes: every one the app routes to (celery_lease.routing),
+    """The queues ``lease_worker`` consumes: every one the app routes to (celery_lease.broker.routing),
     each leased kind's as routed without a payload included."""
     router = QueueRouter(leases.app)
     kinds: list[str | None] = []

@@ -392,7 +392,7 @@ def make_job():
             "id": str(uuid.uuid4()),
             "kind": kind,
             "task": task,
-            # As submit stores it for tests.apps.app: its routed queue (celery_lease.routing).
+            # As submit stores it for tests.apps.app: its routed queue (celery_lease.broker.routing).
             "queue": "celery",
             "status": status,
             "attempt": 0,

@@ -26,8 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 
-from celery_lease import green
-from celery_lease.db import durability, sqlite_errors, unreachable, urls
+from celery_lease.db import durability, green, sqlite_errors, unreachable, urls
 from celery_lease.db.in_flight import await_in_flight, backend_pid
 from celery_lease.db.prepared import Prepared
 from celery_lease.errors import DatabaseUnavailable

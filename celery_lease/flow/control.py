@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from celery_lease.broker.wakeups import RETRY_POLICY
 from celery_lease.errors import UnknownKind
 from celery_lease.flow.limits import LimitChange, Rate
 from celery_lease.flow.store import ClaimResult, FlowStore
 from celery_lease.lifecycle.claim import ClaimFollowUps, claim_delivery
 from celery_lease.status import Held, Status
-from celery_lease.wakeups import RETRY_POLICY
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -138,7 +138,7 @@ class Query:
     kind: str | None = None
     limit: int = DEFAULT_LIMIT
     after: tuple[datetime, str] | None = None
-    #: The job's routed queue (celery_lease.routing).
+    #: The job's routed queue (celery_lease.broker.routing).
     queue: str | None = None
 
     @classmethod

@@ -213,7 +213,7 @@ class JobContext:
         (no child without the parent's success). It inherits this job's run and
         tenant, and has this job as its parent. ``task``: a kind name or leased task;
         ``options``: submit's (queue=, priority=, run_after=, idempotency_key=, ...); its
-        queue is routed as any submit's (celery_lease.routing)."""
+        queue is routed as any submit's (celery_lease.broker.routing)."""
         spec = self._registry.resolve(task)
         options.setdefault("run_id", self.run_id)
         options.setdefault("tenant", self._attempt.tenant)

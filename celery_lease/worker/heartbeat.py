@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from celery_lease import cancel_notice
+from celery_lease.broker import cancel_notice
 from celery_lease.worker.runtime import Drainer
 
 if TYPE_CHECKING:

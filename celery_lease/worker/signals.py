@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 from celery import Celery, signals
 
-from celery_lease import green, tracing
+from celery_lease import tracing
+from celery_lease.db import green
 from celery_lease.errors import LeaseError
 from celery_lease.worker import borne, broker_restart, events, prefork, revoke, shutdown
 from celery_lease.worker.task import LeaseTask

@@ -1,4 +1,4 @@
-"""Coalesced wakeups (celery_lease/waking.py) with real `celery worker` processes,
+"""Coalesced wakeups (celery_lease/broker/waking.py) with real `celery worker` processes,
 PostgreSQL and a private Redis: a submit of a kind with no limit in its code publishes a
 wakeup only when it sets the (task, routing key) mark, and a delivery deletes that mark
 before it claims what is due (worker/batch.py).

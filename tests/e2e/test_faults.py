@@ -291,7 +291,7 @@ def test_cancel_running_job_stops_it_and_discards_its_later_writes(pg, broker, c
 def _cancel_waiter(pg, broker, client_app, workers, marker_dir, lease, cancel, pool: str = "prefork") -> None:
     import redis
 
-    from celery_lease import cancel_notice
+    from celery_lease.broker import cancel_notice
 
     mod = client_app(pg, broker, extra_env=lease, module="tests.apps.app_faults")
     # The worker listens for notices once it runs a job: a notice published before it

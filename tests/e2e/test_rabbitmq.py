@@ -12,8 +12,9 @@ import pytest
 import sqlalchemy as sa
 from kombu import Connection
 
-from celery_lease import Status, cancel_notice
-from celery_lease.wakeups_redis import RedisDirect
+from celery_lease import Status
+from celery_lease.broker import cancel_notice
+from celery_lease.broker.redis_direct import RedisDirect
 from tests.conftest import wait_for
 from tests.e2e.test_faults import LONG, beat_reaps_and_sweeps, pid_in
 
@@ -99,7 +100,7 @@ def test_an_exchange_declared_otherwise_is_a_warning_once(amqp_broker, caplog):
 
     from kombu import Exchange
 
-    from celery_lease import notice_amqp
+    from celery_lease.broker import notice_amqp
 
     name = "celery-lease-notices-preset"
     with Connection(amqp_broker.url) as conn:

@@ -194,7 +194,7 @@ def test_the_cancel_notice_listener_outlives_hostile_notices(pg, broker, client_
     listener thread, which died: from then on a cancel reached a running handler only
     at its next heartbeat (here 10 s). After hostile notices, a real cancel still
     reaches the handler within a couple of seconds."""
-    from celery_lease import cancel_notice
+    from celery_lease.broker import cancel_notice
 
     mod = client_app(pg, broker, module=SEC_APP)
     w = workers(pg, broker, module=SEC_APP, concurrency=1)

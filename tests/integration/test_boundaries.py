@@ -14,7 +14,8 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from celery_lease import InvalidPayload, Status, cancel_notice
+from celery_lease import InvalidPayload, Status
+from celery_lease.broker import cancel_notice
 from celery_lease.db.schema import jobs
 from celery_lease.db.store import Store
 from celery_lease.payload import Codec

@@ -22,10 +22,10 @@ from celery import signals
 from celery._state import _task_stack
 
 from celery_lease import Status
+from celery_lease.broker.redis_direct import LPUSH_CHUNK
+from celery_lease.broker.wakeups import Publisher
 from celery_lease.db.prepared import Prepared
 from celery_lease.db.schema import jobs
-from celery_lease.wakeups import Publisher
-from celery_lease.wakeups_redis import LPUSH_CHUNK
 from tests.conftest import wait_for
 
 #: These tests look at the wakeup of every job: not coalesced (waking.py).

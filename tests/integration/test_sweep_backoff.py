@@ -81,7 +81,7 @@ def test_a_job_no_worker_takes_has_a_bounded_number_of_wakeups_queued(pg, client
     """Nobody consumes the job's queue (a real Redis, a real RabbitMQ): its wakeup stays
     there. Backing off alone, the sweeper still added a copy every RESEND_BACKOFF_MAX
     thresholds, without end (17 copies after 60 thresholds). A re-send is published only
-    when the broker's queue cannot hold an earlier copy (celery_lease/resends.py): here,
+    when the broker's queue cannot hold an earlier copy (celery_lease/broker/resends.py): here,
     never. Once that wakeup is lost (the queue purged), it is re-sent within the backoff."""
     url = request.getfixturevalue("broker") if transport == "redis" else request.getfixturevalue("amqp_broker").url
     stale = 0.1

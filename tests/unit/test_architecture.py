@@ -1,7 +1,8 @@
-"""The package's shape: no import cycle, packages in their layers, and no module over 400
+"""The package's shape: no import cycle, every module in its layer, and no module over 400
 lines (but the SQL catalogue).
 
-Imports inside functions and under TYPE_CHECKING count: they are design dependencies too.
+Imports inside functions count: they are design dependencies too. Those under
+TYPE_CHECKING count for cycles, not for layers.
 """
 
 from __future__ import annotations
@@ -14,21 +15,38 @@ import celery_lease
 PACKAGE = Path(celery_lease.__file__).parent
 
 
-def _modules() -> dict[str, Path]:
+def _modules(*, migrations: bool = False) -> dict[str, Path]:
     out = {}
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        if "migrations" in rel.parts:
+        if "migrations" in rel.parts and not migrations:
             continue
         name = ".".join(rel.parts)
         out[name.removesuffix(".__init__")] = path
     return out
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+def _typing_only(tree: ast.AST) -> set[int]:
+    """The nodes under ``if TYPE_CHECKING:``."""
+    return {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
+
+
+def _imports(name: str, path: Path, known: set[str], *, typing: bool = True) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports (without ``typing``, not
+    those imported under TYPE_CHECKING only)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    skip = set() if typing else _typing_only(tree)
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -105,44 +123,48 @@ def test_no_module_is_over_400_lines():
     assert not long, long
 
 
-#: The package's layers, lowest first: a module may import its own layer and lower ones
-#: (worker and beat are side by side and import neither each other). The top-level
-#: modules (values such as status and job, and the glue such as extension) are outside
-#: the order. Imports under TYPE_CHECKING are annotations, not dependencies at run time,
-#: and do not count here.
-LAYERS = {"db": 0, "lifecycle": 1, "flow": 2, "worker": 3, "beat": 3, "ops": 4}
+#: The package's layers, lowest first, each of one or more parts, each part some top-level
+#: modules and packages (``__init__``: the package's own). A module may import its own
+#: part and the parts of lower layers; parts side by side in one layer (worker and beat;
+#: ops and django) import neither each other. The values are what every layer passes
+#: around; the submit side builds on flow (kinds declare its limits); the glue wires the
+#: layers into one CeleryLease, which ops and django take. Imports under TYPE_CHECKING
+#: are annotations, not dependencies at run time, and do not count here.
+LAYERS: list[dict[str, set[str]]] = [
+    {"values": {"status", "errors", "job", "payload", "settings", "shared", "tracing"}},
+    {"db": {"db"}},
+    {"broker": {"broker"}},
+    {"lifecycle": {"lifecycle"}},
+    {"flow": {"flow"}},
+    {"submit": {"kinds", "producer", "canvas", "grouping", "results"}},
+    {"worker": {"worker"}, "beat": {"beat"}},
+    {"glue": {"extension", "testing", "__init__"}},
+    {"ops": {"ops"}, "django": {"django"}},
+]
+PART = {unit: part for layer in LAYERS for part, units in layer.items() for unit in units}
+RANK = {part: rank for rank, layer in enumerate(LAYERS) for part in layer}
 
 
-def _runtime_imports(path: Path) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text())
-    typing_only = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for stmt in node.body
-        for n in ast.walk(stmt)
-    }
-    out = []
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            out += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
-    return out
+def _unit(module: str) -> str:
+    """The top-level module or package that ``module`` is or lies in."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
-def test_packages_import_only_their_own_layer_and_lower_ones():
+def test_every_module_is_in_a_layer():
+    units = {_unit(name) for name in _modules(migrations=True)}
+    assert sorted(units - PART.keys()) == [], "in no layer: place them in LAYERS"
+    assert sorted(PART.keys() - units) == [], "in LAYERS but not in the package"
+    assert len(PART) == sum(len(units) for layer in LAYERS for units in layer.values()), "in two parts"
+
+
+def test_modules_import_only_their_own_part_and_lower_layers():
+    modules = _modules(migrations=True)
     wrong = set()
-    for path in PACKAGE.rglob("*.py"):
-        here = path.relative_to(PACKAGE).parts[0]
-        if here not in LAYERS or "migrations" in path.parts:
-            continue
-        for line, target in _runtime_imports(path):
-            parts = target.split(".")
-            if parts[0] != "celery_lease" or len(parts) < 2 or parts[1] not in LAYERS or parts[1] == here:
-                continue
-            if LAYERS[parts[1]] >= LAYERS[here]:
-                wrong.add(f"{path.relative_to(PACKAGE)}:{line} imports {'.'.join(parts[:2])}")
+    for name, path in modules.items():
+        here = PART.get(_unit(name))
+        for target in _imports(name, path, set(modules), typing=False):
+            there = PART.get(_unit(target))
+            if here and there and there != here and RANK[there] >= RANK[here]:
+                wrong.add(f"{name} imports {target} ({here} may not import {there})")
     assert not wrong, sorted(wrong)

@@ -15,8 +15,8 @@ from celery import Celery
 from celery.schedules import crontab, schedule
 from sqlalchemy import exc as sa_exc
 
-from celery_lease import cancel_notice
 from celery_lease.beat.periodic import CRON_GRACE, MAX_CLOCK_SKEW, MAX_TICK_AGE, Periodic, TickRefused
+from celery_lease.broker import cancel_notice
 from celery_lease.db.engine import Database
 from celery_lease.db.refused import refused_value
 from celery_lease.db.statements import events, reads

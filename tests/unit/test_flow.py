@@ -289,7 +289,7 @@ def test_the_wakeup_route_cache_is_bounded_whatever_queue_names_reach_it():
     (forged, or many tenants' queues) must not grow a worker's memory without end."""
     from celery import Celery
 
-    from celery_lease.wakeups import MAX_ROUTES, Publisher
+    from celery_lease.broker.wakeups import MAX_ROUTES, Publisher
 
     publisher = Publisher(Celery("bounded", broker="memory://"))
     for i in range(3 * MAX_ROUTES):

@@ -1,4 +1,4 @@
-"""celery_lease.green in fresh interpreters: what a gevent / eventlet worker process gets
+"""celery_lease.db.green in fresh interpreters: what a gevent / eventlet worker process gets
 before any statement runs (worker_init calls cooperate())."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ PROBE = """
 import sys
 {patch}
 from psycopg2 import extensions
-from celery_lease import green
+from celery_lease.db import green
 before = extensions.get_wait_callback()
 print(green.cooperate(), before is None, getattr(extensions.get_wait_callback(), "__module__", None))
 """
@@ -30,7 +30,7 @@ def _probe(patch: str) -> list[str]:
     [
         ("", ["None", "True", "None"]),  # not green: psycopg2 left alone
         # gevent does not patch psycopg2: ours is installed
-        ("from gevent import monkey; monkey.patch_all()", ["gevent", "True", "celery_lease.green"]),
+        ("from gevent import monkey; monkey.patch_all()", ["gevent", "True", "celery_lease.db.green"]),
         # eventlet's monkey_patch() installs its own: kept
         ("import eventlet; eventlet.monkey_patch()", ["eventlet", "False", "eventlet.support.psycopg2_patcher"]),
     ],
@@ -47,7 +47,7 @@ celery.maybe_patch_concurrency()  # what `celery worker -P gevent` does first
 import time
 import kombu.utils.functional as functional
 blocking_before = functional.sleep is not time.sleep
-from celery_lease import green
+from celery_lease.db import green
 green.cooperate()
 print(blocking_before, functional.sleep is time.sleep)
 """

@@ -1,4 +1,4 @@
-"""celery_lease.routing against Celery's own routing rules (no broker is reached:
+"""celery_lease.broker.routing against Celery's own routing rules (no broker is reached:
 routing is worked out in Python), and the JobContext reference in docs/guide.md."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from celery import Celery
 from celery.exceptions import QueueNotFound
 from kombu import Queue
 
-from celery_lease.routing import QueueRouter, consumed_queues
+from celery_lease.broker.routing import QueueRouter, consumed_queues
 from celery_lease.worker.context import JobContext
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_lease.wakeups_redis import RedisDirect
+from celery_lease.broker.redis_direct import RedisDirect
 
 log = logging.getLogger("celery_lease")
 

@@ -23,7 +23,7 @@ from celery import Celery, signals
 from kombu import serialization
 from kombu.common import Broadcast
 
-from celery_lease.wakeups_redis import RedisDirect
+from celery_lease.broker.redis_direct import RedisDirect
 
 #: Short retries: a broker that is down must not hold up submit; the sweeper delivers.
 RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}

@@ -1,5 +1,5 @@
 """Wakeups written straight to kombu's Redis transport (see :class:`RedisDirect`): the
-fast path of :class:`celery_lease.wakeups.Publisher` for the common case, a queue on
+fast path of :class:`celery_lease.broker.wakeups.Publisher` for the common case, a queue on
 kombu's Redis transport. Its messages are those ``Producer.publish`` would write;
 ``tests/integration/test_submit_perf.py`` compares them with ``send_task``'s.
 """

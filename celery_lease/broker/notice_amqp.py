@@ -1,6 +1,6 @@
 """Cancel notices over an AMQP broker (RabbitMQ), where there is no Redis pub/sub.
 
-Same contract as :mod:`celery_lease.cancel_notice` (best effort, a shortcut before the
+Same contract as :mod:`celery_lease.broker.cancel_notice` (best effort, a shortcut before the
 next heartbeat, untrusted input parsed and rate-limited by its ``Listener``): ``cancel``
 publishes to a non-durable fanout exchange named after the app's notice channel, so a
 notice nobody listens to is dropped at once; every worker process that holds a lease binds

@@ -1,5 +1,5 @@
 """Faster cancel notice: a Redis pub/sub message (on an AMQP broker a fanout exchange:
-:mod:`celery_lease.notice_amqp`) that wakes the heartbeats of the workers holding a job.
+:mod:`celery_lease.broker.notice_amqp`) that wakes the heartbeats of the workers holding a job.
 
 The table is the truth and the heartbeat the guarantee: the cancel statement revokes the
 lease and the holder learns at its next renewal; a notice only makes that renewal happen
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from celery_lease import notice_amqp
+from celery_lease.broker import notice_amqp
 from celery_lease.job import parse_job_id
 
 log = logging.getLogger("celery_lease.cancel_notice")
