@@ -113,7 +113,7 @@ class Producer:
         self._wakeups = wakeups.Publisher(app)
         self._resends = ResendGate(self._wakeups.queue_of, self._wakeups.waiting)
         self._router = QueueRouter(app)
-        #: ``coalesces(task)``: its submits' wakeups are coalesced (waking.py).
+        #: ``coalesces(task)``: its submits' wakeups are coalesced (broker/waking.py).
         self.waking = Waking(app, self._wakeups.routing_key, coalesces or (lambda _task: False))
 
     def serialize(self, spec: JobKind, payload: Any) -> Any:
@@ -374,7 +374,7 @@ class Producer:
 
     def publish_wakeups(self, jobs: Sequence[Job | dict], *, coalesce: bool = False) -> int:
         """Publish one wakeup per job (``coalesce``, a submit's: one per kind and queue
-        on its way, waking.py); the Celery task id is the job id. A failure to publish
+        on its way, broker/waking.py); the Celery task id is the job id. A failure to publish
         (broker down) never fails the caller: the row is already committed, its
         woken_at is cleared, and the sweeper delivers it later."""
         if not jobs:

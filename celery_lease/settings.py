@@ -75,7 +75,7 @@ class Settings:
     #: PostgreSQL: PREPARE the per-job statements (see db/prepared.py)
     prepare_statements: bool = True
     #: PostgreSQL + Redis broker: one wakeup on its way per kind and queue, and a kind with
-    #: no limit in its code claims many jobs per delivery (waking.py); False: a wakeup
+    #: no limit in its code claims many jobs per delivery (broker/waking.py); False: a wakeup
     #: per job, one job per delivery (what a previous release's workers expect)
     coalesce_wakeups: bool = True
     #: beat's reap/sweep/prune ticks go here; a thread of every worker's main process consumes it

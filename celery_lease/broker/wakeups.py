@@ -184,7 +184,7 @@ class Publisher:
     def routing_key(self, task: str, queue: str | None) -> str | None:
         """The routing key a (task, queue)'s wakeups are published with to the nameless
         exchange (straight to one queue), which the delivery carries back; None for any
-        other route (waking.py coalesces only these)."""
+        other route (broker/waking.py coalesces only these)."""
         route = self._route(task, queue)
         if route is None or route.exchange != "" or not isinstance(route.routing_key, str):
             return None

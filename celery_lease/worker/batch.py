@@ -1,5 +1,5 @@
 """A delivery that claims what is due of its kind (PostgreSQL): every kind whose wakeups
-are coalesced (waking.py) and every ``batch=`` kind.
+are coalesced (broker/waking.py) and every ``batch=`` kind.
 
 :meth:`Batches.begin` claims up to :meth:`Batches.size` due jobs of the kind and queue in
 ONE statement (lifecycle.batch), each with its own attempt, lease and fencing token, and
@@ -73,7 +73,7 @@ class Batches:
     def begin(self, job_id: str, spec: JobKind, hostname: str | None) -> Attempt | None:
         """Claim the delivery's batch; its lead attempt (``attempt.batch`` holds them all),
         or None when nothing was claimed. Every delivery claims, also one whose job runs
-        here: submits may have left their jobs to its claim (waking.py), and the job it
+        here: submits may have left their jobs to its claim (broker/waking.py), and the job it
         names may have been reaped and be due again (nothing here can tell)."""
         state = self._state
         sent_at = time.monotonic()

@@ -111,7 +111,7 @@ class WorkerState:
                 log.warning("celery-lease: job %s: not re-woken at shutdown; the sweeper will", job_id)
             return None
         if self._claims_many(spec):
-            # Its wakeup's mark goes before the claim reads the table (waking.py).
+            # Its wakeup's mark goes before the claim reads the table (broker/waking.py).
             self.producer.waking.arrived(spec.task, routing_key)
             return self.batches.begin(job_id, spec, hostname)
         sent_at = time.monotonic()
@@ -155,7 +155,7 @@ class WorkerState:
 
     def _claims_many(self, spec: JobKind) -> bool:
         """A delivery claims what is due of its kind (worker/batch.py): a kind with
-        ``batch=``, or whose wakeups are coalesced (waking.py), on a database that claims
+        ``batch=``, or whose wakeups are coalesced (broker/waking.py), on a database that claims
         many rows in one statement. (In-process runs run the one job they name.)"""
         if self.eager or not self.store.capabilities.batched_claims:
             return False

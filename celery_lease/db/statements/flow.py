@@ -164,7 +164,7 @@ def hold_paused() -> sa.Update:
     """hold_paused: after a claim of a paused kind that claims many jobs per delivery
     (worker/batch.py) took nothing, the other due pending jobs of the delivered job's
     kind and queue are held for the pause too, as hold_job holds the delivered one: their
-    wakeups were coalesced into its (waking.py), so the resume must find them held. The
+    wakeups were coalesced into its (broker/waking.py), so the resume must find them held. The
     pause row is read FOR SHARE, as there."""
     named = jobs.alias("named")
     of_delivered = named.c.id == sa.bindparam("job_id"), named.c.task == sa.bindparam("wakeup_task")
