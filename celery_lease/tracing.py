@@ -18,14 +18,27 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from celery_lease.worker.attempt import Attempt
+from typing import Any, Protocol
 
 #: ``messaging.system`` of our spans. Celery's instrumentation says "celery" for the
 #: wakeup messages; ours describe the jobs, whose queue is the job table.
 SYSTEM = "celery_lease"
+
+
+class Attempt(Protocol):
+    """What a span reads of an attempt (worker/attempt.py), and its ``span`` slot."""
+
+    job_id: str
+    kind: str
+    queue: str | None
+    attempt: int
+    max_attempts: int
+    generation: int
+    trace_context: Any
+    outcome: Any
+    lost: Any  # a threading.Event
+    span: Any
+
 
 _NULL: contextlib.nullcontext[None] = contextlib.nullcontext()
 _tracer: Any = None

@@ -17,12 +17,12 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_lease.broker.wakeups import RETRY_POLICY
 from celery_lease.errors import UnknownKind
-from celery_lease.flow.limits import LimitChange, Rate
+from celery_lease.flow.limits import LimitChange, Limits, Rate
 from celery_lease.flow.store import ClaimResult, FlowStore
 from celery_lease.lifecycle.claim import ClaimFollowUps, claim_delivery
 from celery_lease.status import Held, Status
@@ -31,11 +31,33 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from celery_lease.db.store import Store
-    from celery_lease.kinds import JobKind, Registry
     from celery_lease.lifecycle.claim import RidingSuccesses
     from celery_lease.settings import Settings
 
 log = logging.getLogger("celery_lease.flow")
+
+
+class JobKind(Protocol):
+    """What flow control reads of a declared kind (kinds.py, a layer above)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def task(self) -> str: ...
+    @property
+    def limits(self) -> Limits | None: ...
+    @property
+    def fair(self) -> bool: ...
+
+
+class Registry(Protocol):
+    """The kinds this process declares (kinds.Registry)."""
+
+    def get(self, kind: str) -> JobKind | None: ...
+    def resolve(self, kind: Any) -> JobKind: ...
+    def names(self) -> list[str]: ...
+    def __iter__(self) -> Iterator[JobKind]: ...
+
 
 #: Seconds: the least countdown of a rate window's wakeup sent again because it came
 #: early, so hosts whose clocks disagree never send it back and forth in a tight loop.
@@ -74,10 +96,9 @@ class FlowControl:
         self._overridden_lock = threading.Lock()
 
     def limited(self, spec: JobKind, *, fresh: bool = False) -> bool:
-        """Whether claims of ``spec`` take the limited path (CLAIM_LIMITED, under its
-        limits row lock): the code declares a limit, or an operator's override does (as
-        this process last read, at most OVERRIDES_REFRESH_SECONDS ago); a batched
-        kind's too (CLAIM_BATCH_LIMITED). ``fresh``: the overrides read now."""
+        """Whether claims of ``spec`` take the limited path (under its limits row lock):
+        the code declares a limit, or an operator's override does (as this process last
+        read, at most OVERRIDES_REFRESH_SECONDS ago). ``fresh``: the overrides read now."""
         return spec.limits is not None or spec.kind in self._overridden_kinds(fresh)
 
     def _overridden_kinds(self, fresh: bool = False) -> frozenset[str]:

@@ -14,8 +14,8 @@ wakeups, plain errbacks and callbacks, cancel notices, slot releases.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from celery_lease.db import durability
 from celery_lease.db.blips import retry_briefly, retry_within_lease
@@ -28,15 +28,60 @@ from celery_lease.lifecycle.transition import CANCEL
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from celery_lease.canvas import Canvas, Endings
     from celery_lease.db.store import Store
-    from celery_lease.flow.control import FlowControl
     from celery_lease.job import Job
     from celery_lease.lifecycle.transition import Transition
-    from celery_lease.producer import Producer
-    from celery_lease.worker.attempt import Attempt
 
 log = logging.getLogger("celery_lease")
+
+T = TypeVar("T")
+
+# What the pipeline needs of the layers above it, named here so it imports none of them:
+# the worker's attempt, the producer, the canvas and flow control.
+
+
+class Fenced(Protocol):
+    """An attempt whose writes are fenced by its generation (worker/attempt.py)."""
+
+    job_id: str
+
+    @property
+    def fence(self) -> dict[str, Any]: ...
+
+    @property
+    def is_lost(self) -> bool: ...
+
+    def mark_lost(self) -> None: ...
+
+    def retry_within_lease(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T: ...
+
+
+class Wakes(Protocol):
+    """Publishes the wakeups of due jobs (producer.py)."""
+
+    def publish_wakeups(self, jobs: Sequence[Any], *, coalesce: bool = False) -> int: ...
+
+
+class Endings(Protocol):
+    """What jobs that ended set off: ``write`` in the transaction, ``send`` after it."""
+
+    def write(self, conn: Connection, rows: Sequence[Any]) -> None: ...
+
+    def send(self) -> None: ...
+
+
+class Canvas(Protocol):
+    """The errbacks, callbacks and chords of ended jobs (canvas.py)."""
+
+    def endings(self, error: str, *, run_cancelled: bool = False, eager: bool = False) -> Endings: ...
+
+    def send_outbox(self, rows: Sequence[Mapping[str, Any]]) -> int: ...
+
+
+class Releases(Protocol):
+    """Frees the slots of limited kinds' jobs that stopped running (flow/control.py)."""
+
+    def release(self, rows: Iterable[Mapping[str, Any]]) -> int: ...
 
 
 class During(Protocol):
@@ -53,10 +98,10 @@ class Pipeline:
     def __init__(
         self,
         store: Store,
-        producer: Producer,
+        producer: Wakes,
         *,
         canvas: Canvas | None = None,
-        flow: FlowControl | None = None,
+        flow: Releases | None = None,
         notify: Callable[[list[str]], None] | None = None,
         eager: bool = False,
     ) -> None:
@@ -74,8 +119,8 @@ class Pipeline:
         t: Transition,
         params: Mapping[str, Any] | None = None,
         *,
-        attempt: Attempt | None = None,
-        batch: Sequence[Attempt] = (),
+        attempt: Fenced | None = None,
+        batch: Sequence[Fenced] = (),
         build: Mapping[str, Any] | None = None,
         before: Callable[[Connection], Any] | None = None,
         during: During | None = None,
@@ -157,7 +202,7 @@ class Pipeline:
         created: list[Job],
         endings: Endings | None,
         during: During | None,
-        attempt: Attempt | None,
+        attempt: Fenced | None,
     ) -> None:
         """The follow-ups of one committed transition; each is best-effort (the commit
         stands: the sweeper re-sends a lost wakeup, a held job's slot is recovered by

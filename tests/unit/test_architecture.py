@@ -1,8 +1,8 @@
 """The package's shape: no import cycle, every module in its layer, and no module over 400
 lines (but the SQL catalogue).
 
-Imports inside functions count: they are design dependencies too. Those under
-TYPE_CHECKING count for cycles, not for layers.
+Imports inside functions and under TYPE_CHECKING count: they are design dependencies too
+(a lower layer names what it needs of an upper one as a Protocol of its own).
 """
 
 from __future__ import annotations
@@ -26,27 +26,12 @@ def _modules(*, migrations: bool = False) -> dict[str, Path]:
     return out
 
 
-def _typing_only(tree: ast.AST) -> set[int]:
-    """The nodes under ``if TYPE_CHECKING:``."""
-    return {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for stmt in node.body
-        for n in ast.walk(stmt)
-    }
-
-
-def _imports(name: str, path: Path, known: set[str], *, typing: bool = True) -> set[str]:
-    """The modules of ``known`` that module ``name`` imports (without ``typing``, not
-    those imported under TYPE_CHECKING only)."""
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    skip = set() if typing else _typing_only(tree)
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -129,7 +114,7 @@ def test_no_module_is_over_400_lines():
 #: ops and django) import neither each other. The values are what every layer passes
 #: around; the submit side builds on flow (kinds declare its limits); the glue wires the
 #: layers into one CeleryLease, which ops and django take. Imports under TYPE_CHECKING
-#: are annotations, not dependencies at run time, and do not count here.
+#: count as well.
 LAYERS: list[dict[str, set[str]]] = [
     {"values": {"status", "errors", "job", "payload", "settings", "shared", "tracing"}},
     {"db": {"db"}},
@@ -163,7 +148,7 @@ def test_modules_import_only_their_own_part_and_lower_layers():
     wrong = set()
     for name, path in modules.items():
         here = PART.get(_unit(name))
-        for target in _imports(name, path, set(modules), typing=False):
+        for target in _imports(name, path, set(modules)):
             there = PART.get(_unit(target))
             if here and there and there != here and RANK[there] >= RANK[here]:
                 wrong.add(f"{name} imports {target} ({here} may not import {there})")
