@@ -48,8 +48,6 @@ class Capabilities:
     batched_claims: bool
     #: Plain successes are worth gathering, many written per statement, in the background.
     background_completions: bool
-    #: A claim can carry waiting successes in its statement (CLAIM_RIDING).
-    riding_claims: bool
     #: Jobs of one queue sharing their columns go in one statement (insert_job_batch).
     batch_inserts: bool
     #: The vendor (Django's name) of connections whose transaction a submit may join.
@@ -70,9 +68,8 @@ class Store(Reads, History, Database):
         #: The per-job statements, prepared server-side (PostgreSQL only).
         pg = self.dialect == "postgresql"
         self._prepared: dict[Any, Prepared] | None = {} if pg and prepare_statements else None
-        joinable, riding = ("postgresql" if pg else None), self._prepared is not None
         self.capabilities = Capabilities(
-            batched_claims=pg, background_completions=pg, riding_claims=riding, batch_inserts=pg, joinable_vendor=joinable
+            batched_claims=pg, background_completions=pg, batch_inserts=pg, joinable_vendor="postgresql" if pg else None
         )
 
     def alone(self, stmt, params: Mapping, *, lock=None, fast=False, on_retry: Callable | None = None, then=None) -> list[dict]:

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from celery_lease.db.store import Store
-    from celery_lease.lifecycle.claim import RidingSuccesses
     from celery_lease.settings import Settings
 
 log = logging.getLogger("celery_lease.flow")
@@ -117,23 +116,12 @@ class FlowControl:
 
     # --- worker: claim and release ---------------------------------------------------
 
-    def claim(
-        self,
-        job_id: str,
-        spec: JobKind,
-        owner: str,
-        *,
-        successes: RidingSuccesses | None = None,
-        follow_ups: ClaimFollowUps | None = None,
-    ) -> dict[str, Any] | None:
+    def claim(self, job_id: str, spec: JobKind, owner: str, *, follow_ups: ClaimFollowUps | None = None) -> dict[str, Any] | None:
         """Claim the job a delivery names (or a better one); None when nothing is
         claimed. Held jobs are marked; whatever must be woken is published, always to
         the queue stored in the job's row (never the delivery's routing key: a
-        message is untrusted input).
-        ``successes``, ``follow_ups``: see celery_lease.lifecycle.claim
-        (a limited kind's claim, which may wait for its kind's lock, carries no
-        successes: the caller keeps them out of it). A priority swap's new wakeup for
-        the delivered job is one of the claim's follow-ups."""
+        message is untrusted input). ``follow_ups``: see celery_lease.lifecycle.claim; a
+        priority swap's new wakeup for the delivered job is one of them."""
         limited = self.limited(spec)
 
         def swapped(row: dict[str, Any]) -> None:
@@ -145,8 +133,7 @@ class FlowControl:
         f = dataclasses.replace(follow_ups or ClaimFollowUps(), swapped=swapped)
         for _ in range(3):  # again only when nothing held a claimable job (a slot freed meanwhile)
             if not limited:
-                row = claim_delivery(self._store, job_id, owner, spec.task, successes=successes, follow_ups=f)
-                successes = None  # written (or not) by the first claim
+                row = claim_delivery(self._store, job_id, owner, spec.task, follow_ups=f)
                 result = ClaimResult(row=row) if row is not None else self._db.hold(job_id, spec.task)
                 if result.retry and self.limited(spec, fresh=True):
                     # Refused by an override this process had not read (CLAIM checks):
@@ -154,7 +141,6 @@ class FlowControl:
                     limited = True
                     continue
             else:
-                assert successes is None, "successes must not wait for a limited kind's lock"
                 result = self._db.claim_limited(job_id, owner, spec.kind, spec.task, spec.limits, follow_ups=f)
             if not result.retry:
                 break

@@ -25,7 +25,6 @@ from celery_lease.db.statements import claim
 from celery_lease.db.statements import flow as fs
 from celery_lease.db.statements.events import logs_itself
 from celery_lease.errors import DatabaseUnavailable
-from celery_lease.lifecycle.transition import many
 from celery_lease.status import Event, Status
 
 if TYPE_CHECKING:
@@ -48,18 +47,12 @@ class Claim:
     #: Takes its kind's limits row lock first, in the same transaction (one script,
     #: prepared): flow control's limits are checked under it.
     limited: bool = False
-    #: Completes this process's waiting successes in the same statement (PostgreSQL,
-    #: prepared statements): build with ``count``.
-    riding: bool = False
 
 
 #: The claim of a kind with no limit: one statement; on PostgreSQL it appends its run
 #: event itself (on SQLite, the same transaction does). Every claim swaps in a due
 #: higher-priority job of the kind, queue and key, and refuses a paused kind.
 CLAIM = Claim("claim", lambda dialect: claim.claim(dialect))
-#: The claim with this process's waiting successes riding on it: one round trip and one
-#: durable commit for both.
-CLAIM_RIDING = Claim("claim with riding successes", lambda dialect: claim.claim(dialect, riding=True), riding=True)
 #: The claim of a limited kind (``concurrency``, ``rate``): under its limits row lock,
 #: only while a slot is free and the rate window takes it (counted by the statement).
 CLAIM_LIMITED = Claim(
@@ -73,7 +66,7 @@ CLAIM_LIMITED = Claim(
 ADOPT = Claim("adopt a landed claim", lambda dialect: claim.adopt_claim())
 
 #: Every claim, for docs/lifecycle.md and the tests that hold them to the rules above.
-ALL = (CLAIM, CLAIM_RIDING, CLAIM_LIMITED, ADOPT)
+ALL = (CLAIM, CLAIM_LIMITED, ADOPT)
 
 
 @dataclass(frozen=True)
@@ -95,24 +88,6 @@ class ClaimFollowUps:
     #: The claim took another job than the delivered one (a priority swap): the
     #: delivered job gets a new wakeup.
     swapped: Callable[[Row], None] | None = None
-
-
-@dataclass(eq=False)
-class RidingSuccesses:
-    """Successes sent with a claim: complete_jobs' attempts (id, generation, result,
-    progress). ``done``: the ids completed (those that landed before a lost reply too),
-    or None if sent without them."""
-
-    attempts: list[dict[str, Any]]
-    done: set[str] | None = None
-
-    @property
-    def params(self) -> dict[str, Any]:
-        return many(self.attempts)
-
-    @property
-    def keys(self) -> list[tuple[str, int]]:
-        return [(a["id"], a["generation"]) for a in self.attempts]
 
 
 def new_token() -> int:
@@ -172,20 +147,18 @@ def execute(
     params: Mapping[str, Any],
     *,
     build: Mapping[str, Any] | None = None,
-    successes: RidingSuccesses | None = None,
     follow_ups: ClaimFollowUps | None = None,
 ) -> Row | None:
     """Execute the claim ``t`` of the job ``params`` names (job_id, owner, wakeup_task,
     and a limited claim's limits); return the row claimed, or None when nothing was
     (a duplicate delivery, one for another task, or a limit, rate or pause refused it).
     A row whose ``status`` is ``cancelled`` is a job the claim found in a cancelled run
-    (and cancelled): it must not start. ``successes``: with CLAIM_RIDING (see
-    RidingSuccesses for what the caller learns)."""
+    (and cancelled): it must not start."""
     stmt = t.statement(store.dialect, **(build or {}))
     assert durability.is_durable(stmt), f"the {t.name} statement must be declared durable"
     params = {**params, "token": new_token()}
     check = LandedClaim(store, params)
-    run = partial(_run, store, t, stmt, params, check, successes, build or {})
+    run = partial(_run, store, t, stmt, params, check, build or {})
     try:
         row = run()
         if row is None and check.retried:
@@ -195,7 +168,7 @@ def execute(
     except DatabaseUnavailable:
         if not check.retried:
             raise
-        row = _settle(store, check, successes, run)
+        row = _settle(check, run)
     if row is not None and follow_ups is not None:
         _after(t, row, params, follow_ups)
     return row
@@ -230,7 +203,7 @@ def execute_many(store: Store, stmt: Any, params: Mapping[str, Any], *, limited:
         return landed.rows, True
 
 
-def _settle(store: Store, check: LandedClaim, successes: RidingSuccesses | None, run: Callable[[], Row | None]) -> Row | None:
+def _settle(check: LandedClaim, run: Callable[[], Row | None]) -> Row | None:
     """A claim whose connection dropped and whose retry found the server gone (a
     backend crash resets every connection, and the server refuses them while it
     recovers): its first try may have landed. Asked again through a short blip
@@ -239,8 +212,6 @@ def _settle(store: Store, check: LandedClaim, successes: RidingSuccesses | None,
     (history[prepared] seed 639886). DatabaseUnavailable if the server stays away."""
     rows = retry_briefly(check.landed)
     if rows:
-        if successes is not None:
-            successes.done = _landed_or_none(store, successes.keys)  # they rode on that first try
         return rows[0]
     try:
         return run()
@@ -254,15 +225,11 @@ def _run(
     stmt: Any,
     params: Mapping[str, Any],
     check: LandedClaim,
-    successes: RidingSuccesses | None,
     build: Mapping[str, Any],
 ) -> Row | None:
     """The claim's one transaction, the statement alone (Store.alone), the limits row
     lock first for a limited claim; a statement that does not log itself (SQLite) has
     its run event (and its rate window's count) written in the same transaction."""
-    if t.riding:
-        assert successes is not None
-        return _riding(store, stmt, params, successes, check)
     lock = fs.lock_limits(store.dialect) if t.limited else None
     then = None if logs_itself(stmt) else partial(_log, store, t, params, bool(build.get("rate")))
     rows = store.alone(stmt, params, lock=lock, on_retry=check, then=then)
@@ -279,30 +246,6 @@ def _log(store: Store, t: Claim, params: Mapping[str, Any], rated: bool, conn: C
             window = conn.execute(fs.count_rate_claim(), params).mappings().first() if rated and not cancelled else None
             claimed["window_claims"], claimed["window_rate"] = (None, None) if window is None else tuple(window.values())
     return rows
-
-
-def _riding(store: Store, stmt: Any, params: Mapping[str, Any], successes: RidingSuccesses, check: LandedClaim) -> Row | None:
-    """CLAIM_RIDING: the claim and the successes in one statement (one row: the claimed
-    job's columns, all NULL when nothing was claimed, and ``completed``)."""
-    keys = successes.keys
-    try:
-        (row,) = store.alone(stmt, {**params, **successes.params}, on_retry=check)
-    except ClaimLanded:
-        # The first try landed whole: its claim and the successes it wrote.
-        successes.done = _landed_or_none(store, keys)
-        raise
-    done = set(row.pop("completed") or ())
-    if check.retried and len(done) < len(keys):
-        done |= _landed_or_none(store, [k for k in keys if k[0] not in done])
-    successes.done = done
-    return None if row["id"] is None else row
-
-
-def _landed_or_none(store: Store, keys: list[tuple[str, int]]) -> set[str]:
-    try:
-        return store.landed_successes(keys)
-    except DatabaseUnavailable:
-        return set()  # the caller re-checks each missing one (fenced), which settles it
 
 
 def _after(t: Claim, row: Row, params: Mapping[str, Any], f: ClaimFollowUps) -> None:
@@ -331,23 +274,8 @@ def claim_delivery(
     owner: str,
     task: str,
     *,
-    successes: RidingSuccesses | None = None,
     follow_ups: ClaimFollowUps | None = None,
 ) -> Row | None:
-    """The claim of a delivery of a kind with no limit: CLAIM, or CLAIM_RIDING when
-    ``successes`` wait and the store takes riding claims. A riding claim the database refuses
-    for another reason than a lost connection (a value it would not take) is sent again
-    alone, and ``successes.done`` stays None."""
+    """The claim of a delivery of a kind with no limit (CLAIM)."""
     params = {"job_id": job_id, "owner": owner, "wakeup_task": task}
-    kw: dict[str, Any] = {"follow_ups": follow_ups}
-    if successes is not None and store.capabilities.riding_claims:
-        try:
-            return execute(store, CLAIM_RIDING, params, successes=successes, **kw)
-        except DatabaseUnavailable:
-            raise
-        except Exception:
-            successes.done = None
-            log.warning(
-                "celery-lease: a claim carrying %d success(es) failed; claiming alone", len(successes.attempts), exc_info=True
-            )
-    return execute(store, CLAIM, params, **kw)
+    return execute(store, CLAIM, params, follow_ups=follow_ups)

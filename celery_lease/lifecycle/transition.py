@@ -86,9 +86,8 @@ RETRY = Transition("retry", lambda dialect: attempt.retry_job(), Event.RETRIED, 
 
 
 def many(attempts: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
-    """The parameters of a statement of many attempts (TIME_OUT, complete_jobs,
-    CLAIM_RIDING's successes): one dict per attempt, sent as one value, so the statement
-    is the same for any number of them."""
+    """The parameters of a statement of many attempts (TIME_OUT, complete_jobs): one
+    dict per attempt, sent as one value, so the statement is the same for any number."""
     return {**attempt.attempt_params(attempts), **params}
 
 

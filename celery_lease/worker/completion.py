@@ -2,9 +2,8 @@
 :class:`Completer`, for single jobs and many-job claims alike.
 
 :class:`BatchCompleter` (PostgreSQL): the body returns at once and its success waits at
-most a few milliseconds, for the process's next single claim to carry it (one round
-trip, one durable commit for both) or for this thread's ``complete_jobs`` of every
-success gathered. Either way the write is durable and fenced by the generation; a row
+most a few milliseconds for this thread's ``complete_jobs`` of every success gathered
+(one round trip, one durable commit for all). The write is fenced by the generation; a row
 missing from the result is re-checked alone (:func:`confirm`); a success whose lease
 lapsed only by its own clock (the database away) is still written. A process that dies
 first leaves the job running under its lease, for the reaper. :class:`InlineCompleter`
@@ -22,7 +21,6 @@ from celery_lease.db.blips import retry_within_lease
 from celery_lease.db.refused import refused_value
 from celery_lease.errors import LeaseLost
 from celery_lease.lifecycle import transition as tr
-from celery_lease.lifecycle.claim import RidingSuccesses
 from celery_lease.worker.runtime import Drainer
 
 if TYPE_CHECKING:
@@ -94,88 +92,55 @@ def refuse(pipeline: Pipeline, attempt: Attempt) -> None:
         log.exception("celery-lease: job %s: cannot record its refused success; the reaper will requeue it", attempt.job_id)
 
 
-class Riding(RidingSuccesses):
-    """Successes taken for a claim to carry (see lifecycle.claim.CLAIM_RIDING)."""
-
-    def __init__(self, items: list[Item]) -> None:
-        super().__init__(successes(items))
-        self.items = items
-
-
 class Completer(Protocol):
-    """Takes plain successes; ``on_written(attempt)`` is called once each is written or
-    given up on, and ``attempt.pending_write`` cleared."""
+    """Takes plain successes; ``attempt.pending_write`` is cleared once each is written
+    or given up on."""
 
     def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
         """Hand over a success; the inline completer writes it before returning (and
         raises LeaseLost or DatabaseUnavailable as the write did)."""
 
-    def take(self) -> Riding | None:
-        """Waiting successes for a claim to carry (lifecycle.claim.CLAIM_RIDING), or None."""
-
-    def settle(self, riding: Riding) -> None:
-        """After the claim that carried ``riding`` ran, whatever happened."""
-
     def flush(self, timeout: float = 10.0) -> None:
         """Write every waiting success now (warm exit)."""
 
 
-def completer_for(store: Store, pipeline: Pipeline, on_written: Callable[[Attempt], None] | None = None) -> Completer:
-    if store.capabilities.background_completions:
-        return BatchCompleter(store, pipeline, on_written)
-    return InlineCompleter(pipeline, on_written)
+def completer_for(store: Store, pipeline: Pipeline) -> Completer:
+    return BatchCompleter(store, pipeline) if store.capabilities.background_completions else InlineCompleter(pipeline)
 
 
 class InlineCompleter:
     """Each success written at once, in its own durable transaction."""
 
-    def __init__(self, pipeline: Pipeline, on_written: Callable[[Attempt], None] | None = None) -> None:
+    def __init__(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
-        self._on_written = on_written
 
     def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
         try:
             self._pipeline.execute(tr.SUCCEED, {"new_result": result, "new_progress": progress}, attempt=attempt)
         finally:
             attempt.pending_write = False
-            if self._on_written is not None:
-                self._on_written(attempt)
-
-    def take(self) -> Riding | None:
-        return None
-
-    def settle(self, riding: Riding) -> None:
-        raise AssertionError("an inline completer lends no success to a claim")
 
     def flush(self, timeout: float = 10.0) -> None:
         pass
 
 
 class BatchCompleter(Drainer):
-    #: Seconds a success waits for a ride when no claim is expected sooner.
+    #: Seconds the oldest waiting success waits for others to share its statement.
     LINGER = 0.002
-    #: When this process claims a job every few milliseconds, a success waits for the
-    #: next claim (1.5 times the recent gap between claims) up to this long.
-    MAX_LINGER = 0.010
     MAX_BATCH = 64
 
-    def __init__(self, store: Store, pipeline: Pipeline, on_written: Callable[[Attempt], None] | None = None) -> None:
+    def __init__(self, store: Store, pipeline: Pipeline) -> None:
         super().__init__("celery-lease-completer")
         self._store = store
         self._pipeline = pipeline
-        #: Called for each attempt once its success is written (or given up on).
-        self._on_written = on_written
-        #: Successes waiting for a ride, oldest first; the oldest arrived at _since.
+        #: Successes waiting, oldest first; the oldest arrived at _since.
         self._pending: list[Item] = []
         self._since = 0.0
-        #: Successes taken (by this thread or a claim) and not yet written.
+        #: Successes taken by this thread and not yet written.
         self._inflight = 0
         self._flushing = False
         #: The thread waits with no timeout (nothing pending): an arrival must wake it.
         self._idle = False
-        #: Monotonic time of the last claim, and the recent gap between claims (a moving average).
-        self._claimed_at: float | None = None
-        self._gap: float | None = None
 
     def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
         with self._cond:
@@ -187,47 +152,6 @@ class BatchCompleter(Drainer):
             # per job.
             if self._idle or len(self._pending) >= self.MAX_BATCH:
                 self._cond.notify_all()  # the thread (a flush may be waiting too)
-
-    def take(self) -> Riding | None:
-        """The waiting successes, for a claim to carry; None when there are none. The
-        caller must hand them to :meth:`settle` once its statement ran, whatever happened."""
-        with self._cond:
-            now = time.monotonic()
-            if self._claimed_at is not None:
-                gap = now - self._claimed_at
-                self._gap = gap if self._gap is None else 0.7 * self._gap + 0.3 * gap
-            self._claimed_at = now
-            if not self._pending:
-                return None
-            items, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
-            self._inflight += len(items)
-        # As the thread does (_record): a success whose lease is gone is not written; one
-        # whose lease only lapsed by its own clock (the database was away) still is.
-        live: list[Item] = []
-        lost: list[Item] = []
-        for item in items:
-            (lost if item[0].gone else live).append(item)
-        if lost:
-            self._written(lost)
-        return Riding(live) if live else None
-
-    def settle(self, riding: Riding) -> None:
-        """After the claim that carried ``riding``: confirm those it did not complete;
-        if it was sent without them (``done`` is None), they wait for the next ride."""
-        if riding.done is None:
-            with self._cond:
-                if not self._pending:
-                    self._since = time.monotonic() - self.LINGER  # they have waited: write them now
-                self._pending[:0] = riding.items
-                self._inflight -= len(riding.items)
-                self._cond.notify_all()  # the thread (a flush may be waiting too)
-            return
-        try:
-            confirm(self._pipeline, riding.items, riding.done)
-        except Exception:
-            log.exception("celery-lease: cannot confirm %d success(es); the reaper will requeue any lost", len(riding.items))
-        finally:
-            self._written(riding.items)
 
     def flush(self, timeout: float = 10.0) -> None:
         """Write every waiting success now and wait for it (or give up after timeout)."""
@@ -243,7 +167,7 @@ class BatchCompleter(Drainer):
         self._idle = not self._pending
         if self._idle:
             return None, None
-        wait = self._since + self._linger() - time.monotonic()
+        wait = self._since + self.LINGER - time.monotonic()
         if wait > 0 and not self._flushing and len(self._pending) < self.MAX_BATCH:
             return None, wait
         batch, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
@@ -259,17 +183,10 @@ class BatchCompleter(Drainer):
         finally:
             self._written(batch)
 
-    def _linger(self) -> float:
-        """How long the oldest waiting success may wait for a claim to carry it."""
-        expected = None if self._gap is None else 1.5 * self._gap
-        return expected if expected is not None and self.LINGER < expected <= self.MAX_LINGER else self.LINGER
-
     def _written(self, batch: list[Item]) -> None:
         try:
             for attempt, _, _ in batch:
                 attempt.pending_write = False
-                if self._on_written is not None:
-                    self._on_written(attempt)
         finally:
             with self._cond:
                 self._inflight -= len(batch)

@@ -116,11 +116,6 @@ class WorkerState:
             return self.batches.begin(job_id, spec, hostname)
         sent_at = time.monotonic()
         owner = owner_of(hostname)
-        # This process's waiting successes ride on the claim (Completer.take), but not
-        # on a limited kind's, which may wait for its kind's lock: they would wait too,
-        # unrenewed (the completer's thread writes them meanwhile).
-        limited = self.flow.limited(spec) if self.flow is not None else spec.limits is not None
-        riding = None if limited else self.completer.take()
         # The claimed attempt joins the heartbeat as the claim's first follow-up, before
         # the others (a swapped job's new wakeup, a rate window's wake) that a slow broker
         # or database may hold. A job found in a cancelled run is cancelled by the claim:
@@ -131,16 +126,13 @@ class WorkerState:
         )
         try:
             if self.flow is not None:
-                row = self.flow.claim(job_id, spec, owner, successes=riding, follow_ups=follow_ups)
+                row = self.flow.claim(job_id, spec, owner, follow_ups=follow_ups)
             else:
-                row = claim_delivery(self.store, job_id, owner, spec.task, successes=riding, follow_ups=follow_ups)
+                row = claim_delivery(self.store, job_id, owner, spec.task, follow_ups=follow_ups)
         except BaseException:
             for attempt in started:  # no body will run: its lease must not be renewed
                 self.heartbeat.remove(attempt)
             raise
-        finally:
-            if riding is not None:
-                self.completer.settle(riding)
         if row is None or row.get("status") == _CANCELLED:
             if row is None:
                 log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)

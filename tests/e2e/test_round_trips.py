@@ -3,8 +3,8 @@ between the worker and the server, tests/harness/wirecount.py), so no change to 
 claim, completion or heartbeat path can add one unnoticed (issue #27: "no round trip is
 added").
 
-- Claim and success: one prepared claim per job, the successes riding on the next claim
-  or written by the completer in one statement for many: about one round trip per job.
+- Claim and success: one prepared claim per delivery (of one job or many), the successes
+  written by the completer in one statement for many: at most about one round trip per job.
 - Heartbeat: one renewal statement per process and tick for every job it holds, so
   sixteen jobs cost what one does.
 
@@ -24,12 +24,9 @@ from tests.conftest import wait_for
 from tests.e2e.test_faults import SHORT
 from tests.harness.wirecount import CountingProxy
 
-#: Round trips per job for the claim and completion path: one claim each, and a success
-#: that rides on the process's next claim, or, when none comes within the completer's
-#: linger, is written alone (one statement for what waits). A threads worker's claims come
-#: back to back (measured 1.08-1.12); a prefork child's success waits for its own next
-#: delivery more often (1.25-2.14 on a loaded 2-core machine). A statement added per job
-#: would make them 2.1 and 3.1.
+#: Round trips per job for the claim and completion path: a claim per delivery and the
+#: completer's statement for the successes that wait together. A statement added per job
+#: would make them 2.1 and 3.1 (the bounds date from one claim per job).
 CLAIM_AND_SUCCESS = {"threads": 1.5, "prefork": 2.5}
 
 

@@ -343,7 +343,7 @@ def test_batched_successes_are_written_before_the_worker_exits(pg, broker, clien
 
 def test_a_plain_success_in_a_run_is_the_completers_and_logs_its_run_event(pg, broker, client_app, monkeypatch):
     """A job of a run whose success carries nothing else is written like any plain
-    success, by the completer's one statement (alone, or riding the next claim), which
+    success, by the completer's one statement, which
     appends the run's 'succeeded' event itself. (It took the pipeline's transaction,
     three round trips, only for that event.)"""
     import uuid

@@ -133,10 +133,10 @@ def test_every_claim_is_named_once_and_its_statement_declared_durable():
     from celery_lease.db import durability
     from celery_lease.lifecycle import claim as lc
 
-    builds = {lc.CLAIM: {}, lc.CLAIM_RIDING: {}, lc.CLAIM_LIMITED: {"concurrency": True, "rate": True}, lc.ADOPT: {}}
+    builds = {lc.CLAIM: {}, lc.CLAIM_LIMITED: {"concurrency": True, "rate": True}, lc.ADOPT: {}}
     assert set(builds) == set(lc.ALL) and len({c.name for c in lc.ALL}) == len(lc.ALL)
     for c, build in builds.items():
-        for dialect in ("postgresql",) if c.riding else ("postgresql", "sqlite"):
+        for dialect in ("postgresql", "sqlite"):
             assert durability.is_durable(c.statement(dialect, **build)), (c.name, dialect)
 
 

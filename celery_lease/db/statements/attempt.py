@@ -159,15 +159,8 @@ def complete_jobs() -> sa.Select:
     is fenced exactly like complete_job. Returns the ids completed: an attempt missing
     from the result had lost its lease.
     """
-    done = completing().cte("completed")
-    return logged(sa.select(done.c.id).add_cte(events_cte("completed_logged", completed_events(done))))
-
-
-def completing() -> sa.Update:
-    """The UPDATE of complete_jobs, returning what its run events need (id, run_id,
-    attempt): the riding claim embeds it as a CTE with completed_events."""
     done = attempt_rows("postgresql", result=_c.result.type, progress=_c.progress.type)
-    return (
+    completed = (
         sa.update(jobs)
         .where(
             _c.id == done.c.id,
@@ -187,14 +180,11 @@ def completing() -> sa.Update:
             lease_owner=sa.null(),
             lease_expires_at=sa.null(),
         )
-        .returning(_c.id, _c.run_id, _c.attempt)
+        .returning(_c.id, _c.run_id, _c.attempt)  # what the run events need
+        .cte("completed")
     )
-
-
-def completed_events(done: sa.CTE) -> sa.Select:
-    """A 'succeeded' event for each job of a run that the CTE ``done`` (completing)
-    completed (events.event_rows)."""
-    return event_rows(done, sa.literal(Event.SUCCEEDED.value), sa.null())
+    succeeded = event_rows(completed, sa.literal(Event.SUCCEEDED.value), sa.null())
+    return logged(sa.select(completed.c.id).add_cte(events_cte("completed_logged", succeeded)))
 
 
 def landed_successes(leases: Iterable[tuple[str, int]]) -> sa.Select:

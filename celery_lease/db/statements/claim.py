@@ -1,6 +1,6 @@
 """The claim family: every statement that moves a job from pending to running.
 
-Every form of claim (plain, logged, with riding successes, limited, a priority swap, its
+Every form of claim (plain, logged, limited, a priority swap, its
 rate window's count) is built by ONE plain function, :func:`claim`, from the same parts;
 :func:`adopt_claim` takes over the rows of a claim whose reply was lost, by its token.
 The rule: a claim is one atomic UPDATE (``_claim_update``) that moves pending -> running
@@ -20,7 +20,6 @@ import sqlalchemy as sa
 
 from celery_lease.db.durability import durable
 from celery_lease.db.schema import ID, jobs, pauses, runs
-from celery_lease.db.statements.attempt import completed_events, completing
 from celery_lease.db.statements.attempt_log import open_attempt
 from celery_lease.db.statements.common import _PENDING, _c, _delivered, _due, db_now, db_now_plus
 from celery_lease.db.statements.events import event_rows, events_cte, logged
@@ -55,9 +54,7 @@ RUN_CANCELLED = "run cancelled"
 
 
 @functools.cache
-def claim(
-    dialect: str = "postgresql", *, riding: bool = False, concurrency: bool = False, rate: bool = False, swap: bool = True
-) -> Any:
+def claim(dialect: str = "postgresql", *, concurrency: bool = False, rate: bool = False, swap: bool = True) -> Any:
     """The claim of the job a delivery names (:job_id, for task :wakeup_task, by :owner).
 
     * ``swap`` (always, but for the bench's baseline): flow control's guards: nothing
@@ -75,17 +72,10 @@ def claim(
     * on PostgreSQL: ONE statement that also appends the run's event ('claimed', or
       'cancelled' for a job of a cancelled run) and, with ``rate``, counts the claim in
       the window (``window_claims``: the count after it; 1 means this claim opened the
-      window): events.logs_itself. On SQLite the caller does both;
-    * ``riding``: complete_jobs in the same statement (its attempt_params): a worker process's
-      batched successes ride on its next claim, one round trip and one durable commit
-      for both. The parts touch different rows (a claim matches a pending job, a
-      completion a running one) and each keeps its own guards. Always one row then:
-      the claimed job's columns (all NULL when nothing was claimed) and
-      ``completed``, the ids completed (NULL when none).
+      window): events.logs_itself. On SQLite the caller does both.
     """
     update = _claim_update(swap=swap, concurrency=concurrency, rate=rate)
     if dialect != "postgresql":
-        assert not riding, "riding successes need the logged (PostgreSQL) claim"
         return durable(update)
     claimed = update.cte("claimed")
     cancelled = claimed.c.status == Status.CANCELLED.value
@@ -101,12 +91,6 @@ def claim(
         columns.append(sa.select(counted.c.rate_claims).scalar_subquery().label("window_claims"))
         columns.append(sa.select(counted.c.window_rate).scalar_subquery().label("window_rate"))
     stmt = sa.select(*columns)
-    if riding:
-        done = completing().cte("completed")
-        ctes.append(done)
-        rows.append(completed_events(done))  # the same insert as the claim's own event
-        completed = sa.select(sa.func.array_agg(sa.cast(done.c.id, sa.Text)).label("completed")).subquery("done_ids")
-        stmt = stmt.add_columns(completed.c.completed).select_from(completed.outerjoin(claimed, sa.true()))
     return logged(durable(stmt.add_cte(events_cte("logged", *rows), *ctes)))
 
 

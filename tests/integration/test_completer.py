@@ -1,21 +1,18 @@
-"""Batched successes riding on the process's next claim (db.statements.claim.claim with riding=True),
-against real PostgreSQL: one statement claims the next job and writes the waiting
-successes, each still fenced by its own lease generation."""
+"""The process's completer against real PostgreSQL (worker/completion.py): plain
+successes gathered and written by one statement (complete_jobs), each fenced by its own
+lease generation."""
 
 from __future__ import annotations
 
 import time
+import uuid
 
 import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
 from celery_lease.db.store import Store
-from celery_lease.lifecycle.claim import claim_delivery
-from celery_lease.worker.attempt import Attempt
 from celery_lease.worker.completion import UNSTORABLE_RESULT, BatchCompleter
 from tests.conftest import attempt_for, local_pipeline
-
-TASK = "tests.apps.app.echo"
 
 
 def _running(pg, make_job, generation: int = 1, **columns) -> str:
@@ -40,96 +37,40 @@ def _rows(pg) -> dict[str, sa.Row]:
         engine.dispose()
 
 
-def test_a_claim_writes_the_waiting_successes_each_fenced(pg, make_job):
-    store = Store(pg)
-    try:
-        done, stale = _running(pg, make_job), _running(pg, make_job, generation=2)
-        pending = make_job(pg)
-        completer = BatchCompleter(store, local_pipeline(store))
-        completer.LINGER = 60.0  # the thread never writes them: only the claim can
-        completer.add(attempt_for(done), {"ok": 1}, {"step": 9})
-        completer.add(attempt_for(stale, generation=1), {"ok": 2}, None)  # a reap took generation 2
-        riding = completer.take()
-        assert riding is not None and len(riding.attempts) == 2
-        row = claim_delivery(store, pending, "w@host/1/boot", TASK, successes=riding)
-        completer.settle(riding)
-
-        assert row is not None and str(row["id"]) == pending and row["lease_generation"] == 1
-        assert riding.done == {done}
-        rows = _rows(pg)
-        assert (rows[pending].status, rows[done].status, rows[stale].status) == ("running", "succeeded", "running")
-        assert rows[done].result == {"ok": 1} and rows[stale].result is None and rows[stale].lease_generation == 2
-        assert completer.take() is None  # nothing left waiting, nothing given back
-    finally:
-        store.dispose()
-
-
-def test_the_successes_ride_even_when_nothing_is_claimed(pg, make_job):
-    store = Store(pg)
-    try:
-        done = _running(pg, make_job)
-        duplicate = _running(pg, make_job)  # its delivery is a duplicate: running already
-        completer = BatchCompleter(store, local_pipeline(store))
-        completer.LINGER = 60.0
-        completer.add(attempt_for(done), {"ok": 1}, None)
-        riding = completer.take()
-        assert riding is not None
-        assert claim_delivery(store, duplicate, "w@host/1/boot", TASK, successes=riding) is None
-        completer.settle(riding)
-        assert riding.done == {done}
-        assert _rows(pg)[done].status == "succeeded"
-    finally:
-        store.dispose()
-
-
-def test_a_riding_claim_appends_the_run_events_of_the_successes_it_carries(pg, make_job):
-    """The riding claim writes a run's 'succeeded' event for each success it completes,
-    in its own statement (one insert with the claimed job's 'claimed'); a success its
-    fence refused logs nothing. Without it a carried success of a run left its run's
-    history without the job's end."""
-    import uuid
-
+def test_waiting_successes_are_written_together_each_fenced_with_their_run_events(pg, make_job):
+    """One statement writes the successes gathered; one whose generation a reap bumped
+    is not written, and a run's history gets a 'succeeded' event for each written only."""
     store = Store(pg)
     try:
         run = str(uuid.uuid4())
         store.ensure_run(run)
-        done = _running(pg, make_job, run_id=run)
-        stale = _running(pg, make_job, generation=2, run_id=run)
-        pending = make_job(pg, run_id=run)
+        done, stale = _running(pg, make_job, run_id=run), _running(pg, make_job, generation=2, run_id=run)
         completer = BatchCompleter(store, local_pipeline(store))
-        completer.LINGER = 60.0
-        completer.add(attempt_for(done), {"ok": 1}, None)
-        completer.add(attempt_for(stale, generation=1), {"ok": 2}, None)
-        riding = completer.take()
-        assert riding is not None
-        row = claim_delivery(store, pending, "w@host/1/boot", TASK, successes=riding)
-        completer.settle(riding)
-        assert row is not None and riding.done == {done}
+        first, second = attempt_for(done), attempt_for(stale, generation=1)  # a reap took generation 2
+        first.pending_write = second.pending_write = True
+        completer.add(first, {"ok": 1}, {"step": 9})
+        completer.add(second, {"ok": 2}, None)
+        completer.flush()
+        rows = _rows(pg)
+        assert (rows[done].status, rows[done].result, rows[stale].status) == ("succeeded", {"ok": 1}, "running")
+        assert rows[stale].result is None and rows[stale].lease_generation == 2
+        assert not first.pending_write and not second.pending_write
         events = {(str(e["job_id"]), e["event"], e["attempt"]) for e in store.run_events(run)}
-        assert events == {(done, "succeeded", 1), (pending, "claimed", 1)}
+        assert events == {(done, "succeeded", 1)}
     finally:
         store.dispose()
 
 
-def test_a_refused_success_does_not_cost_the_claim(pg, make_job):
-    """A value PostgreSQL refuses fails the shared statement: the claim is sent alone,
-    and the successes go back to the completer, which writes them row by row."""
+def test_a_refused_success_does_not_cost_the_others(pg, make_job):
+    """A value PostgreSQL refuses fails the shared statement: the successes are written
+    row by row, and the refused one ends its job failed, never left running."""
     store = Store(pg)
     try:
         good, bad = _running(pg, make_job), _running(pg, make_job)
-        pending = make_job(pg)
         completer = BatchCompleter(store, local_pipeline(store))
-        completer.LINGER = 60.0
+        completer.LINGER = 60.0  # both wait for the flush: one statement
         completer.add(attempt_for(good), {"note": "fine"}, None)
         completer.add(attempt_for(bad), {"note": "a\x00b"}, None)  # jsonb refuses NUL
-        riding = completer.take()
-        assert riding is not None
-        row = claim_delivery(store, pending, "w@host/1/boot", TASK, successes=riding)
-        assert row is not None and str(row["id"]) == pending
-        assert riding.done is None
-        assert [r.status for r in map(_rows(pg).get, (good, bad))] == ["running", "running"]
-
-        completer.settle(riding)  # given back: waiting again
         completer.flush()
         rows = _rows(pg)
         assert (rows[good].status, rows[good].result) == ("succeeded", {"note": "fine"})
@@ -138,7 +79,7 @@ def test_a_refused_success_does_not_cost_the_claim(pg, make_job):
         store.dispose()
 
 
-def test_a_success_whose_lease_lapsed_by_its_own_clock_still_rides_and_a_lost_one_does_not(pg, make_job):
+def test_a_success_whose_lease_lapsed_by_its_own_clock_is_still_written_and_a_lost_one_is_not(pg, make_job):
     """Past LAPSE_SHARE of its lease with no renewal confirmed (the database was away),
     a finished body's success is still written, fenced: dropped, its row stayed running
     under this process until the reaper spent the attempt, and a retried claim of that
@@ -151,19 +92,15 @@ def test_a_success_whose_lease_lapsed_by_its_own_clock_still_rides_and_a_lost_on
         lapsed_attempt.renewed_at = time.monotonic() - lapsed_attempt.lease_seconds
         assert lapsed_attempt.is_lost  # by its own clock
         gone_attempt.mark_lost()
-        written: list[Attempt] = []
-        completer = BatchCompleter(store, local_pipeline(store), on_written=written.append)
-        completer.LINGER = 60.0
+        lapsed_attempt.pending_write = gone_attempt.pending_write = True
+        completer = BatchCompleter(store, local_pipeline(store))
         completer.add(lapsed_attempt, {"ok": 1}, None)
         completer.add(gone_attempt, {"ok": 2}, None)
-        riding = completer.take()
-        assert written == [gone_attempt]  # released, not left waiting
-        assert riding is not None and [item[0] for item in riding.items] == [lapsed_attempt]
-        assert claim_delivery(store, make_job(pg), "w@host/1/boot", TASK, successes=riding) is not None
-        completer.settle(riding)
+        completer.flush()
         rows = _rows(pg)
         assert (rows[lapsed].status, rows[lapsed].result) == ("succeeded", {"ok": 1})
         assert rows[gone].status == "running"
+        assert not lapsed_attempt.pending_write and not gone_attempt.pending_write  # released, not left waiting
     finally:
         store.dispose()
 
