@@ -25,7 +25,7 @@ from celery import Celery, signals
 from celery_lease import tracing
 from celery_lease.db import green
 from celery_lease.errors import LeaseError
-from celery_lease.worker import borne, broker_restart, events, prefork, revoke, shutdown
+from celery_lease.worker import broker_restart, events, message_signatures, prefork, revoke, shutdown
 from celery_lease.worker.task import LeaseTask
 
 if TYPE_CHECKING:
@@ -91,13 +91,13 @@ def connect(
     def claim(sender=None, task=None, **_):
         if task is not None and not ours(task) and getattr(task, "app", None) is app:
             # A plain task: the leased jobs its message's chain or callbacks create
-            # take no tenant or run from that message (worker/borne.py).
-            borne.scrub(task.request, leased)
+            # take no tenant or run from that message (worker/message_signatures.py).
+            message_signatures.scrub(task.request, leased)
             return
         if ours(task):
             request = task.request
             request.lease_attempt = None  # stays None if the claim raises
-            refusal = borne.wakeup_refusal(request)
+            refusal = message_signatures.wakeup_refusal(request)
             if refusal is not None:
                 log.warning("celery-lease: delivery %.64r of %s refused before the claim: %s", request.id, task.name, refusal)
                 return
