@@ -20,7 +20,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db import durability
-from celery_lease.db.blips import retry_briefly
+from celery_lease.db.outage import retry_briefly
 from celery_lease.db.statements import claim
 from celery_lease.db.statements import flow as fs
 from celery_lease.db.statements.events import logs_itself
@@ -233,7 +233,7 @@ def execute_many(store: Store, stmt: Any, params: Mapping[str, Any], *, limited:
 def _settle(store: Store, check: LandedClaim, successes: RidingSuccesses | None, run: Callable[[], Row | None]) -> Row | None:
     """A claim whose connection dropped and whose retry found the server gone (a
     backend crash resets every connection, and the server refuses them while it
-    recovers): its first try may have landed. Asked again through a short blip
+    recovers): its first try may have landed. Asked again through a short outage
     (retry_briefly): the row it took is adopted; if it took none, the claim runs once more.
     Left unasked, a landed claim's job ran no body until the reaper spent its attempt
     (history[prepared] seed 639886). DatabaseUnavailable if the server stays away."""

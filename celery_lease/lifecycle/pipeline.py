@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_lease.db import durability
-from celery_lease.db.blips import retry_briefly, retry_within_lease
 from celery_lease.db.landing import Landing
+from celery_lease.db.outage import retry_briefly, retry_within_lease
 from celery_lease.db.statements.common import row_dicts
 from celery_lease.db.statements.events import logs_itself
 from celery_lease.errors import LeaseLost
@@ -84,7 +84,7 @@ class Pipeline:
     ) -> list[dict[str, Any]]:
         """Execute ``t``; return the rows it moved. ``attempt``: the attempt whose write
         this is (fenced transitions); ``batch``: the attempts a statement that fences each
-        of its rows itself writes at once (a timeout's), ridden through a database blip
+        of its rows itself writes at once (a timeout's), retried through a database outage
         while any of them lives, those whose row it did not move marked lost; ``build``: the statement's build arguments;
         ``before(conn)``: runs first in the transaction (a cancelled run is marked);
         ``error``: what errbacks get (default: the transition's). Raises LeaseLost when a

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery_lease.db.blips import retry_within_lease
+from celery_lease.db.outage import retry_within_lease
 from celery_lease.errors import LeaseLost
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ class Attempt:
     def retry_within_lease(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:
         """Run ``write`` (one of this attempt's writes), tried again while the database
         is unreachable until the lease lapses by this attempt's own clock, then LeaseLost
-        (db.blips.retry_within_lease): the handler's checkpoint or outcome lands once the
+        (db.outage.retry_within_lease): the handler's checkpoint or outcome lands once the
         database is back."""
         return retry_within_lease(
             write, lambda: self.is_lost, lapses_at=lambda: self.lapses_at, on_retry=on_retry, what=f"job {self.job_id}"

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_lease.db.blips import retry_within_lease
+from celery_lease.db.outage import retry_within_lease
 from celery_lease.db.refused import refused_value
 from celery_lease.errors import LeaseLost
 from celery_lease.lifecycle import transition as tr
@@ -145,7 +145,7 @@ class InlineCompleter:
         return None
 
     def settle(self, riding: Riding) -> None:
-        raise AssertionError("an inline completer lends no success to a claim")
+        raise AssertionError("an inline completer has no riding success for a claim")
 
     def flush(self, timeout: float = 10.0) -> None:
         pass

@@ -3,7 +3,7 @@
 Succeed, fail, retry, snooze, hand-off and a kind's timeout are
 :mod:`celery_lease.lifecycle.transition` values run by the one
 :class:`~celery_lease.lifecycle.pipeline.Pipeline`: fenced by the attempt's lease
-generation, durable, ridden through a database blip within the lease, settled by
+generation, durable, retried through a database outage within the lease, settled by
 asking the server after a lost reply, and followed (errbacks, chain steps, wakeups,
 the slot's release) exactly once.
 """
@@ -130,8 +130,8 @@ class Recorder:
 
     def snooze(self, attempt: Attempt, seconds: float) -> None:
         """ctx.snooze(): back to pending, due in ``seconds``, attempt not spent. Durable
-        and ridden through a blip like any end of an attempt: a snooze lost to a crash
-        or a blip would leave the job to the reaper, which spends an attempt."""
+        and retried through an outage like any end of an attempt: a snooze lost to a crash
+        or an outage would leave the job to the reaper, which spends an attempt."""
         self.pipeline.execute(tr.SNOOZE, {"delay": seconds}, attempt=attempt)
         log.info("celery-lease: job %s: snoozed for %gs", attempt.job_id, seconds)
 

@@ -41,7 +41,7 @@ def _recorder() -> tuple[sa.Engine, str]:
 
 
 def _record(stmt) -> int | None:
-    """Run one recording statement, riding out a blip of the history database: a
+    """Run one recording statement, retrying through an outage of the history database: a
     record that cannot be written would make the history wrong, so it waits."""
     engine, _ = _recorder()
     deadline = time.monotonic() + 60

@@ -1,6 +1,6 @@
 """Transitions under faults, with real workers (#18 item 6 and its reasoned items):
 timeouts written off the heartbeat thread, a timed-out handler's slot freed once at its
-timeout, a snooze that is durable and rides out a database restart."""
+timeout, a snooze that is durable and retried through a database restart."""
 
 from __future__ import annotations
 
