@@ -57,13 +57,14 @@ class Attempt:
     #: The outcome this attempt recorded (an executor.Outcome), None while running or when
     #: nothing was recorded (lease lost).
     outcome: Any = None
-    #: Set once the lease is known lost (cancelled, reaped, heartbeat gave up).
+    #: Set once the lease counts as lost: known lost, or lapsed by this process's clock
+    #: (is_lost).
     lost: threading.Event = field(default_factory=threading.Event)
-    #: The lease is gone for sure (mark_lost: a fenced write or a renewal matched no row,
+    #: The lease is known lost (mark_lost: a fenced write or a renewal matched no row,
     #: or the attempt was stopped), not merely lapsed by this process's clock. A body that
     #: finished before its clock lapsed still has its success written (fenced: it lands
     #: only while no one took the job), never dropped while its row runs under this owner.
-    gone: bool = False
+    known_lost: bool = False
     #: monotonic time at which the last claim or renewal that the database confirmed
     #: was sent.
     renewed_at: float = field(default_factory=time.monotonic)
@@ -138,7 +139,7 @@ class Attempt:
         return time.monotonic() - self.renewed_at > self.lease_seconds * START_SHARE
 
     def mark_lost(self) -> None:
-        self.gone = True
+        self.known_lost = True
         self.lost.set()
 
     def retry_within_lease(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:

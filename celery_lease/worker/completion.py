@@ -46,10 +46,10 @@ def successes(items: list[Item]) -> list[dict[str, Any]]:
 def write_successes(pipeline: Pipeline, items: list[Item], write: Callable[[list[Item]], set[str]]) -> None:
     """Write many plain successes with ``write`` (one statement; returns the ids it
     wrote): the one algorithm of the completer and of a batched kind's batch. A success
-    whose lease is known gone is not written; one missing from the result is re-checked
+    whose lease is known lost is not written; one missing from the result is re-checked
     alone (confirm); a batch with a value the database refused is written one by one,
     and a refused success ends its job failed (refuse)."""
-    live = [item for item in items if not item[0].gone]
+    live = [item for item in items if not item[0].known_lost]
     if not live:
         return
     try:
@@ -74,7 +74,7 @@ def confirm(pipeline: Pipeline, items: list[Item], done: set[str]) -> None:
     statement did not re-qualify after a concurrent update (a renewal) changed it. The
     single fenced SUCCEED decides which, so no success is discarded by a race."""
     for attempt, result, progress in items:
-        if attempt.job_id in done or attempt.gone:
+        if attempt.job_id in done or attempt.known_lost:
             continue
         try:
             pipeline.execute(tr.SUCCEED, {"new_result": result, "new_progress": progress}, attempt=attempt)
@@ -201,12 +201,12 @@ class BatchCompleter(Drainer):
                 return None
             items, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
             self._inflight += len(items)
-        # As the thread does (_record): a success whose lease is gone is not written; one
+        # As the thread does (_record): a success whose lease is known lost is not written; one
         # whose lease only lapsed by its own clock (the database was away) still is.
         live: list[Item] = []
         lost: list[Item] = []
         for item in items:
-            (lost if item[0].gone else live).append(item)
+            (lost if item[0].known_lost else live).append(item)
         if lost:
             self._written(lost)
         return Riding(live) if live else None
@@ -288,12 +288,12 @@ def complete_within_leases(store: Store, live: list[Item], give_up: Callable[[],
     lapsed by their own clocks meanwhile: their bodies finished, and the statement is
     fenced (a job the reaper took is not written). Dropped, the success was lost while
     its row stayed running under this process (issue #27, item 4); only a lease known
-    gone is, or all of them once ``give_up()`` says so (left to the reaper)."""
+    known lost is, or all of them once ``give_up()`` says so (left to the reaper)."""
     try:
         return retry_within_lease(
-            lambda: store.complete_many(successes([item for item in live if not item[0].gone])),
-            lambda: all(item[0].gone for item in live) or (give_up is not None and give_up()),
+            lambda: store.complete_many(successes([item for item in live if not item[0].known_lost])),
+            lambda: all(item[0].known_lost for item in live) or (give_up is not None and give_up()),
             what=f"{len(live)} success(es)",
         )
-    except LeaseLost:  # every one known gone
+    except LeaseLost:  # every one known lost
         return set()

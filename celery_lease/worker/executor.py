@@ -181,7 +181,7 @@ class WorkerState:
         # by the generation and writes nothing of a body): this clock must not refuse it.
         self.heartbeat.remove(attempt)  # (joined before the claim's follow-ups, if it was on time then)
         attempt.renewed_at = time.monotonic()
-        if not attempt.gone:  # lapsed by this clock only (the heartbeat saw it while follow-ups ran)
+        if not attempt.known_lost:  # lapsed by this clock only (the heartbeat saw it while follow-ups ran)
             attempt.lost.clear()
         log.warning("celery-lease: job %s: claimed too late in its lease; handed off, not started", attempt.job_id)
         try:

@@ -25,7 +25,7 @@ def test_a_pool_child_killed_mid_batch_loses_nothing_and_reruns_nothing_finished
     assert child in w1.children()
     os.kill(child, signal.SIGKILL)
 
-    # The worker releases every lease its dead child held (worker/lost.py), not only the
+    # The worker releases every lease its dead child held (worker/dead_processes.py), not only the
     # one its delivery names (a job that had finished): the rest run again at once.
     wait_for(
         lambda: all(mod.leases.get(i).status is Status.SUCCEEDED for i in ids),

@@ -143,27 +143,27 @@ def test_a_success_whose_lease_lapsed_by_its_own_clock_still_rides_and_a_lost_on
     a finished body's success is still written, fenced: dropped, its row stayed running
     under this process until the reaper spent the attempt, and a retried claim of that
     process took the finished job for its own and ran it again (issue #27, item 4). A
-    lease known gone (a renewal or fenced write matched no row) is not written."""
+    lease known lost (a renewal or fenced write matched no row) is not written."""
     store = Store(pg)
     try:
-        lapsed, gone = _running(pg, make_job), _running(pg, make_job)
-        lapsed_attempt, gone_attempt = attempt_for(lapsed), attempt_for(gone)
+        lapsed, known_lost = _running(pg, make_job), _running(pg, make_job)
+        lapsed_attempt, known_lost_attempt = attempt_for(lapsed), attempt_for(known_lost)
         lapsed_attempt.renewed_at = time.monotonic() - lapsed_attempt.lease_seconds
         assert lapsed_attempt.is_lost  # by its own clock
-        gone_attempt.mark_lost()
+        known_lost_attempt.mark_lost()
         written: list[Attempt] = []
         completer = BatchCompleter(store, local_pipeline(store), on_written=written.append)
         completer.LINGER = 60.0
         completer.add(lapsed_attempt, {"ok": 1}, None)
-        completer.add(gone_attempt, {"ok": 2}, None)
+        completer.add(known_lost_attempt, {"ok": 2}, None)
         riding = completer.take()
-        assert written == [gone_attempt]  # released, not left waiting
+        assert written == [known_lost_attempt]  # released, not left waiting
         assert riding is not None and [item[0] for item in riding.items] == [lapsed_attempt]
         assert claim_delivery(store, make_job(pg), "w@host/1/boot", TASK, successes=riding) is not None
         completer.settle(riding)
         rows = _rows(pg)
         assert (rows[lapsed].status, rows[lapsed].result) == ("succeeded", {"ok": 1})
-        assert rows[gone].status == "running"
+        assert rows[known_lost].status == "running"
     finally:
         store.dispose()
 

@@ -1,6 +1,6 @@
 """A pool process that died mid-job (SIGKILL: the OOM killer, ``kill -9``): Celery's
 main process reports ``WorkerLostError`` for the job at once (``task_failure``). The
-process that held the lease is gone, so its lease is released now, the way the reaper
+process that held the lease is dead, so its lease is released now, the way the reaper
 would on expiry (requeued, or expired with ``"lease expired"`` on its last attempt), not
 after the whole ``lease_seconds``.
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from billiard.exceptions import WorkerLostError
 from celery import Celery, signals
 
-from celery_lease.db.statements.lost import expire_leases_of, running_owners
+from celery_lease.db.statements.dead_processes import expire_leases_of, running_owners
 from celery_lease.errors import LeaseError
 from celery_lease.lifecycle.owner import BOOT_ID, owner_pid
 from celery_lease.worker.task import LeaseTask
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("celery_lease")
 
 
-def process_gone(pid: int) -> bool:
+def process_dead(pid: int) -> bool:
     """True when no process ``pid`` runs (none, or a zombie not yet reaped)."""
     try:
         os.kill(pid, 0)
@@ -48,14 +48,14 @@ def process_gone(pid: int) -> bool:
 
 
 def release_dead(store: Store) -> int:
-    """Release every lease held by a pool process of this worker boot that is gone; returns
+    """Release every lease held by a pool process of this worker boot that is dead; returns
     how many. A batched kind's process (worker/batch.py) holds many leases, and the
     delivery Celery reports lost names one job at most (maybe one that had ended)."""
     owners = store.transaction(store.durable, lambda c: [r[0] for r in c.execute(running_owners(), {"pattern": f"%/{BOOT_ID}"})])
     released = 0
     for lease_owner in owners:
         pid = owner_pid(lease_owner)
-        if pid is not None and process_gone(pid):
+        if pid is not None and process_dead(pid):
             stmt = expire_leases_of()
             n = store.transaction(store.durable, lambda c, o=lease_owner: c.execute(stmt, {"owner": o}).rowcount)
             if n:
