@@ -123,7 +123,7 @@ class CeleryLease:
     @property
     def producer(self) -> Producer:
         if self._producer is None:
-            many = self.store.capabilities.batched_claims and self.settings.coalesce_wakeups  # (broker/waking.py)
+            many = self.store.capabilities.many_job_claims and self.settings.coalesce_wakeups  # (broker/waking.py)
             self._producer = Producer(self.app, self.store, self.settings, coalesces=self.registry.claims_many if many else None)
         return self._producer
 

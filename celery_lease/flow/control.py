@@ -77,7 +77,7 @@ class FlowControl:
         """Whether claims of ``spec`` take the limited path (CLAIM_LIMITED, under its
         limits row lock): the code declares a limit, or an operator's override does (as
         this process last read, at most OVERRIDES_REFRESH_SECONDS ago); a batched
-        kind's too (CLAIM_BATCH_LIMITED). ``fresh``: the overrides read now."""
+        kind's too (CLAIM_MANY_LIMITED). ``fresh``: the overrides read now."""
         return spec.limits is not None or spec.kind in self._overridden_kinds(fresh)
 
     def _overridden_kinds(self, fresh: bool = False) -> frozenset[str]:
@@ -147,17 +147,17 @@ class FlowControl:
         return row
 
     def hold(self, job_id: str, spec: JobKind) -> None:
-        """A batched kind's claim (worker/batch.py) took nothing: if a pause refused it,
+        """A batched kind's claim (worker/many_claim.py) took nothing: if a pause refused it,
         its delivered job and the kind's other due ones are held, woken by the resume."""
         result = self._db.hold(job_id, spec.task)
         if result.held == Held.PAUSE.value:
             self._db.hold_paused(job_id, spec.task)
         self._follow_up(job_id, spec, result, False)
 
-    def batch_claimed(self, job_id: str, spec: JobKind, first: dict[str, Any], own: bool) -> None:
+    def many_claimed(self, job_id: str, spec: JobKind, first: dict[str, Any], own: bool) -> None:
         """After a limited batched kind's claim (``first``: its first row): its rate window's
-        wakes (FlowStore.batch_follow_ups); its job not claimed (``own``), as a single claim's."""
-        woken, later = self._db.batch_follow_ups(spec.kind, first)
+        wakes (FlowStore.many_claim_follow_ups); its job not claimed (``own``), as a single claim's."""
+        woken, later = self._db.many_claim_follow_ups(spec.kind, first)
         self._follow_up(job_id, spec, ClaimResult(row=first if own else None, wake=woken, later=later), True)
 
     def _follow_up(self, job_id: str, spec: JobKind, result: ClaimResult, limited: bool) -> None:

@@ -143,7 +143,7 @@ class FlowStore:
         except _NoWakeup:
             return None
 
-    def batch_follow_ups(self, kind: str, first: dict[str, Any]) -> tuple[list[dict], tuple[float, dict] | None]:
+    def many_claim_follow_ups(self, kind: str, first: dict[str, Any]) -> tuple[list[dict], tuple[float, dict] | None]:
         """After a limited batched kind's claim (``first``: its first row): the jobs held
         for the rate that a window it opened still takes, woken (as a single claim's
         window_opened wakes them); and, when jobs are left held for the rate, the next

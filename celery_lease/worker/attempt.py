@@ -80,9 +80,9 @@ class Attempt:
     #: (celery_lease.tracing); the span is None while tracing is off.
     trace_context: str | None = None
     span: Any = None
-    #: A batched kind's delivery (worker/batch.py): every attempt its claim took, this
-    #: one (the delivery's own) first; None for a single claim.
-    batch: list[Attempt] | None = None
+    #: A many-job claim's delivery (worker/many_claim.py): every attempt its claim took,
+    #: this one (the delivery's own) first; None for a claim of one job.
+    claimed_together: list[Attempt] | None = None
 
     @classmethod
     def from_claim(cls, job_id: str, row: dict[str, Any], *, sent_at: float | None = None) -> Attempt:

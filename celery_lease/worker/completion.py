@@ -1,7 +1,7 @@
 """Where a plain success (nothing else to commit) is written: the process's one
 :class:`Completer`, for single jobs and many-job claims alike.
 
-:class:`BatchCompleter` (PostgreSQL): the body returns at once and its success waits at
+:class:`BackgroundCompleter` (PostgreSQL): the body returns at once and its success waits at
 most a few milliseconds, for the process's next single claim to carry it (one round
 trip, one durable commit for both) or for this thread's ``complete_jobs`` of every
 success gathered. Either way the write is durable and fenced by the generation; a row
@@ -122,7 +122,7 @@ class Completer(Protocol):
 
 def completer_for(store: Store, pipeline: Pipeline, on_written: Callable[[Attempt], None] | None = None) -> Completer:
     if store.capabilities.background_completions:
-        return BatchCompleter(store, pipeline, on_written)
+        return BackgroundCompleter(store, pipeline, on_written)
     return InlineCompleter(pipeline, on_written)
 
 
@@ -151,7 +151,7 @@ class InlineCompleter:
         pass
 
 
-class BatchCompleter(Drainer):
+class BackgroundCompleter(Drainer):
     #: Seconds a success waits for a ride when no claim is expected sooner.
     LINGER = 0.002
     #: When this process claims a job every few milliseconds, a success waits for the

@@ -49,7 +49,7 @@ def process_dead(pid: int) -> bool:
 
 def release_dead(store: Store) -> int:
     """Release every lease held by a pool process of this worker boot that is dead; returns
-    how many. A batched kind's process (worker/batch.py) holds many leases, and the
+    how many. A batched kind's process (worker/many_claim.py) holds many leases, and the
     delivery Celery reports lost names one job at most (maybe one that had ended)."""
     owners = store.transaction(store.durable, lambda c: [r[0] for r in c.execute(running_owners(), {"pattern": f"%/{BOOT_ID}"})])
     released = 0

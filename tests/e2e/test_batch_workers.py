@@ -102,7 +102,7 @@ def test_every_job_of_a_batch_is_a_task_with_its_own_events_and_result(pg, broke
     """A worker sending task events (``-E``) runs batches of four: only one job of each
     batch came by its own message, whose task Celery reports; every other job sends its
     own task-received, task-started and task-succeeded / task-failed / task-retried under
-    its job id and its kind's task name (worker.events.BatchTasks), so Flower lists
+    its job id and its kind's task name (worker.events.ManyClaimTasks), so Flower lists
     each. Its AsyncResult reads its row, as the delivery's job's does."""
     import threading
 

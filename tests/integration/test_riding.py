@@ -12,7 +12,7 @@ from celery_lease.db.schema import jobs
 from celery_lease.db.store import Store
 from celery_lease.lifecycle.claim import claim_delivery
 from celery_lease.worker.attempt import Attempt
-from celery_lease.worker.completion import UNSTORABLE_RESULT, BatchCompleter
+from celery_lease.worker.completion import UNSTORABLE_RESULT, BackgroundCompleter
 from tests.conftest import attempt_for, local_pipeline
 
 TASK = "tests.apps.app.echo"
@@ -45,7 +45,7 @@ def test_a_claim_writes_the_waiting_successes_each_fenced(pg, make_job):
     try:
         done, stale = _running(pg, make_job), _running(pg, make_job, generation=2)
         pending = make_job(pg)
-        completer = BatchCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(store, local_pipeline(store))
         completer.LINGER = 60.0  # the thread never writes them: only the claim can
         completer.add(attempt_for(done), {"ok": 1}, {"step": 9})
         completer.add(attempt_for(stale, generation=1), {"ok": 2}, None)  # a reap took generation 2
@@ -69,7 +69,7 @@ def test_the_successes_ride_even_when_nothing_is_claimed(pg, make_job):
     try:
         done = _running(pg, make_job)
         duplicate = _running(pg, make_job)  # its delivery is a duplicate: running already
-        completer = BatchCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(store, local_pipeline(store))
         completer.LINGER = 60.0
         completer.add(attempt_for(done), {"ok": 1}, None)
         riding = completer.take()
@@ -96,7 +96,7 @@ def test_a_riding_claim_appends_the_run_events_of_the_successes_it_carries(pg, m
         done = _running(pg, make_job, run_id=run)
         stale = _running(pg, make_job, generation=2, run_id=run)
         pending = make_job(pg, run_id=run)
-        completer = BatchCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(store, local_pipeline(store))
         completer.LINGER = 60.0
         completer.add(attempt_for(done), {"ok": 1}, None)
         completer.add(attempt_for(stale, generation=1), {"ok": 2}, None)
@@ -118,7 +118,7 @@ def test_a_refused_success_does_not_cost_the_claim(pg, make_job):
     try:
         good, bad = _running(pg, make_job), _running(pg, make_job)
         pending = make_job(pg)
-        completer = BatchCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(store, local_pipeline(store))
         completer.LINGER = 60.0
         completer.add(attempt_for(good), {"note": "fine"}, None)
         completer.add(attempt_for(bad), {"note": "a\x00b"}, None)  # jsonb refuses NUL
@@ -152,7 +152,7 @@ def test_a_success_whose_lease_lapsed_by_its_own_clock_still_rides_and_a_lost_on
         assert lapsed_attempt.is_lost  # by its own clock
         known_lost_attempt.mark_lost()
         written: list[Attempt] = []
-        completer = BatchCompleter(store, local_pipeline(store), on_written=written.append)
+        completer = BackgroundCompleter(store, local_pipeline(store), on_written=written.append)
         completer.LINGER = 60.0
         completer.add(lapsed_attempt, {"ok": 1}, None)
         completer.add(known_lost_attempt, {"ok": 2}, None)

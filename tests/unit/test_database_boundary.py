@@ -53,7 +53,7 @@ store.execute_prepared(stmt, {})
 from celery_lease.db.outage import OUTAGE_WAITS
 """
     assert sorted(line for line, _ in _crossings(source)) == [2, 3, 4, 5, 6, 7, 8, 9, 10]
-    assert not _crossings("x = store.capabilities.batched_claims and build(store.dialect)")
+    assert not _crossings("x = store.capabilities.many_job_claims and build(store.dialect)")
 
 
 def test_nothing_above_db_decides_on_the_database():

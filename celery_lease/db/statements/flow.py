@@ -162,7 +162,7 @@ def hold_job() -> sa.Update:
 @functools.cache
 def hold_paused() -> sa.Update:
     """hold_paused: after a claim of a paused kind that claims many jobs per delivery
-    (worker/batch.py) took nothing, the other due pending jobs of the delivered job's
+    (worker/many_claim.py) took nothing, the other due pending jobs of the delivered job's
     kind and queue are held for the pause too, as hold_job holds the delivered one: their
     wakeups were coalesced into its (broker/waking.py), so the resume must find them held. The
     pause row is read FOR SHARE, as there."""

@@ -4,7 +4,7 @@ claimed by one statement, many successes completed by one statement (PostgreSQL)
 Both are durable (:mod:`celery_lease.db.durability`): the claim issues a fencing token
 per row, the completion ends attempts; neither may be lost to a crash of PostgreSQL
 after the worker acted on it. Both run through the lifecycle pipeline
-(:mod:`celery_lease.lifecycle.batch`), whose Landing settles a lost reply by asking
+(:mod:`celery_lease.lifecycle.many_claim`), whose Landing settles a lost reply by asking
 the server whether the transaction committed.
 """
 
@@ -26,8 +26,8 @@ from celery_lease.status import Event, Held, Status
 
 
 @functools.cache
-def claim_batch() -> sa.Select:
-    """claim_batch: up to :n due pending jobs of the kind and queue of the delivered job
+def claim_many() -> sa.Select:
+    """claim_many: up to :n due pending jobs of the kind and queue of the delivered job
     :job_id (whose task must be :wakeup_task: a wakeup is untrusted input), claimed for
     :owner in ONE statement.
 
@@ -40,13 +40,13 @@ def claim_batch() -> sa.Select:
 
     Rows are picked as :func:`_picked` says (priority, fair order, age; SKIP LOCKED).
     One row more than :n is picked and not claimed: its id comes back as ``next_id`` on every row, so a full
-    batch can wake the kind again for what is left (worker/batch.py); NULL when the
+    batch can wake the kind again for what is left (worker/many_claim.py); NULL when the
     batch took everything due. ``paused``: the delivered job's kind is paused.
     """
     delivered = _delivered()
     limit = sa.bindparam("n", type_=sa.Integer)
     # No operator's override limits the kind: else nothing is claimed and ``overridden``
-    # says why (the caller claims again with claim_batch_limited), so a claim made after
+    # says why (the caller claims again with claim_many_limited), so a claim made after
     # an override committed never runs past it.
     picked = _picked(delivered, limit, _c.held.is_(None), guard=not_overridden(delivered.c.kind))
     ranked = sa.select(picked.c.id, sa.func.row_number().over(order_by=_order(picked)).label("rank")).cte("ranked")
@@ -79,10 +79,10 @@ _MOST = 2**31 - 1
 
 
 @functools.cache
-def claim_batch_limited() -> sa.Select:
-    """claim_batch_limited: claim_batch for a kind with a limit (in code or an operator's
+def claim_many_limited() -> sa.Select:
+    """claim_many_limited: claim_many for a kind with a limit (in code or an operator's
     override), run after flow.lock_limits of :of_kind in the same transaction, so the
-    counts it reads are exact. Returns claim_batch's columns, and on every row (the
+    counts it reads are exact. Returns claim_many's columns, and on every row (the
     one row of NULLs too): ``held_rate``, the rows it held for the rate;
     ``window_claims`` / ``window_rate``, the window's count after it and the rate in force
     (NULL without a rate, or when nothing started); ``opened``, this claim opened a new
@@ -91,7 +91,7 @@ def claim_batch_limited() -> sa.Select:
     The batch is bounded, in this ONE statement, by :n, by what the rate window still
     takes (the claims started are counted in it) and, per concurrency key, by the
     concurrency in force minus that key's running jobs. The first :n rows picked (in
-    claim_batch's order) are each claimed or, refused by a limit, held: ``limit`` (its
+    claim_many's order) are each claimed or, refused by a limit, held: ``limit`` (its
     key is full) or ``rate`` (the window is spent), to be woken as a single claim's
     refused job is (a slot's release, the next window). One more row is picked and left
     as ``next_id``: every row due is thus claimed, held or reached by a wakeup. Held
