@@ -47,10 +47,10 @@ MAX_BATCH = 1000
 
 def check_batch(batch: Any, limits: Limits | None) -> int | None:
     """``batch=`` as declared, checked: an int from 1 to MAX_BATCH. It combines with
-    flow control's limits (``limits``): a limited kind's batch claim takes the kind's
+    flow control's limits (``limits``): a limited kind's many-job claim takes the kind's
     limits row lock and claims, in the same statement, no more than its free slots (per
     concurrency key) and what its rate window still takes (db/statements/many_claim.py:
-    claim_many_limited); a pause applies too. (On SQLite a batched kind claims one job
+    claim_many_limited); a pause applies too. (On SQLite a ``batch=`` kind claims one job
     per wakeup, through the single claim, limited or not.)"""
     if batch is None:
         return None

@@ -187,7 +187,7 @@ class Producer:
             # A frozen Celery task id (canvas, task_id=) names exactly one job.
             raise InvalidPayload("a job id can be given for one payload only")
         # Routed per job (a router function may look at the payload; dict routes are
-        # answered from the router's cache): one queue is the batch's, several are per row.
+        # answered from the router's cache): one queue is every row's, several are per row.
         queues = self._router.queues(spec.task, options.get("queue") or spec.queue, serialized)
         shared = self._shared_columns(spec, options, queues[0])
         ids = [job_id] if job_id is not None else [str(uuid.uuid4()) for _ in serialized]
@@ -251,7 +251,7 @@ class Producer:
         wake_every: int | None = None,
     ) -> list[Job]:
         """One submit, inside its PRODUCER span (celery_lease.tracing) when tracing is on:
-        ``columns``, the values ``insert`` binds (the batch's shared ones, or each row),
+        ``columns``, the values ``insert`` binds (the rows' shared ones, or each row),
         carry that span's context into the rows."""
         with tracing.producing(wanted, columns) as context:
             if context is not None:
@@ -327,7 +327,7 @@ class Producer:
         # wake=False: eager mode runs the job in this process; nothing goes to the broker.
         due = [j for j in inserted if j.run_after is None] if wake else []
         if wake_every is not None:
-            # A batched kind (one kind, one queue here): one wakeup per batch; its claim
+            # A many-job claim's kind (one kind, one queue here): one wakeup per ``batch=`` jobs; its claim
             # takes the others (worker/many_claim.py), all marked woken by the insert.
             due = due[::wake_every]
         if connection is None:

@@ -44,7 +44,7 @@ class Capabilities:
     """What this database offers the layers above, which choose a way by it and never
     by which database it is."""
 
-    #: A batched kind's delivery claims many jobs in one statement (CLAIM_MANY).
+    #: A delivery may claim many jobs in one statement (CLAIM_MANY: a many-job claim).
     many_job_claims: bool
     #: Plain successes are worth gathering, many written per statement, in the background.
     background_completions: bool

@@ -76,8 +76,8 @@ class FlowControl:
     def limited(self, spec: JobKind, *, fresh: bool = False) -> bool:
         """Whether claims of ``spec`` take the limited path (CLAIM_LIMITED, under its
         limits row lock): the code declares a limit, or an operator's override does (as
-        this process last read, at most OVERRIDES_REFRESH_SECONDS ago); a batched
-        kind's too (CLAIM_MANY_LIMITED). ``fresh``: the overrides read now."""
+        this process last read, at most OVERRIDES_REFRESH_SECONDS ago); a many-job
+        claim's too (CLAIM_MANY_LIMITED). ``fresh``: the overrides read now."""
         return spec.limits is not None or spec.kind in self._overridden_kinds(fresh)
 
     def _overridden_kinds(self, fresh: bool = False) -> frozenset[str]:
@@ -147,7 +147,7 @@ class FlowControl:
         return row
 
     def hold(self, job_id: str, spec: JobKind) -> None:
-        """A batched kind's claim (worker/many_claim.py) took nothing: if a pause refused it,
+        """A many-job claim (worker/many_claim.py) took nothing: if a pause refused it,
         its delivered job and the kind's other due ones are held, woken by the resume."""
         result = self._db.hold(job_id, spec.task)
         if result.held == Held.PAUSE.value:
@@ -155,7 +155,7 @@ class FlowControl:
         self._follow_up(job_id, spec, result, False)
 
     def many_claimed(self, job_id: str, spec: JobKind, first: dict[str, Any], own: bool) -> None:
-        """After a limited batched kind's claim (``first``: its first row): its rate window's
+        """After a limited kind's many-job claim (``first``: its first row): its rate window's
         wakes (FlowStore.many_claim_follow_ups); its job not claimed (``own``), as a single claim's."""
         woken, later = self._db.many_claim_follow_ups(spec.kind, first)
         self._follow_up(job_id, spec, ClaimResult(row=first if own else None, wake=woken, later=later), True)
@@ -208,8 +208,8 @@ class FlowControl:
 
     def holds_slot(self, kind: str) -> bool:
         """True for a kind with a concurrency limit (declared, or maybe an override's):
-        its jobs' ends must free their slot at once (so a success of such a kind is not
-        batched)."""
+        its jobs' ends must free their slot at once (so a success of such a kind does not
+        wait in the completer)."""
         spec = self._registry.get(kind)
         if spec is None:
             return False

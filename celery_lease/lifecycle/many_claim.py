@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 #: pending -> running for up to :n due jobs of a kind and queue (or cancelled, for a
 #: job of a cancelled run); the statement appends the run events itself.
 CLAIM_MANY = Transition(
-    "claim of many",
+    "many-job claim",
     lambda dialect: many_claim.claim_many(),
     Event.CLAIMED,
     releases=False,
@@ -33,7 +33,7 @@ CLAIM_MANY = Transition(
 #: The same for a limited kind, under its limits row lock: also takes ``of_kind`` and
 #: the limits its code declares (new_concurrency, new_rate, new_per_seconds).
 CLAIM_MANY_LIMITED = Transition(
-    "limited claim of many",
+    "limited many-job claim",
     lambda dialect: many_claim.claim_many_limited(),
     Event.CLAIMED,
     releases=False,

@@ -45,9 +45,9 @@ def successes(items: list[Item]) -> list[dict[str, Any]]:
 
 def write_successes(pipeline: Pipeline, items: list[Item], write: Callable[[list[Item]], set[str]]) -> None:
     """Write many plain successes with ``write`` (one statement; returns the ids it
-    wrote): the one algorithm of the completer and of a batched kind's batch. A success
+    wrote): the one algorithm of the completer and of a many-job claim's delivery. A success
     whose lease is known lost is not written; one missing from the result is re-checked
-    alone (confirm); a batch with a value the database refused is written one by one,
+    alone (confirm); a group of successes with a value the database refused is written one by one,
     and a refused success ends its job failed (refuse)."""
     live = [item for item in items if not item[0].known_lost]
     if not live:
@@ -157,7 +157,7 @@ class BackgroundCompleter(Drainer):
     #: When this process claims a job every few milliseconds, a success waits for the
     #: next claim (1.5 times the recent gap between claims) up to this long.
     MAX_LINGER = 0.010
-    MAX_BATCH = 64
+    MAX_PER_WRITE = 64
 
     def __init__(self, store: Store, pipeline: Pipeline, on_written: Callable[[Attempt], None] | None = None) -> None:
         super().__init__("celery-lease-completer")
@@ -183,9 +183,9 @@ class BackgroundCompleter(Drainer):
             if not self._pending:
                 self._since = time.monotonic()
             self._pending.append((attempt, result, progress))
-            # A thread already timing a batch finds this one when it wakes: no wake-up
+            # A thread already timing a write finds this one when it wakes: no wake-up
             # per job.
-            if self._idle or len(self._pending) >= self.MAX_BATCH:
+            if self._idle or len(self._pending) >= self.MAX_PER_WRITE:
                 self._cond.notify_all()  # the thread (a flush may be waiting too)
 
     def take(self) -> Riding | None:
@@ -199,7 +199,7 @@ class BackgroundCompleter(Drainer):
             self._claimed_at = now
             if not self._pending:
                 return None
-            items, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
+            items, self._pending = self._pending[: self.MAX_PER_WRITE], self._pending[self.MAX_PER_WRITE :]
             self._inflight += len(items)
         # As the thread does (_record): a success whose lease is known lost is not written; one
         # whose lease only lapsed by its own clock (the database was away) still is.
@@ -244,39 +244,39 @@ class BackgroundCompleter(Drainer):
         if self._idle:
             return None, None
         wait = self._since + self._linger() - time.monotonic()
-        if wait > 0 and not self._flushing and len(self._pending) < self.MAX_BATCH:
+        if wait > 0 and not self._flushing and len(self._pending) < self.MAX_PER_WRITE:
             return None, wait
-        batch, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
+        taken, self._pending = self._pending[: self.MAX_PER_WRITE], self._pending[self.MAX_PER_WRITE :]
         self._since = time.monotonic()
-        self._inflight += len(batch)
-        return batch, None
+        self._inflight += len(taken)
+        return taken, None
 
-    def _drain(self, batch: list[Item]) -> None:
+    def _drain(self, taken: list[Item]) -> None:
         try:
-            self._record(batch)
+            self._record(taken)
         except Exception:
-            log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
+            log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(taken))
         finally:
-            self._written(batch)
+            self._written(taken)
 
     def _linger(self) -> float:
         """How long the oldest waiting success may wait for a claim to carry it."""
         expected = None if self._gap is None else 1.5 * self._gap
         return expected if expected is not None and self.LINGER < expected <= self.MAX_LINGER else self.LINGER
 
-    def _written(self, batch: list[Item]) -> None:
+    def _written(self, taken: list[Item]) -> None:
         try:
-            for attempt, _, _ in batch:
+            for attempt, _, _ in taken:
                 attempt.pending_write = False
                 if self._on_written is not None:
                     self._on_written(attempt)
         finally:
             with self._cond:
-                self._inflight -= len(batch)
+                self._inflight -= len(taken)
                 self._cond.notify_all()
 
-    def _record(self, batch: list[Item]) -> None:
-        write_successes(self._pipeline, batch, self._complete_many)
+    def _record(self, taken: list[Item]) -> None:
+        write_successes(self._pipeline, taken, self._complete_many)
 
     def _complete_many(self, live: list[Item]) -> set[str]:
         return complete_within_leases(self._store, live)
@@ -284,7 +284,7 @@ class BackgroundCompleter(Drainer):
 
 def complete_within_leases(store: Store, live: list[Item], give_up: Callable[[], bool] | None = None) -> set[str]:
     """complete_jobs for these successes, tried again while the database is unreachable
-    (the completer's and a batched kind's batch's), also for the attempts whose leases
+    (the completer's and a many-job claim's), also for the attempts whose leases
     lapsed by their own clocks meanwhile: their bodies finished, and the statement is
     fenced (a job the reaper took is not written). Dropped, the success was lost while
     its row stayed running under this process (issue #27, item 4); only a lease known

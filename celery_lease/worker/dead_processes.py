@@ -5,8 +5,8 @@ would on expiry (requeued, or expired with ``"lease expired"`` on its last attem
 after the whole ``lease_seconds``.
 
 Every lease this worker's boot took (owners ending in this boot's id) from a process
-that no longer runs is released, not only the reported job's: a batched kind's process
-held many. An owner names one process (lifecycle/owner.owner_of), so no live attempt's
+that no longer runs is released, not only the reported job's: a process that ran a
+many-job claim held many. An owner names one process (lifecycle/owner.owner_of), so no live attempt's
 lease is touched; anything else (the job finished, was reaped or cancelled) is left
 alone for the heartbeat rules and the reaper.
 """
@@ -49,7 +49,7 @@ def process_dead(pid: int) -> bool:
 
 def release_dead(store: Store) -> int:
     """Release every lease held by a pool process of this worker boot that is dead; returns
-    how many. A batched kind's process (worker/many_claim.py) holds many leases, and the
+    how many. A process running a many-job claim (worker/many_claim.py) holds many leases, and the
     delivery Celery reports lost names one job at most (maybe one that had ended)."""
     owners = store.transaction(store.durable, lambda c: [r[0] for r in c.execute(running_owners(), {"pattern": f"%/{BOOT_ID}"})])
     released = 0
@@ -72,8 +72,8 @@ def connect(app: Celery, owner: object, *, store: Callable[[], Store], reap: Cal
         if not (isinstance(sender, LeaseTask) and sender.owner is owner and isinstance(exception, WorkerLostError)):
             return
         try:
-            # Every lease of the dead process, not only this task's (a batched kind's
-            # process held many): one mechanism whatever the process held.
+            # Every lease of the dead process, not only this task's (a many-job
+            # claim's process held many): one mechanism whatever the process held.
             if release_dead(store()):
                 reap()
         except LeaseError:

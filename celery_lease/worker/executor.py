@@ -89,7 +89,7 @@ class WorkerState:
         self.record = Recorder(store, producer, registry, self.pipeline, canvas=canvas, flow=flow, eager=eager)
         self.timeouts = Timeouts(self.record.time_out)
         self.heartbeat = Heartbeat(store, broker_url, notice_channel, on_timeout=self.timeouts.submit)
-        #: Plain successes: batched on PostgreSQL, where each statement is a round trip;
+        #: Plain successes: written together on PostgreSQL, where each statement is a round trip;
         #: written at once on SQLite.
         self.completer: Completer = completer_for(store, self.pipeline)
         #: The deliveries that claim what is due: many jobs per claim (worker/many_claim.py).
@@ -192,7 +192,7 @@ class WorkerState:
     def end(self, attempt: Attempt | None) -> None:
         for each in attempt.claimed_together or () if attempt is not None else ():
             if each is not attempt:
-                self.end(each)  # (a no-op for those the batch ended already)
+                self.end(each)  # (a no-op for those the many-job claim ended already)
         if attempt is not None:
             # (Its slot, if its kind is limited, was freed by the transition that moved
             # it out of running, once: its outcome's, or the cancel's or reap's.)
@@ -231,8 +231,8 @@ class WorkerState:
         raised outside any ``except`` block so no traceback of the handler's exception
         (and its text) is chained into Celery's log line or event.
 
-        A batched delivery (``attempt.claimed_together``) runs its whole batch (worker/many_claim.py),
-        whose plain successes go to the batch's ``completer``.
+        A many-job claim's delivery (``attempt.claimed_together``) runs every job its claim
+        took (worker/many_claim.py), whose plain successes go to the claim's ``completer``.
         """
         if attempt.claimed_together is not None and completer is None:
             return self.many_claims.run(spec, attempt, on_progress)
@@ -243,7 +243,7 @@ class WorkerState:
             ctx = self.context(attempt, on_progress)
             result = spec.fn(ctx, spec.codec.load_payload(attempt.payload))
             # A result the table cannot hold (not JSON, over its cap, NUL, lone
-            # surrogate) is refused here, before it joins a batch of successes.
+            # surrogate) is refused here, before it joins the successes the completer writes together.
             outcome = (Outcome.SUCCEEDED, spec.codec.dump_result(result, self.settings.max_result_bytes))
         except Failure as exc:
             outcome = (Outcome.FAILED, cap_error(exc.message))

@@ -44,7 +44,7 @@ DEFAULT_CAP = 100
 
 
 class ManyJobClaims:
-    """The batched deliveries of one worker process."""
+    """The many-job claims of one worker process's deliveries."""
 
     def __init__(self, state: Any) -> None:
         #: The process's WorkerState (worker/executor.py, which owns this object).
@@ -71,7 +71,7 @@ class ManyJobClaims:
     # --- task_prerun ---------------------------------------------------------------------
 
     def begin(self, job_id: str, spec: JobKind, hostname: str | None) -> Attempt | None:
-        """Claim the delivery's batch; its lead attempt (``attempt.claimed_together`` holds them all),
+        """Claim the delivery's jobs; its lead attempt (``attempt.claimed_together`` holds them all),
         or None when nothing was claimed. Every delivery claims, also one whose job runs
         here: submits may have left their jobs to its claim (broker/waking.py), and the job it
         names may have been reaped and be due again (nothing here can tell)."""
@@ -96,7 +96,7 @@ class ManyJobClaims:
             self._limited_follow_ups(job_id, spec, found[0], any(str(r["id"]) == job_id for r in rows))
             if not rows and found[0]["next_id"] is not None:
                 # A limit refused every row picked (now held), and more are due: woken as
-                # a full batch's rest is, so the held rows do not hide them.
+                # a full claim's rest is, so the held rows do not hide them.
                 self._wake(spec, found[0]["next_id"], found[0]["next_queue"])
         if not rows:
             self._nothing_claimed(job_id, spec, paused=paused)
@@ -130,7 +130,7 @@ class ManyJobClaims:
         return lead
 
     def _limited_follow_ups(self, job_id: str, spec: JobKind, first: dict[str, Any], own: bool) -> None:
-        """A limited kind's batch: what its rate window asks for, and a delivery whose own
+        """A limited kind's many-job claim: what its rate window asks for, and a delivery whose own
         job it did not claim (``own``) followed up as a single limited claim's
         (FlowControl.many_claimed). Never fails the delivery: what is not woken is the
         sweeper's to recover."""
@@ -142,7 +142,7 @@ class ManyJobClaims:
 
     def _nothing_claimed(self, job_id: str, spec: JobKind, *, paused: bool) -> None:
         """A paused kind's delivery is held for its resume (FlowControl.hold marks it);
-        any other is a duplicate, or found its jobs taken by other batches: skipped with
+        any other is a duplicate, or found its jobs taken by other many-job claims: skipped with
         no statement beyond the claim."""
         state = self._state
         if paused and state.flow is not None:
@@ -161,8 +161,8 @@ class ManyJobClaims:
     def run(
         self, spec: JobKind, lead: Attempt, on_progress: Callable[[Any], None] | None, tasks: ManyClaimTasks | None = None
     ) -> Any:
-        """Run every attempt of ``lead``'s batch, one after another; returns the lead's
-        value and raises the lead's Retry / JobRefused / JobFailed, after the whole batch
+        """Run every attempt ``lead``'s claim took, one after another; returns the lead's
+        value and raises the lead's Retry / JobRefused / JobFailed, after all of them
         (Celery reports the delivery's task as its own job's outcome; ``tasks`` sends
         the task events of the others, when the worker sends events)."""
         value: Any = None
@@ -193,7 +193,7 @@ class ManyJobClaims:
         return value
 
     def _execute(self, spec: JobKind, a: Attempt, on_progress: Callable[[Any], None] | None) -> tuple[Any, Exception | None]:
-        """Run one attempt of the batch: its value, or the Retry / JobRefused / JobFailed
+        """Run one attempt of the claim: its value, or the Retry / JobRefused / JobFailed
         it raised once its outcome was recorded."""
         try:
             with tracing.current(a):
@@ -205,7 +205,7 @@ class ManyJobClaims:
             return None, None
 
     def _execute_own_task(self, spec: JobKind, a: Attempt, tasks: ManyClaimTasks | None) -> None:
-        """A job of the batch other than the delivery's: an attempt span and task events
+        """A job of the claim other than the delivery's: an attempt span and task events
         of its own (the delivery's come from task_prerun / task_postrun and Celery)."""
         clock = tracing.clock()
         if clock is not None:
@@ -229,7 +229,7 @@ class ManyJobClaims:
             tasks.stopped(a)
 
     def _may_start(self, spec: JobKind, a: Attempt) -> bool:
-        """Whether the next attempt of a batch starts: not once its lease is lost while it
+        """Whether the next attempt of a many-job claim starts: not once its lease is lost while it
         waited (cancelled, reaped), nor on warm shutdown (handed off, attempt not spent)."""
         if a.is_lost:
             log.info("celery-lease: job %s: lease lost while waiting in its batch; not started", a.job_id)

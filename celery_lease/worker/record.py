@@ -105,7 +105,7 @@ class Recorder:
         if attempt.is_lost:  # by its own clock too: write nothing more
             raise LeaseLost()
         follow_up = self._canvas.after_success(attempt, result, eager=self._eager) if self._canvas and attempt.canvas else None
-        # (Not batched for a limited kind: its slot is freed once the success is written.)
+        # (Not left to the completer for a limited kind: its slot is freed once the success is written.)
         limited = self._flow is not None and self._flow.holds_slot(attempt.kind)
         if not (staged.effects or staged.children or follow_up or limited):
             attempt.pending_write = True
@@ -152,7 +152,9 @@ class Recorder:
             delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
             rows.append({"id": attempt.job_id, "generation": attempt.generation, "delay": delay})
         try:
-            moved = {str(r["id"]) for r in self.pipeline.execute(tr.TIME_OUT, tr.many(rows, new_error=TIMED_OUT), batch=attempts)}
+            moved = {
+                str(r["id"]) for r in self.pipeline.execute(tr.TIME_OUT, tr.many(rows, new_error=TIMED_OUT), attempts=attempts)
+            }
         except LeaseLost:
             moved = set()
         for attempt in attempts:

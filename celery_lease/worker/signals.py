@@ -7,8 +7,8 @@
 - ``task_prerun``: claim the job and start its heartbeats (a plain task: scrub the leased
   signatures it carries); the task body runs the handler and records the outcome.
 - ``task_postrun``: stop the heartbeats. ``worker_shutting_down``: warm shutdown, handlers
-  hand their job off. ``worker_process_shutdown`` / ``worker_shutdown``: write batched
-  successes. The revoke control command cancels jobs, off the consumer (revoke.py).
+  hand their job off. ``worker_process_shutdown`` / ``worker_shutdown``: write the
+  successes the completer holds. The revoke control command cancels jobs, off the consumer (revoke.py).
 The rule: Celery signals are process-global, so every handler first checks its sender.
 """
 
@@ -132,7 +132,7 @@ def connect(
     @signals.worker_process_shutdown.connect(weak=False)  # a prefork child exits
     @signals.worker_shutdown.connect(weak=False)  # the main process (solo, threads pools)
     def flush(sender=None, **_):
-        # Batched successes land before the process exits.
+        # The completer's successes land before the process exits.
         worker_state().flush()
 
     app._celery_lease_signal_handlers = (prepare_worker, recover_interrupted, drain_pool_at_stop, claim, release, suspend, flush)

@@ -365,7 +365,7 @@ def run_leased(self: LeaseTask, *args: Any, **kwargs: Any) -> Any:
         raise Ignore()
     events.attempt_started(self, attempt)
     with tracing.current(attempt):  # the handler's spans and the jobs it creates are the attempt's
-        if attempt.claimed_together is not None:  # each other job of a batched delivery is a task to Celery's tools too
+        if attempt.claimed_together is not None:  # each other job of a many-job claim is a task to Celery's tools too
             value = self.worker_state().many_claims.run(self.spec, attempt, self.emit_progress, events.ManyClaimTasks.of(self))
         else:
             value = self.worker_state().execute(self.spec, attempt, self.emit_progress)

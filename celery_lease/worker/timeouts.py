@@ -41,14 +41,14 @@ class Timeouts(Drainer):
             self._cond.notify()
 
     def _next(self) -> tuple[list[Attempt] | None, None]:
-        batch, self._queued = self._queued, []
-        return batch or None, None
+        taken, self._queued = self._queued, []
+        return taken or None, None
 
-    def _drain(self, batch: list[Attempt]) -> None:
+    def _drain(self, taken: list[Attempt]) -> None:
         try:
-            self._record(batch)
+            self._record(taken)
         except Exception:
-            log.exception("celery-lease: cannot record the timeouts of %d job(s); the reaper will settle them", len(batch))
+            log.exception("celery-lease: cannot record the timeouts of %d job(s); the reaper will settle them", len(taken))
         finally:
-            for attempt in batch:
+            for attempt in taken:
                 attempt.mark_lost()  # stop the handler; its later writes are discarded

@@ -77,7 +77,7 @@ def claim(
       the window (``window_claims``: the count after it; 1 means this claim opened the
       window): events.logs_itself. On SQLite the caller does both;
     * ``riding``: complete_jobs in the same statement (its attempt_params): a worker process's
-      batched successes ride on its next claim, one round trip and one durable commit
+      successes waiting in the completer ride on its next claim, one round trip and one durable commit
       for both. The parts touch different rows (a claim matches a pending job, a
       completion a running one) and each keeps its own guards. Always one row then:
       the claimed job's columns (all NULL when nothing was claimed) and

@@ -1,4 +1,4 @@
-"""What a submit runs (celery_lease.producer): inserting jobs (one, or a batch in one
+"""What a submit runs (celery_lease.producer): inserting jobs (one, or many sharing their columns in one
 statement), reading back the jobs of an idempotency key or a retried insert, the
 wakeups to publish, and the run a job joins."""
 
@@ -87,9 +87,9 @@ def insert_shared_jobs(*, on_key_conflict_nothing: bool) -> sa.Select:
     each that belongs to a run, in one statement (PostgreSQL).
 
     ``:jobs`` is one JSON array of records (``PER_JOB_FIELDS``; a missing field is
-    NULL), read by json_to_recordset: one parameter whatever the batch size, payloads
+    NULL), read by json_to_recordset: one parameter whatever the number of jobs, payloads
     parsed once by the database, never escaped twice. Every other column is one value
-    for the batch (``SHARED_COLUMNS``). Times are insert_jobs': the database
+    for all the jobs (``SHARED_COLUMNS``). Times are insert_jobs': the database
     clock, from ``:due_at`` / ``:due_in``.
 
     Conflicts are insert_jobs': a row whose id exists inserts nothing (an earlier try
