@@ -182,7 +182,7 @@ sa.Index(
     jobs.c.created_at,
     **_partial("status = 'pending' AND fair_key IS NOT NULL"),
 )
-# The claim of many jobs (statements/many_claim.py, _picked): the due jobs of one kind and
+# The many-job claim (statements/many_claim.py, _picked): the due jobs of one kind and
 # queue in claim order, walked from the first and left after n + 1 rows (migration 0016).
 sa.Index(
     "celery_lease_jobs_due",

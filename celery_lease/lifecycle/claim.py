@@ -1,5 +1,5 @@
 """Every claim, named once, and the functions that execute them (:func:`execute`, and
-:func:`execute_many` for the claim of many rows).
+:func:`execute_many` for the many-job claim).
 
 Rules: its statement is the catalogue's and declared durable there (the generation it
 issues is a fencing token never issued twice, also across a crash); a lost reply is
@@ -202,7 +202,7 @@ def execute(
 
 
 def execute_many(store: Store, stmt: Any, params: Mapping[str, Any], *, limited: bool) -> tuple[list[Row], bool]:
-    """A claim of many rows (lifecycle/many_claim.py) executed as every claim is: alone in
+    """A many-job claim (lifecycle/many_claim.py) executed as every claim is: alone in
     its transaction (prepared, one round trip; a ``limited`` one after its kind's limits
     row lock), its lost reply settled by its token (LandedClaim). Returns its rows and
     whether they were adopted from a first try whose reply was lost (then they carry only

@@ -1,4 +1,4 @@
-"""The claim of many jobs at once: up to N rows moved by one statement (every kind that
+"""The many-job claim: up to N rows moved by one statement (every kind that
 claims what is due, worker/many_claim.py), CLAIM_MANY or, for a limited kind, CLAIM_MANY_LIMITED
 after its limits row lock in the same transaction.
 
