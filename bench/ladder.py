@@ -55,7 +55,7 @@ import sqlalchemy as sa
 
 from bench import dashboard, harness
 from bench.run import percentile
-from celery_lease.beat.maintenance import MAX_BATCHES
+from celery_lease.beat.maintenance import MAX_CHUNKS
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.claim import claim_delivery
 from celery_lease.worker.attempt import Attempt
@@ -185,7 +185,7 @@ def archive(leases, table: Table, log) -> dict:
     seconds = time.perf_counter() - started
     after = table.shape()
     moved = sum(m for m, _ in ticks)
-    full = [s for m, s in ticks if m == MAX_BATCHES * leases.settings.batch_size]
+    full = [s for m, s in ticks if m == MAX_CHUNKS * leases.settings.batch_size]
     out = {
         "jobs": moved,
         "ticks": len(ticks),

@@ -392,7 +392,7 @@ FACTORIES = {
     "lease-sqlite": lambda dbs, broker, workdir: Lease(
         "lease-sqlite", "celery-lease (SQLite)", f"sqlite:///{workdir / 'lease.sqlite3'}", broker, False
     ),
-    # A batched kind (batch=100, worker/batch.py): one wakeup per 100 jobs, each claim
+    # A batched kind (batch=100, worker/many_claim.py): one wakeup per 100 jobs, each claim
     # and each completion one statement for up to 100 of them.
     "lease-batch": lambda dbs, broker, workdir: Lease(
         "lease-batch", "celery-lease (PostgreSQL, batch=100)", dbs.create("batch"), broker, True, job_options={"batch": 100}

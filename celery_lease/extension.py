@@ -43,7 +43,7 @@ from celery_lease.lifecycle.pipeline import Pipeline
 from celery_lease.payload import Codec
 from celery_lease.producer import Producer
 from celery_lease.settings import Settings, warn_unknown_keys
-from celery_lease.worker import events, lost, signals
+from celery_lease.worker import dead_processes, events, signals
 from celery_lease.worker.eager import EagerRunner
 from celery_lease.worker.executor import WorkerState
 from celery_lease.worker.task import LeaseTask, run_leased
@@ -92,7 +92,7 @@ class CeleryLease:
             worker_state=lambda: self.worker,
             cancel_ids=self._revoke,
         )
-        lost.connect(app, self, store=lambda: self.store, reap=self.reap)  # a pool process killed mid-job
+        dead_processes.connect(app, self, store=lambda: self.store, reap=self.reap)  # a pool process killed mid-job
         results.install(app)  # AsyncResult(job_id) reads the row when the app has no result backend
         grouping.install(app)  # a group's leased members are one submit
         self.beat_schedule = entries.register(app, lambda: self.maintenance, lambda: self.settings, install_beat=install_beat)
@@ -123,7 +123,7 @@ class CeleryLease:
     @property
     def producer(self) -> Producer:
         if self._producer is None:
-            many = self.store.capabilities.batched_claims and self.settings.coalesce_wakeups  # (broker/waking.py)
+            many = self.store.capabilities.many_job_claims and self.settings.coalesce_wakeups  # (broker/waking.py)
             self._producer = Producer(self.app, self.store, self.settings, coalesces=self.registry.claims_many if many else None)
         return self._producer
 

@@ -1,9 +1,9 @@
-"""A Celery group's leased members as one submit: one INSERT, one transaction, one batch of
-wakeups.
+"""A Celery group's leased members as one submit: one INSERT, one transaction, its
+wakeups published together.
 
 Celery applies a group (and a chord's header) member by member inside one
 ``app.producer_or_acquire()`` block. For an app with a CeleryLease that block is a
-:class:`Batch`: a leased member applied with the batch's producer and a group id is
+:class:`GroupSubmit`: a leased member applied with the block's producer and a group id is
 checked and turned into its row at once (a bad payload still raises at that member), and
 the rows are written when the block ends, before ``group.apply_async`` returns, by one
 :meth:`~celery_lease.producer.Producer.submit_rows`. The rule: all rows or none, the error
@@ -23,13 +23,13 @@ if TYPE_CHECKING:
     from celery_lease.kinds import JobKind
     from celery_lease.producer import Producer
 
-#: The batches open in this thread (or task), innermost last.
-_OPEN: contextvars.ContextVar[tuple[Batch, ...]] = contextvars.ContextVar("celery_lease_batches", default=())
+#: The group submits open in this thread (or task), innermost last.
+_OPEN: contextvars.ContextVar[tuple[GroupSubmit, ...]] = contextvars.ContextVar("celery_lease_group_submits", default=())
 
-_MARK = "_celery_lease_batches"
+_MARK = "_celery_lease_group_submits"
 
 
-class Batch:
+class GroupSubmit:
     """One ``producer_or_acquire`` block of an app with a CeleryLease."""
 
     def __init__(self, inner: Any) -> None:
@@ -75,15 +75,15 @@ def _flush(rows: list[tuple[Producer, Any, dict[str, Any]]]) -> None:
         producer.submit_rows(group_rows, keyed=True, connection=connection)
 
 
-def batch_for(options: dict[str, Any]) -> Batch | None:
-    """The open batch a leased member applied with these options belongs to, or None
+def group_submit_for(options: dict[str, Any]) -> GroupSubmit | None:
+    """The open group submit a leased member applied with these options belongs to, or None
     (applied outside a group: submitted at once)."""
     producer = options.get("producer")
     if producer is None or not options.get("group_id") or not options.get("task_id"):
         return None
-    for batch in reversed(_OPEN.get()):
-        if batch.producer is producer:
-            return batch
+    for block in reversed(_OPEN.get()):
+        if block.producer is producer:
+            return block
     return None
 
 
@@ -94,8 +94,8 @@ def install(app: Celery) -> None:
         return
     acquire = app.producer_or_acquire
 
-    def producer_or_acquire(producer: Any = None) -> Batch:
-        return Batch(acquire(producer))
+    def producer_or_acquire(producer: Any = None) -> GroupSubmit:
+        return GroupSubmit(acquire(producer))
 
     producer_or_acquire.__doc__ = acquire.__doc__
     # Instance attribute: shadows Celery's method for this app alone.

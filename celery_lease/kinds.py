@@ -34,7 +34,7 @@ class JobKind:
     #: Seconds an attempt may run before it is stopped and retried (None: no limit).
     timeout: float | None = None
     #: Up to this many due jobs of the kind claimed, run one after another and completed
-    #: by one wakeup in one worker process (worker/batch.py); None: one job per wakeup.
+    #: by one wakeup in one worker process (worker/many_claim.py); None: one job per wakeup.
     batch: int | None = None
     #: Claims share the fleet among the kind's tenants by weight (statements/fair.py).
     fair: bool = False
@@ -47,10 +47,10 @@ MAX_BATCH = 1000
 
 def check_batch(batch: Any, limits: Limits | None) -> int | None:
     """``batch=`` as declared, checked: an int from 1 to MAX_BATCH. It combines with
-    flow control's limits (``limits``): a limited kind's batch claim takes the kind's
+    flow control's limits (``limits``): a limited kind's many-job claim takes the kind's
     limits row lock and claims, in the same statement, no more than its free slots (per
-    concurrency key) and what its rate window still takes (db/statements/batch.py:
-    claim_batch_limited); a pause applies too. (On SQLite a batched kind claims one job
+    concurrency key) and what its rate window still takes (db/statements/many_claim.py:
+    claim_many_limited); a pause applies too. (On SQLite a ``batch=`` kind claims one job
     per wakeup, through the single claim, limited or not.)"""
     if batch is None:
         return None
@@ -114,7 +114,7 @@ class Registry:
 
     def claims_many(self, task: str) -> bool:
         """Whether a delivery of ``task`` claims what is due of its kind, many jobs at a
-        time (worker/batch.py): a kind with ``batch=``, or with no limit in its code (a
+        time (worker/many_claim.py): a kind with ``batch=``, or with no limit in its code (a
         kind with a declared limit claims one job per delivery, under its limits row).
         A task of no kind here: False."""
         for spec in self._kinds.values():

@@ -134,7 +134,7 @@ class Producer:
         }
 
     def _shared_columns(self, spec: JobKind, options: dict[str, Any], queue: str | None) -> dict[str, Any]:
-        """What every job of one submit shares (checked options): q.BATCH_SHARED_COLUMNS
+        """What every job of one submit shares (checked options): q.SHARED_COLUMNS
         (``queue``: routed), due_at / due_in (run_after, woken_at) and ``fair`` (its key)."""
         due_at, due_in = run_after_time(options.get("run_after"))
         return {
@@ -187,7 +187,7 @@ class Producer:
             # A frozen Celery task id (canvas, task_id=) names exactly one job.
             raise InvalidPayload("a job id can be given for one payload only")
         # Routed per job (a router function may look at the payload; dict routes are
-        # answered from the router's cache): one queue is the batch's, several are per row.
+        # answered from the router's cache): one queue is every row's, several are per row.
         queues = self._router.queues(spec.task, options.get("queue") or spec.queue, serialized)
         shared = self._shared_columns(spec, options, queues[0])
         ids = [job_id] if job_id is not None else [str(uuid.uuid4()) for _ in serialized]
@@ -202,14 +202,14 @@ class Producer:
             for record in records:
                 record["concurrency_key"] = spec.limits.key_for(spec.kind, record["payload"])
         keyed = keys is not None
-        if not self._store.capabilities.batch_inserts or len(set(queues)) > 1:
+        if not self._store.capabilities.shared_inserts or len(set(queues)) > 1:
             rows = [{**shared, "idempotency_key": None, "concurrency_key": None, **r} for r in records]
             return self.submit_rows(rows, keyed=keyed, connection=connection, wake=wake)
         store = self._store
 
         def insert(conn: sa.Connection | None, landed: list[Job]) -> list[Job]:
             # The rows and their events: one statement.
-            return store.insert_job_batch(shared, records, keyed=keyed, connection=conn, landed=landed)
+            return store.insert_shared_jobs(shared, records, keyed=keyed, connection=conn, landed=landed)
 
         wanted = [(r["id"], spec.kind, r.get("idempotency_key")) for r in records]
         run_ids = [] if shared["run_id"] is None else [shared["run_id"]]
@@ -251,7 +251,7 @@ class Producer:
         wake_every: int | None = None,
     ) -> list[Job]:
         """One submit, inside its PRODUCER span (celery_lease.tracing) when tracing is on:
-        ``columns``, the values ``insert`` binds (the batch's shared ones, or each row),
+        ``columns``, the values ``insert`` binds (the rows' shared ones, or each row),
         carry that span's context into the rows."""
         with tracing.producing(wanted, columns) as context:
             if context is not None:
@@ -327,8 +327,8 @@ class Producer:
         # wake=False: eager mode runs the job in this process; nothing goes to the broker.
         due = [j for j in inserted if j.run_after is None] if wake else []
         if wake_every is not None:
-            # A batched kind (one kind, one queue here): one wakeup per batch; its claim
-            # takes the others (worker/batch.py), all marked woken by the insert.
+            # A many-job claim's kind (one kind, one queue here): one wakeup per ``batch=`` jobs; its claim
+            # takes the others (worker/many_claim.py), all marked woken by the insert.
             due = due[::wake_every]
         if connection is None:
             self.publish_wakeups(due, coalesce=True)

@@ -1,9 +1,9 @@
 """Reaper, sweeper, pruner and restart recovery.
 
-Each works in bounded batches (``batch_size`` rows per statement, a bounded number of
+Each works in bounded chunks (``batch_size`` rows per statement, a bounded number of
 statements per call) and returns counts. Beat tasks only call them (see
 :mod:`celery_lease.beat.entries`); several beats may run them at once, since every
-batch is selected with SKIP LOCKED on PostgreSQL (SQLite serializes writers).
+chunk is selected with SKIP LOCKED on PostgreSQL (SQLite serializes writers).
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("celery_lease.maintenance")
 
 #: Upper bound on statements one call issues; what is left waits for the next tick.
-MAX_BATCHES = 20
+MAX_CHUNKS = 20
 #: Seconds an outbox row is left to the worker that wrote it (which sends it right after
 #: the commit it heard) before the sweeper sends it.
 OUTBOX_AGE = 5.0
 
 
-def _batches(step: Callable[[], tuple[list, bool]]) -> list:
+def _chunks(step: Callable[[], tuple[list, bool]]) -> list:
     out = []
-    for _ in range(MAX_BATCHES):
+    for _ in range(MAX_CHUNKS):
         rows, full = step()
         out.extend(rows)
         if not full:
@@ -80,7 +80,7 @@ class Maintenance:
             rows = self._lifecycle.execute(tr.REAP, {"limit": limit})
             return rows, len(rows) == limit
 
-        counts = self._requeue_counts(_batches(step), Status.EXPIRED)
+        counts = self._requeue_counts(_chunks(step), Status.EXPIRED)
         if any(counts.values()):
             log.warning("celery-lease: reaped expired leases: %s", counts)
         return counts
@@ -100,7 +100,7 @@ class Maintenance:
             rows = self._store.claim_due_wakeups(stale, limit)
             return rows, len(rows) == limit
 
-        rows = _batches(step)
+        rows = _chunks(step)
         sent = self._publish(rows)
         if self._flow is not None:
             sent += self._flow.sweep()
@@ -117,7 +117,7 @@ class Maintenance:
             rows = self._store.take_outbox(OUTBOX_AGE, limit)
             return rows, len(rows) == limit
 
-        rows = _batches(step)
+        rows = _chunks(step)
         if not rows:
             return 0
         sent = self._lifecycle.send_outbox(rows)
@@ -135,7 +135,7 @@ class Maintenance:
             n = self._store.archive(after, limit)
             return [None] * n, n == limit
 
-        moved = len(_batches(step))
+        moved = len(_chunks(step))
         if moved:
             log.debug("celery-lease: archived %d finished job(s)", moved)
         return moved
@@ -161,12 +161,12 @@ class Maintenance:
             n = self._store.prune_landings(LANDING_RETENTION, limit)
             return [None] * n, n == limit
 
-        pruned = len(_batches(step))
+        pruned = len(_chunks(step))
         days = self._store.drop_history(age)
         if days:
             log.info("celery-lease: dropped %d day(s) of finished jobs from the history", days)
-        chords = len(_batches(chord_step))
-        _batches(landing_step)
+        chords = len(_chunks(chord_step))
+        _chunks(landing_step)
         if chords:
             log.info("celery-lease: pruned %d chord counter(s) whose header can no longer complete", chords)
         return pruned

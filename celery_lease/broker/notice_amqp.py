@@ -49,7 +49,7 @@ _warned = threading.Event()
 def _warn_if_declared_otherwise(exc: BaseException, name: str) -> None:
     """An exchange of that name already declared with other attributes (durable, another
     type) refuses every declaration of ours (406 PRECONDITION_FAILED): fast cancel is
-    off for good, not for a broker's blip. That is an operator's to fix, so it is a
+    off for good, not for a broker's brief outage. That is an operator's to fix, so it is a
     WARNING, once per process (a listener retries every few seconds)."""
     if isinstance(exc, PreconditionFailed) and not _warned.is_set():
         _warned.set()

@@ -4,7 +4,7 @@ Rule: a due job is reached by a claim that starts after its row committed. A sub
 publishes its kind's wakeup only when it sets the (task, routing key)'s mark (SET NX on
 the Redis broker); the delivery deletes the mark *before* it claims (WorkerState.begin).
 So a job whose submit found the mark is committed before that claim reads the table:
-the claim takes it or, full, wakes the kind again (worker/batch.py). The mark expires
+the claim takes it or, full, wakes the kind again (worker/many_claim.py). The mark expires
 after MARK_TTL_MS, so a wakeup lost with its delivery holds later submits back no
 longer; the jobs submitted meanwhile are the sweeper's. Only kinds whose deliveries
 claim what is due take part (``coalesces``); on another broker every wakeup is published.
@@ -38,7 +38,7 @@ def mark_key(task: str, routing_key: str) -> str:
 class Waking:
     """The marks of one Celery app's wakeups. ``routing_key(task, queue)``: the routing key
     its wakeups are published with (None: not coalesced); ``coalesces(task)``: whether
-    that task's deliveries claim what is due (worker/batch.py)."""
+    that task's deliveries claim what is due (worker/many_claim.py)."""
 
     def __init__(
         self, app: Celery, routing_key: Callable[[str, str | None], str | None], coalesces: Callable[[str], bool]

@@ -86,7 +86,7 @@ class History:
     def prepare_archive(self, after_seconds: float) -> bool:
         """Whether a finished job is due to move (finished more than ``after_seconds``
         ago); if so, every partition it and the jobs after it can need is made first.
-        Once per archive tick: its batches then are one statement each."""
+        Once per archive tick: its chunks then are one statement each."""
         if not self.has_history:
             return False
         params = {"after_seconds": after_seconds}

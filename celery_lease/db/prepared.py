@@ -74,7 +74,7 @@ def _inline_constants(stmt: sa.ClauseElement, column_keys: Sequence[str] | None)
         inlined.compile(dialect=_DOLLAR, column_keys=column_keys)
     except sa.exc.CompileError:
         # The traversal copies a CTE once per place that names it (a CTE read by several
-        # subqueries: claim_batch_limited's caps), which SQLAlchemy refuses: bound as is.
+        # subqueries: claim_many_limited's caps), which SQLAlchemy refuses: bound as is.
         return stmt
     return inlined
 

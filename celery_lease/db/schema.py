@@ -55,7 +55,7 @@ jobs = sa.Table(
     sa.Column("lease_owner", sa.String(255)),  # "node/pid/boot"
     # A random number each claim writes (one per claim call, the same for its retries):
     # a claim whose reply was lost finds exactly the rows its own first try took by it
-    # (lifecycle.claim, worker/batch.py), never "any running row of this owner".
+    # (lifecycle.claim, worker/many_claim.py), never "any running row of this owner".
     sa.Column("claim_token", sa.BigInteger),
     sa.Column("lease_expires_at", TS),
     # Lease losses (reaped, interrupted) are counted apart from handler errors, so an
@@ -182,7 +182,7 @@ sa.Index(
     jobs.c.created_at,
     **_partial("status = 'pending' AND fair_key IS NOT NULL"),
 )
-# The claim of many jobs (statements/batch.py, _picked): the due jobs of one kind and
+# The many-job claim (statements/many_claim.py, _picked): the due jobs of one kind and
 # queue in claim order, walked from the first and left after n + 1 rows (migration 0016).
 sa.Index(
     "celery_lease_jobs_due",

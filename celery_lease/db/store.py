@@ -44,12 +44,12 @@ class Capabilities:
     """What this database offers the layers above, which choose a way by it and never
     by which database it is."""
 
-    #: A batched kind's delivery claims many jobs in one statement (CLAIM_BATCH).
-    batched_claims: bool
+    #: A delivery may claim many jobs in one statement (CLAIM_MANY: a many-job claim).
+    many_job_claims: bool
     #: Plain successes are worth gathering, many written per statement, in the background.
     background_completions: bool
-    #: Jobs of one queue sharing their columns go in one statement (insert_job_batch).
-    batch_inserts: bool
+    #: Jobs of one queue sharing their columns go in one statement (insert_shared_jobs).
+    shared_inserts: bool
     #: The vendor (Django's name) of connections whose transaction a submit may join.
     joinable_vendor: str | None
 
@@ -69,7 +69,7 @@ class Store(Reads, History, Database):
         pg = self.dialect == "postgresql"
         self._prepared: dict[Any, Prepared] | None = {} if pg and prepare_statements else None
         self.capabilities = Capabilities(
-            batched_claims=pg, background_completions=pg, batch_inserts=pg, joinable_vendor="postgresql" if pg else None
+            many_job_claims=pg, background_completions=pg, shared_inserts=pg, joinable_vendor="postgresql" if pg else None
         )
 
     def alone(self, stmt, params: Mapping, *, lock=None, fast=False, on_retry: Callable | None = None, then=None) -> list[dict]:
@@ -119,10 +119,10 @@ class Store(Reads, History, Database):
         self._read_back_landed([str(r["id"]) for r in rows], {j.id for j in inserted}, landed, connection, bool(retried))
         return inserted
 
-    def insert_job_batch(
+    def insert_shared_jobs(
         self, shared: dict[str, Any], records: list[dict], *, keyed: bool, connection=None, landed: list[Job] | None = None
     ) -> list[Job]:
-        """submit.insert_job_batch (PostgreSQL): jobs sharing every column but submit.BATCH_JOB_FIELDS
+        """submit.insert_shared_jobs (PostgreSQL): jobs sharing every column but submit.PER_JOB_FIELDS
         (``records``, one dict each), with their ``dispatched`` events, in one statement,
         alone a prepared one; returns those inserted, built from what was sent and the
         database's created_at / run_after. Missing ids are insert_jobs' lost-reply rows."""
@@ -132,10 +132,10 @@ class Store(Reads, History, Database):
         retried: list[bool] = []
         again = partial(retried.append, True)  # a dropped connection made it try again
         if not keyed and connection is None:
-            stmt = submit.insert_job_batch(on_key_conflict_nothing=False)
+            stmt = submit.insert_shared_jobs(on_key_conflict_nothing=False)
             rows = [(r["id"], r["created_at"], r["run_after"]) for r in self.alone(stmt, params, on_retry=again)]
         else:
-            stmt = submit.insert_job_batch(on_key_conflict_nothing=keyed)
+            stmt = submit.insert_shared_jobs(on_key_conflict_nothing=keyed)
             engine = self.engine(single=True)
             rows = self.transaction(engine, lambda c: list(c.execute(stmt, params)), connection=connection, on_retry=again)
         sent = {str(r["id"]): r for r in json.loads(text)}  # payloads as stored: tuples become lists

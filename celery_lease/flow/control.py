@@ -154,17 +154,17 @@ class FlowControl:
         return row
 
     def hold(self, job_id: str, spec: JobKind) -> None:
-        """A batched kind's claim (worker/batch.py) took nothing: if a pause refused it,
+        """A many-job claim (worker/many_claim.py) took nothing: if a pause refused it,
         its delivered job and the kind's other due ones are held, woken by the resume."""
         result = self._db.hold(job_id, spec.task)
         if result.held == Held.PAUSE.value:
             self._db.hold_paused(job_id, spec.task)
         self._follow_up(job_id, spec, result, False)
 
-    def batch_claimed(self, job_id: str, spec: JobKind, first: dict[str, Any], own: bool) -> None:
-        """After a limited batched kind's claim (``first``: its first row): its rate window's
-        wakes (FlowStore.batch_follow_ups); its job not claimed (``own``), as a single claim's."""
-        woken, later = self._db.batch_follow_ups(spec.kind, first)
+    def many_claimed(self, job_id: str, spec: JobKind, first: dict[str, Any], own: bool) -> None:
+        """After a limited kind's many-job claim (``first``: its first row): its rate window's
+        wakes (FlowStore.many_claim_follow_ups); its job not claimed (``own``), as a single claim's."""
+        woken, later = self._db.many_claim_follow_ups(spec.kind, first)
         self._follow_up(job_id, spec, ClaimResult(row=first if own else None, wake=woken, later=later), True)
 
     def _follow_up(self, job_id: str, spec: JobKind, result: ClaimResult, limited: bool) -> None:
@@ -215,8 +215,8 @@ class FlowControl:
 
     def holds_slot(self, kind: str) -> bool:
         """True for a kind with a concurrency limit (declared, or maybe an override's):
-        its jobs' ends must free their slot at once (so a success of such a kind is not
-        batched)."""
+        its jobs' ends must free their slot at once (so a success of such a kind does not
+        wait in the completer)."""
         spec = self._registry.get(kind)
         if spec is None:
             return False

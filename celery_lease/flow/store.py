@@ -143,8 +143,8 @@ class FlowStore:
         except _NoWakeup:
             return None
 
-    def batch_follow_ups(self, kind: str, first: dict[str, Any]) -> tuple[list[dict], tuple[float, dict] | None]:
-        """After a limited batched kind's claim (``first``: its first row): the jobs held
+    def many_claim_follow_ups(self, kind: str, first: dict[str, Any]) -> tuple[list[dict], tuple[float, dict] | None]:
+        """After a limited kind's many-job claim (``first``: its first row): the jobs held
         for the rate that a window it opened still takes, woken (as a single claim's
         window_opened wakes them); and, when jobs are left held for the rate, the next
         window's wakeup (see _window_wakeup)."""
@@ -204,13 +204,13 @@ class FlowStore:
         params = {"of_kind": kind, "key": key}
         return self._store.alone(fs.top_up(self._store.dialect), params, lock=fs.lock_limits_row(), fast=True)
 
-    def wake_all(self, reason: str, kind: str, batch: int) -> list[dict]:
-        """Wake every job of ``kind`` held for ``reason`` (a resume), in batches."""
+    def wake_all(self, reason: str, kind: str, chunk: int) -> list[dict]:
+        """Wake every job of ``kind`` held for ``reason`` (a resume), in chunks of ``chunk``."""
         out: list[dict] = []
         while True:
-            rows = self._store.transaction(self._store.durable, lambda c: self._wake(c, reason, kind, batch))
+            rows = self._store.transaction(self._store.durable, lambda c: self._wake(c, reason, kind, chunk))
             out += rows
-            if len(rows) < batch:
+            if len(rows) < chunk:
                 return out
 
     def limited_kinds(self, kinds: Sequence[str]) -> list[str]:

@@ -1,5 +1,5 @@
 """Every claim, named once, and the functions that execute them (:func:`execute`, and
-:func:`execute_many` for the claim of many rows).
+:func:`execute_many` for the many-job claim).
 
 Rules: its statement is the catalogue's and declared durable there (the generation it
 issues is a fencing token never issued twice, also across a crash); a lost reply is
@@ -20,7 +20,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db import durability
-from celery_lease.db.blips import retry_briefly
+from celery_lease.db.outage import retry_briefly
 from celery_lease.db.statements import claim
 from celery_lease.db.statements import flow as fs
 from celery_lease.db.statements.events import logs_itself
@@ -175,7 +175,7 @@ def execute(
 
 
 def execute_many(store: Store, stmt: Any, params: Mapping[str, Any], *, limited: bool) -> tuple[list[Row], bool]:
-    """A claim of many rows (lifecycle/batch.py) executed as every claim is: alone in
+    """A many-job claim (lifecycle/many_claim.py) executed as every claim is: alone in
     its transaction (prepared, one round trip; a ``limited`` one after its kind's limits
     row lock), its lost reply settled by its token (LandedClaim). Returns its rows and
     whether they were adopted from a first try whose reply was lost (then they carry only
@@ -206,7 +206,7 @@ def execute_many(store: Store, stmt: Any, params: Mapping[str, Any], *, limited:
 def _settle(check: LandedClaim, run: Callable[[], Row | None]) -> Row | None:
     """A claim whose connection dropped and whose retry found the server gone (a
     backend crash resets every connection, and the server refuses them while it
-    recovers): its first try may have landed. Asked again through a short blip
+    recovers): its first try may have landed. Asked again through a short outage
     (retry_briefly): the row it took is adopted; if it took none, the claim runs once more.
     Left unasked, a landed claim's job ran no body until the reaper spent its attempt
     (history[prepared] seed 639886). DatabaseUnavailable if the server stays away."""

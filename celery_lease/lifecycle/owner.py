@@ -34,7 +34,7 @@ def owner_of(node: str | None) -> str:
     instead: lifecycle.claim.LandedClaim). Restart recovery
     matches the ``node/`` prefix and ``/boot`` suffix
     (statements.maintenance.recover_restarted); the process is ``pid`` before the dot
-    (worker/lost.py)."""
+    (worker/dead_processes.py)."""
     pid = str(os.getpid())
     if threading.current_thread() is not threading.main_thread():
         number = getattr(_claimer, "number", None)

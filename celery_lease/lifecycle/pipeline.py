@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from celery_lease.db import durability
-from celery_lease.db.blips import retry_briefly, retry_within_lease
 from celery_lease.db.landing import Landing
+from celery_lease.db.outage import retry_briefly, retry_within_lease
 from celery_lease.db.statements.common import row_dicts
 from celery_lease.db.statements.events import logs_itself
 from celery_lease.errors import LeaseLost
@@ -120,7 +120,7 @@ class Pipeline:
         params: Mapping[str, Any] | None = None,
         *,
         attempt: Fenced | None = None,
-        batch: Sequence[Fenced] = (),
+        attempts: Sequence[Fenced] = (),
         build: Mapping[str, Any] | None = None,
         before: Callable[[Connection], Any] | None = None,
         during: During | None = None,
@@ -128,8 +128,8 @@ class Pipeline:
         run_cancelled: bool = False,
     ) -> list[dict[str, Any]]:
         """Execute ``t``; return the rows it moved. ``attempt``: the attempt whose write
-        this is (fenced transitions); ``batch``: the attempts a statement that fences each
-        of its rows itself writes at once (a timeout's), ridden through a database blip
+        this is (fenced transitions); ``attempts``: the attempts a statement that fences each
+        of its rows itself writes at once (a timeout's), retried through a database outage
         while any of them lives, those whose row it did not move marked lost; ``build``: the statement's build arguments;
         ``before(conn)``: runs first in the transaction (a cancelled run is marked);
         ``error``: what errbacks get (default: the transition's). Raises LeaseLost when a
@@ -146,7 +146,7 @@ class Pipeline:
         logged = logs_itself(stmt)
 
         def work(conn: Connection) -> tuple[list[dict[str, Any]], list[Job]]:
-            if (attempt is not None and attempt.is_lost) or (batch and all(a.is_lost for a in batch)):
+            if (attempt is not None and attempt.is_lost) or (attempts and all(a.is_lost for a in attempts)):
                 raise LeaseLost()
             if before is not None:
                 before(conn)
@@ -169,9 +169,11 @@ class Pipeline:
         try:
             if attempt is not None:
                 rows, created = attempt.retry_within_lease(lambda: landing.run(work))
-            elif batch:  # tried again while any of its attempts lives (each by its own clock)
+            elif attempts:  # tried again while any of its attempts lives (each by its own clock)
                 rows, created = retry_within_lease(
-                    lambda: landing.run(work), lambda: all(a.is_lost for a in batch), what=f"{t.name} of {len(batch)} attempts"
+                    lambda: landing.run(work),
+                    lambda: all(a.is_lost for a in attempts),
+                    what=f"{t.name} of {len(attempts)} attempts",
                 )
             else:
                 rows, created = retry_briefly(lambda: landing.run(work))
@@ -188,7 +190,7 @@ class Pipeline:
                 raise
             rows, created = landed
         moved = {str(r["id"]) for r in rows}
-        for a in batch:
+        for a in attempts:
             if a.job_id not in moved:
                 a.mark_lost()
         self._after(t, args, rows, created, endings, during, attempt)

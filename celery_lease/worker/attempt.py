@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery_lease.db.blips import retry_within_lease
+from celery_lease.db.outage import retry_within_lease
 from celery_lease.errors import LeaseLost
 
 if TYPE_CHECKING:
@@ -57,13 +57,14 @@ class Attempt:
     #: The outcome this attempt recorded (an executor.Outcome), None while running or when
     #: nothing was recorded (lease lost).
     outcome: Any = None
-    #: Set once the lease is known lost (cancelled, reaped, heartbeat gave up).
+    #: Set once the lease counts as lost: known lost, or lapsed by this process's clock
+    #: (is_lost).
     lost: threading.Event = field(default_factory=threading.Event)
-    #: The lease is gone for sure (mark_lost: a fenced write or a renewal matched no row,
+    #: The lease is known lost (mark_lost: a fenced write or a renewal matched no row,
     #: or the attempt was stopped), not merely lapsed by this process's clock. A body that
     #: finished before its clock lapsed still has its success written (fenced: it lands
     #: only while no one took the job), never dropped while its row runs under this owner.
-    gone: bool = False
+    known_lost: bool = False
     #: monotonic time at which the last claim or renewal that the database confirmed
     #: was sent.
     renewed_at: float = field(default_factory=time.monotonic)
@@ -79,9 +80,9 @@ class Attempt:
     #: (celery_lease.tracing); the span is None while tracing is off.
     trace_context: str | None = None
     span: Any = None
-    #: A batched kind's delivery (worker/batch.py): every attempt its claim took, this
-    #: one (the delivery's own) first; None for a single claim.
-    batch: list[Attempt] | None = None
+    #: A many-job claim's delivery (worker/many_claim.py): every attempt its claim took,
+    #: this one (the delivery's own) first; None for a claim of one job.
+    claimed_together: list[Attempt] | None = None
 
     @classmethod
     def from_claim(cls, job_id: str, row: dict[str, Any], *, sent_at: float | None = None) -> Attempt:
@@ -138,13 +139,13 @@ class Attempt:
         return time.monotonic() - self.renewed_at > self.lease_seconds * START_SHARE
 
     def mark_lost(self) -> None:
-        self.gone = True
+        self.known_lost = True
         self.lost.set()
 
     def retry_within_lease(self, write: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:
         """Run ``write`` (one of this attempt's writes), tried again while the database
         is unreachable until the lease lapses by this attempt's own clock, then LeaseLost
-        (db.blips.retry_within_lease): the handler's checkpoint or outcome lands once the
+        (db.outage.retry_within_lease): the handler's checkpoint or outcome lands once the
         database is back."""
         return retry_within_lease(
             write, lambda: self.is_lost, lapses_at=lambda: self.lapses_at, on_retry=on_retry, what=f"job {self.job_id}"

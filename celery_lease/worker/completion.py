@@ -1,7 +1,7 @@
 """Where a plain success (nothing else to commit) is written: the process's one
 :class:`Completer`, for single jobs and many-job claims alike.
 
-:class:`BatchCompleter` (PostgreSQL): the body returns at once and its success waits at
+:class:`BackgroundCompleter` (PostgreSQL): the body returns at once and its success waits at
 most a few milliseconds for this thread's ``complete_jobs`` of every success gathered
 (one round trip, one durable commit for all). The write is fenced by the generation; a row
 missing from the result is re-checked alone (:func:`confirm`); a success whose lease
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_lease.db.blips import retry_within_lease
+from celery_lease.db.outage import retry_within_lease
 from celery_lease.db.refused import refused_value
 from celery_lease.errors import LeaseLost
 from celery_lease.lifecycle import transition as tr
@@ -43,11 +43,11 @@ def successes(items: list[Item]) -> list[dict[str, Any]]:
 
 def write_successes(pipeline: Pipeline, items: list[Item], write: Callable[[list[Item]], set[str]]) -> None:
     """Write many plain successes with ``write`` (one statement; returns the ids it
-    wrote): the one algorithm of the completer and of a batched kind's batch. A success
-    whose lease is known gone is not written; one missing from the result is re-checked
-    alone (confirm); a batch with a value the database refused is written one by one,
+    wrote): the one algorithm of the completer and of a many-job claim's delivery. A success
+    whose lease is known lost is not written; one missing from the result is re-checked
+    alone (confirm); a group of successes with a value the database refused is written one by one,
     and a refused success ends its job failed (refuse)."""
-    live = [item for item in items if not item[0].gone]
+    live = [item for item in items if not item[0].known_lost]
     if not live:
         return
     try:
@@ -72,7 +72,7 @@ def confirm(pipeline: Pipeline, items: list[Item], done: set[str]) -> None:
     statement did not re-qualify after a concurrent update (a renewal) changed it. The
     single fenced SUCCEED decides which, so no success is discarded by a race."""
     for attempt, result, progress in items:
-        if attempt.job_id in done or attempt.gone:
+        if attempt.job_id in done or attempt.known_lost:
             continue
         try:
             pipeline.execute(tr.SUCCEED, {"new_result": result, "new_progress": progress}, attempt=attempt)
@@ -105,7 +105,7 @@ class Completer(Protocol):
 
 
 def completer_for(store: Store, pipeline: Pipeline) -> Completer:
-    return BatchCompleter(store, pipeline) if store.capabilities.background_completions else InlineCompleter(pipeline)
+    return BackgroundCompleter(store, pipeline) if store.capabilities.background_completions else InlineCompleter(pipeline)
 
 
 class InlineCompleter:
@@ -124,10 +124,10 @@ class InlineCompleter:
         pass
 
 
-class BatchCompleter(Drainer):
+class BackgroundCompleter(Drainer):
     #: Seconds the oldest waiting success waits for others to share its statement.
     LINGER = 0.002
-    MAX_BATCH = 64
+    MAX_PER_WRITE = 64
 
     def __init__(self, store: Store, pipeline: Pipeline) -> None:
         super().__init__("celery-lease-completer")
@@ -148,9 +148,9 @@ class BatchCompleter(Drainer):
             if not self._pending:
                 self._since = time.monotonic()
             self._pending.append((attempt, result, progress))
-            # A thread already timing a batch finds this one when it wakes: no wake-up
+            # A thread already timing a write finds this one when it wakes: no wake-up
             # per job.
-            if self._idle or len(self._pending) >= self.MAX_BATCH:
+            if self._idle or len(self._pending) >= self.MAX_PER_WRITE:
                 self._cond.notify_all()  # the thread (a flush may be waiting too)
 
     def flush(self, timeout: float = 10.0) -> None:
@@ -168,32 +168,32 @@ class BatchCompleter(Drainer):
         if self._idle:
             return None, None
         wait = self._since + self.LINGER - time.monotonic()
-        if wait > 0 and not self._flushing and len(self._pending) < self.MAX_BATCH:
+        if wait > 0 and not self._flushing and len(self._pending) < self.MAX_PER_WRITE:
             return None, wait
-        batch, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
+        taken, self._pending = self._pending[: self.MAX_PER_WRITE], self._pending[self.MAX_PER_WRITE :]
         self._since = time.monotonic()
-        self._inflight += len(batch)
-        return batch, None
+        self._inflight += len(taken)
+        return taken, None
 
-    def _drain(self, batch: list[Item]) -> None:
+    def _drain(self, taken: list[Item]) -> None:
         try:
-            self._record(batch)
+            self._record(taken)
         except Exception:
-            log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(batch))
+            log.exception("celery-lease: cannot record %d successes; the reaper will requeue them", len(taken))
         finally:
-            self._written(batch)
+            self._written(taken)
 
-    def _written(self, batch: list[Item]) -> None:
+    def _written(self, taken: list[Item]) -> None:
         try:
-            for attempt, _, _ in batch:
+            for attempt, _, _ in taken:
                 attempt.pending_write = False
         finally:
             with self._cond:
-                self._inflight -= len(batch)
+                self._inflight -= len(taken)
                 self._cond.notify_all()
 
-    def _record(self, batch: list[Item]) -> None:
-        write_successes(self._pipeline, batch, self._complete_many)
+    def _record(self, taken: list[Item]) -> None:
+        write_successes(self._pipeline, taken, self._complete_many)
 
     def _complete_many(self, live: list[Item]) -> set[str]:
         return complete_within_leases(self._store, live)
@@ -201,16 +201,16 @@ class BatchCompleter(Drainer):
 
 def complete_within_leases(store: Store, live: list[Item], give_up: Callable[[], bool] | None = None) -> set[str]:
     """complete_jobs for these successes, tried again while the database is unreachable
-    (the completer's and a batched kind's batch's), also for the attempts whose leases
+    (the completer's and a many-job claim's), also for the attempts whose leases
     lapsed by their own clocks meanwhile: their bodies finished, and the statement is
     fenced (a job the reaper took is not written). Dropped, the success was lost while
     its row stayed running under this process (issue #27, item 4); only a lease known
-    gone is, or all of them once ``give_up()`` says so (left to the reaper)."""
+    lost is, or all of them once ``give_up()`` says so (left to the reaper)."""
     try:
         return retry_within_lease(
-            lambda: store.complete_many(successes([item for item in live if not item[0].gone])),
-            lambda: all(item[0].gone for item in live) or (give_up is not None and give_up()),
+            lambda: store.complete_many(successes([item for item in live if not item[0].known_lost])),
+            lambda: all(item[0].known_lost for item in live) or (give_up is not None and give_up()),
             what=f"{len(live)} success(es)",
         )
-    except LeaseLost:  # every one known gone
+    except LeaseLost:  # every one known lost
         return set()

@@ -4,8 +4,8 @@ Celery's own events describe the wakeup message, which carries no arguments and 
 however the job did; these fill in the job's truth: ``task-started`` per attempt (the
 attempt as ``retries``, the payload as ``args``), ``task-revoked`` when the job was
 cancelled (the body then raises ``Ignore``, so no ``task-succeeded`` follows), and
-``task-held`` when a wakeup finds its job held or not yet due. A batched kind's other
-jobs get their own events from :class:`BatchTasks`, so Flower lists each as a task.
+``task-held`` when a wakeup finds its job held or not yet due. A many-job claim's other
+jobs get their own events from :class:`ManyClaimTasks`, so Flower lists each as a task.
 The rule: ``task-revoked`` and an attempt's ``task-started`` carry ``state`` explicitly,
 since Celery's event state only merges them into a custom state (PROGRESS, HELD).
 Sent only when the worker sends task events (``-E`` / ``worker_send_task_events``).
@@ -115,10 +115,10 @@ def connect(app: Celery) -> None:
     app._celery_lease_event_handlers = (note_task_events,)
 
 
-class BatchTasks:
-    """The task events of the jobs a batched delivery runs besides its own (which Celery
+class ManyClaimTasks:
+    """The task events of the jobs a many-job claim's delivery runs besides its own (which Celery
     reports): each is announced as a task of its own, under its job id, by the worker
-    that runs it, in one dispatcher for the batch. A view: never raises (the broker
+    that runs it, in one dispatcher for the claim. A view: never raises (the broker
     unreachable costs the events, not the jobs), and sends nothing without ``-E``."""
 
     def __init__(self, task: Task) -> None:
@@ -128,12 +128,12 @@ class BatchTasks:
         self._failed = False
 
     @classmethod
-    def of(cls, task: Task) -> BatchTasks | None:
+    def of(cls, task: Task) -> ManyClaimTasks | None:
         return cls(task) if enabled(task) else None
 
     def started(self, attempt: Attempt) -> None:
         """Received and started at once: the job left the broker's view with the
-        delivery's message; it starts when its turn in the batch comes."""
+        delivery's message; it starts when its turn in the claim comes."""
         described = _described(attempt)
         canvas = attempt.canvas or {}
         self._send(

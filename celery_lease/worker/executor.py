@@ -32,11 +32,11 @@ from celery_lease.payload import UnstorableValue, cap_error
 from celery_lease.status import Status
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import Attempt
-from celery_lease.worker.batch import Batches
 from celery_lease.worker.completion import Completer, completer_for
 from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
 from celery_lease.worker.incident import incident
+from celery_lease.worker.many_claim import ManyJobClaims
 from celery_lease.worker.outcome import Outcome, backoff
 from celery_lease.worker.record import Recorder
 from celery_lease.worker.timeouts import Timeouts
@@ -89,11 +89,11 @@ class WorkerState:
         self.record = Recorder(store, producer, registry, self.pipeline, canvas=canvas, flow=flow, eager=eager)
         self.timeouts = Timeouts(self.record.time_out)
         self.heartbeat = Heartbeat(store, broker_url, notice_channel, on_timeout=self.timeouts.submit)
-        #: Plain successes: batched on PostgreSQL, where each statement is a round trip;
+        #: Plain successes: written together on PostgreSQL, where each statement is a round trip;
         #: written at once on SQLite.
         self.completer: Completer = completer_for(store, self.pipeline)
-        #: The deliveries that claim what is due: many jobs per claim (worker/batch.py).
-        self.batches = Batches(self)
+        #: The deliveries that claim what is due: many jobs per claim (worker/many_claim.py).
+        self.many_claims = ManyJobClaims(self)
 
     # --- task_prerun / task_postrun ------------------------------------------------
 
@@ -113,7 +113,7 @@ class WorkerState:
         if self._claims_many(spec):
             # Its wakeup's mark goes before the claim reads the table (broker/waking.py).
             self.producer.waking.arrived(spec.task, routing_key)
-            return self.batches.begin(job_id, spec, hostname)
+            return self.many_claims.begin(job_id, spec, hostname)
         sent_at = time.monotonic()
         owner = owner_of(hostname)
         # The claimed attempt joins the heartbeat as the claim's first follow-up, before
@@ -146,10 +146,10 @@ class WorkerState:
         return attempt
 
     def _claims_many(self, spec: JobKind) -> bool:
-        """A delivery claims what is due of its kind (worker/batch.py): a kind with
+        """A delivery claims what is due of its kind (worker/many_claim.py): a kind with
         ``batch=``, or whose wakeups are coalesced (broker/waking.py), on a database that claims
         many rows in one statement. (In-process runs run the one job they name.)"""
-        if self.eager or not self.store.capabilities.batched_claims:
+        if self.eager or not self.store.capabilities.many_job_claims:
             return False
         waking = self.producer.waking
         return spec.batch is not None or (waking.enabled and waking.coalesces(spec.task))
@@ -173,7 +173,7 @@ class WorkerState:
         # by the generation and writes nothing of a body): this clock must not refuse it.
         self.heartbeat.remove(attempt)  # (joined before the claim's follow-ups, if it was on time then)
         attempt.renewed_at = time.monotonic()
-        if not attempt.gone:  # lapsed by this clock only (the heartbeat saw it while follow-ups ran)
+        if not attempt.known_lost:  # lapsed by this clock only (the heartbeat saw it while follow-ups ran)
             attempt.lost.clear()
         log.warning("celery-lease: job %s: claimed too late in its lease; handed off, not started", attempt.job_id)
         try:
@@ -182,9 +182,9 @@ class WorkerState:
             log.warning("celery-lease: job %s: its late claim not handed off; the reaper will", attempt.job_id)
 
     def end(self, attempt: Attempt | None) -> None:
-        for each in attempt.batch or () if attempt is not None else ():
+        for each in attempt.claimed_together or () if attempt is not None else ():
             if each is not attempt:
-                self.end(each)  # (a no-op for those the batch ended already)
+                self.end(each)  # (a no-op for those the many-job claim ended already)
         if attempt is not None:
             # (Its slot, if its kind is limited, was freed by the transition that moved
             # it out of running, once: its outcome's, or the cancel's or reap's.)
@@ -223,11 +223,11 @@ class WorkerState:
         raised outside any ``except`` block so no traceback of the handler's exception
         (and its text) is chained into Celery's log line or event.
 
-        A batched delivery (``attempt.batch``) runs its whole batch (worker/batch.py),
-        whose plain successes go to the batch's ``completer``.
+        A many-job claim's delivery (``attempt.claimed_together``) runs every job its claim
+        took (worker/many_claim.py), whose plain successes go to the claim's ``completer``.
         """
-        if attempt.batch is not None and completer is None:
-            return self.batches.run(spec, attempt, on_progress)
+        if attempt.claimed_together is not None and completer is None:
+            return self.many_claims.run(spec, attempt, on_progress)
         outcome: tuple[Outcome, Any]
         try:
             # Inside the try: a stored checkpoint over the cap fails this attempt as an
@@ -235,7 +235,7 @@ class WorkerState:
             ctx = self.context(attempt, on_progress)
             result = spec.fn(ctx, spec.codec.load_payload(attempt.payload))
             # A result the table cannot hold (not JSON, over its cap, NUL, lone
-            # surrogate) is refused here, before it joins a batch of successes.
+            # surrogate) is refused here, before it joins the successes the completer writes together.
             outcome = (Outcome.SUCCEEDED, spec.codec.dump_result(result, self.settings.max_result_bytes))
         except Failure as exc:
             outcome = (Outcome.FAILED, cap_error(exc.message))

@@ -3,7 +3,7 @@
 Succeed, fail, retry, snooze, hand-off and a kind's timeout are
 :mod:`celery_lease.lifecycle.transition` values run by the one
 :class:`~celery_lease.lifecycle.pipeline.Pipeline`: fenced by the attempt's lease
-generation, durable, ridden through a database blip within the lease, settled by
+generation, durable, retried through a database outage within the lease, settled by
 asking the server after a lost reply, and followed (errbacks, chain steps, wakeups,
 the slot's release) exactly once.
 """
@@ -105,7 +105,7 @@ class Recorder:
         if attempt.is_lost:  # by its own clock too: write nothing more
             raise LeaseLost()
         follow_up = self._canvas.after_success(attempt, result, eager=self._eager) if self._canvas and attempt.canvas else None
-        # (Not batched for a limited kind: its slot is freed once the success is written.)
+        # (Not left to the completer for a limited kind: its slot is freed once the success is written.)
         limited = self._flow is not None and self._flow.holds_slot(attempt.kind)
         if not (staged.effects or staged.children or follow_up or limited):
             attempt.pending_write = True
@@ -130,8 +130,8 @@ class Recorder:
 
     def snooze(self, attempt: Attempt, seconds: float) -> None:
         """ctx.snooze(): back to pending, due in ``seconds``, attempt not spent. Durable
-        and ridden through a blip like any end of an attempt: a snooze lost to a crash
-        or a blip would leave the job to the reaper, which spends an attempt."""
+        and retried through an outage like any end of an attempt: a snooze lost to a crash
+        or an outage would leave the job to the reaper, which spends an attempt."""
         self.pipeline.execute(tr.SNOOZE, {"delay": seconds}, attempt=attempt)
         log.info("celery-lease: job %s: snoozed for %gs", attempt.job_id, seconds)
 
@@ -152,7 +152,9 @@ class Recorder:
             delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
             rows.append({"id": attempt.job_id, "generation": attempt.generation, "delay": delay})
         try:
-            moved = {str(r["id"]) for r in self.pipeline.execute(tr.TIME_OUT, tr.many(rows, new_error=TIMED_OUT), batch=attempts)}
+            moved = {
+                str(r["id"]) for r in self.pipeline.execute(tr.TIME_OUT, tr.many(rows, new_error=TIMED_OUT), attempts=attempts)
+            }
         except LeaseLost:
             moved = set()
         for attempt in attempts:

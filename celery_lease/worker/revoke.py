@@ -5,7 +5,7 @@ every wakeup discarded. The worker's ``revoke`` control command therefore also c
 jobs it names in their rows (the ``revoke`` transition, as ``leases.cancel``), then does
 what Celery does. The rules: only a revoke by id of one of this app's leased tasks
 cancels, never Celery's ``task_revoked`` signal; the consumer only queues the ids and a
-:class:`Revoker` thread cancels them, one statement per batch; a cancel not written within
+:class:`Revoker` thread cancels them, one statement per round; a cancel not written within
 GIVE_UP seconds is given up and its id taken out of Celery's revoked ids again, so the
 job's next wakeup runs it.
 """
@@ -36,7 +36,7 @@ class Revoker(Drainer):
     """Cancels revoked job ids on its own thread, all queued ids in one statement."""
 
     #: Ids per statement (SQLite binds each id as one parameter).
-    BATCH = 5000
+    MAX_PER_STATEMENT = 5000
     #: Seconds between tries while the database refuses (down, or a row lock held past
     #: the transition's lock timeout); an id is given up after GIVE_UP seconds.
     RETRY = 1.0
@@ -69,33 +69,33 @@ class Revoker(Drainer):
             self._cond.notify()
 
     def _next(self) -> tuple[dict[str, float] | None, None]:
-        batch = dict(list(self._ids.items())[: self.BATCH])
-        for job_id in batch:
+        taken = dict(list(self._ids.items())[: self.MAX_PER_STATEMENT])
+        for job_id in taken:
             del self._ids[job_id]
-        return batch or None, None
+        return taken or None, None
 
-    def _drain(self, batch: dict[str, float]) -> None:
+    def _drain(self, taken: dict[str, float]) -> None:
         try:
-            done = self._cancel(list(batch))
+            done = self._cancel(list(taken))
             if done:
                 log.info("celery-lease: %d job(s) cancelled by revoke", len(done))
         except LeaseError as exc:
             now = time.monotonic()
-            kept = {i: t for i, t in batch.items() if now - t < self.GIVE_UP}
+            kept = {i: t for i, t in taken.items() if now - t < self.GIVE_UP}
             log.warning(
                 "celery-lease: revoke of %d id(s) not recorded in the job table yet (%s); %d kept",
-                len(batch),
+                len(taken),
                 type(exc).__name__,
                 len(kept),
             )
             with self._cond:
                 for job_id, since in kept.items():
                     self._ids.setdefault(job_id, since)
-            self._forget([i for i in batch if i not in kept])
+            self._forget([i for i in taken if i not in kept])
             time.sleep(self.RETRY)
         except Exception:
-            log.exception("celery-lease: revoke of %d id(s) not recorded in the job table", len(batch))
-            self._forget(list(batch))
+            log.exception("celery-lease: revoke of %d id(s) not recorded in the job table", len(taken))
+            self._forget(list(taken))
 
     def _forget(self, ids: list[str]) -> None:
         """Revokes whose cancel did not happen no longer block their jobs. Celery keeps a

@@ -7,8 +7,8 @@
 - ``task_prerun``: claim the job and start its heartbeats (a plain task: scrub the leased
   signatures it carries); the task body runs the handler and records the outcome.
 - ``task_postrun``: stop the heartbeats. ``worker_shutting_down``: warm shutdown, handlers
-  hand their job off. ``worker_process_shutdown`` / ``worker_shutdown``: write batched
-  successes. The revoke control command cancels jobs, off the consumer (revoke.py).
+  hand their job off. ``worker_process_shutdown`` / ``worker_shutdown``: write the
+  successes the completer holds. The revoke control command cancels jobs, off the consumer (revoke.py).
 The rule: Celery signals are process-global, so every handler first checks its sender.
 """
 
@@ -25,7 +25,7 @@ from celery import Celery, signals
 from celery_lease import tracing
 from celery_lease.db import green
 from celery_lease.errors import LeaseError
-from celery_lease.worker import borne, broker_restart, events, prefork, revoke, shutdown
+from celery_lease.worker import broker_restart, events, message_signatures, prefork, revoke, shutdown
 from celery_lease.worker.task import LeaseTask
 
 if TYPE_CHECKING:
@@ -91,13 +91,13 @@ def connect(
     def claim(sender=None, task=None, **_):
         if task is not None and not ours(task) and getattr(task, "app", None) is app:
             # A plain task: the leased jobs its message's chain or callbacks create
-            # take no tenant or run from that message (worker/borne.py).
-            borne.scrub(task.request, leased)
+            # take no tenant or run from that message (worker/message_signatures.py).
+            message_signatures.scrub(task.request, leased)
             return
         if ours(task):
             request = task.request
             request.lease_attempt = None  # stays None if the claim raises
-            refusal = borne.wakeup_refusal(request)
+            refusal = message_signatures.wakeup_refusal(request)
             if refusal is not None:
                 log.warning("celery-lease: delivery %.64r of %s refused before the claim: %s", request.id, task.name, refusal)
                 return
@@ -132,7 +132,7 @@ def connect(
     @signals.worker_process_shutdown.connect(weak=False)  # a prefork child exits
     @signals.worker_shutdown.connect(weak=False)  # the main process (solo, threads pools)
     def flush(sender=None, **_):
-        # Batched successes land before the process exits.
+        # The completer's successes land before the process exits.
         worker_state().flush()
 
     app._celery_lease_signal_handlers = (prepare_worker, recover_interrupted, drain_pool_at_stop, claim, release, suspend, flush)

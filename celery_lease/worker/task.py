@@ -298,13 +298,13 @@ class LeaseTask(Task):
     def apply_async(self, args=None, kwargs=None, **options: Any) -> LeaseResult:
         """Celery's call: submits the job (or runs it here in eager mode)."""
         payload = one_payload(self.name, args, kwargs)
-        batch = grouping.batch_for(options)  # a member of a group being applied
+        group_submit = grouping.group_submit_for(options)  # a member of a group being applied
         options = check_options(self.name, options)
         if self.app.conf.task_always_eager:
             return self.apply((payload,), **options)
         submit = self._submit_options(options)
-        if batch is not None:  # written with the other members when the group is applied
-            batch.add(self.producer(), self.spec, payload, submit)
+        if group_submit is not None:  # written with the other members when the group is applied
+            group_submit.add(self.producer(), self.spec, payload, submit)
             return self.AsyncResult(submit["job_id"])
         job = self.producer().submit_many(self.spec, [payload], **submit)[0]
         return self._result(job)
@@ -332,13 +332,13 @@ class LeaseTask(Task):
 
     subtask = signature
 
-    def _no_batches(self, *_: Any, **__: Any):
+    def _no_map_or_chunks(self, *_: Any, **__: Any):
         raise TypeError(
             f"{self.name}: map/starmap/chunks call the handler with plain arguments inside another task; "
             f"use {self.kind}.submit_many(payloads) or group({self.kind}.s(p) for p in payloads)"
         )
 
-    map = starmap = chunks = _no_batches
+    map = starmap = chunks = _no_map_or_chunks
 
     # --- worker side -------------------------------------------------------------------
 
@@ -365,8 +365,8 @@ def run_leased(self: LeaseTask, *args: Any, **kwargs: Any) -> Any:
         raise Ignore()
     events.attempt_started(self, attempt)
     with tracing.current(attempt):  # the handler's spans and the jobs it creates are the attempt's
-        if attempt.batch is not None:  # each other job of a batched delivery is a task to Celery's tools too
-            value = self.worker_state().batches.run(self.spec, attempt, self.emit_progress, events.BatchTasks.of(self))
+        if attempt.claimed_together is not None:  # each other job of a many-job claim is a task to Celery's tools too
+            value = self.worker_state().many_claims.run(self.spec, attempt, self.emit_progress, events.ManyClaimTasks.of(self))
         else:
             value = self.worker_state().execute(self.spec, attempt, self.emit_progress)
     if attempt.outcome is not Outcome.SUCCEEDED:

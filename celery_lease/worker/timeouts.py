@@ -4,7 +4,7 @@ The rule: the heartbeat thread only renews leases, since a timeout's write may w
 the job's row (locked by the timed-out handler's own success transaction) and no other
 lease of the process would be renewed meanwhile. So the heartbeat hands overdue attempts
 here; one thread writes every timeout queued so far as one ``time out`` transition (each
-row fenced by its attempt's generation, with a lock timeout; ridden out while any of
+row fenced by its attempt's generation, with a lock timeout; retried through an outage while any of
 their leases lives), then marks each attempt lost: its handler stops at its next
 ``raise_if_cancelled()`` and later writes are discarded. The slot of a limited kind is
 freed by the transition, once (Pipeline); the handler's end frees nothing more.
@@ -41,14 +41,14 @@ class Timeouts(Drainer):
             self._cond.notify()
 
     def _next(self) -> tuple[list[Attempt] | None, None]:
-        batch, self._queued = self._queued, []
-        return batch or None, None
+        taken, self._queued = self._queued, []
+        return taken or None, None
 
-    def _drain(self, batch: list[Attempt]) -> None:
+    def _drain(self, taken: list[Attempt]) -> None:
         try:
-            self._record(batch)
+            self._record(taken)
         except Exception:
-            log.exception("celery-lease: cannot record the timeouts of %d job(s); the reaper will settle them", len(batch))
+            log.exception("celery-lease: cannot record the timeouts of %d job(s); the reaper will settle them", len(taken))
         finally:
-            for attempt in batch:
+            for attempt in taken:
                 attempt.mark_lost()  # stop the handler; its later writes are discarded

@@ -31,9 +31,9 @@ leases = CeleryLease(app, os.environ.get("CL_TEST_DB"))
 
 if os.environ.get("CL_TEST_COMPLETION_LINGER"):
     # Hold plain successes in the completer's batch this long (tests of its flush).
-    from celery_lease.worker.completion import BatchCompleter
+    from celery_lease.worker.completion import BackgroundCompleter
 
-    BatchCompleter.LINGER = float(os.environ["CL_TEST_COMPLETION_LINGER"])
+    BackgroundCompleter.LINGER = float(os.environ["CL_TEST_COMPLETION_LINGER"])
 
 if os.environ.get("CL_TEST_REVOKE_GIVE_UP"):
     # Give a revoke up sooner while the database is away (tests of what follows).

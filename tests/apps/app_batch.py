@@ -1,4 +1,4 @@
-"""The tests' app plus batched kinds (``batch=N``: worker/batch.py), steered by payload:
+"""The tests' app plus batched kinds (``batch=N``: worker/many_claim.py), steered by payload:
 ``sleep`` seconds, ``raise`` (the handler raises), ``nul`` (returns a value the table
 cannot hold), ``marker_dir`` (a file per start and per end, with the pid)."""
 

@@ -128,7 +128,7 @@ def fair_import(ctx: JobContext, payload: dict) -> dict:
     return _span(ctx, "fair_import", payload, lambda: _work(ctx, payload))
 
 
-# Batched kinds with flow control's limits (CLAIM_BATCH_LIMITED): each batch is bounded
+# Batched kinds with flow control's limits (CLAIM_MANY_LIMITED): each batch is bounded
 # by the free slots (per key) and the rate window.
 @leases.job(kind="b_capped", batch=10, concurrency=2, max_attempts=1, lease_seconds=LEASE)
 def b_capped(ctx: JobContext, payload: dict) -> dict:

@@ -41,7 +41,7 @@ def _recorder() -> tuple[sa.Engine, str]:
 
 
 def _record(stmt) -> int | None:
-    """Run one recording statement, riding out a blip of the history database: a
+    """Run one recording statement, retrying through an outage of the history database: a
     record that cannot be written would make the history wrong, so it waits."""
     engine, _ = _recorder()
     deadline = time.monotonic() + 60
@@ -145,7 +145,7 @@ def h_plain(ctx: JobContext, payload) -> dict:
 
 @leases.job(kind="h_batch", batch=4, **COMMON)
 def h_batch(ctx: JobContext, payload: dict) -> dict:
-    """A batched kind (worker/batch.py) with plain successes: claimed, and completed, four
+    """A batched kind (worker/many_claim.py) with plain successes: claimed, and completed, four
     at a time by one statement each. No effect row: its success is the row alone."""
     return _body(ctx, "h_batch", payload, _steps(ctx, payload), effect=False)
 

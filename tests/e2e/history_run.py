@@ -230,7 +230,7 @@ class Run:
             time.sleep(rng.uniform(0, 2 * gap))
             item = rng.choices(kinds, weights)[0]
             if n == 0:
-                item = "batch"  # every run has jobs of the batched kind (worker/batch.py)
+                item = "batch"  # every run has jobs of the batched kind (worker/many_claim.py)
             self._submit(rng, n, item)
             if self.submitted and rng.random() < self.w.cancel_share:
                 target = rng.choice(self.submitted)
@@ -368,7 +368,7 @@ class Run:
         In the background: the next faults do not wait for it."""
         # (Every Landing's question while armed: one of them is the claim's.)
         question = self.proxy.delay("DO NOTHING RETURNING token", 2.0, times=None)  # landing.settle_mark
-        lost = self.proxy.lose_reply("next_id")  # (only claim_batch returns next_id)
+        lost = self.proxy.lose_reply("next_id")  # (only claim_many returns next_id)
         self.op("armed", fault="batch_reply_restart", match="next_id")
 
         def restart() -> None:

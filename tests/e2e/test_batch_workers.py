@@ -25,7 +25,7 @@ def test_a_pool_child_killed_mid_batch_loses_nothing_and_reruns_nothing_finished
     assert child in w1.children()
     os.kill(child, signal.SIGKILL)
 
-    # The worker releases every lease its dead child held (worker/lost.py), not only the
+    # The worker releases every lease its dead child held (worker/dead_processes.py), not only the
     # one its delivery names (a job that had finished): the rest run again at once.
     wait_for(
         lambda: all(mod.leases.get(i).status is Status.SUCCEEDED for i in ids),
@@ -102,7 +102,7 @@ def test_every_job_of_a_batch_is_a_task_with_its_own_events_and_result(pg, broke
     """A worker sending task events (``-E``) runs batches of four: only one job of each
     batch came by its own message, whose task Celery reports; every other job sends its
     own task-received, task-started and task-succeeded / task-failed / task-retried under
-    its job id and its kind's task name (worker.events.BatchTasks), so Flower lists
+    its job id and its kind's task name (worker.events.ManyClaimTasks), so Flower lists
     each. Its AsyncResult reads its row, as the delivery's job's does."""
     import threading
 

@@ -1,7 +1,7 @@
 """Coalesced wakeups (celery_lease/broker/waking.py) with real `celery worker` processes,
 PostgreSQL and a private Redis: a submit of a kind with no limit in its code publishes a
 wakeup only when it sets the (task, routing key) mark, and a delivery deletes that mark
-before it claims what is due (worker/batch.py).
+before it claims what is due (worker/many_claim.py).
 
 The kind is tests.apps.app_flow's ``unlimited`` (no ``batch=``, no limits): its body
 records its own start and end in ``test_flow_spans`` with the database clock, so the
@@ -150,7 +150,7 @@ def test_no_job_waits_for_the_sweeper_while_submits_race_the_claims(pg, db, brok
 
 @pytest.mark.timeout(120)
 def test_twenty_200ms_jobs_on_four_pool_processes_run_four_at_a_time(pg, db, broker, client_app, workers):
-    """A delivery claims as many jobs as run in about 50 ms here (worker/batch.py): for
+    """A delivery claims as many jobs as run in about 50 ms here (worker/many_claim.py): for
     200 ms bodies that is one, so the single coalesced wakeup of a submit_many must
     spread the jobs over every pool process (each claim wakes the kind for the rest),
     not run them one after another in one process. (Before coalescing each job had its

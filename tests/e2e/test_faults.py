@@ -190,7 +190,7 @@ def test_killed_pool_child_job_is_released_and_finished_by_the_same_worker(pg, b
     os.kill(child, signal.SIGKILL)
 
     # The worker releases the dead child's lease at once (Celery reports WorkerLostError,
-    # worker/lost.py); the reaper would when the lease elapses. Either way it comes back.
+    # worker/dead_processes.py); the reaper would when the lease elapses. Either way it comes back.
     def released() -> bool:
         mod.leases.reap()
         now = mod.leases.get(job.id)

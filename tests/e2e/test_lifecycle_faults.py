@@ -1,6 +1,6 @@
 """Transitions under faults, with real workers (#18 item 6 and its reasoned items):
 timeouts written off the heartbeat thread, a timed-out handler's slot freed once at its
-timeout, a snooze that is durable and rides out a database restart."""
+timeout, a snooze that is durable and retried through a database restart."""
 
 from __future__ import annotations
 
@@ -85,31 +85,31 @@ def test_a_snooze_rides_out_a_database_restart_and_survives_a_crash(crashable_pg
     workers(url, broker, module=APP, concurrency=2)
     engine = sa.create_engine(url)
     try:
-        gates = [tmp_path / "gate-blip", tmp_path / "gate-crash"]
-        blip, crash = (mod.snooze_gate.submit({"gate": str(g), "marker_dir": str(tmp_path)}) for g in gates)
-        wait_for(lambda: all(row(engine, j.id)["status"] == "running" for j in (blip, crash)), timeout=30, what="both to run")
+        gates = [tmp_path / "gate-outage", tmp_path / "gate-crash"]
+        outage, crash = (mod.snooze_gate.submit({"gate": str(g), "marker_dir": str(tmp_path)}) for g in gates)
+        wait_for(lambda: all(row(engine, j.id)["status"] == "running" for j in (outage, crash)), timeout=30, what="both to run")
         engine.dispose()
         restart = threading.Thread(target=crashable_pg.restart, kwargs={"downtime": 3.0})
         restart.start()
         wait_for(lambda: not crashable_pg.is_running(), timeout=30, what="PostgreSQL to stop")
         gates[0].touch()  # the snooze is written while the database is down
         restart.join()
-        wait_for(lambda: row(engine, blip.id)["status"] == "pending", timeout=60, what="the snooze to land after the restart")
+        wait_for(lambda: row(engine, outage.id)["status"] == "pending", timeout=60, what="the snooze to land after the restart")
         gates[1].touch()
         wait_for(lambda: row(engine, crash.id)["status"] == "pending", timeout=30, what="the second snooze")
         engine.dispose()
         crashable_pg.restart(crash=True)
-        for job in (blip, crash):
+        for job in (outage, crash):
             r = row(engine, job.id)
             assert (r["status"], r["attempt"]) == ("pending", 0), r  # no attempt spent, nothing lost
         engine.dispose()
 
         def finished():
             mod.leases.sweep()  # snoozed jobs are woken by the sweeper when due: play beat
-            return all(mod.leases.get(j.id).terminal for j in (blip, crash))
+            return all(mod.leases.get(j.id).terminal for j in (outage, crash))
 
         wait_for(finished, timeout=60, interval=0.3, what="both jobs to finish")
-        for job in (blip, crash):
+        for job in (outage, crash):
             done = mod.leases.get(job.id)
             assert done.status is Status.SUCCEEDED and done.attempt == 1, done
     finally:

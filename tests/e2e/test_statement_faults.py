@@ -36,7 +36,7 @@ def _ended(pg: str, job_id: str, timeout: float) -> dict:
 
 
 @pytest.mark.parametrize("prepared", MODES)
-def test_a_snooze_rides_out_a_database_blip(pg, broker, client_app, workers, proxy, prepared):
+def test_a_snooze_is_retried_through_a_database_outage(pg, broker, client_app, workers, proxy, prepared):
     """A snooze never spends an attempt, also when its write meets a database that is
     away for a second (as a restart is): ``max_attempts=1`` snoozing once still
     succeeds. (History seed 3, threads pool: the snooze's write failed in a PostgreSQL

@@ -259,7 +259,7 @@ def test_instrumented_before_celery_lease_the_attempt_links_to_celerys_run_span(
 def test_every_job_of_a_batch_has_an_attempt_span_of_its_own(pg, broker, client_app, workers, traces):
     """A batched kind (batch=4): one message brings a batch, whose delivery's job gets
     the span task_prerun starts; every other job of it gets its own attempt span too,
-    a child of its submit, with its own outcome (worker/batch.py)."""
+    a child of its submit, with its own outcome (worker/many_claim.py)."""
     mod = client_app(pg, broker, module=APP)
     with traces.tracer.start_as_current_span("caller"):
         ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(4)] + [{"nul": True}] + [{"n": 5}] * 3)]

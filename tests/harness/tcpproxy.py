@@ -9,7 +9,7 @@
                                           # the server, its reply never reaches the
                                           # client, and the connection drops: a lost reply
     proxy.cut_all()                       # every open connection drops now (new ones
-                                          # are accepted): a network blip
+                                          # are accepted): a brief network outage
     proxy.close()
 
 Threads only, no dependencies; one pair of pump threads per connection.

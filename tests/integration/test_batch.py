@@ -1,4 +1,4 @@
-"""A batched kind (``batch=N``, worker/batch.py) in one process, against real PostgreSQL:
+"""A batched kind (``batch=N``, worker/many_claim.py) in one process, against real PostgreSQL:
 one statement claims many jobs, one statement completes their successes, and each job
 keeps its own lease, attempt, fencing and outcome (a poison value, a raising handler, a
 lease lost on one row touch only that job)."""
@@ -63,7 +63,7 @@ def rows(pg, ids: list[str]) -> list[sa.Row]:
 def _claim(mod, first: str):
     with job_updates() as updates:
         lead = mod.leases.worker.begin(first, mod.b_note.spec, HOST)
-    assert lead is not None and lead.batch is not None
+    assert lead is not None and lead.claimed_together is not None
     assert len(updates) == 1, updates  # the whole batch: ONE statement
     return lead
 
@@ -71,8 +71,8 @@ def _claim(mod, first: str):
 def test_one_statement_claims_many_and_one_completes_them(pg, mod):
     ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(6)])]
     lead = _claim(mod, ids[0])
-    assert [a.job_id for a in lead.batch] == ids[:4]  # batch=4, oldest first, the delivery's own first
-    assert {(a.attempt, a.generation) for a in lead.batch} == {(1, 1)}  # each its own attempt and token
+    assert [a.job_id for a in lead.claimed_together] == ids[:4]  # batch=4, oldest first, the delivery's own first
+    assert {(a.attempt, a.generation) for a in lead.claimed_together} == {(1, 1)}  # each its own attempt and token
     assert [r.status for r in rows(pg, ids)] == ["running"] * 4 + ["pending"] * 2
     worker = mod.leases.worker
     with job_updates() as updates:
@@ -84,7 +84,7 @@ def test_one_statement_claims_many_and_one_completes_them(pg, mod):
     assert [(r.status, r.result) for r in rows(pg, ids[:4])] == [("succeeded", {"n": i, "attempt": 1}) for i in range(4)]
     # A delivery of a job the batch ran claims what is left (its wakeup is a duplicate).
     rest = worker.begin(ids[1], mod.b_note.spec, HOST)
-    assert rest is not None and [a.job_id for a in rest.batch] == ids[4:]
+    assert rest is not None and [a.job_id for a in rest.claimed_together] == ids[4:]
     worker.execute(mod.b_note.spec, rest)
     worker.end(rest)
     worker.flush()
@@ -123,7 +123,7 @@ def test_a_lease_lost_on_one_row_leaves_the_others_written(pg, mod):
     first, taken, last = rows(pg, ids)
     assert (first.status, last.status) == ("succeeded", "succeeded")
     assert (taken.status, taken.lease_generation, taken.result) == ("running", 2, None)  # the newer holder's
-    assert lead.batch[1].lost.is_set()
+    assert lead.claimed_together[1].lost.is_set()
 
 
 @pytest.mark.parametrize("bad", [0, 1001, True, 2.0, "5"])
@@ -159,7 +159,7 @@ def held_of(pg, ids: list[str]) -> list[tuple[str, str | None]]:
 def _claimed(mod, kind: str, job_id: str) -> list[str]:
     """The ids a delivery of ``job_id`` claims in one batch (ONE job update statement)."""
     lead = _lead(mod, kind, job_id)
-    return [] if lead is None else [a.job_id for a in lead.batch]
+    return [] if lead is None else [a.job_id for a in lead.claimed_together]
 
 
 def _lead(mod, kind: str, job_id: str):
@@ -175,7 +175,7 @@ def test_a_limited_batch_claims_at_most_its_free_slots_and_holds_the_rest(pg, fl
     mod = flow_mod
     ids = [j.id for j in mod.b_capped.submit_many([{"n": i} for i in range(30)])]
     lead = _lead(mod, "b_capped", ids[0])
-    assert sorted(a.job_id for a in lead.batch) == sorted(ids[:2])  # N = min(batch=10, concurrency 2 - 0 running)
+    assert sorted(a.job_id for a in lead.claimed_together) == sorted(ids[:2])  # N = min(batch=10, concurrency 2 - 0 running)
     # The rest of the first 10 picked are held by the limit; the 11th is the next wakeup's.
     assert held_of(pg, ids[:12]) == [("running", None)] * 2 + [("pending", "limit")] * 8 + [("pending", None)] * 2
     assert _claimed(mod, "b_capped", ids[10]) == []  # both slots taken: nothing
@@ -252,7 +252,7 @@ def test_a_claim_and_a_completion_whose_replies_were_lost_are_found_landed(pg, b
         with reply_lost_once(mod.leases.store.durable) as lost:
             lead = worker.begin(ids[0], mod.b_note.spec, HOST)
         assert lost and lead is not None
-        assert [(a.job_id, a.attempt, a.generation) for a in lead.batch] == [(i, 1, 1) for i in ids[:4]]
+        assert [(a.job_id, a.attempt, a.generation) for a in lead.claimed_together] == [(i, 1, 1) for i in ids[:4]]
         assert [r.status for r in rows(pg, ids)] == ["running"] * 4 + ["pending"] * 4
         rule = proxy.lose_reply("completed_logged")  # the successes' one statement (its events' CTE)
         worker.execute(mod.b_note.spec, lead)
@@ -332,7 +332,7 @@ def test_a_job_of_a_cancelled_run_is_cancelled_by_the_batch_claim_never_started(
     late = make_job(pg, kind="b_note", task=mod.b_note.name, run_id=run)
     plain = mod.b_note.submit({"n": 1}).id
     lead = mod.leases.worker.begin(late, mod.b_note.spec, HOST)
-    assert lead is not None and [a.job_id for a in lead.batch] == [plain]
+    assert lead is not None and [a.job_id for a in lead.claimed_together] == [plain]
     assert [r.status for r in rows(pg, [first, late, plain])] == ["cancelled", "cancelled", "running"]
     mod.leases.worker.execute(mod.b_note.spec, lead)
     mod.leases.worker.end(lead)
@@ -340,7 +340,7 @@ def test_a_job_of_a_cancelled_run_is_cancelled_by_the_batch_claim_never_started(
 
 
 def test_a_batch_claim_rerun_after_a_lost_reply_and_a_restart_adopts_its_first_rows(broker, client_app):
-    """Issue #27 item 2: claim_batch commits, its reply is lost, and PostgreSQL restarts
+    """Issue #27 item 2: claim_many commits, its reply is lost, and PostgreSQL restarts
     before the Landing can ask whether it committed, so the claim runs again. Its guard
     ("any due pending job of the kind") took the next four jobs, and the first try's
     four stayed running under this process with no body until the reaper spent their
@@ -378,8 +378,8 @@ def test_a_batch_claim_rerun_after_a_lost_reply_and_a_restart_adopts_its_first_r
         finally:
             dialect.do_commit = original
         assert restarted == [1]
-        assert lead is not None and lead.batch is not None
-        assert [(a.job_id, a.attempt, a.generation) for a in lead.batch] == [(i, 1, 1) for i in ids[:4]]
+        assert lead is not None and lead.claimed_together is not None
+        assert [(a.job_id, a.attempt, a.generation) for a in lead.claimed_together] == [(i, 1, 1) for i in ids[:4]]
         assert [(r.status, r.lease_generation) for r in rows(url, ids)] == [("running", 1)] * 4 + [("pending", 0)] * 4
         mod.leases.worker.execute(mod.b_note.spec, lead)
         mod.leases.worker.end(lead)
@@ -393,25 +393,25 @@ def test_a_renewal_after_a_batch_success_landed_warns_of_no_lost_lease(pg, mod, 
     statement returned, so a renewal that ran just after it committed found the rows
     succeeded and logged "lease lost (cancelled or reaped)" for jobs that had succeeded
     on their first attempt. Here that renewal runs right after the completer's commit."""
-    from celery_lease.worker.completion import BatchCompleter
+    from celery_lease.worker.completion import BackgroundCompleter
 
     ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(4)])]
     worker = mod.leases.worker
     lead = _claim(mod, ids[0])
-    complete = BatchCompleter._complete_many
+    complete = BackgroundCompleter._complete_many
 
     def complete_then_renew(self, items):
         done = complete(self, items)
-        worker.heartbeat._renew([a for a in lead.batch if a.key in worker.heartbeat._attempts])
+        worker.heartbeat._renew([a for a in lead.claimed_together if a.key in worker.heartbeat._attempts])
         return done
 
-    BatchCompleter._complete_many = complete_then_renew  # type: ignore[method-assign]
+    BackgroundCompleter._complete_many = complete_then_renew  # type: ignore[method-assign]
     try:
         with caplog.at_level("WARNING", logger="celery_lease"):
             worker.execute(mod.b_note.spec, lead)
             worker.flush()
     finally:
-        BatchCompleter._complete_many = complete  # type: ignore[method-assign]
+        BackgroundCompleter._complete_many = complete  # type: ignore[method-assign]
     worker.end(lead)
     worker.flush()
     assert [r.status for r in rows(pg, ids)] == ["succeeded"] * 4
@@ -439,7 +439,7 @@ def test_a_batch_claims_slow_follow_up_does_not_cost_the_batch(pg, broker, clien
     started = time.monotonic()
     lead = worker.begin(ids[0], mod.b_note.spec, HOST)
     assert time.monotonic() - started > 1.5  # (the follow-up was slow: the test tests something)
-    assert lead is not None and [a.job_id for a in lead.batch] == ids[:4]
+    assert lead is not None and [a.job_id for a in lead.claimed_together] == ids[:4]
     worker.execute(mod.b_note.spec, lead)
     worker.end(lead)
     worker.flush()
@@ -487,5 +487,5 @@ def test_on_sqlite_a_limited_batched_kind_claims_one_job_per_wakeup_within_its_l
     ids = [j.id for j in mod.b_capped.submit_many([{"n": i} for i in range(3)])]
     worker, spec = mod.leases.worker, mod.b_capped.spec
     claimed = [worker.begin(i, spec, HOST) for i in ids]
-    assert [a is not None and a.batch is None for a in claimed] == [True, True, False]  # concurrency=2
+    assert [a is not None and a.claimed_together is None for a in claimed] == [True, True, False]  # concurrency=2
     assert held_of(sqlite_url, ids) == [("running", None)] * 2 + [("pending", "limit")]

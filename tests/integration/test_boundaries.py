@@ -19,7 +19,7 @@ from celery_lease.broker import cancel_notice
 from celery_lease.db.schema import jobs
 from celery_lease.db.store import Store
 from celery_lease.payload import Codec
-from celery_lease.worker.completion import UNSTORABLE_RESULT, BatchCompleter
+from celery_lease.worker.completion import UNSTORABLE_RESULT, BackgroundCompleter
 from celery_lease.worker.heartbeat import Heartbeat
 from tests.conftest import CELERY, ROOT, _env, attempt_for, local_pipeline, wait_for
 
@@ -138,7 +138,7 @@ def test_a_refused_batch_of_successes_is_retried_row_by_row(pg, make_job):
             for _ in range(4)
         ]
         attempts = [attempt_for(i) for i in ids]
-        completer = BatchCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(store, local_pipeline(store))
         completer.LINGER = 5.0  # one batch: flush() ends it
         for n, attempt in enumerate(attempts):
             # The third result holds NUL, which jsonb refuses (it passed no codec here).

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
 from celery_lease.db.store import Store
-from celery_lease.worker.completion import UNSTORABLE_RESULT, BatchCompleter
+from celery_lease.worker.completion import UNSTORABLE_RESULT, BackgroundCompleter
 from tests.conftest import attempt_for, local_pipeline
 
 
@@ -45,7 +45,7 @@ def test_waiting_successes_are_written_together_each_fenced_with_their_run_event
         run = str(uuid.uuid4())
         store.ensure_run(run)
         done, stale = _running(pg, make_job, run_id=run), _running(pg, make_job, generation=2, run_id=run)
-        completer = BatchCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(store, local_pipeline(store))
         first, second = attempt_for(done), attempt_for(stale, generation=1)  # a reap took generation 2
         first.pending_write = second.pending_write = True
         completer.add(first, {"ok": 1}, {"step": 9})
@@ -67,7 +67,7 @@ def test_a_refused_success_does_not_cost_the_others(pg, make_job):
     store = Store(pg)
     try:
         good, bad = _running(pg, make_job), _running(pg, make_job)
-        completer = BatchCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(store, local_pipeline(store))
         completer.LINGER = 60.0  # both wait for the flush: one statement
         completer.add(attempt_for(good), {"note": "fine"}, None)
         completer.add(attempt_for(bad), {"note": "a\x00b"}, None)  # jsonb refuses NUL
@@ -93,7 +93,7 @@ def test_a_success_whose_lease_lapsed_by_its_own_clock_is_still_written_and_a_lo
         assert lapsed_attempt.is_lost  # by its own clock
         gone_attempt.mark_lost()
         lapsed_attempt.pending_write = gone_attempt.pending_write = True
-        completer = BatchCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(store, local_pipeline(store))
         completer.add(lapsed_attempt, {"ok": 1}, None)
         completer.add(gone_attempt, {"ok": 2}, None)
         completer.flush()

@@ -28,7 +28,7 @@ from celery_lease import (
     Status,
     UnknownKind,
 )
-from celery_lease.beat.maintenance import MAX_BATCHES
+from celery_lease.beat.maintenance import MAX_CHUNKS
 from celery_lease.db.schema import events, jobs, runs
 from celery_lease.worker.context import PROGRESS_MIN_INTERVAL
 from tests.conftest import ROOT, _env, attempt_for, wait_for
@@ -609,12 +609,12 @@ def test_two_beats_submit_each_slot_once(db, broker, durable_app, workers, beats
 # --- 8. retention -------------------------------------------------------------------------
 
 
-def test_prune_deletes_old_terminal_jobs_and_their_events_in_bounded_batches(db, broker, durable_app, make_job, sql):
+def test_prune_deletes_old_terminal_jobs_and_their_events_in_bounded_chunks(db, broker, durable_app, make_job, sql):
     mod = durable_app(db, broker, conf={"lease_batch_size": 2})
     old = datetime.now(timezone.utc) - timedelta(days=10)
     recent = datetime.now(timezone.utc) - timedelta(minutes=1)
     terminal = ["succeeded", "failed", "expired", "cancelled"]
-    n_old = 2 * MAX_BATCHES + 5  # more than one call may delete
+    n_old = 2 * MAX_CHUNKS + 5  # more than one call may delete
     doomed = [make_job(db, status=terminal[i % 4], finished_at=old) for i in range(n_old)]
     kept = [make_job(db, status=s, finished_at=recent) for s in terminal]
     kept += [make_job(db, status="pending", created_at=old), make_job(db, status="running", created_at=old)]
@@ -633,7 +633,7 @@ def test_prune_deletes_old_terminal_jobs_and_their_events_in_bounded_batches(db,
         return deleted_per_statement[-1]
 
     mod.leases.store.prune = count
-    assert mod.leases.prune(older_than=3600) == 2 * MAX_BATCHES  # bounded per call
+    assert mod.leases.prune(older_than=3600) == 2 * MAX_CHUNKS  # bounded per call
     assert mod.leases.prune(older_than=3600) == 5
     assert mod.leases.prune(older_than=3600) == 0
     assert max(deleted_per_statement) <= 2 and sum(deleted_per_statement) == n_old

@@ -134,7 +134,7 @@ def test_a_fair_claim_walks_the_fair_index_whatever_the_backlog(pg, client_app):
 
 
 def test_a_batch_of_a_fair_kind_is_a_weighted_mix(pg, client_app):
-    from celery_lease.db.statements.batch import claim_batch
+    from celery_lease.db.statements.many_claim import claim_many
 
     mod = client_app(pg, "memory://", module=MODULE)
     FairShare(mod.leases.store).set_weight("b", 2)
@@ -142,6 +142,6 @@ def test_a_batch_of_a_fair_kind_is_a_weighted_mix(pg, client_app):
     b = [j.id for j in mod.fair_import.submit_many([{}] * 8, tenant="b")]
     params = {"job_id": a[-1], "wakeup_task": mod.fair_import.name, "n": 6, "owner": OWNER, "token": 7}
     with mod.leases.store.durable.begin() as conn:
-        rows = conn.execute(claim_batch(), params).mappings().all()
+        rows = conn.execute(claim_many(), params).mappings().all()
     # Keys: a 1, 2, 3, ...; b (weight 2, from the head 1) 1.5, 2, 2.5, 3, ...
     assert {str(r["id"]) for r in rows} == {a[0], b[0], a[1], b[1], b[2], a[2]}

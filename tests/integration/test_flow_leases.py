@@ -185,7 +185,7 @@ def test_a_claim_whose_renewals_failed_during_its_follow_ups_is_still_handed_off
                 deadline = time.monotonic() + 10
                 while not all(a.lost.is_set() for a in held) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                seen.extend((a.job_id, a.lost.is_set(), a.gone) for a in held)
+                seen.extend((a.job_id, a.lost.is_set(), a.known_lost) for a in held)
         finally:
             engine.dispose()
         return publish(rows)
@@ -193,7 +193,7 @@ def test_a_claim_whose_renewals_failed_during_its_follow_ups_is_still_handed_off
     monkeypatch.setattr(flow, "_publish", slow_publish)
     assert worker.begin(low, quick, HOST) is None
     # The fault happened: the claimed attempt was in the heartbeat, which lost it by
-    # its own clock (lost, not gone: no renewal matched no row).
+    # its own clock (lapsed, not known lost: no renewal matched no row).
     assert seen == [(high, True, False)]
     row = _row(pg, high)
     assert (row.status, row.attempt, row.lease_generation) == ("pending", 0, 1)

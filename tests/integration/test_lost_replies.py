@@ -283,7 +283,7 @@ def test_a_claim_whose_retry_finds_the_server_recovering_is_settled_when_it_answ
     SIGKILLed elsewhere resets every backend), and its retry found the server refusing
     clients while it recovered. The delivery was given up with DatabaseUnavailable, and
     the claimed job ran no body until the reaper spent its attempt. Now the claim asks
-    again through a short blip and adopts what its first try took."""
+    again through a short outage and adopts what its first try took."""
     from celery_lease.lifecycle.claim import claim_delivery
     from tests.harness.pgfaults import PgFaultProxy
 

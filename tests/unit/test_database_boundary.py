@@ -2,8 +2,8 @@
 (PostgreSQL or SQLite) and whether statements run prepared. Above it, code names a
 statement and forwards the dialect to its builder, and where it must choose a way it
 asks ``Store.capabilities``; it never compares a dialect, nor prepares a statement, nor
-decides how long a write is retried while the database is away (``BLIP_WAITS``: above
-``db/``, writes retry through ``db.blips.retry_within_lease`` and ``retry_briefly``)."""
+decides how long a write is retried while the database is away (``OUTAGE_WAITS``: above
+``db/``, writes retry through ``db.outage.retry_within_lease`` and ``retry_briefly``)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def _crossings(source: str) -> list[tuple[int, str]]:
             out.append((node.lineno, "imports celery_lease.db.prepared"))
         elif isinstance(node, ast.Attribute) and node.attr == "execute_prepared":
             out.append((node.lineno, "sends a prepared statement (Store.alone decides)"))
-        if isinstance(node, ast.ImportFrom) and any(a.name == "BLIP_WAITS" for a in node.names):
-            out.append((node.lineno, "retries with its own waits (db.blips.retry_within_lease decides)"))
+        if isinstance(node, ast.ImportFrom) and any(a.name == "OUTAGE_WAITS" for a in node.names):
+            out.append((node.lineno, "retries with its own waits (db.outage.retry_within_lease decides)"))
     return out
 
 
@@ -50,10 +50,10 @@ b = "sqlite" != url.dialect
 c = claim(logged=dialect == other)
 d = vendor != "postgresql"
 store.execute_prepared(stmt, {})
-from celery_lease.db.blips import BLIP_WAITS
+from celery_lease.db.outage import OUTAGE_WAITS
 """
     assert sorted(line for line, _ in _crossings(source)) == [2, 3, 4, 5, 6, 7, 8, 9, 10]
-    assert not _crossings("x = store.capabilities.batched_claims and build(store.dialect)")
+    assert not _crossings("x = store.capabilities.many_job_claims and build(store.dialect)")
 
 
 def test_nothing_above_db_decides_on_the_database():

@@ -170,7 +170,7 @@ def test_pause_holds_claims_of_that_kind_only_and_resume_wakes_them(flow, store,
     limited = add_job(kind="k")
     assert flow.claim_limited(limited, OWNER, "k", TASK, Limits(concurrency=5)).held == "pause"
     assert flow.resume("k") is True
-    assert {str(w["id"]) for w in flow.wake_all("pause", "k", batch=1)} == {paused, limited}
+    assert {str(w["id"]) for w in flow.wake_all("pause", "k", chunk=1)} == {paused, limited}
     assert claim_delivery(store, paused, OWNER, TASK) is not None
 
 

@@ -57,7 +57,7 @@ def test_the_lapse_counts_from_when_the_claim_was_sent():
 def test_each_claiming_thread_owns_its_leases_under_its_own_name_and_the_process_is_known():
     """A threads pool's threads claim at once; a lost claim reply adopts the row under
     its own thread's owner (worker/executor.py), and a dead process's owners are all
-    found by their pid (worker/lost.py)."""
+    found by their pid (worker/dead_processes.py)."""
     import os
     import threading
 

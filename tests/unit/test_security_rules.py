@@ -11,7 +11,7 @@ from celery_lease.db.engine import Database
 from celery_lease.ops import throttle
 from celery_lease.ops.metrics import key_series
 from celery_lease.ops.tokens import Grant, scrape_tokens
-from celery_lease.worker import borne
+from celery_lease.worker import message_signatures
 
 
 def test_a_token_gets_its_burst_then_its_rate(monkeypatch):
@@ -37,7 +37,7 @@ def test_leased_signatures_a_message_carries_lose_tenant_and_run():
     group = {"task": "celery.group", "options": {}, "kwargs": {"tasks": [dict(sig, options=dict(sig["options"]))]}}
     chain = [dict(sig, options=dict(sig["options"])), group]
     request = SimpleNamespace(chain=chain, callbacks=[plain], errbacks=None, chord=None)
-    assert borne.scrub(request, _leased) == 4
+    assert message_signatures.scrub(request, _leased) == 4
     assert request.chain[0]["options"] == {"priority": 3}
     assert request.chain[1]["kwargs"]["tasks"][0]["options"] == {"priority": 3}
     assert request.callbacks == [plain] and plain["options"] == {"tenant": "kept"}  # not a leased task
@@ -45,17 +45,17 @@ def test_leased_signatures_a_message_carries_lose_tenant_and_run():
 
 def test_signatures_nested_past_the_limit_are_dropped():
     deep: dict = {"task": "leased", "options": {"tenant": "victim"}}
-    for _ in range(borne.MAX_DEPTH + 5):
+    for _ in range(message_signatures.MAX_DEPTH + 5):
         deep = {"task": "celery.chain", "options": {}, "kwargs": {"tasks": [deep]}}
     request = SimpleNamespace(chain=[deep], callbacks=None, errbacks=None, chord=None)
-    borne.scrub(request, _leased)
+    message_signatures.scrub(request, _leased)
     assert request.chain is None  # Celery applies nothing
 
 
 @pytest.mark.parametrize("value", [12345, ["a"], {"a": 1}, "x" * 300, "line\nbreak", b"bytes"])
 def test_a_lineage_header_must_be_a_task_id(value):
-    assert "root_id" in borne.malformed_lineage(SimpleNamespace(root_id=value, parent_id=None, group=None))
-    assert borne.malformed_lineage(SimpleNamespace(root_id="9f1c...-uuid", parent_id=None, group=None)) is None
+    assert "root_id" in message_signatures.malformed_lineage(SimpleNamespace(root_id=value, parent_id=None, group=None))
+    assert message_signatures.malformed_lineage(SimpleNamespace(root_id="9f1c...-uuid", parent_id=None, group=None)) is None
 
 
 def test_metrics_label_only_the_busiest_keys_and_only_when_asked():

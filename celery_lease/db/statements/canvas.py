@@ -60,7 +60,7 @@ def delete_chord() -> Any:
 
 @functools.cache
 def prune_chords(dialect: str) -> ReturningDelete:
-    """prune_chords: a bounded batch of chord counters created before :cutoff_seconds ago
+    """prune_chords: a bounded chunk of chord counters created before :cutoff_seconds ago
     none of whose header jobs is pending or running: their body can no longer be
     created. (A header job that ends otherwise than by success removes its counter in
     that transaction; these are left by a header whose jobs were never written, or gone.)
@@ -73,7 +73,7 @@ def prune_chords(dialect: str) -> ReturningDelete:
         member_id = sa.func.replace(member.c.value, "-", "")
     live = sa.select(sa.literal(1)).select_from(member).join(jobs, _c.id == member_id).where(_c.status.in_(_ACTIVE))
     old = sa.and_(chords.c.created_at < db_now_plus(-_seconds("cutoff_seconds")), ~live.exists())
-    batch = (
+    chunk = (
         sa.select(chords.c.id)
         .where(old)
         .order_by(chords.c.created_at)
@@ -82,7 +82,7 @@ def prune_chords(dialect: str) -> ReturningDelete:
         .cte("orphaned")
         .prefix_with("MATERIALIZED")
     )
-    where = chords.c.id == batch.c.id if dialect == "postgresql" else chords.c.id.in_(sa.select(batch.c.id))
+    where = chords.c.id == chunk.c.id if dialect == "postgresql" else chords.c.id.in_(sa.select(chunk.c.id))
     return sa.delete(chords).where(where).returning(chords.c.id)
 
 

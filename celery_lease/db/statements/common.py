@@ -1,7 +1,7 @@
 """What the statements of the catalogue share: the database's clock (``db_now``,
 ``db_now_plus``, ``epoch_seconds``), the guards of a transition (the attempt's lease, a
-delivered wakeup, due jobs), the column sets transitions return, and the locked batch
-(``_batch`` / ``_picked``) by which the beat's statements change a bounded number of rows;
+delivered wakeup, due jobs), the column sets transitions return, and the locked chunk
+(``_chunk`` / ``_picked``) by which the beat's statements change a bounded number of rows;
 and how their rows are read (``row_dicts``).
 """
 
@@ -143,9 +143,9 @@ ENDED_COLUMNS = (
 RELEASE_COLUMNS = (_c.kind, _c.concurrency_key, _c.kind.in_(sa.select(limits.c.kind)).label("limited"))
 
 
-def _batch(name: str, where: sa.ColumnElement, order_by, limit: str | sa.ColumnElement) -> sa.CTE:
-    """A bounded batch of ids, locked, skipping rows another beat holds; the statement
-    joins it by primary key (``UPDATE ... FROM batch WHERE id = batch.id``).
+def _chunk(name: str, where: sa.ColumnElement, order_by, limit: str | sa.ColumnElement) -> sa.CTE:
+    """A bounded chunk of ids, locked, skipping rows another beat holds; the statement
+    joins it by primary key (``UPDATE ... FROM chunk WHERE id = chunk.id``).
 
     A MATERIALIZED CTE is computed once per statement. As an ``id IN (SELECT ... LIMIT
     ... FOR UPDATE SKIP LOCKED)`` subquery the planner could rescan it once per outer
@@ -169,14 +169,14 @@ def _batch(name: str, where: sa.ColumnElement, order_by, limit: str | sa.ColumnE
 _lease_elapsed = sa.and_(_c.status == _RUNNING, _c.lease_expires_at < db_now())
 
 
-def _picked(batch: sa.CTE, dialect: str) -> sa.ColumnElement[bool]:
-    """The rows of a locked batch, for the statement that changes them. PostgreSQL: the
-    ids as one array probed by primary key, so no estimate of the batch (a generic
+def _picked(chunk: sa.CTE, dialect: str) -> sa.ColumnElement[bool]:
+    """The rows of a locked chunk, for the statement that changes them. PostgreSQL: the
+    ids as one array probed by primary key, so no estimate of the chunk (a generic
     plan guesses :limit) can turn the statement into a join that reads the table.
     SQLite: one writer at a time, no planner joins to fear."""
     if dialect == "postgresql":
-        return _c.id == sa.any_(sa.cast(sa.select(sa.func.array_agg(batch.c.id)).scalar_subquery(), postgresql.ARRAY(ID)))
-    return _c.id.in_(sa.select(batch.c.id))
+        return _c.id == sa.any_(sa.cast(sa.select(sa.func.array_agg(chunk.c.id)).scalar_subquery(), postgresql.ARRAY(ID)))
+    return _c.id.in_(sa.select(chunk.c.id))
 
 
 #: What a requeue (reap, restart recovery) returns: the wakeup, the run event, an ended

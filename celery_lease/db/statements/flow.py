@@ -20,8 +20,8 @@ from celery_lease.db.schema import jobs, limits, pauses
 from celery_lease.db.statements.common import (
     _PENDING,
     WAKEUP_COLUMNS,
-    _batch,
     _c,
+    _chunk,
     _delivered,
     _due,
     _picked,
@@ -113,7 +113,7 @@ def count_rate_claim() -> sa.Update:
 
 
 def count_rate_claims(count) -> sa.Update:
-    """``count`` more claims (an int, or a column expression: a batch's claimed rows) in
+    """``count`` more claims (an int, or a column expression: a many-job claim's rows) in
     the kind's current rate window, as count_rate_claim counts one."""
     now = rate_window_now(in_force_per_seconds(limits.c))
     return (
@@ -162,7 +162,7 @@ def hold_job() -> sa.Update:
 @functools.cache
 def hold_paused() -> sa.Update:
     """hold_paused: after a claim of a paused kind that claims many jobs per delivery
-    (worker/batch.py) took nothing, the other due pending jobs of the delivered job's
+    (worker/many_claim.py) took nothing, the other due pending jobs of the delivered job's
     kind and queue are held for the pause too, as hold_job holds the delivered one: their
     wakeups were coalesced into its (broker/waking.py), so the resume must find them held. The
     pause row is read FOR SHARE, as there."""
@@ -302,12 +302,12 @@ def _wake(where: list[sa.ColumnElement], limit: sa.ColumnElement, dialect: str) 
     """Up to ``limit`` held jobs matching ``where``, best priority first, then oldest:
     no longer held, woken now. Returns what their wakeups need.
 
-    The jobs are picked by common._batch (a MATERIALIZED CTE, locked, skipping rows
+    The jobs are picked by common._chunk (a MATERIALIZED CTE, locked, skipping rows
     another wake holds) and changed by primary key (common._picked). As an ``id IN
     (SELECT ... LIMIT ... FOR UPDATE SKIP LOCKED)`` subquery the planner may rescan the
     pick once per outer row, each rescan skipping the rows just woken and taking more:
     one freed slot of a ``concurrency=1`` kind woke all 200 of its held jobs."""
-    picked = _batch("woken", sa.and_(_c.status == _PENDING, *where), (_c.priority.desc(), _c.created_at), limit)
+    picked = _chunk("woken", sa.and_(_c.status == _PENDING, *where), (_c.priority.desc(), _c.created_at), limit)
     return _woken(_picked(picked, dialect))
 
 
@@ -363,10 +363,10 @@ def top_up(dialect: str) -> sa.Update:
     cap = sa.select(free.label("free"), budget.label("budget")).where(row.c.kind == sa.bindparam("of_kind")).cte("capacity")
     order = (_c.priority.desc(), _c.created_at)
     slots = sa.select(sa.case((cap.c.free < cap.c.budget, cap.c.free), else_=cap.c.budget)).scalar_subquery()
-    by_limit = _batch("woken_limit", sa.and_(_c.status == _PENDING, *_held_for(Held.LIMIT, by_key=True)), order, slots)
+    by_limit = _chunk("woken_limit", sa.and_(_c.status == _PENDING, *_held_for(Held.LIMIT, by_key=True)), order, slots)
     left = cap.c.budget - sa.select(sa.func.count()).select_from(by_limit).scalar_subquery()
     rest = sa.select(sa.case((left > 0, left), else_=0)).scalar_subquery()
-    by_rate = _batch("woken_rate", sa.and_(_c.status == _PENDING, *_held_for(Held.RATE, by_key=False)), order, rest)
+    by_rate = _chunk("woken_rate", sa.and_(_c.status == _PENDING, *_held_for(Held.RATE, by_key=False)), order, rest)
     woken = sa.or_(_picked(by_limit, dialect), _picked(by_rate, dialect))
     return _woken(woken)
 

@@ -1,5 +1,5 @@
 """Finished jobs past the hot table (PostgreSQL; see db/schema.py, "finished jobs past
-the hot table"): the move of a batch of finished jobs and their run events into the
+the hot table"): the move of a chunk of finished jobs and their run events into the
 day-partitioned history, the partitions' own DDL, and ``everywhere``, which turns a
 read of celery_lease_jobs / celery_lease_events into a read of every job / event
 wherever it lives.
@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.sql import visitors
 
 from celery_lease.db.schema import events, events_all, history, history_events, jobs, jobs_all
-from celery_lease.db.statements.common import _TERMINAL, _batch, _c, _picked, _seconds, db_now_plus
+from celery_lease.db.statements.common import _TERMINAL, _c, _chunk, _picked, _seconds, db_now_plus
 
 _VIEWS = {jobs: jobs_all, events: events_all}
 
@@ -60,14 +60,14 @@ def oldest_archivable() -> sa.Select:
 
 @functools.cache
 def archive_jobs() -> sa.Insert:
-    """archive_jobs: a bounded batch of archivable jobs (the oldest :limit finished more
+    """archive_jobs: a bounded chunk of archivable jobs (the oldest :limit finished more
     than :after_seconds ago) and their run events moved into the history, as ONE
     statement: each row is deleted and inserted in the same transaction, so a job is
     always in exactly one table. Locked with SKIP LOCKED: two beats move disjoint
-    batches. Returns the ids moved. Every day the batch's finish times fall on must
+    chunks. Returns the ids moved. Every day the chunk's finish times fall on must
     have its partitions (ensure_partitions), or the statement fails and moves nothing."""
-    batch = _batch("archivable", archivable(db_now_plus(-_seconds("after_seconds"))), _c.finished_at, "limit")
-    moved = sa.delete(jobs).where(_picked(batch, "postgresql")).returning(*jobs.c).cte("moved")
+    chunk = _chunk("archivable", archivable(db_now_plus(-_seconds("after_seconds"))), _c.finished_at, "limit")
+    moved = sa.delete(jobs).where(_picked(chunk, "postgresql")).returning(*jobs.c).cte("moved")
     gone = sa.delete(events).where(events.c.job_id == moved.c.id).returning(*events.c, moved.c.finished_at).cte("gone")
     kept_events = sa.insert(history_events).from_select([c.name for c in history_events.c], sa.select(gone)).cte("kept")
     names = [c.name for c in jobs.c]

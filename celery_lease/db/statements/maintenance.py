@@ -19,8 +19,8 @@ from celery_lease.db.statements.common import (
     _TERMINAL,
     REQUEUED_COLUMNS,
     WAKEUP_COLUMNS,
-    _batch,
     _c,
+    _chunk,
     _due,
     _lease_cleared,
     _lease_elapsed,
@@ -62,9 +62,9 @@ def reap_expired(dialect: str) -> sa.Update:
     attempts are spent. Bounded by :limit; safe with several beats (SKIP LOCKED)."""
     values = _requeue_or(Status.EXPIRED, AttemptOutcome.LEASE_EXPIRED)
     values["error"] = sa.case((_c.attempt >= _c.max_attempts, sa.literal(LEASE_EXPIRED)), else_=_c.error)
-    batch = _batch("expired", _lease_elapsed, _c.lease_expires_at, "limit")
+    chunk = _chunk("expired", _lease_elapsed, _c.lease_expires_at, "limit")
     # Locked by this statement: still running and expired.
-    return durable(sa.update(jobs).where(_picked(batch, dialect)).values(**values).returning(*REQUEUED_COLUMNS))
+    return durable(sa.update(jobs).where(_picked(chunk, dialect)).values(**values).returning(*REQUEUED_COLUMNS))
 
 
 @functools.cache
@@ -110,8 +110,8 @@ def recover_restarted(owner_prefix: str, owner_boot: str) -> sa.Update:
     return durable(sa.update(jobs).where(where).values(**values).returning(*REQUEUED_COLUMNS))
 
 
-def _count(batch: sa.CTE) -> sa.ScalarSelect:
-    return sa.select(sa.func.count()).select_from(batch).scalar_subquery()
+def _count(chunk: sa.CTE) -> sa.ScalarSelect:
+    return sa.select(sa.func.count()).select_from(chunk).scalar_subquery()
 
 
 #: A wakeup re-sent again waits at most this many staleness thresholds (see _resend_due).
@@ -144,7 +144,7 @@ def claim_due_wakeups(dialect: str) -> sa.Update:
     ``resent`` tells a re-send (the job was woken before) from a first wakeup.
 
     Stamps woken_at before the caller publishes, so two beats never both send the
-    same batch, and a crash after this statement only delays the wakeup by one
+    same chunk, and a crash after this statement only delays the wakeup by one
     threshold.
 
     Due means pending, not held (flow control wakes held jobs when their cause ends:
@@ -163,10 +163,10 @@ def claim_due_wakeups(dialect: str) -> sa.Update:
     pending = sa.and_(_c.status == _PENDING, _c.held.is_(None))
     order = (_c.woken_at, _c.run_after)  # the index's order: a probe stops at :limit rows
     limit = sa.bindparam("limit", type_=sa.Integer)
-    never = _batch("never_woken", sa.and_(pending, _c.woken_at.is_(None), _c.run_after.is_(None)), order, limit)
-    came_due = _batch("came_due", sa.and_(pending, _c.woken_at.is_(None), _c.run_after <= db_now()), order, limit - _count(never))
+    never = _chunk("never_woken", sa.and_(pending, _c.woken_at.is_(None), _c.run_after.is_(None)), order, limit)
+    came_due = _chunk("came_due", sa.and_(pending, _c.woken_at.is_(None), _c.run_after <= db_now()), order, limit - _count(never))
     stale = sa.and_(pending, _c.woken_at < db_now_plus(-_seconds("stale_seconds")), _due(_c), _resend_due())
-    rewake = _batch("stale", stale, order, limit - _count(never) - _count(came_due))
+    rewake = _chunk("stale", stale, order, limit - _count(never) - _count(came_due))
     due = sa.union_all(*(sa.select(b.c.id) for b in (never, came_due, rewake))).cte("due")
     # ``resent``: the job had a wakeup before, which the broker may still hold (an IN, not
     # a correlated EXISTS: one hashed probe per row).
@@ -177,15 +177,15 @@ def claim_due_wakeups(dialect: str) -> sa.Update:
 
 @functools.cache
 def prune_jobs(dialect: str) -> ReturningDelete:
-    """prune_jobs: a bounded batch of terminal jobs finished before :cutoff_seconds ago.
+    """prune_jobs: a bounded chunk of terminal jobs finished before :cutoff_seconds ago.
 
     Returns the ids deleted; the caller deletes their events in the same transaction.
     """
     old = sa.and_(_c.status.in_(_TERMINAL), _c.finished_at < db_now_plus(-_seconds("cutoff_seconds")))
-    batch = _batch("prunable", old, _c.finished_at, "limit")
-    # PostgreSQL: DELETE ... USING batch (joined by key). SQLite has no USING; it has
-    # no planner rescans either (and no row locks), so IN the batch is the same there.
-    where = _c.id == batch.c.id if dialect == "postgresql" else _c.id.in_(sa.select(batch.c.id))
+    chunk = _chunk("prunable", old, _c.finished_at, "limit")
+    # PostgreSQL: DELETE ... USING chunk (joined by key). SQLite has no USING; it has
+    # no planner rescans either (and no row locks), so IN the chunk is the same there.
+    where = _c.id == chunk.c.id if dialect == "postgresql" else _c.id.in_(sa.select(chunk.c.id))
     return sa.delete(jobs).where(where).returning(_c.id)
 
 

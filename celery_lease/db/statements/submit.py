@@ -1,4 +1,4 @@
-"""What a submit runs (celery_lease.producer): inserting jobs (one, or a batch in one
+"""What a submit runs (celery_lease.producer): inserting jobs (one, or many sharing their columns in one
 statement), reading back the jobs of an idempotency key or a retried insert, the
 wakeups to publish, and the run a job joins."""
 
@@ -58,8 +58,8 @@ def insert_jobs(dialect: str, *, on_key_conflict_nothing: bool) -> sa.Insert:
     ).returning(*jobs.c)
 
 
-#: What one submit_many binds once for all its jobs (insert_job_batch).
-BATCH_SHARED_COLUMNS = (
+#: What one submit_many binds once for all its jobs (insert_shared_jobs).
+SHARED_COLUMNS = (
     "kind",
     "task",
     "queue",
@@ -78,18 +78,18 @@ BATCH_SHARED_COLUMNS = (
     "trace_context",
 )
 #: What differs from job to job of one submit_many: the fields of each record of :jobs.
-BATCH_JOB_FIELDS = ("id", "payload", "idempotency_key", "concurrency_key")
+PER_JOB_FIELDS = ("id", "payload", "idempotency_key", "concurrency_key")
 
 
 @functools.cache
-def insert_job_batch(*, on_key_conflict_nothing: bool) -> sa.Select:
-    """insert_job_batch: new pending jobs of one submit, and the ``dispatched`` event of
+def insert_shared_jobs(*, on_key_conflict_nothing: bool) -> sa.Select:
+    """insert_shared_jobs: new pending jobs of one submit, and the ``dispatched`` event of
     each that belongs to a run, in one statement (PostgreSQL).
 
-    ``:jobs`` is one JSON array of records (``BATCH_JOB_FIELDS``; a missing field is
-    NULL), read by json_to_recordset: one parameter whatever the batch size, payloads
+    ``:jobs`` is one JSON array of records (``PER_JOB_FIELDS``; a missing field is
+    NULL), read by json_to_recordset: one parameter whatever the number of jobs, payloads
     parsed once by the database, never escaped twice. Every other column is one value
-    for the batch (``BATCH_SHARED_COLUMNS``). Times are insert_jobs': the database
+    for all the jobs (``SHARED_COLUMNS``). Times are insert_jobs': the database
     clock, from ``:due_at`` / ``:due_in``.
 
     Conflicts are insert_jobs': a row whose id exists inserts nothing (an earlier try
@@ -109,8 +109,8 @@ def insert_job_batch(*, on_key_conflict_nothing: bool) -> sa.Select:
     )
     due_at = sa.cast(sa.bindparam("due_at", type_=_c.run_after.type), _c.run_after.type)
     due_in = sa.cast(sa.bindparam("due_in", type_=sa.Float), sa.Float)
-    values: dict[str, Any] = {name: per_job.c[name] for name in BATCH_JOB_FIELDS}
-    for name in BATCH_SHARED_COLUMNS:
+    values: dict[str, Any] = {name: per_job.c[name] for name in PER_JOB_FIELDS}
+    for name in SHARED_COLUMNS:
         values[name] = sa.cast(sa.bindparam(name, type_=_c[name].type), _c[name].type)
     # A fair kind's (:fair) n-th job in the array is its tenant's n-th new one: the
     # tenant's last key is read once for the statement, the head once per row (its

@@ -1,10 +1,9 @@
-"""The statements of a batched kind (``@leases.job(kind=..., batch=N)``): many jobs
-claimed by one statement, many successes completed by one statement (PostgreSQL).
+"""The many-job claim (PostgreSQL): up to :n due jobs of a kind and queue claimed by one
+statement (:n is the kind's ``batch=`` when it declares one, worker/many_claim.py).
 
-Both are durable (:mod:`celery_lease.db.durability`): the claim issues a fencing token
-per row, the completion ends attempts; neither may be lost to a crash of PostgreSQL
-after the worker acted on it. Both run through the lifecycle pipeline
-(:mod:`celery_lease.lifecycle.batch`), whose Landing settles a lost reply by asking
+Durable (:mod:`celery_lease.db.durability`): the claim issues a fencing token per row,
+which may not be lost to a crash of PostgreSQL after the worker acted on it. Executed as
+every claim (:mod:`celery_lease.lifecycle.many_claim`), whose Landing settles a lost reply by asking
 the server whether the transaction committed.
 """
 
@@ -26,8 +25,8 @@ from celery_lease.status import Event, Held, Status
 
 
 @functools.cache
-def claim_batch() -> sa.Select:
-    """claim_batch: up to :n due pending jobs of the kind and queue of the delivered job
+def claim_many() -> sa.Select:
+    """claim_many: up to :n due pending jobs of the kind and queue of the delivered job
     :job_id (whose task must be :wakeup_task: a wakeup is untrusted input), claimed for
     :owner in ONE statement.
 
@@ -35,18 +34,18 @@ def claim_batch() -> sa.Select:
     (its own fencing token), a lease of its own ``lease_seconds``, its ``claimed`` run
     event (in the statement). A job of a cancelled run is made ``cancelled`` instead and
     must not start (``status`` says which). The delivered job need not be pending: any
-    delivery of a batched kind claims what is due (its own job may already run in
-    another batch). Nothing of a paused kind is claimed; held jobs are not taken.
+    delivery of a many-job claim's kind claims what is due (its own job may already run in
+    another many-job claim). Nothing of a paused kind is claimed; held jobs are not taken.
 
     Rows are picked as :func:`_picked` says (priority, fair order, age; SKIP LOCKED).
     One row more than :n is picked and not claimed: its id comes back as ``next_id`` on every row, so a full
-    batch can wake the kind again for what is left (worker/batch.py); NULL when the
-    batch took everything due. ``paused``: the delivered job's kind is paused.
+    claim can wake the kind again for what is left (worker/many_claim.py); NULL when the
+    claim took everything due. ``paused``: the delivered job's kind is paused.
     """
     delivered = _delivered()
     limit = sa.bindparam("n", type_=sa.Integer)
     # No operator's override limits the kind: else nothing is claimed and ``overridden``
-    # says why (the caller claims again with claim_batch_limited), so a claim made after
+    # says why (the caller claims again with claim_many_limited), so a claim made after
     # an override committed never runs past it.
     picked = _picked(delivered, limit, _c.held.is_(None), guard=not_overridden(delivered.c.kind))
     ranked = sa.select(picked.c.id, sa.func.row_number().over(order_by=_order(picked)).label("rank")).cte("ranked")
@@ -79,24 +78,24 @@ _MOST = 2**31 - 1
 
 
 @functools.cache
-def claim_batch_limited() -> sa.Select:
-    """claim_batch_limited: claim_batch for a kind with a limit (in code or an operator's
+def claim_many_limited() -> sa.Select:
+    """claim_many_limited: claim_many for a kind with a limit (in code or an operator's
     override), run after flow.lock_limits of :of_kind in the same transaction, so the
-    counts it reads are exact. Returns claim_batch's columns, and on every row (the
+    counts it reads are exact. Returns claim_many's columns, and on every row (the
     one row of NULLs too): ``held_rate``, the rows it held for the rate;
     ``window_claims`` / ``window_rate``, the window's count after it and the rate in force
     (NULL without a rate, or when nothing started); ``opened``, this claim opened a new
     rate window.
 
-    The batch is bounded, in this ONE statement, by :n, by what the rate window still
+    The claim is bounded, in this ONE statement, by :n, by what the rate window still
     takes (the claims started are counted in it) and, per concurrency key, by the
     concurrency in force minus that key's running jobs. The first :n rows picked (in
-    claim_batch's order) are each claimed or, refused by a limit, held: ``limit`` (its
+    claim_many's order) are each claimed or, refused by a limit, held: ``limit`` (its
     key is full) or ``rate`` (the window is spent), to be woken as a single claim's
     refused job is (a slot's release, the next window). One more row is picked and left
     as ``next_id``: every row due is thus claimed, held or reached by a wakeup. Held
     rows are not picked again, but for the delivered job (a woken job, a rate window's
-    wakeup carried by a held job). ``next_queue``: the queue of the batch (and of
+    wakeup carried by a held job). ``next_queue``: the queue of the claim (and of
     ``next_id``), also when nothing was claimed."""
     delivered = _delivered(of_kind=True)
     n = sa.bindparam("n", type_=sa.Integer)
@@ -184,7 +183,7 @@ def _picked(
 ) -> sa.CTE:
     """Up to ``n`` + 1 due pending jobs of the delivered job's kind and queue that
     ``held`` admits, best priority first, then (a fair kind) smallest fair_key, then
-    oldest, FOR UPDATE SKIP LOCKED: two batches claiming at once take different rows,
+    oldest, FOR UPDATE SKIP LOCKED: two many-job claims at once take different rows,
     neither waits. Nothing of a paused kind.
 
     The kind and queue are values (one probe of the delivered row), compared by equality
@@ -208,7 +207,7 @@ def _picked(
             *(() if guard is None else (guard,)),
         )
         # fair_key is NULL for every job of a kind that is not fair (statements/fair.py:
-        # a fair kind's batch is a weighted mix of tenants).
+        # a fair kind's many-job claim is a weighted mix of tenants).
         .order_by(_c.priority.desc(), _c.fair_key, _c.created_at)
         .limit(n + 1)
         .with_for_update(of=jobs, skip_locked=True)

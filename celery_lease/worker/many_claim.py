@@ -1,9 +1,9 @@
 """A delivery that claims what is due of its kind (PostgreSQL): every kind whose wakeups
 are coalesced (broker/waking.py) and every ``batch=`` kind.
 
-:meth:`Batches.begin` claims up to :meth:`Batches.size` due jobs of the kind and queue in
-ONE statement (lifecycle.batch), each with its own attempt, lease and fencing token, and
-wakes the kind again at once when the claim came back full. :meth:`Batches.run` runs
+:meth:`ManyJobClaims.begin` claims up to :meth:`ManyJobClaims.size` due jobs of the kind and queue in
+ONE statement (lifecycle.many_claim), each with its own attempt, lease and fencing token, and
+wakes the kind again at once when the claim came back full. :meth:`ManyJobClaims.run` runs
 them one after another, each through the single job's path (WorkerState.execute), its
 plain success handed to the process's one completer. Rule: a job waiting its turn keeps
 its lease (the heartbeat renews every lease of the process); one whose lease is lost
@@ -23,7 +23,7 @@ from celery.exceptions import Retry
 from celery_lease import tracing
 from celery_lease.errors import DatabaseUnavailable, JobFailed, JobRefused, LeaseLost
 from celery_lease.flow.store import declared_limits
-from celery_lease.lifecycle.batch import claim_batch
+from celery_lease.lifecycle.many_claim import claim_many
 from celery_lease.lifecycle.owner import owner_of
 from celery_lease.worker import shutdown
 from celery_lease.worker.attempt import Attempt
@@ -31,7 +31,7 @@ from celery_lease.worker.outcome import Outcome
 
 if TYPE_CHECKING:
     from celery_lease.kinds import JobKind
-    from celery_lease.worker.events import BatchTasks
+    from celery_lease.worker.events import ManyClaimTasks
 
 log = logging.getLogger("celery_lease.worker")
 
@@ -39,12 +39,12 @@ _CANCELLED = "cancelled"
 
 #: A kind with no ``batch=``: a claim takes about this many seconds of its bodies ...
 CLAIM_SECONDS = 0.05
-#: ... and at most this many jobs (Batches.size).
+#: ... and at most this many jobs (ManyJobClaims.size).
 DEFAULT_CAP = 100
 
 
-class Batches:
-    """The batched deliveries of one worker process."""
+class ManyJobClaims:
+    """The many-job claims of one worker process's deliveries."""
 
     def __init__(self, state: Any) -> None:
         #: The process's WorkerState (worker/executor.py, which owns this object).
@@ -71,7 +71,7 @@ class Batches:
     # --- task_prerun ---------------------------------------------------------------------
 
     def begin(self, job_id: str, spec: JobKind, hostname: str | None) -> Attempt | None:
-        """Claim the delivery's batch; its lead attempt (``attempt.batch`` holds them all),
+        """Claim the delivery's jobs; its lead attempt (``attempt.claimed_together`` holds them all),
         or None when nothing was claimed. Every delivery claims, also one whose job runs
         here: submits may have left their jobs to its claim (broker/waking.py), and the job it
         names may have been reaped and be due again (nothing here can tell)."""
@@ -84,8 +84,8 @@ class Batches:
             if limited:
                 params.update(declared_limits(spec.kind, spec.limits))
             # A re-run of the claim after a lost reply adopts the rows its first try took, by
-            # the claim's token, never other rows (lifecycle.batch.claim_batch).
-            found = claim_batch(state.store, params, limited=limited)
+            # the claim's token, never other rows (lifecycle.many_claim.claim_many).
+            found = claim_many(state.store, params, limited=limited)
             if limited or not (found and found[0].get("overridden")) or state.flow is None:
                 break
             # Refused by an override this process had not read: claimed on the limited path.
@@ -96,7 +96,7 @@ class Batches:
             self._limited_follow_ups(job_id, spec, found[0], any(str(r["id"]) == job_id for r in rows))
             if not rows and found[0]["next_id"] is not None:
                 # A limit refused every row picked (now held), and more are due: woken as
-                # a full batch's rest is, so the held rows do not hide them.
+                # a full claim's rest is, so the held rows do not hide them.
                 self._wake(spec, found[0]["next_id"], found[0]["next_queue"])
         if not rows:
             self._nothing_claimed(job_id, spec, paused=paused)
@@ -123,26 +123,26 @@ class Batches:
                 state._hand_off_late(a)
             return None
         lead = attempts[0]
-        lead.batch = attempts
+        lead.claimed_together = attempts
         if spec.timeout is not None:
             lead.deadline = sent_at + spec.timeout
         log.info("celery-lease: job %s (%s): claimed a batch of %d", job_id, spec.kind, len(attempts))
         return lead
 
     def _limited_follow_ups(self, job_id: str, spec: JobKind, first: dict[str, Any], own: bool) -> None:
-        """A limited kind's batch: what its rate window asks for, and a delivery whose own
+        """A limited kind's many-job claim: what its rate window asks for, and a delivery whose own
         job it did not claim (``own``) followed up as a single limited claim's
-        (FlowControl.batch_claimed). Never fails the delivery: what is not woken is the
+        (FlowControl.many_claimed). Never fails the delivery: what is not woken is the
         sweeper's to recover."""
         try:
-            self._state.flow.batch_claimed(job_id, spec, first, own)
+            self._state.flow.many_claimed(job_id, spec, first, own)
         except Exception:
             what = "wakeups after its batch claim not sent; the sweeper will"
             log.warning("celery-lease: job %s (%s): %s", job_id, spec.kind, what, exc_info=True)
 
     def _nothing_claimed(self, job_id: str, spec: JobKind, *, paused: bool) -> None:
         """A paused kind's delivery is held for its resume (FlowControl.hold marks it);
-        any other is a duplicate, or found its jobs taken by other batches: skipped with
+        any other is a duplicate, or found its jobs taken by other many-job claims: skipped with
         no statement beyond the claim."""
         state = self._state
         if paused and state.flow is not None:
@@ -159,17 +159,17 @@ class Batches:
     # --- the body --------------------------------------------------------------------------
 
     def run(
-        self, spec: JobKind, lead: Attempt, on_progress: Callable[[Any], None] | None, tasks: BatchTasks | None = None
+        self, spec: JobKind, lead: Attempt, on_progress: Callable[[Any], None] | None, tasks: ManyClaimTasks | None = None
     ) -> Any:
-        """Run every attempt of ``lead``'s batch, one after another; returns the lead's
-        value and raises the lead's Retry / JobRefused / JobFailed, after the whole batch
+        """Run every attempt ``lead``'s claim took, one after another; returns the lead's
+        value and raises the lead's Retry / JobRefused / JobFailed, after all of them
         (Celery reports the delivery's task as its own job's outcome; ``tasks`` sends
         the task events of the others, when the worker sends events)."""
         value: Any = None
         signal: Exception | None = None
-        assert lead.batch is not None
+        assert lead.claimed_together is not None
         try:
-            for a in lead.batch:
+            for a in lead.claimed_together:
                 if a is not lead and not self._may_start(spec, a):
                     continue
                 started = time.monotonic()
@@ -193,7 +193,7 @@ class Batches:
         return value
 
     def _execute(self, spec: JobKind, a: Attempt, on_progress: Callable[[Any], None] | None) -> tuple[Any, Exception | None]:
-        """Run one attempt of the batch: its value, or the Retry / JobRefused / JobFailed
+        """Run one attempt of the claim: its value, or the Retry / JobRefused / JobFailed
         it raised once its outcome was recorded."""
         try:
             with tracing.current(a):
@@ -204,8 +204,8 @@ class Batches:
             log.warning("celery-lease: job %s: outcome not written; the reaper will requeue it", a.job_id)
             return None, None
 
-    def _execute_own_task(self, spec: JobKind, a: Attempt, tasks: BatchTasks | None) -> None:
-        """A job of the batch other than the delivery's: an attempt span and task events
+    def _execute_own_task(self, spec: JobKind, a: Attempt, tasks: ManyClaimTasks | None) -> None:
+        """A job of the claim other than the delivery's: an attempt span and task events
         of its own (the delivery's come from task_prerun / task_postrun and Celery)."""
         clock = tracing.clock()
         if clock is not None:
@@ -229,7 +229,7 @@ class Batches:
             tasks.stopped(a)
 
     def _may_start(self, spec: JobKind, a: Attempt) -> bool:
-        """Whether the next attempt of a batch starts: not once its lease is lost while it
+        """Whether the next attempt of a many-job claim starts: not once its lease is lost while it
         waited (cancelled, reaped), nor on warm shutdown (handed off, attempt not spent)."""
         if a.is_lost:
             log.info("celery-lease: job %s: lease lost while waiting in its batch; not started", a.job_id)

@@ -1,5 +1,5 @@
-"""The claim of many jobs at once: up to N rows moved by one statement (every kind that
-claims what is due, worker/batch.py), CLAIM_BATCH or, for a limited kind, CLAIM_BATCH_LIMITED
+"""The many-job claim: up to N rows moved by one statement (every kind that
+claims what is due, worker/many_claim.py), CLAIM_MANY or, for a limited kind, CLAIM_MANY_LIMITED
 after its limits row lock in the same transaction.
 
 Executed as every claim (lifecycle.claim.execute_many): durable, one statement alone in
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from celery_lease.db.statements import batch
+from celery_lease.db.statements import many_claim
 from celery_lease.lifecycle.claim import execute_many
 from celery_lease.lifecycle.transition import Transition
 from celery_lease.status import Event
@@ -24,24 +24,24 @@ if TYPE_CHECKING:
 
 #: pending -> running for up to :n due jobs of a kind and queue (or cancelled, for a
 #: job of a cancelled run); the statement appends the run events itself.
-CLAIM_BATCH = Transition(
-    "claim (batch)",
-    lambda dialect: batch.claim_batch(),
+CLAIM_MANY = Transition(
+    "many-job claim",
+    lambda dialect: many_claim.claim_many(),
     Event.CLAIMED,
     releases=False,
 )
 #: The same for a limited kind, under its limits row lock: also takes ``of_kind`` and
 #: the limits its code declares (new_concurrency, new_rate, new_per_seconds).
-CLAIM_BATCH_LIMITED = Transition(
-    "limited claim (batch)",
-    lambda dialect: batch.claim_batch_limited(),
+CLAIM_MANY_LIMITED = Transition(
+    "limited many-job claim",
+    lambda dialect: many_claim.claim_many_limited(),
     Event.CLAIMED,
     releases=False,
 )
 
 
-def claim_batch(store: Store, params: Mapping[str, Any], *, limited: bool = False) -> list[dict[str, Any]]:
-    """Execute CLAIM_BATCH (``limited``: CLAIM_BATCH_LIMITED) for ``params`` (job_id,
+def claim_many(store: Store, params: Mapping[str, Any], *, limited: bool = False) -> list[dict[str, Any]]:
+    """Execute CLAIM_MANY (``limited``: CLAIM_MANY_LIMITED) for ``params`` (job_id,
     wakeup_task, owner, n, a limited one's limits); return its rows (one row of NULLs
     but ``paused`` / ``overridden`` when nothing was claimed).
 
@@ -50,7 +50,7 @@ def claim_batch(store: Store, params: Mapping[str, Any], *, limited: bool = Fals
     with this claim's token adopted, never other rows. Blindly re-run, the claim took
     other rows and left the first try's running with no body until the reaper spent
     their attempt."""
-    t = CLAIM_BATCH_LIMITED if limited else CLAIM_BATCH
+    t = CLAIM_MANY_LIMITED if limited else CLAIM_MANY
     rows, adopted = execute_many(store, t.statement(store.dialect), params, limited=limited)
     if not adopted:
         return rows

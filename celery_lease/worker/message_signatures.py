@@ -4,7 +4,7 @@ errbacks and chord) and lineage headers.
 Celery applies those signatures after the task's body, with the options the message gave
 them; for a leased job those include ``tenant=`` and ``run_id=``, which decide which API
 tokens see the job and which run it joins. The rule: a tenant is ours, not the broker's,
-so a leased job created from a message-borne signature inherits its tenant and run from
+so a leased job created from a signature a message carries inherits its tenant and run from
 the job that created it, never from the message. A wakeup carries no signatures at all
 (refused before the claim; a leased job's canvas lives in its row), so what remains is a
 plain task's message: :func:`scrub` removes its signatures' ``tenant`` and ``run_id``.

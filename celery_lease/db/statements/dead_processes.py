@@ -1,4 +1,4 @@
-"""Statements about attempts whose worker process is known to be gone."""
+"""Statements about attempts whose worker process is known to be dead."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ def running_owners() -> sa.Select:
 
 @functools.cache
 def expire_leases_of() -> sa.Update:
-    """expire_leases_of: every running lease of one process known to be gone (:owner,
+    """expire_leases_of: every running lease of one process known to be dead (:owner,
     ``node/pid/boot``, or a thread's ``node/pid.T/boot``: lifecycle/owner.owner_of)
-    elapses now, so the reaper requeues its jobs at once: a batched kind's pool process held many (worker/batch.py)."""
+    elapses now, so the reaper requeues its jobs at once: a pool process running a
+    many-job claim held many (worker/many_claim.py)."""
     guard = sa.and_(_c.status == Status.RUNNING.value, _c.lease_owner == sa.bindparam("owner"))
     return sa.update(jobs).where(guard).values(lease_expires_at=db_now_plus(sa.literal(-1.0)), updated_at=db_now())

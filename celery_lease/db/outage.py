@@ -1,4 +1,4 @@
-"""How long a write is retried while the database is away: a short blip (a restart, a
+"""How long a write is retried while the database is away: a short outage (a restart, a
 failover, a dropped pool) costs a pause, not the work. The one place above the driver
 that decides it; code above ``db/`` retries through these two and never counts its own
 waits (tests/unit/test_database_boundary.py)."""
@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 #: Seconds between tries of a write while the database is unreachable (the last repeats):
 #: an attempt's writes try until its lease lapses by its own clock, others for their sum.
-BLIP_WAITS = (0.1, 0.25, 0.5, 1.0)
+OUTAGE_WAITS = (0.1, 0.25, 0.5, 1.0)
 
 
 def retry_within_lease(
@@ -30,11 +30,11 @@ def retry_within_lease(
     what: str,
 ) -> T:
     """Run ``write`` (the writes of live attempts); while the database is unreachable,
-    try again, BLIP_WAITS apart (the last repeating; never sleeping past ``lapses_at()``),
-    until ``lapsed()``: then LeaseLost. A short blip (a restart, a failover) costs a
+    try again, OUTAGE_WAITS apart (the last repeating; never sleeping past ``lapses_at()``),
+    until ``lapsed()``: then LeaseLost. A short outage (a restart, a failover) costs a
     pause, not the attempt. ``on_retry`` is told of each new try (the last may have
     landed before its reply was lost); ``what`` names the write in the log."""
-    waits = iter(BLIP_WAITS)
+    waits = iter(OUTAGE_WAITS)
     while True:
         if lapsed():
             raise LeaseLost()
@@ -44,14 +44,14 @@ def retry_within_lease(
             log.warning("celery-lease: %s: database unavailable; trying again within the lease", what)
             if on_retry is not None:
                 on_retry()
-            wait = next(waits, BLIP_WAITS[-1])
+            wait = next(waits, OUTAGE_WAITS[-1])
             time.sleep(wait if lapses_at is None else max(0.0, min(wait, lapses_at() - time.monotonic())))
 
 
 def retry_briefly(write: Callable[[], T]) -> T:
     """A write of no attempt (a cancel, maintenance, a claim settling a lost reply):
-    tried again through a short blip, then DatabaseUnavailable reaches the caller."""
-    for wait in BLIP_WAITS:
+    tried again through a short outage, then DatabaseUnavailable reaches the caller."""
+    for wait in OUTAGE_WAITS:
         try:
             return write()
         except DatabaseUnavailable:
