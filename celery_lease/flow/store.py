@@ -150,10 +150,15 @@ class FlowStore:
         window's wakeup (see _window_wakeup)."""
         woken: list[dict] = []
         more = 0
-        if first["opened"] and first["window_claims"] is not None:
-            more = first["window_rate"] - first["window_claims"]
+        claims, rate = first["window_claims"], first["window_rate"]
+        if first["opened"] and claims is not None:
+            more = rate - claims
             woken = self._tx(lambda c: self._wake(c, Held.RATE, kind, more))
-        left = bool(first["held_rate"]) or (more > 0 and len(woken) == more)
+        # A claim that spent its window schedules the next one too: jobs an earlier claim
+        # held are not picked again, so a claim may take the window's last places while
+        # others wait held, with no other wakeup left for them (the sweeper's until then).
+        spent = claims is not None and rate is not None and claims >= rate
+        left = bool(first["held_rate"]) or (more > 0 and len(woken) == more) or spent
         return woken, self._window_wakeup(kind, None) if left else None
 
     def hold(self, job_id: str, task: str) -> ClaimResult:
