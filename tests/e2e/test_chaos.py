@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SUMMARY_LINES
-from tests.e2e.chaos import FAULTS, LEASE_CONF, Scenario, run_lease_scenario, scenario_env
+from tests.harness.chaos import FAULTS, LEASE_CONF, Scenario, run_lease_scenario, scenario_env
 from tests.harness import faketime, pgcluster
 
 

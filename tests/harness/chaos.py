@@ -1,6 +1,6 @@
 """The chaos scenario: hundreds of jobs, real workers and beat, faults on a schedule.
 
-Shared by the test (tests/test_chaos.py, celery-lease) and the comparison
+Shared by the test (tests/e2e/test_chaos.py, celery-lease) and the comparison
 (bench/chaos_plain_celery.py, plain Celery with acks_late): both run the same jobs —
 most short, every ``long_every``-th one outliving several leases and a short Redis
 visibility timeout — and the same :class:`FaultInjector`, and report the same line::
