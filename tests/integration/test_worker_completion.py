@@ -1,10 +1,12 @@
-"""Batched successes riding on the process's next claim (db.statements.claim.claim with riding=True),
-against real PostgreSQL: one statement claims the next job and writes the waiting
-successes, each still fenced by its own lease generation."""
+"""The worker's completions against real PostgreSQL (worker/completion.py): batched
+successes riding on the process's next claim (db.statements.claim.claim with riding=True),
+one statement that claims the next job and writes the waiting successes, each still fenced
+by its own lease generation; and a refused batch written row by row."""
 
 from __future__ import annotations
 
 import time
+import uuid
 
 import sqlalchemy as sa
 
@@ -87,7 +89,6 @@ def test_a_riding_claim_appends_the_run_events_of_the_successes_it_carries(pg, m
     in its own statement (one insert with the claimed job's 'claimed'); a success its
     fence refused logs nothing. Without it a carried success of a run left its run's
     history without the job's end."""
-    import uuid
 
     store = Store(pg)
     try:
@@ -246,3 +247,38 @@ def _scans(node: dict) -> set[tuple[str, str]]:
     for child in node.get("Plans", ()):
         found |= _scans(child)
     return found
+
+
+# --- a refused batch of successes is written row by row ---------------------------------
+
+
+def test_a_refused_batch_of_successes_is_retried_row_by_row(pg, make_job):
+    """Before: one value PostgreSQL refuses dropped the whole batch (every job left
+    running, although Celery had reported each one's success)."""
+    store = Store(pg)
+    try:
+        ids = [
+            make_job(pg, status="running", attempt=1, lease_generation=1, lease_expires_at=sa.text("now() + interval '1 hour'"))
+            for _ in range(4)
+        ]
+        attempts = [attempt_for(i) for i in ids]
+        completer = BatchCompleter(store, local_pipeline(store))
+        completer.LINGER = 5.0  # one batch: flush() ends it
+        for n, attempt in enumerate(attempts):
+            # The third result holds NUL, which jsonb refuses (it passed no codec here).
+            completer.add(attempt, {"n": n, "note": "a\x00b" if n == 2 else "fine"}, None)
+        completer.flush()
+        engine = sa.create_engine(pg)
+        with engine.connect() as conn:
+            rows = {str(r.id): r for r in conn.execute(sa.select(jobs.c.id, jobs.c.status, jobs.c.result, jobs.c.error))}
+        engine.dispose()
+        assert [rows[i].status for i in ids] == ["succeeded", "succeeded", "failed", "succeeded"]
+        assert [rows[i].result for i in ids] == [
+            {"n": 0, "note": "fine"},
+            {"n": 1, "note": "fine"},
+            None,
+            {"n": 3, "note": "fine"},
+        ]
+        assert rows[ids[2]].error == UNSTORABLE_RESULT
+    finally:
+        store.dispose()
