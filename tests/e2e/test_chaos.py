@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SUMMARY_LINES
-from tests.harness.chaos import FAULTS, LEASE_CONF, Scenario, run_lease_scenario, scenario_env
 from tests.harness import faketime, pgcluster
+from tests.harness.chaos import FAULTS, LEASE_CONF, Scenario, run_lease_scenario, scenario_env
 
 
 def _run(db, broker, redis_server, client_app, tmp_path, request, scenario: Scenario, *, name: str = "chaos", cluster=None):

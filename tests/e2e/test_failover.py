@@ -28,10 +28,9 @@ import sqlalchemy as sa
 
 from celery_lease.db.statements import landing
 from celery_lease.errors import DatabaseUnavailable
-from tests.harness import history
+from tests.harness import history, pgcluster
 from tests.harness.chaos import LEASE_CONF, LEASE_QUEUES
 from tests.harness.history_run import read_history
-from tests.harness import pgcluster
 from tests.harness.pgfaults import PgFaultProxy
 from tests.harness.services import throwaway_database, wait_for
 

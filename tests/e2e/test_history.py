@@ -21,10 +21,9 @@ import random
 import pytest
 
 from tests.conftest import SUMMARY_LINES
-from tests.harness import history
+from tests.harness import history, pgcluster
 from tests.harness.history_keep import keep
 from tests.harness.history_run import MODULE, Run, Workload, databases, worker_env
-from tests.harness import pgcluster
 
 MODES = [
     pytest.param(True, "prefork", id="prepared"),

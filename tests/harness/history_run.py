@@ -34,9 +34,9 @@ from typing import Any
 import psycopg2
 import sqlalchemy as sa
 
+from tests.harness import pgcluster
 from tests.harness.chaos import LEASE_CONF, LEASE_QUEUES, Fleet, Scenario
 from tests.harness.history import History, Op
-from tests.harness import pgcluster
 from tests.harness.pgfaults import PgFaultProxy
 from tests.harness.services import RedisServer, wait_for
 
