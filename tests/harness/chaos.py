@@ -342,7 +342,7 @@ def run_lease_scenario(
     submit: Callable[[list[dict]], list[str]],
     cluster=None,
 ) -> Outcome:
-    """Run the scenario against tests.apps.app_liveness workers (the chaos kinds of
+    """Run the scenario against tests.apps.app_leases workers (the chaos kinds of
     tests.apps.app_faults and chaos_long); ``submit`` enqueues the payloads (in the
     caller's process) and returns the job ids. ``cluster``: the PrivateCluster behind
     ``db``, for ``scenario.pg_crash_at``."""
@@ -363,7 +363,7 @@ def run_lease_scenario(
         redis_server,
         workdir,
         scenario,
-        module="tests.apps.app_liveness",
+        module="tests.apps.app_leases",
         conf=LEASE_CONF,
         extra_env=scenario_env(scenario),
         queues=LEASE_QUEUES,
