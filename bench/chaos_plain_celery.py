@@ -84,7 +84,7 @@ def work(self, payload: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.e2e.chaos import FaultInjector, Fleet, Outcome, Scenario, private_redis, scenario_database
+    from tests.harness.chaos import FaultInjector, Fleet, Outcome, Scenario, private_redis, scenario_database
     from tests.harness.services import wait_for
 
     parser = argparse.ArgumentParser(

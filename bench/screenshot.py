@@ -2,7 +2,7 @@
 
 Seeds a throwaway PostgreSQL database with the dashboard bench's demo data (5,000
 jobs finished over 12 hours and 40 live ones, see bench.dashboard), serves the dashboard on a free
-port, signs in with headless chromium (tests/e2e/browser.py) and saves the jobs page
+port, signs in with headless chromium (tests/harness/browser.py) and saves the jobs page
 to docs/img/jobs.png.
 """
 
@@ -18,7 +18,7 @@ from bench.dashboard import ADMIN, Serving, make_app, seed
 def main(args, log) -> int:
     from selenium.webdriver.common.by import By
 
-    from tests.e2e.browser import chrome
+    from tests.harness.browser import chrome
 
     dbs = harness.Databases()
     with tempfile.TemporaryDirectory(prefix="celery-lease-shot-") as tmp:

@@ -6,7 +6,7 @@ database nor a crash of that server touches the record, and the record's commits
 flush that server's WAL): a ``bodies`` row when it starts and when it ends, a ``writes``
 row for each fenced write (``save_checkpoint``) that reported success. Its effect, one
 row with its attempt and generation, is written in the job's own success transaction
-(``ctx.effect``): it exists if and only if the success committed. tests/e2e/history.py
+(``ctx.effect``): it exists if and only if the success committed. tests/harness/history.py
 reads both databases back and checks the history.
 """
 

@@ -1,5 +1,5 @@
 """The boundaries app plus a plain task and a handler that waits to be cancelled, for
-tests/e2e/test_security_workers.py (issue 19)."""
+tests/e2e/test_worker_security.py (issue 19)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import time
 
 from celery_lease import JobContext
-from tests.apps.app_boundaries import *  # noqa: F403 - the app, leases, handlers, the "bnd-tick" entry
-from tests.apps.app_boundaries import app, leases
+from tests.apps.app_unstorable import *  # noqa: F403 - the app, leases, handlers, the "bnd-tick" entry
+from tests.apps.app_unstorable import app, leases
 
 
 @app.task(name="tests.plain_pass", shared=False)

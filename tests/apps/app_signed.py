@@ -1,6 +1,6 @@
 """tests.apps.app with Celery's message signing: ``task_serializer = "auth"``, accepting
 only signed messages, with the key and certificates in CL_TEST_SIGNING_DIR (made by
-tests/e2e/test_security_workers.py)."""
+tests/e2e/test_worker_security.py)."""
 
 from __future__ import annotations
 

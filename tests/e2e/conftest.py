@@ -1,5 +1,5 @@
 """End-to-end tier hooks: a failed test that drove a browser keeps a screenshot of what
-the browser showed, in test-artifacts/<test name>.png (see tests/e2e/browser.py); the
+the browser showed, in test-artifacts/<test name>.png (see tests/harness/browser.py); the
 ``proxy`` fixture (a PgFaultProxy to the test database, tests/harness/pgfaults.py)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def pytest_runtest_makereport(item, call):
     if report.when == "call" and report.failed:
         session = getattr(item, "funcargs", {}).get("browser")
         if session is not None:
-            from tests.e2e.browser import save_screenshot
+            from tests.harness.browser import save_screenshot
 
             try:
                 path = save_screenshot(session, re.sub(r"[^A-Za-z0-9_.-]", "_", item.name))

@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SUMMARY_LINES
-from tests.e2e.chaos import FAULTS, LEASE_CONF, Scenario, run_lease_scenario, scenario_env
 from tests.harness import faketime, pgcluster
+from tests.harness.chaos import FAULTS, LEASE_CONF, Scenario, run_lease_scenario, scenario_env
 
 
 def _run(db, broker, redis_server, client_app, tmp_path, request, scenario: Scenario, *, name: str = "chaos", cluster=None):
-    mod = client_app(db, broker, conf=LEASE_CONF, extra_env=scenario_env(scenario), module="tests.apps.app_liveness")
+    mod = client_app(db, broker, conf=LEASE_CONF, extra_env=scenario_env(scenario), module="tests.apps.app_leases")
 
     def submit(payloads):
         short = [p for p in payloads if p.get("lease") != "long"]

@@ -13,8 +13,8 @@ import sqlalchemy as sa
 from celery_lease.db.schema import jobs
 from tests.apps.history_tables import bodies
 from tests.conftest import wait_for
-from tests.e2e.history_run import MODULE, databases, worker_env
 from tests.harness import pgcluster
+from tests.harness.history_run import MODULE, databases, worker_env
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The dashboard in a real browser: `celery -A tests.apps.app lease serve` as a
 subprocess on a free port against the test database, headless chromium in front
-(tests/e2e/browser.py). A failed test keeps a screenshot in test-artifacts/."""
+(tests/harness/browser.py). A failed test keeps a screenshot in test-artifacts/."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import WebDriverWait
 
 from celery_lease.db.schema import jobs, pauses
-from tests.e2e.browser import chrome
+from tests.harness.browser import chrome
 from tests.harness.services import wait_for
 from tests.integration.test_api import Server
 

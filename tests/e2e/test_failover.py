@@ -5,7 +5,7 @@ The jobs live on a private primary with a synchronous streaming standby
 and beat reach them by libpq's multi-host URL with ``target_session_attrs=read-write``,
 the workers through a fault proxy in front of the primary. The handlers
 (tests/apps/app_history.py) record every body and fenced write in a history database on
-the shared server, which the failover does not touch; tests/e2e/history.py checks the
+the shared server, which the failover does not touch; tests/harness/history.py checks the
 run: nothing lost, no two holders under one fencing token, no attempt spent without a
 body, one effect per success.
 
@@ -28,10 +28,9 @@ import sqlalchemy as sa
 
 from celery_lease.db.statements import landing
 from celery_lease.errors import DatabaseUnavailable
-from tests.e2e import history
-from tests.e2e.chaos import LEASE_CONF, LEASE_QUEUES
-from tests.e2e.history_run import read_history
-from tests.harness import pgcluster
+from tests.harness import history, pgcluster
+from tests.harness.chaos import LEASE_CONF, LEASE_QUEUES
+from tests.harness.history_run import read_history
 from tests.harness.pgfaults import PgFaultProxy
 from tests.harness.services import throwaway_database, wait_for
 

@@ -16,7 +16,7 @@ from celery_lease import Status
 from celery_lease.ops.retry import retry_as_new
 from tests.conftest import wait_for
 from tests.e2e.test_faults import pid_in
-from tests.e2e.test_liveness_faults import crashable_pg, migrated  # noqa: F401  (a fixture)
+from tests.e2e.test_worker_liveness_faults import crashable_pg, migrated  # noqa: F401  (a fixture)
 
 APP = "tests.apps.app_fencing"
 ENV = {"CL_TEST_LEASE": "3"}

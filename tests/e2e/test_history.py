@@ -1,6 +1,6 @@
 """The history test: a randomized mixed workload over real workers, through the fault
 proxy, with SIGKILLs, connection cuts and a PostgreSQL crash; then the history checker
-(tests/e2e/history.py) says whether the lease promise held.
+(tests/harness/history.py) says whether the lease promise held.
 
     bash dev.sh test tests/e2e/test_history.py -s                  # the short runs
     HISTORY_SEED=1234 bash dev.sh test tests/e2e/test_history.py -s -k unprepared
@@ -8,7 +8,7 @@ proxy, with SIGKILLs, connection cuts and a PostgreSQL crash; then the history c
 
 Each run prints its seed and a summary line (also in pytest's terminal summary); a
 failure prints every violation and an excerpt of the history around a few of them, and
-keeps what explains it in test-artifacts/history-<mode>-<seed>/ (tests/e2e/history_keep.py):
+keeps what explains it in test-artifacts/history-<mode>-<seed>/ (tests/harness/history_keep.py):
 the workers' and beat's logs, the violations, and the rows and run events of the jobs
 that did not end.
 """
@@ -21,10 +21,9 @@ import random
 import pytest
 
 from tests.conftest import SUMMARY_LINES
-from tests.e2e import history
-from tests.e2e.history_keep import keep
-from tests.e2e.history_run import MODULE, Run, Workload, databases, worker_env
-from tests.harness import pgcluster
+from tests.harness import history, pgcluster
+from tests.harness.history_keep import keep
+from tests.harness.history_run import MODULE, Run, Workload, databases, worker_env
 
 MODES = [
     pytest.param(True, "prefork", id="prepared"),

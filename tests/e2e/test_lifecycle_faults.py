@@ -12,9 +12,9 @@ import sqlalchemy as sa
 
 from celery_lease import Status
 from tests.conftest import wait_for
-from tests.e2e.test_liveness_faults import crashable_pg, db, eager_reaper, effect_rows, migrated, row  # noqa: F401
+from tests.e2e.test_worker_liveness_faults import crashable_pg, db, eager_reaper, effect_rows, migrated, row  # noqa: F401
 
-APP = "tests.apps.app_liveness"
+APP = "tests.apps.app_leases"
 
 
 def test_a_timeout_inside_its_own_success_transaction_does_not_stop_other_renewals(pg, broker, client_app, workers, db):  # noqa: F811

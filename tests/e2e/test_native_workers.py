@@ -1,10 +1,11 @@
 """Celery habits on leased tasks against real `celery worker` / `celery beat` processes,
-PostgreSQL and Redis: beat after Django-style configuration, canvas, AsyncResult, revoke
-and the events Flower reads."""
+PostgreSQL and Redis: beat after Django-style configuration, canvas, AsyncResult (an
+app's own result backend too), revoke and the events Flower reads."""
 
 from __future__ import annotations
 
 import re
+import uuid
 
 import sqlalchemy as sa
 
@@ -298,3 +299,27 @@ def test_event_receiver_sees_revoked_jobs_retries_and_payloads(pg, broker, clien
         worker.kill()
         thread.join(timeout=10)
         conn.release()
+
+
+def test_an_apps_own_result_backend_answers_for_leased_jobs(pg, broker, client_app, workers):
+    """A shop keeps Redis as its result backend: plain tasks store there, leased jobs in
+    their rows, and Celery's generic result API reads both."""
+    from celery import chord, group
+    from celery.result import AsyncResult
+
+    own = {"result_backend": broker.rsplit("/", 1)[0] + "/1"}
+    mod = client_app(pg, broker, module="tests.apps.app_native", conf=own)
+    workers(pg, broker, module="tests.apps.app_native", conf=own)
+    job = mod.inc.submit({"n": 1})
+    assert mod.app.AsyncResult(job.id).get(timeout=30) == {"n": 2}
+    assert AsyncResult(job.id, app=mod.app).state == "SUCCESS"
+    assert mod.app.AsyncResult(job.id).result == {"n": 2}
+    # Plain members are joined natively through Redis, the leased one through its row.
+    members = group(mod.plain_add.s(1, 2), mod.plain_add.s(3, 4), mod.inc.s({"n": 10}))
+    result = members.apply_async()
+    assert result.get(timeout=30) == [3, 7, {"n": 11}]
+    assert result.join_native(timeout=5) == [3, 7, {"n": 11}]
+    assert mod.app.AsyncResult(str(uuid.uuid4())).state == "PENDING"  # an unknown id stays PENDING
+    # A chord with a leased header counts down in celery-lease's row, not in Redis.
+    counted = chord([mod.inc.s({"n": 1}), mod.inc.s({"n": 2})], mod.total.s()).apply_async()
+    assert counted.get(timeout=30) == 5

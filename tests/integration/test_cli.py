@@ -10,6 +10,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 import sqlalchemy as sa
 
+from celery_lease import Status
 from celery_lease.db.schema import jobs
 from celery_lease.db.statements import reads
 from tests.conftest import CELERY, ROOT, _env, throwaway_database
@@ -359,3 +360,36 @@ def test_weight_sets_a_tenants_weight_and_refuses_bad_input_changing_nothing(cli
     assert cli("weight", "acme", "default").stdout.strip() == "acme: weight 1"
     with sa.create_engine(pg).connect() as conn:
         assert conn.execute(sa.select(tenant_weights)).all() == []
+
+
+# --- the operator's terminal -------------------------------------------------------------
+
+
+def test_lease_show_escapes_control_characters(pg, broker, make_job):
+    """Before, `lease show` printed job data raw: an error or a kind holding escape
+    sequences could rewrite the operator's terminal."""
+    nasty = "\x1b]0;owned\x07\x1b[2J\rfake line\u202e"
+    job = make_job(pg, status="failed", error=f"boom {nasty}", result={"k": nasty}, tenant=nasty, finished_at=sa.func.now())
+    proc = subprocess.run(
+        [CELERY, "-A", "tests.apps.app", "lease", "show", job],
+        env=_env(pg, broker),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for ch in "\x1b\x07\r\u202e":
+        assert ch not in out
+    assert "boom \\x1b]0;owned\\x07\\x1b[2J\\rfake line\\u202e" in out
+    listed = subprocess.run(
+        [CELERY, "-A", "tests.apps.app", "lease", "list"],
+        env=_env(pg, broker),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0 and "\x1b" not in listed.stdout and "boom \\x1b" in listed.stdout
+    assert Status.FAILED.value in listed.stdout

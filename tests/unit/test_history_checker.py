@@ -1,11 +1,11 @@
-"""The history checker (tests/e2e/history.py) on hand-made histories: a clean history
+"""The history checker (tests/harness/history.py) on hand-made histories: a clean history
 passes, and each kind of violation is found and shown."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.e2e.history import History, Op, check, excerpt, report
+from tests.harness.history import History, Op, check, excerpt, report
 
 T0 = 1_000_000.0
 OWNER = "w1@testhost/100/boot"

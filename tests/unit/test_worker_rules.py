@@ -1,15 +1,22 @@
-"""Liveness rules that need no service: an attempt judges its lease by its own clock; the
-worker's threads (one fork-safe skeleton) and the heartbeat's timing."""
+"""The worker's rules that need no service: an attempt judges its lease by its own clock;
+the worker's threads (one fork-safe skeleton) and the heartbeat's timing; retry backoff;
+what signatures and headers a message may carry into a job (worker/message_signatures.py)."""
 
 from __future__ import annotations
 
 import os
 import queue
+import random
 import time
 import warnings
+from types import SimpleNamespace
 
+import pytest
+
+from celery_lease.worker import message_signatures
 from celery_lease.worker.attempt import LAPSE_SHARE, Attempt
 from celery_lease.worker.heartbeat import Heartbeat
+from celery_lease.worker.outcome import backoff
 from celery_lease.worker.runtime import Drainer
 from tests.conftest import attempt_for
 
@@ -166,3 +173,44 @@ def test_an_arriving_attempt_only_re_times_the_heartbeat_and_a_wake_renews_at_on
     assert 0.9 < short.renewed_at - added < 2.4 and not short.is_lost
     heartbeat.remove(long)
     heartbeat.remove(short)
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 5, 30])
+def test_backoff_grows_is_capped_and_jittered(attempt):
+    random.seed(attempt)
+    base, cap = 1.0, 60.0
+    delays = [backoff(attempt, base, cap) for _ in range(200)]
+    nominal = min(cap, base * 2 ** (attempt - 1))
+    assert all(0.5 * nominal <= d <= 1.5 * nominal for d in delays)
+    assert len(set(delays)) > 1
+
+
+def _leased(name) -> bool:
+    return name == "leased"
+
+
+def test_leased_signatures_a_message_carries_lose_tenant_and_run():
+    sig = {"task": "leased", "args": [], "kwargs": {}, "options": {"tenant": "victim", "run_id": "r", "priority": 3}}
+    plain = {"task": "plain", "options": {"tenant": "kept"}}
+    group = {"task": "celery.group", "options": {}, "kwargs": {"tasks": [dict(sig, options=dict(sig["options"]))]}}
+    chain = [dict(sig, options=dict(sig["options"])), group]
+    request = SimpleNamespace(chain=chain, callbacks=[plain], errbacks=None, chord=None)
+    assert message_signatures.scrub(request, _leased) == 4
+    assert request.chain[0]["options"] == {"priority": 3}
+    assert request.chain[1]["kwargs"]["tasks"][0]["options"] == {"priority": 3}
+    assert request.callbacks == [plain] and plain["options"] == {"tenant": "kept"}  # not a leased task
+
+
+def test_signatures_nested_past_the_limit_are_dropped():
+    deep: dict = {"task": "leased", "options": {"tenant": "victim"}}
+    for _ in range(message_signatures.MAX_DEPTH + 5):
+        deep = {"task": "celery.chain", "options": {}, "kwargs": {"tasks": [deep]}}
+    request = SimpleNamespace(chain=[deep], callbacks=None, errbacks=None, chord=None)
+    message_signatures.scrub(request, _leased)
+    assert request.chain is None  # Celery applies nothing
+
+
+@pytest.mark.parametrize("value", [12345, ["a"], {"a": 1}, "x" * 300, "line\nbreak", b"bytes"])
+def test_a_lineage_header_must_be_a_task_id(value):
+    assert "root_id" in message_signatures.malformed_lineage(SimpleNamespace(root_id=value, parent_id=None, group=None))
+    assert message_signatures.malformed_lineage(SimpleNamespace(root_id="9f1c...-uuid", parent_id=None, group=None)) is None

@@ -1,16 +1,15 @@
-"""Service-free rules behind the conversion frictions (issue 20)."""
+"""Declaring a job kind, without services: shared_job on every CeleryLease, Celery task
+options refused with what a leased job does instead, and a kind's queue."""
 
 from __future__ import annotations
 
 import re
 import warnings
-from pathlib import Path
 
 import pytest
 from celery import Celery, current_app
 
 from celery_lease import CeleryLease, shared_job
-from celery_lease.ops.cli_common import _status
 
 
 def test_shared_job_registers_on_every_celery_lease_made_before_or_after(tmp_path):
@@ -32,13 +31,6 @@ def test_shared_job_registers_on_every_celery_lease_made_before_or_after(tmp_pat
         assert handler.spec.kind == "conv_shared" and handler.app is after_app
     finally:
         previous.set_current()
-
-
-def test_list_status_takes_celery_state_names_in_any_case():
-    assert _status("SUCCESS") == "succeeded" and _status("success") == "succeeded"
-    assert _status("FAILURE") == "failed" and _status("REVOKED") == "cancelled" and _status("STARTED") == "running"
-    assert _status("Expired") == "expired" and _status(None) is None
-    assert _status("done") == "done"  # refused by listing.parse_status, with the known names
 
 
 @pytest.mark.parametrize(
@@ -75,24 +67,3 @@ def test_a_leased_task_on_a_queue_raises_no_celery_deprecation_warning(tmp_path)
     assert [str(w.message) for w in caught if "task attribute" in str(w.message)] == []
     # The kind's queue is still the task's own, as Celery's router reads it.
     assert task.queue == "reports" and task._get_exec_options()["queue"] == "reports"
-
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.mark.parametrize("page", ["README.md", "docs/coming-from-celery.md", "docs/fencing.md"])
-def test_the_docs_say_external_side_effects_may_repeat_where_the_promise_is_made(page):
-    text = " ".join((ROOT / page).read_text().split())
-    assert "may repeat" in text and "at least once" in text.lower(), page
-    # ...with what the receiver uses to make them idempotent.
-    assert "`ctx.job_id`" in text and ("idempotency key" in text or "idempotent" in text), page
-
-
-def test_the_latest_django_migration_brings_the_shipped_job_tables():
-    # A release that adds an Alembic revision adds a Django migration too, or
-    # `manage.py migrate` would never upgrade the job tables of a Django project.
-    from celery_lease.db import migrate
-
-    folder = ROOT / "celery_lease" / "django" / "migrations"
-    latest = max(path for path in folder.glob("0*.py"))
-    assert f'ALEMBIC_HEAD = "{migrate.head()}"' in latest.read_text(), latest.name

@@ -1,4 +1,4 @@
-"""Frictions a Celery shop hit converting a project (issue 20), each on real workers:
+"""The worker as a Celery shop converting a project meets it (issue 20), on real workers:
 what the logs say, and how fast a job whose pool process the OOM killer took is freed."""
 
 from __future__ import annotations
@@ -40,30 +40,6 @@ def test_logs_say_what_matters_and_nothing_more(pg, broker, client_app, workers,
     assert "Traceback" not in log.split(refused.id, 1)[1].split("\n[", 1)[0]
     # Maintenance ticks are DEBUG: nothing about them at INFO.
     assert "maintenance tick" not in log and "swept" not in log
-
-
-def test_an_apps_own_result_backend_answers_for_leased_jobs(pg, broker, client_app, workers):
-    """A shop keeps Redis as its result backend: plain tasks store there, leased jobs in
-    their rows, and Celery's generic result API reads both."""
-    from celery import chord, group
-    from celery.result import AsyncResult
-
-    own = {"result_backend": broker.rsplit("/", 1)[0] + "/1"}
-    mod = client_app(pg, broker, module="tests.apps.app_native", conf=own)
-    workers(pg, broker, module="tests.apps.app_native", conf=own)
-    job = mod.inc.submit({"n": 1})
-    assert mod.app.AsyncResult(job.id).get(timeout=30) == {"n": 2}
-    assert AsyncResult(job.id, app=mod.app).state == "SUCCESS"
-    assert mod.app.AsyncResult(job.id).result == {"n": 2}
-    # Plain members are joined natively through Redis, the leased one through its row.
-    members = group(mod.plain_add.s(1, 2), mod.plain_add.s(3, 4), mod.inc.s({"n": 10}))
-    result = members.apply_async()
-    assert result.get(timeout=30) == [3, 7, {"n": 11}]
-    assert result.join_native(timeout=5) == [3, 7, {"n": 11}]
-    assert mod.app.AsyncResult(str(uuid.uuid4())).state == "PENDING"  # an unknown id stays PENDING
-    # A chord with a leased header counts down in celery-lease's row, not in Redis.
-    counted = chord([mod.inc.s({"n": 1}), mod.inc.s({"n": 2})], mod.total.s()).apply_async()
-    assert counted.get(timeout=30) == 5
 
 
 def test_a_pool_process_killed_mid_job_releases_its_lease_at_once(pg, broker, client_app, workers, marker_dir):

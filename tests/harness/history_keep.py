@@ -14,7 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from tests.e2e.history import History
+from tests.harness.history import History
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 

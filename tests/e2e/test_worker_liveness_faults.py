@@ -17,7 +17,7 @@ from celery_lease.db.schema import jobs
 from tests.conftest import SUMMARY_LINES, wait_for
 from tests.harness import faketime
 
-APP = "tests.apps.app_liveness"
+APP = "tests.apps.app_leases"
 LONG = {"CL_TEST_LEASE": "300"}
 #: beat ticks every second, so a test sees many of them in a few seconds.
 FAST_BEAT = {"lease_reap_interval": 1, "lease_sweep_interval": 1, "lease_sweep_stale_seconds": 2}

@@ -1,9 +1,13 @@
-"""celery_lease.broker.routing against Celery's own routing rules (no broker is reached:
-routing is worked out in Python), and the JobContext reference in docs/guide.md."""
+"""The broker layer without a broker: celery_lease.broker.routing against Celery's own
+routing rules (routing is worked out in Python), and what a cancel notice must look
+like and whom it wakes (broker/cancel_notice.py)."""
 
 from __future__ import annotations
 
+import json
 import re
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -11,8 +15,8 @@ from celery import Celery
 from celery.exceptions import QueueNotFound
 from kombu import Queue
 
+from celery_lease.broker import cancel_notice
 from celery_lease.broker.routing import QueueRouter, consumed_queues
-from celery_lease.worker.context import JobContext
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,12 +76,56 @@ def test_a_worker_consumes_every_queue_the_app_names():
     assert consumed_queues(app, ["pinned", None, "reports"]) == ["work", "bulk", "mail", "reports", "pinned"]
 
 
-def test_every_public_member_of_jobcontext_is_documented():
-    guide = (ROOT / "docs" / "guide.md").read_text()
-    section = guide.split("## What a handler gets (`JobContext`)", 1)[1].split("\n## ", 1)[0]
-    public = [name for name in vars(JobContext) if not name.startswith("_")]
-    assert "submit" in public and "fencing_token" in public
-    for name in public:
-        assert f"`ctx.{name}" in section, name
-        assert (getattr(JobContext, name).__doc__ or "").strip(), name
-    assert "`ctx.staged`" in section  # an instance attribute: not in vars(JobContext)
+# --- cancel notices ----------------------------------------------------------------------
+
+ID = "6f1c2c9e-0b0e-4a53-9d6a-3b1f7d2b8c11"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"not json",
+        b'"6f1c2c9e-0b0e-4a53-9d6a-3b1f7d2b8c11"',
+        b"{}",
+        b"[]",
+        json.dumps([ID, 1]).encode(),
+        json.dumps([ID, "x" * 36]).encode(),
+        json.dumps(["{" + ID[:-2] + "}"]).encode(),
+        json.dumps([ID] * (cancel_notice.MAX_IDS + 1)).encode(),
+        json.dumps([ID]).encode() + b" " * cancel_notice.MAX_NOTICE_BYTES,
+        None,
+        12,
+    ],
+)
+def test_malformed_cancel_notices_name_no_job(data):
+    assert cancel_notice.parse(data) is None
+
+
+def test_a_well_formed_notice_names_its_jobs():
+    assert cancel_notice.parse(json.dumps([ID.upper(), ID]).encode()) == {ID}
+    assert cancel_notice.parse(json.dumps([ID])) == {ID}
+
+
+def test_a_listener_wakes_only_for_held_jobs_and_at_a_bounded_rate():
+    wakes = []
+    listener = cancel_notice.Listener(lambda: wakes.append(1), held=lambda: {ID})
+    assert not listener.handle(json.dumps([str(uuid.uuid4())]).encode())  # held by nobody here
+    assert not listener.handle(b"junk")
+    assert wakes == [] and listener.ignored == 2
+    started = time.monotonic()
+    for _ in range(cancel_notice.WAKE_BURST * 5):
+        listener.handle(json.dumps([ID, str(uuid.uuid4())]).encode())
+    elapsed = time.monotonic() - started
+    # The burst at once, then no more than the rate allows for the time it took.
+    assert cancel_notice.WAKE_BURST <= len(wakes) <= cancel_notice.WAKE_BURST + cancel_notice.WAKE_RATE * elapsed + 1
+    assert listener.dropped == cancel_notice.WAKE_BURST * 5 - len(wakes)
+
+
+def test_notice_channels_are_per_app_and_per_database():
+    a = cancel_notice.channel("redis://h:6379/0", "shop")
+    assert a == "celery-lease:cancelled:0:shop"
+    assert cancel_notice.channel("redis://h:6379/3", "shop") != a
+    assert cancel_notice.channel("redis://h:6379/0", "other") != a
+    assert cancel_notice.channel("redis://h:6379", None) == "celery-lease:cancelled:0:celery"
+    assert cancel_notice.channel("redis://h:6379/0?db=0", "a b:c") == "celery-lease:cancelled:0:a_b_c"

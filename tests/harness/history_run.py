@@ -1,5 +1,5 @@
 """A randomized workload over real workers, through the fault proxy, recorded as a
-:class:`tests.e2e.history.History`.
+:class:`tests.harness.history.History`.
 
 The jobs live on a private PostgreSQL cluster (``wal_writer_delay`` raised to 10 s, so a
 commit made asynchronously is lost by the crash the run inflicts on it); the workers
@@ -34,9 +34,9 @@ from typing import Any
 import psycopg2
 import sqlalchemy as sa
 
-from tests.e2e.chaos import LEASE_CONF, LEASE_QUEUES, Fleet, Scenario
-from tests.e2e.history import History, Op
 from tests.harness import pgcluster
+from tests.harness.chaos import LEASE_CONF, LEASE_QUEUES, Fleet, Scenario
+from tests.harness.history import History, Op
 from tests.harness.pgfaults import PgFaultProxy
 from tests.harness.services import RedisServer, wait_for
 

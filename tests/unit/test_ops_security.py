@@ -1,17 +1,13 @@
-"""Issue 19's rules, without services: the throttle's arithmetic, what a message's
-signatures and headers may carry, metrics key labels, masked URLs, scrape tokens."""
+"""ops' security rules, without services (issue 19): the throttle's arithmetic, metrics
+key labels, tokens and scrape tokens."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from celery_lease.db.engine import Database
 from celery_lease.ops import throttle
 from celery_lease.ops.metrics import key_series
 from celery_lease.ops.tokens import Grant, scrape_tokens
-from celery_lease.worker import message_signatures
 
 
 def test_a_token_gets_its_burst_then_its_rate(monkeypatch):
@@ -27,37 +23,6 @@ def test_a_token_gets_its_burst_then_its_rate(monkeypatch):
     assert all(throttle.Throttle(rate=0).wait("a") == 0.0 for _ in range(100))  # off
 
 
-def _leased(name) -> bool:
-    return name == "leased"
-
-
-def test_leased_signatures_a_message_carries_lose_tenant_and_run():
-    sig = {"task": "leased", "args": [], "kwargs": {}, "options": {"tenant": "victim", "run_id": "r", "priority": 3}}
-    plain = {"task": "plain", "options": {"tenant": "kept"}}
-    group = {"task": "celery.group", "options": {}, "kwargs": {"tasks": [dict(sig, options=dict(sig["options"]))]}}
-    chain = [dict(sig, options=dict(sig["options"])), group]
-    request = SimpleNamespace(chain=chain, callbacks=[plain], errbacks=None, chord=None)
-    assert message_signatures.scrub(request, _leased) == 4
-    assert request.chain[0]["options"] == {"priority": 3}
-    assert request.chain[1]["kwargs"]["tasks"][0]["options"] == {"priority": 3}
-    assert request.callbacks == [plain] and plain["options"] == {"tenant": "kept"}  # not a leased task
-
-
-def test_signatures_nested_past_the_limit_are_dropped():
-    deep: dict = {"task": "leased", "options": {"tenant": "victim"}}
-    for _ in range(message_signatures.MAX_DEPTH + 5):
-        deep = {"task": "celery.chain", "options": {}, "kwargs": {"tasks": [deep]}}
-    request = SimpleNamespace(chain=[deep], callbacks=None, errbacks=None, chord=None)
-    message_signatures.scrub(request, _leased)
-    assert request.chain is None  # Celery applies nothing
-
-
-@pytest.mark.parametrize("value", [12345, ["a"], {"a": 1}, "x" * 300, "line\nbreak", b"bytes"])
-def test_a_lineage_header_must_be_a_task_id(value):
-    assert "root_id" in message_signatures.malformed_lineage(SimpleNamespace(root_id=value, parent_id=None, group=None))
-    assert message_signatures.malformed_lineage(SimpleNamespace(root_id="9f1c...-uuid", parent_id=None, group=None)) is None
-
-
 def test_metrics_label_only_the_busiest_keys_and_only_when_asked():
     def row(kind, key, running):
         return {"kind": kind, "key": key, "running": running, "waiting_limit": 1, "waiting_rate": 0, "waiting_pause": 0}
@@ -68,12 +33,6 @@ def test_metrics_label_only_the_busiest_keys_and_only_when_asked():
     two = key_series(rows, 2)
     assert set(two) == {("fetch", "acme"), ("fetch", "initech"), ("fetch", "other"), ("sync", "")}
     assert two[("fetch", "other")] == {"running": 1, "waiting_limit": 1, "waiting_rate": 0, "waiting_pause": 0}
-
-
-def test_display_url_masks_every_password():
-    url = "postgresql+psycopg2://u:inline-secret@h/db?password=qs-secret&sslpassword=ssl-secret&sslmode=require"
-    shown = Database(url).display_url
-    assert "secret" not in shown and "sslmode=require" in shown and "u:***@h" in shown
 
 
 def test_metrics_close_as_soon_as_any_token_is_configured():

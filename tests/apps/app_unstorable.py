@@ -1,8 +1,8 @@
 """The tests' app plus handlers that produce values PostgreSQL cannot store, and a
-periodic entry, for tests/e2e/test_boundaries_workers.py.
+periodic entry, for tests/e2e/test_worker_untrusted.py and tests/e2e/test_beat_workers.py.
 
-Run by workers as ``celery -A tests.apps.app_boundaries worker``; imported in-process
-through ``client_app(..., module="tests.apps.app_boundaries")``. A payload may not hold
+Run by workers as ``celery -A tests.apps.app_unstorable worker``; imported in-process
+through ``client_app(..., module="tests.apps.app_unstorable")``. A payload may not hold
 such values (submit refuses them), so handlers build them from a ``mode`` name.
 """
 

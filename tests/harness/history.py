@@ -1,6 +1,6 @@
 """The history checker: what the product promised, checked against what happened.
 
-A run (tests/e2e/history_run.py) records every operation the test made (submits,
+A run (tests/harness/history_run.py) records every operation the test made (submits,
 cancels, revokes, faults) and reads back every effect: the job rows and their run
 events from the jobs' database, the bodies and fenced writes the handlers recorded
 (tests/apps/app_history.py), the effects committed with successes. :func:`check` takes

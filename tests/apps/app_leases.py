@@ -1,7 +1,8 @@
-"""tests.apps.app_faults plus the handlers of the liveness tests (tests/*/test_liveness*.py).
+"""tests.apps.app_faults plus the handlers of the liveness tests (tests/e2e/test_worker_liveness_faults.py,
+tests/e2e/test_lifecycle_faults.py) and the chaos scenario's long kind (tests/harness/chaos.py).
 
-Run by workers as ``celery -A tests.apps.app_liveness worker``; imported in-process through
-``client_app(..., module="tests.apps.app_liveness")``.
+Run by workers as ``celery -A tests.apps.app_leases worker``; imported in-process through
+``client_app(..., module="tests.apps.app_leases")``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The process's completer against real PostgreSQL (worker/completion.py): plain
 successes gathered and written by one statement (complete_jobs), each fenced by its own
-lease generation."""
+lease generation; a value the database refuses costs no other row."""
 
 from __future__ import annotations
 
@@ -183,3 +183,35 @@ def _scans(node: dict) -> set[tuple[str, str]]:
     for child in node.get("Plans", ()):
         found |= _scans(child)
     return found
+
+
+def test_a_refused_batch_of_successes_is_retried_row_by_row(pg, make_job):
+    """Before: one value PostgreSQL refuses dropped the whole batch (every job left
+    running, although Celery had reported each one's success)."""
+    store = Store(pg)
+    try:
+        ids = [
+            make_job(pg, status="running", attempt=1, lease_generation=1, lease_expires_at=sa.text("now() + interval '1 hour'"))
+            for _ in range(4)
+        ]
+        attempts = [attempt_for(i) for i in ids]
+        completer = BackgroundCompleter(store, local_pipeline(store))
+        completer.LINGER = 5.0  # one batch: flush() ends it
+        for n, attempt in enumerate(attempts):
+            # The third result holds NUL, which jsonb refuses (it passed no codec here).
+            completer.add(attempt, {"n": n, "note": "a\x00b" if n == 2 else "fine"}, None)
+        completer.flush()
+        engine = sa.create_engine(pg)
+        with engine.connect() as conn:
+            rows = {str(r.id): r for r in conn.execute(sa.select(jobs.c.id, jobs.c.status, jobs.c.result, jobs.c.error))}
+        engine.dispose()
+        assert [rows[i].status for i in ids] == ["succeeded", "succeeded", "failed", "succeeded"]
+        assert [rows[i].result for i in ids] == [
+            {"n": 0, "note": "fine"},
+            {"n": 1, "note": "fine"},
+            None,
+            {"n": 3, "note": "fine"},
+        ]
+        assert rows[ids[2]].error == UNSTORABLE_RESULT
+    finally:
+        store.dispose()

@@ -22,7 +22,7 @@ from celery_lease import Status
 from celery_lease.db.schema import jobs
 from tests.conftest import ROOT, _env, wait_for
 
-APP = "tests.apps.app_boundaries"
+APP = "tests.apps.app_unstorable"
 ECHO = "tests.apps.app.echo"
 PARENT = "tests.apps.app.parent"
 

@@ -1,6 +1,6 @@
 """The chaos scenario: hundreds of jobs, real workers and beat, faults on a schedule.
 
-Shared by the test (tests/test_chaos.py, celery-lease) and the comparison
+Shared by the test (tests/e2e/test_chaos.py, celery-lease) and the comparison
 (bench/chaos_plain_celery.py, plain Celery with acks_late): both run the same jobs —
 most short, every ``long_every``-th one outliving several leases and a short Redis
 visibility timeout — and the same :class:`FaultInjector`, and report the same line::
@@ -342,7 +342,7 @@ def run_lease_scenario(
     submit: Callable[[list[dict]], list[str]],
     cluster=None,
 ) -> Outcome:
-    """Run the scenario against tests.apps.app_liveness workers (the chaos kinds of
+    """Run the scenario against tests.apps.app_leases workers (the chaos kinds of
     tests.apps.app_faults and chaos_long); ``submit`` enqueues the payloads (in the
     caller's process) and returns the job ids. ``cluster``: the PrivateCluster behind
     ``db``, for ``scenario.pg_crash_at``."""
@@ -363,7 +363,7 @@ def run_lease_scenario(
         redis_server,
         workdir,
         scenario,
-        module="tests.apps.app_liveness",
+        module="tests.apps.app_leases",
         conf=LEASE_CONF,
         extra_env=scenario_env(scenario),
         queues=LEASE_QUEUES,
