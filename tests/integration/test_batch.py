@@ -213,6 +213,29 @@ def test_a_limited_batch_takes_what_the_rate_window_still_takes_and_counts_it(pg
         engine.dispose()
 
 
+def test_a_batch_claim_that_spends_its_window_schedules_the_next_for_the_held(pg, flow_mod):
+    """Jobs an earlier claim held for the rate are not picked again: a claim that takes a
+    window's last places and holds none itself must still ask for the next window's
+    wakeup, or the held wait for the sweeper (e2e test_flow failed 1 run in 7-20)."""
+    from celery_lease.db.schema import limits
+    from celery_lease.flow.store import FlowStore
+
+    mod = flow_mod
+    ids = [j.id for j in mod.b_rated.submit_many([{"n": i} for i in range(12)])]
+    assert len(_claimed(mod, "b_rated", ids[0])) == 5  # and 5 held for the rate
+    engine = sa.create_engine(pg)
+    try:
+        with engine.begin() as conn:  # as after that wakeup's delivery: nothing scheduled
+            conn.execute(sa.update(limits).where(limits.c.kind == "b_rated").values(woken_window=0))
+    finally:
+        engine.dispose()
+    spent = {"opened": True, "window_claims": 5, "window_rate": 5, "held_rate": 0}
+    woken, later = FlowStore(mod.leases.store).many_claim_follow_ups("b_rated", spent)
+    assert woken == [] and later is not None
+    seconds, carrier = later
+    assert 0 <= seconds <= 1.0 and held_of(pg, [str(carrier["id"])]) == [("pending", "rate")]
+
+
 def test_a_limited_batch_bounds_each_concurrency_key(pg, flow_mod):
     mod = flow_mod
     tenants = ["a", "a", "b", "a", "b", "c"]
