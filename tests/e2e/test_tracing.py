@@ -236,8 +236,11 @@ def test_instrumented_before_celery_lease_the_attempt_links_to_celerys_run_span(
     the claim (a child of the wakeup's publish span). The attempt span stays the
     submit's child and links to Celery's span; still one of each per delivery."""
     env = {**ENV, "CL_TEST_SPANS": str(traces.path), "CL_TEST_OTEL_CELERY": "early"}
-    mod = client_app(pg, broker, module=APP)
-    workers(pg, broker, module=APP, extra_env=env)
+    # A wakeup per job, as in test_beside_celerys_instrumentation_...: coalesced, the three
+    # could be claimed by two deliveries, so two Celery run spans (seen once, under load).
+    conf = {"lease_coalesce_wakeups": False}
+    mod = client_app(pg, broker, conf=conf, module=APP)
+    workers(pg, broker, module=APP, conf=conf, extra_env=env)
     with traces.tracer.start_as_current_span("caller"):
         jobs_ = mod.echo.submit_many([{"value": i} for i in range(3)])
     wait_done(mod, [j.id for j in jobs_])
