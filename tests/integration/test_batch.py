@@ -75,6 +75,9 @@ def test_one_statement_claims_many_and_one_completes_them(pg, mod):
     assert {(a.attempt, a.generation) for a in lead.claimed_together} == {(1, 1)}  # each its own attempt and token
     assert [r.status for r in rows(pg, ids)] == ["running"] * 4 + ["pending"] * 2
     worker = mod.leases.worker
+    # The flush writes them, not the 2 ms linger: four bodies may take longer than that
+    # on a loaded machine (two statements, seen once in a fresh-clone run).
+    worker.completer.LINGER = 60.0
     with job_updates() as updates:
         assert worker.execute(mod.b_note.spec, lead) == {"n": 0, "attempt": 1}
         worker.flush()  # (the process's completer writes them, in the background)
