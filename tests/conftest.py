@@ -461,3 +461,19 @@ def attempt_for(job_id: str, generation: int = 1, **fields: Any) -> Attempt:
         "checkpoint": None,
     }
     return Attempt(job_id=job_id, generation=generation, **{**values, **fields})
+
+
+@pytest.fixture
+def db(pg):
+    """An engine on the test's database (a test module may define its own)."""
+    engine = sa.create_engine(pg)
+    yield engine
+    engine.dispose()
+
+
+def row(db, job_id: str) -> dict:
+    """The job row ``job_id``, as a dict."""
+    from celery_lease.db.schema import jobs
+
+    with db.connect() as conn:
+        return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())

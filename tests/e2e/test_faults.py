@@ -23,23 +23,11 @@ from celery_lease.db.schema import events, jobs
 from celery_lease.lifecycle import transition as tr
 from celery_lease.ops import listing
 from tests.apps.app import effects
-from tests.conftest import local_pipeline, wait_for
+from tests.conftest import local_pipeline, row, wait_for
 
 SHORT = {"CL_TEST_LEASE": "3"}  # heartbeats every second
 MEDIUM = {"CL_TEST_LEASE": "6"}  # heartbeats every two seconds
 LONG = {"CL_TEST_LEASE": "300"}  # never expires within a test
-
-
-@pytest.fixture
-def db(pg):
-    engine = sa.create_engine(pg)
-    yield engine
-    engine.dispose()
-
-
-def row(db, job_id: str) -> dict:
-    with db.connect() as conn:
-        return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
 
 
 def lease_in_future(db, job_id: str) -> bool:

@@ -11,13 +11,13 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease import Status
-from tests.conftest import wait_for
-from tests.e2e.test_worker_liveness_faults import crashable_pg, db, eager_reaper, effect_rows, migrated, row  # noqa: F401
+from tests.conftest import row, wait_for
+from tests.e2e.test_worker_liveness_faults import crashable_pg, eager_reaper, effect_rows, migrated  # noqa: F401
 
 APP = "tests.apps.app_leases"
 
 
-def test_a_timeout_inside_its_own_success_transaction_does_not_stop_other_renewals(pg, broker, client_app, workers, db):  # noqa: F811
+def test_a_timeout_inside_its_own_success_transaction_does_not_stop_other_renewals(pg, broker, client_app, workers, db):
     """A job whose 1 s timeout strikes while its own success transaction holds its row:
     the timeout's write waits on that lock. It ran on the heartbeat thread with no lock
     timeout, so no other lease of the process was renewed meanwhile (3 s leases lapsed

@@ -14,25 +14,13 @@ import sqlalchemy as sa
 
 from celery_lease import Status
 from celery_lease.db.schema import jobs
-from tests.conftest import SUMMARY_LINES, wait_for
+from tests.conftest import SUMMARY_LINES, row, wait_for
 from tests.harness import faketime
 
 APP = "tests.apps.app_leases"
 LONG = {"CL_TEST_LEASE": "300"}
 #: beat ticks every second, so a test sees many of them in a few seconds.
 FAST_BEAT = {"lease_reap_interval": 1, "lease_sweep_interval": 1, "lease_sweep_stale_seconds": 2}
-
-
-@pytest.fixture
-def db(pg):
-    engine = sa.create_engine(pg)
-    yield engine
-    engine.dispose()
-
-
-def row(db, job_id: str) -> dict:
-    with db.connect() as conn:
-        return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
 
 
 def status_of(db, job_id: str) -> str:

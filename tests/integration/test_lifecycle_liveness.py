@@ -14,20 +14,7 @@ import sqlalchemy as sa
 from celery_lease.db.schema import jobs
 from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.claim import claim_delivery
-from tests.conftest import SUMMARY_LINES, local_pipeline
-
-
-@pytest.fixture
-def db(pg):
-    engine = sa.create_engine(pg)
-    yield engine
-    engine.dispose()
-
-
-def row(db, job_id: str) -> dict:
-    with db.connect() as conn:
-        return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
-
+from tests.conftest import SUMMARY_LINES, local_pipeline, row
 
 # --- mass expiry (item 8) -------------------------------------------------------------------
 

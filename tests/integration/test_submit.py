@@ -21,7 +21,7 @@ from celery import Celery
 from celery_lease import CeleryLease, ConfigurationError, InvalidPayload, Status, UnknownKind
 from celery_lease.db.schema import jobs
 from celery_lease.errors import DatabaseUnavailable
-from tests.conftest import CELERY, ROOT, _env, wait_for
+from tests.conftest import CELERY, ROOT, _env, row, wait_for
 from tests.harness import faketime
 
 
@@ -373,19 +373,7 @@ def test_a_plain_success_in_a_run_is_the_completers_and_logs_its_run_event(pg, b
     events = [(e["event"], e["attempt"]) for e in mod.leases.run_events(run_id)]
     assert [e for e, _ in events] == ["dispatched", "claimed", "succeeded"]
     assert events[-1] == ("succeeded", 1)
-    assert sum("completed_logged" in sql for sql in executed) == 1  # complete_jobs, or a claim it rode
-
-
-@pytest.fixture
-def db(pg):
-    engine = sa.create_engine(pg)
-    yield engine
-    engine.dispose()
-
-
-def row(db, job_id: str) -> dict:
-    with db.connect() as conn:
-        return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
+    assert sum("completed_logged" in sql for sql in executed) == 1  # the completer's complete_jobs
 
 
 def seconds_from_db_now(db, value) -> float:
