@@ -65,7 +65,9 @@ def newest(leases, kind: str, n: int) -> list[str]:
 
 def measure(leases, tasks, samples: int, tenants: int) -> dict:
     from celery_lease.db.statements import attempt
+    from celery_lease.lifecycle import transition as tr
     from celery_lease.lifecycle.claim import claim_delivery
+    from celery_lease.status import AttemptOutcome
 
     store = leases.store
     delivered = {kind: newest(leases, kind, 50) for kind in KINDS}
@@ -81,10 +83,8 @@ def measure(leases, tasks, samples: int, tenants: int) -> dict:
             elapsed = time.perf_counter() - started
             assert row is not None, f"{kind}: nothing claimed"
             swapped[kind] += str(row["id"]) != job_id
-            store.guarded(
-                attempt.complete_job(),
-                {"job_id": str(row["id"]), "generation": row["lease_generation"], "new_result": None, "new_progress": None},
-            )
+            ending = tr.Ending(str(row["id"]), row["lease_generation"], AttemptOutcome.SUCCEEDED)
+            store.guarded(attempt.end_jobs(store.dialect), tr.ending_params([ending]))
             tenant = "t0" if kind == "noop_fair" else f"t{rng.randrange(tenants)}"
             started_submit = time.perf_counter()
             tasks[kind].submit({}, tenant=tenant)

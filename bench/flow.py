@@ -59,7 +59,9 @@ def _claim_before_flow_control():
 def statements(leases, tasks, samples: int) -> dict:
     from celery_lease.db.prepared import Prepared
     from celery_lease.db.statements import attempt
+    from celery_lease.lifecycle import transition as tr
     from celery_lease.lifecycle.claim import new_token
+    from celery_lease.status import AttemptOutcome
 
     store, flow = leases.store, leases.flow
     before = Prepared(_claim_before_flow_control())
@@ -69,10 +71,8 @@ def statements(leases, tasks, samples: int) -> dict:
     timings: dict[str, list[float]] = {k: [] for k in ("before", *KINDS, "release")}
 
     def complete(row) -> None:
-        store.guarded(
-            attempt.complete_job(),
-            {"job_id": str(row["id"]), "generation": row["lease_generation"], "new_result": None, "new_progress": None},
-        )
+        ending = tr.Ending(str(row["id"]), row["lease_generation"], AttemptOutcome.SUCCEEDED)
+        store.guarded(attempt.end_jobs(store.dialect), tr.ending_params([ending]))
 
     for i in range(samples + 5):  # the first 5 warm connections and prepared statements
         for name in ("before", *KINDS):

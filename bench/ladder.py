@@ -218,7 +218,7 @@ def claim_and_outcome(leases, task, samples: int) -> dict:
         claimed.append(Attempt.from_claim(job.id, dict(row)))
     for attempt in claimed:
         started = time.perf_counter()
-        pipeline.execute(tr.SUCCEED, {"new_result": None, "new_progress": None}, attempt=attempt)
+        pipeline.execute(tr.END, tr.ending_params([tr.Ending.succeeded(attempt, None)]), attempt=attempt)
         outcomes.append((time.perf_counter() - started) * 1000)
     # The first of each paid for the pool's connection and the statement caches.
     claims, outcomes = claims[1:], outcomes[1:]

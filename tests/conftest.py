@@ -463,6 +463,15 @@ def attempt_for(job_id: str, generation: int = 1, **fields: Any) -> Attempt:
     return Attempt(job_id=job_id, generation=generation, **{**values, **fields})
 
 
+def ended(store, ending) -> bool:
+    """Write one ``ending`` (transition.Ending) alone, as a bare fenced write: whether
+    its row moved."""
+    from celery_lease.db.statements.attempt import end_jobs
+    from celery_lease.lifecycle.transition import ending_params
+
+    return store.guarded(end_jobs(store.dialect), ending_params([ending]))
+
+
 @pytest.fixture
 def db(pg):
     """An engine on the test's database (a test module may define its own)."""

@@ -200,15 +200,16 @@ class Store(Reads, History, Database):
 
         return self.transaction(self.engine(heartbeat=True), work)
 
-    def complete_many(self, attempts: list[dict[str, Any]]) -> set[str]:
-        """complete_jobs for these attempts (id, generation, result, progress); returns
-        the ids that completed. After a retry (a dropped connection) those that had
-        landed before the reply was lost count as completed too."""
+    def complete_many(self, endings: list[Any]) -> set[str]:
+        """end_jobs for these successes (transition.Ending values), alone: one round
+        trip; returns the ids that completed. After a retry (a dropped connection) those
+        that had landed before the reply was lost count as completed too."""
         retried: list[bool] = []
-        params = attempt_sql.attempt_params(attempts)
-        done = {str(r["id"]) for r in self.alone(attempt_sql.complete_jobs(), params, on_retry=lambda: retried.append(True))}
-        if retried and len(done) < len(attempts):
-            done |= self.landed_successes([(a["id"], a["generation"]) for a in attempts if a["id"] not in done])
+        params = attempt_sql.attempt_params([e.row() for e in endings])
+        stmt = attempt_sql.end_jobs(self.dialect)
+        done = {str(r["id"]) for r in self.alone(stmt, params, on_retry=lambda: retried.append(True))}
+        if retried and len(done) < len(endings):
+            done |= self.landed_successes([(e.job_id, e.generation) for e in endings if e.job_id not in done])
         return done
 
     def landed_successes(self, leases: Sequence[tuple[str, int]]) -> set[str]:

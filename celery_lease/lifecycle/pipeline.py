@@ -151,12 +151,11 @@ class Pipeline:
             if before is not None:
                 before(conn)
             rows = row_dicts(conn.execute(stmt, args))
-            if t.fenced and not rows:
-                assert attempt is not None
+            if t.fenced and attempt is not None and not rows:
                 attempt.mark_lost()
                 raise LeaseLost()
             if rows and not logged:
-                events = ((r, t.event_for(r)) for r in rows)
+                events = ((r, t.event_for(r, args)) for r in rows)
                 store.log_events(conn, [(r, e, t.detail(r, args)) for r, e in events if e is not None])
             created = during.write(conn, rows) if during is not None else []
             if endings is not None:

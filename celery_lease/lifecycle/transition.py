@@ -13,12 +13,13 @@ fast commit lost in a crash after its follow-ups went out would undo them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from celery_lease.db.statements import attempt, cancel, dashboard, maintenance
-from celery_lease.status import Event, Status
+from celery_lease.status import AttemptOutcome, Event, Status
 
 Row = Mapping[str, Any]
 
@@ -54,79 +55,133 @@ class Transition:
     #: The error errbacks get, when the caller gives none.
     error: str | None = None
     #: A statement that moves its rows to different statuses: each row's event (else ``event``).
-    event_of: Callable[[Row], Event] | None = None
+    event_of: Callable[[Row, Mapping[str, Any]], Event] | None = None
 
-    def event_for(self, row: Row) -> Event | None:
-        return self.event if self.event_of is None else self.event_of(row)
+    def event_for(self, row: Row, params: Mapping[str, Any]) -> Event | None:
+        return self.event if self.event_of is None else self.event_of(row, params)
 
 
 def _requeued(row: Row, params: Mapping[str, Any]) -> bool:
     return row["status"] == _PENDING
 
 
-def _retried(row: Row, params: Mapping[str, Any]) -> str:
-    why = params.get("why")
-    return f"in {params['delay']:.1f}s" if why is None else f"{why}; in {params['delay']:.1f}s"
-
-
 #: Background writes never wait long on a row lock: a job's own success transaction
 #: may hold it, and the worker's timeouts and revokes must not queue behind it.
 BACKGROUND_LOCK_TIMEOUT = 2.0
 
-SUCCEED = Transition("succeed", lambda dialect: attempt.complete_job(), Event.SUCCEEDED, fenced=True)
-FAIL = Transition(
-    "fail",
-    lambda dialect: attempt.fail_job(),
-    Event.FAILED,
-    detail=lambda r, p: p["new_error"],
-    fenced=True,
-    ends=frozenset({_FAILED}),
-)
-RETRY = Transition("retry", lambda dialect: attempt.retry_job(), Event.RETRIED, detail=_retried, fenced=True)
+
+@dataclass(frozen=True)
+class Ending:
+    """How one attempt ends: a row of the one ending statement (end_jobs), written for
+    it alone or with any others (River's JobSetStateIfRunningParams). Build it with
+    the constructors below, one per outcome."""
+
+    job_id: str
+    generation: int
+    outcome: AttemptOutcome
+    result: Any = None
+    #: The last ctx.publish() value still unwritten, if any (a success's).
+    progress: Any = None
+    #: The stored error of a failure (or of a timeout on the last attempt).
+    error: str | None = None
+    #: Seconds until a retry, a snooze or a timeout's retry is due.
+    delay: float = 0.0
+    #: The run event's detail, when the job does not end failed (its error then).
+    detail: str | None = None
+
+    @classmethod
+    def succeeded(cls, a: Claimed, result: Any, progress: Any = None) -> Ending:
+        return cls(*_key(a), AttemptOutcome.SUCCEEDED, result=result, progress=progress)
+
+    @classmethod
+    def failed(cls, a: Claimed, error: str) -> Ending:
+        return cls(*_key(a), AttemptOutcome.FAILED, error=error)
+
+    @classmethod
+    def retried(cls, a: Claimed, delay: float, why: str | None = None) -> Ending:
+        detail = f"in {delay:.1f}s" if why is None else f"{why}; in {delay:.1f}s"
+        return cls(*_key(a), AttemptOutcome.RETRIED, delay=delay, detail=detail)
+
+    @classmethod
+    def timed_out(cls, a: Claimed, delay: float, error: str) -> Ending:
+        """Retried after ``delay``, or failed with ``error`` on its last attempt (the
+        statement decides, from the row)."""
+        return cls(*_key(a), AttemptOutcome.TIMED_OUT, error=error, delay=delay, detail=f"timed out; in {delay:.1f}s")
+
+    @classmethod
+    def snoozed(cls, a: Claimed, seconds: float) -> Ending:
+        return cls(*_key(a), AttemptOutcome.SNOOZED, delay=seconds, detail=f"snoozed for {seconds:g}s")
+
+    @classmethod
+    def handed_off(cls, a: Claimed, why: str | None = None) -> Ending:
+        return cls(*_key(a), AttemptOutcome.HANDED_OFF, detail=why or "shutdown handoff")
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "id": self.job_id,
+            "generation": self.generation,
+            "outcome": self.outcome.value,
+            "result": self.result,
+            "progress": self.progress,
+            "error": self.error,
+            "delay": self.delay,
+            "detail": self.detail,
+        }
 
 
-def many(attempts: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
-    """The parameters of a statement of many attempts (TIME_OUT, complete_jobs): one
-    dict per attempt, sent as one value, so the statement is the same for any number."""
-    return {**attempt.attempt_params(attempts), **params}
+class Claimed(Protocol):
+    """An attempt, as its ending names it (worker/attempt.py)."""
+
+    job_id: str
+    generation: int
 
 
-def _timed_out(row: Row, params: Mapping[str, Any]) -> str:
+def _key(a: Claimed) -> tuple[str, int]:
+    return a.job_id, a.generation
+
+
+def ending_params(endings: Sequence[Ending]) -> dict[str, Any]:
+    """The parameters of END for these endings: one array per column, the same
+    statement for any number of them."""
+    return attempt.attempt_params([e.row() for e in endings])
+
+
+def _row_ending(row: Row, params: Mapping[str, Any]) -> Mapping[str, Any]:
+    (ending,) = (e for e in params[attempt.ROWS] if e["id"] == str(row["id"]))
+    return ending
+
+
+def _ended_event(row: Row, params: Mapping[str, Any]) -> Event:
+    if row["status"] == Status.SUCCEEDED.value:
+        return Event.SUCCEEDED
     if row["status"] == _FAILED:
-        return params["new_error"]
-    (delay,) = (a["delay"] for a in params[attempt.ROWS] if a["id"] == str(row["id"]))
-    return f"timed out; in {delay:.1f}s"
+        return Event.FAILED
+    outcome = _row_ending(row, params)["outcome"]
+    return Event.REQUEUED if outcome in (AttemptOutcome.SNOOZED.value, AttemptOutcome.HANDED_OFF.value) else Event.RETRIED
 
 
-#: Every attempt of a worker process past its kind's timeout, in one statement: each row
-#: fenced by its attempt's generation, retried (attempts left) or failed; written off the
-#: heartbeat thread (worker/timeouts.py), so it never waits long on a job's own row lock.
-#: Parameters: many(attempts: id, generation, delay; new_error=).
-TIME_OUT = Transition(
-    "time out",
-    lambda dialect: attempt.time_out_jobs(dialect),
-    Event.RETRIED,
-    detail=_timed_out,
+def _ended_detail(row: Row, params: Mapping[str, Any]) -> str | None:
+    return row["error"] if row["status"] == _FAILED else _row_ending(row, params)["detail"]
+
+
+#: Every end of an attempt, whatever its outcome (Ending), one or many in one statement:
+#: each row fenced by its attempt's generation; failures fire their errbacks, a hand-off
+#: and a snooze due now are woken. Parameters: ending_params(endings). One attempt's
+#: (``attempt=``) raises LeaseLost when its lease is lost; of many (``attempts=``), those
+#: missing from the rows are marked lost.
+END = Transition(
+    "end",
+    lambda dialect: attempt.end_jobs(dialect),
+    None,
+    detail=_ended_detail,
+    fenced=True,
     ends=frozenset({_FAILED}),
-    lock_timeout=BACKGROUND_LOCK_TIMEOUT,
-    event_of=lambda r: Event.FAILED if r["status"] == _FAILED else Event.RETRIED,
+    wakes=lambda r, p: r["status"] == _PENDING and r["woken_at"] is not None,
+    event_of=_ended_event,
 )
-SNOOZE = Transition(
-    "snooze",
-    lambda dialect: attempt.snooze_job(),
-    Event.REQUEUED,
-    detail=lambda r, p: f"snoozed for {p['delay']:g}s",
-    fenced=True,
-    wakes=lambda r, p: p["delay"] <= 0,
-)
-HAND_OFF = Transition(
-    "hand off",
-    lambda dialect: attempt.hand_off_job(),
-    Event.REQUEUED,
-    detail=lambda r, p: p.get("why") or "shutdown handoff",
-    fenced=True,
-    wakes=_requeued,
-)
+#: END off the worker's heartbeat thread (its timeouts: worker/timeouts.py), which must
+#: never wait long on a job's own row lock.
+END_IN_BACKGROUND = dataclasses.replace(END, name="end (background)", lock_timeout=BACKGROUND_LOCK_TIMEOUT)
 CANCEL = Transition(
     "cancel",
     lambda dialect, **which: cancel.cancel_jobs(**which),
@@ -190,4 +245,4 @@ DELETE = Transition(
 )
 
 #: Every transition, for docs/lifecycle.md and the tests that hold them to the rules above.
-ALL = (SUCCEED, FAIL, RETRY, TIME_OUT, SNOOZE, HAND_OFF, CANCEL, REVOKE, REAP, RECOVER, RETRY_AS_NEW, DELETE)
+ALL = (END, END_IN_BACKGROUND, CANCEL, REVOKE, REAP, RECOVER, RETRY_AS_NEW, DELETE)

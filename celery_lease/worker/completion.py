@@ -2,7 +2,7 @@
 :class:`Completer`, for single jobs and many-job claims alike.
 
 :class:`BackgroundCompleter` (PostgreSQL): the body returns at once and its success waits at
-most a few milliseconds for this thread's ``complete_jobs`` of every success gathered
+most a few milliseconds for this thread's ``end_jobs`` of every success gathered
 (one round trip, one durable commit for all). The write is fenced by the generation; a row
 missing from the result is re-checked alone (:func:`confirm`); a success whose lease
 lapsed only by its own clock (the database away) is still written. A process that dies
@@ -36,9 +36,9 @@ UNSTORABLE_RESULT = "result could not be stored"
 Item = tuple["Attempt", Any, Any]
 
 
-def successes(items: list[Item]) -> list[dict[str, Any]]:
-    """The attempts of a many-success statement (transition.many) for these successes."""
-    return [{"id": a.job_id, "generation": a.generation, "result": r, "progress": p} for a, r, p in items]
+def successes(items: list[Item]) -> list[tr.Ending]:
+    """The endings of these successes."""
+    return [tr.Ending.succeeded(a, r, p) for a, r, p in items]
 
 
 def write_successes(pipeline: Pipeline, items: list[Item], write: Callable[[list[Item]], set[str]]) -> None:
@@ -70,12 +70,12 @@ def write_successes(pipeline: Pipeline, items: list[Item], write: Callable[[list
 def confirm(pipeline: Pipeline, items: list[Item], done: set[str]) -> None:
     """Re-check alone each success missing from ``done``: lost, or a row the many-row
     statement did not re-qualify after a concurrent update (a renewal) changed it. The
-    single fenced SUCCEED decides which, so no success is discarded by a race."""
+    single fenced END decides which, so no success is discarded by a race."""
     for attempt, result, progress in items:
         if attempt.job_id in done or attempt.known_lost:
             continue
         try:
-            pipeline.execute(tr.SUCCEED, {"new_result": result, "new_progress": progress}, attempt=attempt)
+            pipeline.execute(tr.END, tr.ending_params(successes([(attempt, result, progress)])), attempt=attempt)
         except LeaseLost:
             log.warning("celery-lease: job %s: lease lost; success discarded", attempt.job_id)
 
@@ -84,7 +84,8 @@ def refuse(pipeline: Pipeline, attempt: Attempt) -> None:
     """The database refused this success's values: the job ends failed (fenced), never
     stuck running nor silently dropped."""
     try:
-        pipeline.execute(tr.FAIL, {"new_error": UNSTORABLE_RESULT}, attempt=attempt)
+        ending = tr.Ending.failed(attempt, UNSTORABLE_RESULT)
+        pipeline.execute(tr.END, tr.ending_params([ending]), attempt=attempt, error=UNSTORABLE_RESULT)
         log.error("celery-lease: job %s: %s", attempt.job_id, UNSTORABLE_RESULT)
     except LeaseLost:
         log.warning("celery-lease: job %s: lease lost; refused success discarded", attempt.job_id)
@@ -116,7 +117,8 @@ class InlineCompleter:
 
     def add(self, attempt: Attempt, result: Any, progress: Any) -> None:
         try:
-            self._pipeline.execute(tr.SUCCEED, {"new_result": result, "new_progress": progress}, attempt=attempt)
+            ending = tr.Ending.succeeded(attempt, result, progress)
+            self._pipeline.execute(tr.END, tr.ending_params([ending]), attempt=attempt)
         finally:
             attempt.pending_write = False
 
@@ -200,7 +202,7 @@ class BackgroundCompleter(Drainer):
 
 
 def complete_within_leases(store: Store, live: list[Item], give_up: Callable[[], bool] | None = None) -> set[str]:
-    """complete_jobs for these successes, tried again while the database is unreachable
+    """end_jobs for these successes, tried again while the database is unreachable
     (the completer's and a many-job claim's), also for the attempts whose leases
     lapsed by their own clocks meanwhile: their bodies finished, and the statement is
     fenced (a job the reaper took is not written). Dropped, the success was lost while

@@ -1,7 +1,6 @@
-"""Recording how an attempt ended, each outcome as its named transition.
-
-Succeed, fail, retry, snooze, hand-off and a kind's timeout are
-:mod:`celery_lease.lifecycle.transition` values run by the one
+"""Recording how an attempt ended: each outcome (succeed, fail, retry, snooze, hand-off,
+a kind's timeout) is an :class:`~celery_lease.lifecycle.transition.Ending` written by the
+one ``END`` transition, run by the one
 :class:`~celery_lease.lifecycle.pipeline.Pipeline`: fenced by the attempt's lease
 generation, durable, retried through a database outage within the lease, settled by
 asking the server after a lost reply, and followed (errbacks, chain steps, wakeups,
@@ -111,35 +110,40 @@ class Recorder:
             attempt.pending_write = True
             completer.add(attempt, result, ctx.pending_progress)
             return
-        params = {"new_result": result, "new_progress": ctx.pending_progress}
-        self.pipeline.execute(tr.SUCCEED, params, attempt=attempt, during=_SuccessWrites(self, attempt, ctx, follow_up))
+        ending = tr.Ending.succeeded(attempt, result, ctx.pending_progress)
+        self.end(ending, attempt, during=_SuccessWrites(self, attempt, ctx, follow_up))
+
+    def end(self, ending: tr.Ending, attempt: Attempt, *, during: _SuccessWrites | None = None) -> None:
+        """Write ``ending`` alone (the END transition, fenced by ``attempt``); a failure's
+        error goes to its errbacks."""
+        self.pipeline.execute(tr.END, tr.ending_params([ending]), attempt=attempt, during=during, error=ending.error)
 
     def fail(self, attempt: Attempt, error: str) -> None:
-        self.pipeline.execute(tr.FAIL, {"new_error": error}, attempt=attempt, error=error)
+        self.end(tr.Ending.failed(attempt, error), attempt)
 
     def retry(self, attempt: Attempt, delay: float, why: str | None = None) -> None:
         """Back to pending, due after ``delay``; ``why`` (the stored form of its error)
         goes to the run's event."""
-        self.pipeline.execute(tr.RETRY, {"delay": delay, "why": why}, attempt=attempt)
+        self.end(tr.Ending.retried(attempt, delay, why), attempt)
 
     def hand_off(self, attempt: Attempt, why: str | None = None) -> None:
         """Warm shutdown (or ``why`` else): back to pending at once, attempt not spent,
         wakeup sent."""
-        self.pipeline.execute(tr.HAND_OFF, {"why": why}, attempt=attempt)
+        self.end(tr.Ending.handed_off(attempt, why), attempt)
         log.info("celery-lease: job %s: handed off %s", attempt.job_id, why or "on shutdown")
 
     def snooze(self, attempt: Attempt, seconds: float) -> None:
         """ctx.snooze(): back to pending, due in ``seconds``, attempt not spent. Durable
         and retried through an outage like any end of an attempt: a snooze lost to a crash
         or an outage would leave the job to the reaper, which spends an attempt."""
-        self.pipeline.execute(tr.SNOOZE, {"delay": seconds}, attempt=attempt)
+        self.end(tr.Ending.snoozed(attempt, seconds), attempt)
         log.info("celery-lease: job %s: snoozed for %gs", attempt.job_id, seconds)
 
     def time_out(self, attempts: Sequence[Attempt]) -> None:
         """``attempts`` ran past their kind's timeout: each retried (or, with no attempt
-        left, failed), all in one ``time out`` transition, written by the worker's
+        left, failed), all in one ``end (background)`` transition, written by the worker's
         timeout thread (worker/timeouts.py)."""
-        rows: list[dict[str, Any]] = []
+        endings: list[tr.Ending] = []
         for attempt in attempts:
             spec = self.registry.resolve(attempt.kind)
             log.warning(
@@ -150,11 +154,10 @@ class Recorder:
                 spec.timeout,
             )
             delay = backoff(attempt.attempt, spec.retry_backoff, spec.retry_backoff_max)
-            rows.append({"id": attempt.job_id, "generation": attempt.generation, "delay": delay})
+            endings.append(tr.Ending.timed_out(attempt, delay, TIMED_OUT))
         try:
-            moved = {
-                str(r["id"]) for r in self.pipeline.execute(tr.TIME_OUT, tr.many(rows, new_error=TIMED_OUT), attempts=attempts)
-            }
+            ended = self.pipeline.execute(tr.END_IN_BACKGROUND, tr.ending_params(endings), attempts=attempts, error=TIMED_OUT)
+            moved = {str(r["id"]) for r in ended}
         except LeaseLost:
             moved = set()
         for attempt in attempts:

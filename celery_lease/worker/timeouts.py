@@ -3,7 +3,7 @@
 The rule: the heartbeat thread only renews leases, since a timeout's write may wait on
 the job's row (locked by the timed-out handler's own success transaction) and no other
 lease of the process would be renewed meanwhile. So the heartbeat hands overdue attempts
-here; one thread writes every timeout queued so far as one ``time out`` transition (each
+here; one thread writes every timeout queued so far as one ``end (background)`` transition (each
 row fenced by its attempt's generation, with a lock timeout; retried through an outage while any of
 their leases lives), then marks each attempt lost: its handler stops at its next
 ``raise_if_cancelled()`` and later writes are discarded. The slot of a limited kind is

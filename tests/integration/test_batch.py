@@ -280,7 +280,7 @@ def test_a_claim_and_a_completion_whose_replies_were_lost_are_found_landed(pg, b
         assert lost and lead is not None
         assert [(a.job_id, a.attempt, a.generation) for a in lead.claimed_together] == [(i, 1, 1) for i in ids[:4]]
         assert [r.status for r in rows(pg, ids)] == ["running"] * 4 + ["pending"] * 4
-        rule = proxy.lose_reply("completed_logged")  # the successes' one statement (its events' CTE)
+        rule = proxy.lose_reply("ended_logged")  # the successes' one statement (its events' CTE)
         worker.execute(mod.b_note.spec, lead)
         worker.end(lead)
         worker.flush()
@@ -492,7 +492,7 @@ def test_a_batchs_successes_are_written_through_a_database_outage_within_their_l
         ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(4)])]
         worker = mod.leases.worker
         lead = _claim(mod, ids[0])
-        outage = proxy.fail("completed_logged", times=None)  # the successes' one statement (its events' CTE)
+        outage = proxy.fail("ended_logged", times=None)  # the successes' one statement (its events' CTE)
         proxy.refuse(outage_seconds)
         threading.Timer(outage_seconds, proxy.remove, [outage]).start()
         started = time.monotonic()

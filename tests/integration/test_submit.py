@@ -373,7 +373,7 @@ def test_a_plain_success_in_a_run_is_the_completers_and_logs_its_run_event(pg, b
     events = [(e["event"], e["attempt"]) for e in mod.leases.run_events(run_id)]
     assert [e for e, _ in events] == ["dispatched", "claimed", "succeeded"]
     assert events[-1] == ("succeeded", 1)
-    assert sum("completed_logged" in sql for sql in executed) == 1  # the completer's complete_jobs
+    assert sum("ended_logged" in sql for sql in executed) == 1  # the completer's end_jobs
 
 
 def seconds_from_db_now(db, value) -> float:

@@ -1,5 +1,5 @@
 """The process's completer against real PostgreSQL (worker/completion.py): plain
-successes gathered and written by one statement (complete_jobs), each fenced by its own
+successes gathered and written by one statement (end_jobs), each fenced by its own
 lease generation; a value the database refuses costs no other row."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
 from celery_lease.db.store import Store
+from celery_lease.lifecycle import transition as tr
+from celery_lease.status import AttemptOutcome
 from celery_lease.worker.completion import UNSTORABLE_RESULT, BackgroundCompleter
 from tests.conftest import attempt_for, local_pipeline
 
@@ -119,10 +121,8 @@ def test_many_successes_are_one_statement_planned_by_the_primary_key(pg, make_jo
         first = [_running(pg, make_job)]
         more = [_running(pg, make_job) for _ in range(5)]
         prepared_before = len(store._prepared or {})
-        assert store.complete_many([{"id": j, "generation": 1, "result": {"n": 1}, "progress": None} for j in first]) == set(
-            first
-        )
-        assert store.complete_many([{"id": j, "generation": 1, "result": [j], "progress": "p"} for j in more]) == set(more)
+        assert store.complete_many([_success(j, {"n": 1}) for j in first]) == set(first)
+        assert store.complete_many([_success(j, [j], "p") for j in more]) == set(more)
         assert len(store._prepared or {}) == prepared_before + 1
         rows = _rows(pg)
         assert rows[first[0]].result == {"n": 1} and all(rows[j].status == "succeeded" and rows[j].result == [j] for j in more)
@@ -142,10 +142,10 @@ def test_many_successes_are_one_statement_planned_by_the_primary_key(pg, make_jo
                 {"id": _running(pg, make_job)},
             )
             conn.execute(sa.text("ANALYZE celery_lease_jobs"))
-            params = attempt_sql.attempt_params([{"id": j, "generation": 1, "result": None, "progress": None} for j in more[:3]])
-            compiled = attempt_sql.complete_jobs().compile(dialect=conn.dialect)
+            params = tr.ending_params([_success(j, None) for j in more[:3]])
+            compiled = attempt_sql.end_jobs("postgresql").compile(dialect=conn.dialect)
             (custom,) = conn.exec_driver_sql("EXPLAIN (FORMAT JSON) " + compiled.string, compiled.construct_params(params)).one()
-            statement = Prepared(attempt_sql.complete_jobs())
+            statement = Prepared(attempt_sql.end_jobs("postgresql"))
             conn.exec_driver_sql(statement.prepare_sql)
             conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
             placeholders = ", ".join(["%s"] * len(statement.values(params)))
@@ -163,12 +163,12 @@ def test_many_successes_are_one_statement_planned_by_the_primary_key(pg, make_jo
     # than a custom one for a row or two and planned every EXECUTE again (~1 ms each).
     raw = sa.create_engine(pg).raw_connection()
     try:
-        statement, info = Prepared(attempt_sql.complete_jobs()), {}
+        statement, info = Prepared(attempt_sql.end_jobs("postgresql")), {}
         for job in [_running(pg, make_job) for _ in range(7)]:
             statement.execute(
                 raw.dbapi_connection,
                 info,
-                attempt_sql.attempt_params([{"id": job, "generation": 1, "result": 1, "progress": None}]),
+                tr.ending_params([_success(job, 1)]),
             )
             raw.commit()
         with raw.cursor() as cur:
@@ -176,6 +176,10 @@ def test_many_successes_are_one_statement_planned_by_the_primary_key(pg, make_jo
             assert cur.fetchone() == (7, 0)
     finally:
         raw.close()
+
+
+def _success(job_id: str, result, progress=None) -> tr.Ending:
+    return tr.Ending(job_id, 1, AttemptOutcome.SUCCEEDED, result=result, progress=progress)
 
 
 def _scans(node: dict) -> set[tuple[str, str]]:

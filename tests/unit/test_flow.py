@@ -15,10 +15,12 @@ from celery_lease.db.statements import attempt
 from celery_lease.errors import InvalidPayload, JobSnoozed
 from celery_lease.flow.limits import Limits, Rate, parse_priority
 from celery_lease.flow.store import FlowStore
+from celery_lease.lifecycle import transition as tr
 from celery_lease.lifecycle.claim import claim_delivery
+from celery_lease.status import AttemptOutcome
 from celery_lease.worker.context import JobContext
 from celery_lease.worker.heartbeat import Heartbeat
-from tests.conftest import attempt_for
+from tests.conftest import attempt_for, ended
 
 OWNER = "node/1/boot"
 TASK = "tests.echo"  # the task of the unit tier's add_job
@@ -97,7 +99,7 @@ def test_concurrency_holds_the_claim_while_the_kind_is_full_and_a_release_wakes_
     r = row(third)
     assert (r["status"], r["attempt"], r["held"]) == ("pending", 0, "limit")  # no attempt spent
     assert flow.wake_for_slot("k", None) == []  # still full: nothing woken
-    assert attempt_for(first, 1).write(flow._store, attempt.complete_job(), new_result=None, new_progress=None)
+    assert ended(flow._store, tr.Ending.succeeded(attempt_for(first, 1), None))
     woken = flow.wake_for_slot("k", None)
     assert [str(w["id"]) for w in woken] == [third]
     assert row(third)["held"] is None
@@ -133,7 +135,7 @@ def test_release_wakes_held_jobs_best_priority_first_then_oldest(flow, add_job):
     low_old, low_new, high = add_job(kind="k"), add_job(kind="k"), add_job(kind="k", priority=7)
     for job in (low_old, low_new, high):
         assert flow.claim_limited(job, OWNER, "k", TASK, limits).held is not None
-    assert attempt_for(running, 1).write(flow._store, attempt.fail_job(), new_error="x")
+    assert ended(flow._store, tr.Ending.failed(attempt_for(running, 1), "x"))
     assert [str(w["id"]) for w in flow.wake_for_slot("k", None)] == [high]
 
 
@@ -222,8 +224,10 @@ def test_a_stale_delivery_swaps_in_nothing(store, add_job, row):
 def test_snooze_gives_the_attempt_back_and_keeps_the_checkpoint(store, add_job, row):
     job = add_job(kind="k", status="running", attempt=1, max_attempts=1, lease_generation=3, checkpoint={"i": 2})
     with store.durable.begin() as conn:
-        assert conn.execute(attempt.snooze_job(), {"job_id": job, "generation": 2, "delay": 30.0}).first() is None  # fenced
-        assert conn.execute(attempt.snooze_job(), {"job_id": job, "generation": 3, "delay": 30.0}).first() is not None
+        end = attempt.end_jobs(store.dialect)
+        stale, live = (tr.Ending(job, g, AttemptOutcome.SNOOZED, delay=30.0) for g in (2, 3))
+        assert conn.execute(end, tr.ending_params([stale])).first() is None  # fenced
+        assert conn.execute(end, tr.ending_params([live])).first() is not None
     r = row(job)
     assert (r["status"], r["attempt"], r["checkpoint"], r["lease_owner"]) == ("pending", 0, {"i": 2}, None)
     assert r["run_after"] is not None and r["woken_at"] is None

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from celery_lease.db.statements import attempt
 from celery_lease.flow.limits import DEFAULT, NO_LIMIT, LimitChange, Limits, Rate
 from celery_lease.flow.store import FlowStore
-from tests.conftest import attempt_for
+from celery_lease.lifecycle import transition as tr
+from tests.conftest import attempt_for, ended
 
 OWNER = "node/1/boot"
 TASK = "tests.echo"  # the task of the unit tier's add_job
@@ -56,7 +56,7 @@ def claim(flow, job, limits=Limits(concurrency=2)):
 
 
 def finish(flow, job):
-    assert attempt_for(job, 1).write(flow._store, attempt.complete_job(), new_result=None, new_progress=None)
+    assert ended(flow._store, tr.Ending.succeeded(attempt_for(job, 1), None))
 
 
 def test_a_concurrency_override_binds_the_next_claim_and_clearing_it_returns_to_the_code(flow, add_job, row):

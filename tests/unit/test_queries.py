@@ -57,25 +57,32 @@ def test_renew_holds_only_a_running_lease_of_the_same_generation(store, add_job,
     assert held == ({(job_id, 3): True} if status == "running" else {})
 
 
+def _ended(ending):
+    """An attempt's write of one ending (END), as (statement, parameters)."""
+    return lambda a: (attempt.end_jobs("sqlite"), tr.ending_params([ending(a)]))
+
+
 @pytest.mark.parametrize(
-    "stmt, params, final",
+    "write, final",
     [
-        (attempt.complete_job(), {"new_result": {"ok": 1}, "new_progress": None}, "succeeded"),
-        (attempt.fail_job(), {"new_error": "boom"}, "failed"),
-        (attempt.retry_job(), {"delay": 5.0}, "pending"),
-        (attempt.save_checkpoint(), {"new_checkpoint": {"i": 1}}, "running"),
-        (attempt.publish_progress(), {"new_progress": {"rows": 1}}, "running"),
+        (_ended(lambda a: tr.Ending.succeeded(a, {"ok": 1})), "succeeded"),
+        (_ended(lambda a: tr.Ending.failed(a, "boom")), "failed"),
+        (_ended(lambda a: tr.Ending.retried(a, 5.0)), "pending"),
+        (lambda a: (attempt.save_checkpoint(), {"new_checkpoint": {"i": 1}}), "running"),
+        (lambda a: (attempt.publish_progress(), {"new_progress": {"rows": 1}}), "running"),
     ],
     ids=["complete", "fail", "retry", "checkpoint", "progress"],
 )
 @pytest.mark.parametrize("status", ALL)
-def test_attempt_writes_are_fenced(store, add_job, row, stmt, params, final, status):
+def test_attempt_writes_are_fenced(store, add_job, row, write, final, status):
     job_id = add_job(status=status, lease_generation=7, attempt=1, expires_in=30)
     stale = attempt_for(job_id, 6)
+    stmt, params = write(stale)
     assert stale.write(store, stmt, **params) is False
     assert stale.is_lost
     assert row(job_id)["status"] == status  # the stale write changed nothing
     live = attempt_for(job_id, 7)
+    stmt, params = write(live)
     assert live.write(store, stmt, **params) is (status == "running")
     assert row(job_id)["status"] == (final if status == "running" else status)
 

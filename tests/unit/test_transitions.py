@@ -17,7 +17,7 @@ def test_every_transition_commits_durably_and_only_background_ones_bound_their_l
     # Each ends an attempt or bumps a generation: an asynchronous commit lost in a
     # crash would undo it after its follow-ups were sent.
     assert all(t.durable for t in tr.ALL)
-    assert {t.name for t in tr.ALL if t.lock_timeout is not None} == {"time out", "revoke", "reap"}
+    assert {t.name for t in tr.ALL if t.lock_timeout is not None} == {"end (background)", "revoke", "reap"}
     assert len({t.name for t in tr.ALL}) == len(tr.ALL)  # each named once
 
 
@@ -26,12 +26,13 @@ def test_a_fenced_transition_of_a_lost_attempt_changes_nothing_and_follows_up_no
     stale = attempt_for(job_id, 1)
     stale.mark_lost()
     with pytest.raises(LeaseLost):
-        lifecycle.execute(tr.HAND_OFF, attempt=stale)
+        lifecycle.execute(tr.END, tr.ending_params([tr.Ending.handed_off(stale)]), attempt=stale)
     other = attempt_for(job_id, 2)  # a generation the row does not hold
     with pytest.raises(LeaseLost):
-        lifecycle.execute(tr.HAND_OFF, attempt=other)
+        lifecycle.execute(tr.END, tr.ending_params([tr.Ending.handed_off(other)]), attempt=other)
     assert other.lost.is_set() and row(job_id)["status"] == "running" and lifecycle.woken == []
-    lifecycle.execute(tr.HAND_OFF, attempt=attempt_for(job_id, 1))
+    live = attempt_for(job_id, 1)
+    lifecycle.execute(tr.END, tr.ending_params([tr.Ending.handed_off(live)]), attempt=live)
     assert row(job_id)["status"] == "pending" and lifecycle.woken == [job_id]  # woken once
 
 

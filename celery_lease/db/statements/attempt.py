@@ -1,6 +1,6 @@
 """The statements of an attempt's life (celery_lease.worker, celery_lease.lifecycle):
-renewing its lease, and its fenced writes (checkpoint, progress, success, failure,
-retry, shutdown handoff, snooze), each guarded by the lease generation it claimed."""
+renewing its lease, its fenced checkpoint and progress, and the one statement that ends
+attempts (end_jobs), each write guarded by the lease generation it claimed."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
+from celery_lease.db.durability import durable
 from celery_lease.db.schema import ID, JSON, jobs
-from celery_lease.db.statements.attempt_log import close_attempt
+from celery_lease.db.statements.attempt_log import closed
 from celery_lease.db.statements.common import (
     ENDED_COLUMNS,
     _c,
-    _lease_cleared,
     _running_under_lease,
-    _seconds,
     db_now,
     db_now_plus,
 )
@@ -64,35 +63,9 @@ def publish_progress() -> sa.Update:
     return sa.update(jobs).where(_running_under_lease).values(progress=sa.bindparam("new_progress"), updated_at=db_now())
 
 
-def _ending(outcome: AttemptOutcome, **values: Any) -> sa.Update:
-    """The fenced write that ends an attempt as ``outcome`` (still running under the
-    generation it claimed; zero rows: its lease is lost): ``values``, the attempt closed
-    in the job's attempt log, the lease cleared."""
-    return (
-        sa.update(jobs)
-        .where(_running_under_lease)
-        .values(**values, updated_at=db_now(), attempts=close_attempt(outcome), **_lease_cleared)
-        .returning(*ENDED_COLUMNS)
-    )
-
-
-@functools.cache
-def complete_job() -> sa.Update:
-    """complete_job: running -> succeeded; clears the checkpoint in the same write."""
-    return _ending(
-        AttemptOutcome.SUCCEEDED,
-        status=Status.SUCCEEDED.value,
-        result=sa.bindparam("new_result", type_=_c.result.type),
-        # the last coalesced ctx.publish() value, if one is still unwritten
-        progress=sa.func.coalesce(sa.bindparam("new_progress", type_=_c.progress.type), _c.progress),
-        checkpoint=None,
-        finished_at=db_now(),
-    )
-
-
-#: The parameter under which a transition of many attempts (complete_jobs,
-#: time_out_jobs) carries them: one dict per attempt, each with the keys of its
-#: statement's attempt_rows. attempt_params turns them into one array per column.
+#: The parameter under which a statement of many attempts (end_jobs) carries them: one
+#: dict per attempt, each with the keys of its statement's attempt_rows. attempt_params
+#: turns them into one array per column.
 ROWS = "attempt_list"
 #: The parameter of the attempts' ids: a statement that binds it is one of many
 #: attempts (db/prepared.py plans it once).
@@ -150,41 +123,96 @@ def _array(name: str, t: sa.types.TypeEngine) -> sa.ColumnElement[Any]:
     return sa.bindparam(name, type_=postgresql.ARRAY(t))
 
 
-@functools.cache
-def complete_jobs() -> sa.Select:
-    """complete_jobs: complete_job for many attempts in one statement (PostgreSQL),
-    appending the run event of each completed job of a run itself (events.logs_itself).
+#: What each outcome of an attempt makes of its job (AttemptOutcome values).
+_SUCCEEDED = AttemptOutcome.SUCCEEDED.value
+_FAILED = AttemptOutcome.FAILED.value
+_TIMED_OUT = AttemptOutcome.TIMED_OUT.value
+_SNOOZED = AttemptOutcome.SNOOZED.value
+_HANDED_OFF = AttemptOutcome.HANDED_OFF.value
 
-    The attempts come as attempt_params (id, generation, result, progress); each row
-    is fenced exactly like complete_job. Returns the ids completed: an attempt missing
-    from the result had lost its lease.
+
+@functools.cache
+def end_jobs(dialect: str) -> Any:
+    """end_jobs: the one statement that ends attempts, any number of them, each as its
+    own outcome (River's JobSetStateIfRunning).
+
+    The endings come as attempt_params (id, generation, outcome, result, progress,
+    error, delay, detail); each row is fenced: still running under the generation it
+    claimed (a row missing from the result had lost its lease). By outcome:
+
+    - succeeded: succeeded with its result; the checkpoint cleared.
+    - failed: failed with its error; the checkpoint kept.
+    - retried: pending, due after delay; the sweeper wakes it.
+    - timed out: retried, or failed with its error on the last attempt.
+    - snoozed: pending, due after delay, its attempt given back (woken at once for 0).
+    - handed off: pending now, its attempt given back, woken (the caller publishes).
+
+    Every one closes the attempt in the job's log and clears the lease. Returns the
+    ended rows (ENDED_COLUMNS, woken_at, error). On PostgreSQL it appends the run
+    events of the jobs of a run itself (events.logs_itself).
     """
-    done = attempt_rows("postgresql", result=_c.result.type, progress=_c.progress.type)
-    completed = (
+    e = attempt_rows(
+        dialect,
+        outcome=sa.Text(),
+        result=_c.result.type,
+        progress=_c.progress.type,
+        error=sa.Text(),
+        delay=sa.Float(),
+        detail=sa.Text(),
+    )
+    outcome = e.c.outcome
+    succeeds = outcome == sa.literal(_SUCCEEDED)
+    fails = sa.or_(outcome == sa.literal(_FAILED), sa.and_(outcome == sa.literal(_TIMED_OUT), _c.attempt >= _c.max_attempts))
+    ends = sa.or_(succeeds, fails)
+    handed_off = outcome == sa.literal(_HANDED_OFF)
+    snoozed = outcome == sa.literal(_SNOOZED)
+    now = db_now()
+    ended = (
         sa.update(jobs)
-        .where(
-            _c.id == done.c.id,
-            _c.lease_generation == done.c.generation,
-            _c.status == Status.RUNNING.value,
-        )
+        .where(_c.id == e.c.id, _c.lease_generation == e.c.generation, _c.status == sa.literal(Status.RUNNING.value))
         .values(
             # Constants as SQL, not values bound at compile time: prepared, only the
             # rows' values travel with each EXECUTE (prepared._inline_constants).
-            status=sa.literal(Status.SUCCEEDED.value),
-            result=done.c.result,
-            progress=sa.func.coalesce(done.c.progress, _c.progress),
-            checkpoint=sa.null(),
-            finished_at=db_now(),
-            updated_at=db_now(),
-            attempts=close_attempt(AttemptOutcome.SUCCEEDED),
+            status=sa.case(
+                (succeeds, sa.literal(Status.SUCCEEDED.value)),
+                (fails, sa.literal(Status.FAILED.value)),
+                else_=sa.literal(Status.PENDING.value),
+            ),
+            result=sa.case((succeeds, e.c.result), else_=_c.result),
+            # the last coalesced ctx.publish() value, if one is still unwritten
+            progress=sa.func.coalesce(e.c.progress, _c.progress),
+            checkpoint=sa.case((succeeds, sa.null()), else_=_c.checkpoint),
+            error=sa.case((fails, e.c.error), else_=_c.error),
+            finished_at=sa.case((ends, now), else_=_c.finished_at),
+            attempt=sa.case((sa.or_(snoozed, handed_off), _c.attempt - 1), else_=_c.attempt),
+            run_after=sa.case((handed_off, sa.null()), (ends, _c.run_after), else_=db_now_plus(e.c.delay)),
+            woken_at=sa.case(
+                (handed_off, now),
+                (sa.and_(snoozed, e.c.delay <= 0), now),
+                (ends, _c.woken_at),
+                else_=sa.null(),
+            ),
+            held=sa.case((snoozed, sa.null()), else_=_c.held),
+            attempts=closed(_c.attempts, outcome, now),
+            updated_at=now,
             lease_owner=sa.null(),
             lease_expires_at=sa.null(),
         )
-        .returning(_c.id, _c.run_id, _c.attempt)  # what the run events need
-        .cte("completed")
     )
-    succeeded = event_rows(completed, sa.literal(Event.SUCCEEDED.value), sa.null())
-    return logged(sa.select(completed.c.id).add_cte(events_cte("completed_logged", succeeded)))
+    returned = (*ENDED_COLUMNS, _c.woken_at, _c.error)
+    if dialect != "postgresql":  # SQLite: RETURNING names the updated table only; the caller logs
+        return durable(ended.returning(*returned))
+    done = ended.returning(*returned, e.c.outcome, e.c.detail).cte("ended")
+    d = done.c
+    event = sa.case(
+        (d.status == sa.literal(Status.SUCCEEDED.value), sa.literal(Event.SUCCEEDED.value)),
+        (d.status == sa.literal(Status.FAILED.value), sa.literal(Event.FAILED.value)),
+        (d.outcome.in_([sa.literal(_SNOOZED), sa.literal(_HANDED_OFF)]), sa.literal(Event.REQUEUED.value)),
+        else_=sa.literal(Event.RETRIED.value),
+    )
+    detail = sa.case((d.status == sa.literal(Status.FAILED.value), d.error), else_=d.detail)
+    logged_rows = events_cte("ended_logged", event_rows(done, event, detail))
+    return logged(durable(sa.select(*(d[c.name] for c in returned)).add_cte(logged_rows)))
 
 
 def landed_successes(leases: Iterable[tuple[str, int]]) -> sa.Select:
@@ -193,80 +221,3 @@ def landed_successes(leases: Iterable[tuple[str, int]]) -> sa.Select:
     job may have moved into the history since."""
     landed = sa.and_(sa.tuple_(_c.id, _c.lease_generation).in_(list(leases)), _c.status == Status.SUCCEEDED.value)
     return everywhere(sa.select(_c.id).where(landed))
-
-
-@functools.cache
-def fail_job() -> sa.Update:
-    """fail_job: running -> failed with a sanitized error; the checkpoint is kept."""
-    return _ending(AttemptOutcome.FAILED, status=Status.FAILED.value, error=sa.bindparam("new_error"), finished_at=db_now())
-
-
-@functools.cache
-def retry_job() -> sa.Update:
-    """retry_job: running -> pending, due after the backoff; the sweeper wakes it."""
-    return _ending(AttemptOutcome.RETRIED, status=Status.PENDING.value, run_after=db_now_plus(_seconds("delay")), woken_at=None)
-
-
-@functools.cache
-def hand_off_job() -> sa.Update:
-    """hand_off_job: running -> pending at once without spending the attempt.
-
-    Used on warm shutdown. woken_at is set because the caller publishes the wakeup
-    right after; the checkpoint is kept so the next worker resumes.
-    """
-    return _ending(
-        AttemptOutcome.HANDED_OFF, status=Status.PENDING.value, attempt=_c.attempt - 1, run_after=None, woken_at=db_now()
-    )
-
-
-@functools.cache
-def snooze_job() -> sa.Update:
-    """snooze_job: running -> pending, due in :delay seconds, without spending the attempt.
-
-    Not a failure: the attempt is given back (as by a shutdown handoff), so a job may
-    snooze any number of times whatever its max_attempts; the checkpoint is kept. Due
-    at once (:delay 0) it is marked woken, since the caller publishes its wakeup;
-    later, the sweeper wakes it when due.
-    """
-    return _ending(
-        AttemptOutcome.SNOOZED,
-        status=Status.PENDING.value,
-        attempt=_c.attempt - 1,
-        run_after=db_now_plus(_seconds("delay")),
-        woken_at=sa.case((_seconds("delay") <= 0, db_now()), else_=sa.null()),
-        held=sa.null(),
-    )
-
-
-@functools.cache
-def time_out_jobs(dialect: str) -> sa.Update:
-    """time_out_jobs: attempts past their kind's timeout, in one statement (a worker's
-    timeout thread writes every timeout due at once).
-
-    The attempts come as attempt_params (id, generation, delay); each row is fenced
-    exactly like retry_job and fail_job: still running under that generation. One with
-    attempts left is retried (pending, due after its delay, the sweeper wakes it); one
-    on its last attempt fails with :new_error. Returns the rows moved: an attempt
-    missing from them had lost its lease.
-    """
-    due = attempt_rows(dialect, delay=sa.Float())
-    last = _c.attempt >= _c.max_attempts
-
-    def retried(value, otherwise):
-        return sa.case((last, otherwise), else_=value)
-
-    return (
-        sa.update(jobs)
-        .where(_c.id == due.c.id, _c.lease_generation == due.c.generation, _c.status == Status.RUNNING.value)
-        .values(
-            status=retried(sa.literal(Status.PENDING.value), sa.literal(Status.FAILED.value)),
-            run_after=retried(db_now_plus(due.c.delay), _c.run_after),
-            woken_at=retried(sa.null(), _c.woken_at),
-            error=retried(_c.error, sa.bindparam("new_error", type_=_c.error.type)),
-            finished_at=retried(_c.finished_at, db_now()),
-            updated_at=db_now(),
-            attempts=close_attempt(AttemptOutcome.TIMED_OUT),
-            **_lease_cleared,
-        )
-        .returning(*ENDED_COLUMNS)
-    )
