@@ -26,6 +26,7 @@ from celery_lease.db.prepared import Prepared, PreparedScript
 from celery_lease.db.reads import Reads
 from celery_lease.db.statements import attempt as attempt_sql
 from celery_lease.db.statements import cancel, canvas, events, landing, maintenance, outbox, submit
+from celery_lease.db.statements.common import row_dicts
 from celery_lease.db.statements.fair import fair_params
 from celery_lease.job import Job
 from celery_lease.status import Event
@@ -200,26 +201,15 @@ class Store(Reads, History, Database):
 
         return self.transaction(self.engine(heartbeat=True), work)
 
-    def complete_many(self, endings: list[Any]) -> set[str]:
-        """end_jobs for these successes (transition.Ending values), alone: one round
-        trip; returns the ids that completed. After a retry (a dropped connection) those
-        that had landed before the reply was lost count as completed too."""
-        retried: list[bool] = []
-        params = attempt_sql.attempt_params([e.row() for e in endings])
-        stmt = attempt_sql.end_jobs(self.dialect)
-        done = {str(r["id"]) for r in self.alone(stmt, params, on_retry=lambda: retried.append(True))}
-        if retried and len(done) < len(endings):
-            done |= self.landed_successes([(e.job_id, e.generation) for e in endings if e.job_id not in done])
-        return done
-
-    def landed_successes(self, leases: Sequence[tuple[str, int]]) -> set[str]:
-        """Of these (job, generation) attempts, the ids recorded as succeeded under that
-        generation: only that attempt can have written it (a success keeps the
-        generation; every other transition bumps it)."""
-        if not leases:
-            return set()
-        stmt = attempt_sql.landed_successes(leases)
-        return self.transaction(self.durable, lambda conn: {str(r[0]) for r in conn.execute(stmt)})
+    def rows_in(self, conn: Connection, stmt, params: Mapping[str, Any], *, key: Any = None) -> list[dict[str, Any]]:
+        """``stmt``'s rows on ``conn`` (the caller's transaction): sent as a prepared
+        statement where the store prepares them, its plan kept per connection (``key``:
+        the catalogue's cached construct it was made from, so one per statement), else
+        as text."""
+        if self._prepared is None or key is None:
+            return row_dicts(conn.execute(stmt, params))
+        prepared = self._prepared.get(key) or self._prepared.setdefault(key, Prepared(stmt))
+        return prepared.run(conn, dict(params))
 
     def guarded(self, stmt, params: dict[str, Any], *, connection: Connection | None = None) -> bool:
         """Run one guarded write; False when its guard matched no row. Alone (committed

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from celery_lease.db import durability
 from celery_lease.db.landing import Landing
 from celery_lease.db.outage import retry_briefly, retry_within_lease
-from celery_lease.db.statements.common import row_dicts
 from celery_lease.db.statements.events import logs_itself
 from celery_lease.errors import LeaseLost
 from celery_lease.lifecycle.transition import CANCEL
@@ -50,6 +49,9 @@ class Fenced(Protocol):
 
     @property
     def is_lost(self) -> bool: ...
+
+    @property
+    def known_lost(self) -> bool: ...
 
     def mark_lost(self) -> None: ...
 
@@ -129,14 +131,15 @@ class Pipeline:
     ) -> list[dict[str, Any]]:
         """Execute ``t``; return the rows it moved. ``attempt``: the attempt whose write
         this is (fenced transitions); ``attempts``: the attempts a statement that fences each
-        of its rows itself writes at once (a timeout's), retried through a database outage
-        while any of them lives, those whose row it did not move marked lost; ``build``: the statement's build arguments;
+        of its rows itself writes at once (the completer's, the timeouts'), retried
+        through a database outage while any of them lives (the caller decides about
+        those whose row it did not move); ``build``: the statement's build arguments;
         ``before(conn)``: runs first in the transaction (a cancelled run is marked);
         ``error``: what errbacks get (default: the transition's). Raises LeaseLost when a
         fenced transition finds its lease lost (nothing done), DatabaseUnavailable when
         the database stays unreachable (nothing known to be done)."""
         store = self._store
-        stmt = t.statement(store.dialect, **(build or {}))
+        stmt = base = t.statement(store.dialect, **(build or {}))
         if t.durable:  # synchronous commit whatever the server's or the engine's default
             stmt = durability.durable(stmt)
         args = {**(attempt.fence if attempt is not None else {}), **(params or {})}
@@ -144,13 +147,16 @@ class Pipeline:
         if t.ends and self._canvas is not None:
             endings = self._canvas.endings(error or t.error or "", run_cancelled=run_cancelled, eager=self._eager)
         logged = logs_itself(stmt)
+        # Of many attempts: given up once every one is lost (by its own clock, or only
+        # once known, see Transition.outlives_lapse).
+        gone = (lambda a: a.known_lost) if t.outlives_lapse else (lambda a: a.is_lost)
 
         def work(conn: Connection) -> tuple[list[dict[str, Any]], list[Job]]:
-            if (attempt is not None and attempt.is_lost) or (attempts and all(a.is_lost for a in attempts)):
+            if (attempt is not None and attempt.is_lost) or (attempts and all(gone(a) for a in attempts)):
                 raise LeaseLost()
             if before is not None:
                 before(conn)
-            rows = row_dicts(conn.execute(stmt, args))
+            rows = store.rows_in(conn, stmt, args, key=base if t.prepared else None)
             if t.fenced and attempt is not None and not rows:
                 attempt.mark_lost()
                 raise LeaseLost()
@@ -171,7 +177,7 @@ class Pipeline:
             elif attempts:  # tried again while any of its attempts lives (each by its own clock)
                 rows, created = retry_within_lease(
                     lambda: landing.run(work),
-                    lambda: all(a.is_lost for a in attempts),
+                    lambda: all(gone(a) for a in attempts),
                     what=f"{t.name} of {len(attempts)} attempts",
                 )
             else:
@@ -188,10 +194,6 @@ class Pipeline:
                     )
                 raise
             rows, created = landed
-        moved = {str(r["id"]) for r in rows}
-        for a in attempts:
-            if a.job_id not in moved:
-                a.mark_lost()
         self._after(t, args, rows, created, endings, during, attempt)
         return rows
 

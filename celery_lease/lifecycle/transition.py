@@ -54,6 +54,13 @@ class Transition:
     lock_timeout: float | None = None
     #: The error errbacks get, when the caller gives none.
     error: str | None = None
+    #: Sent prepared where the store prepares statements (one statement, cached by the
+    #: catalogue, for any parameters: a plan kept per connection).
+    prepared: bool = False
+    #: Its write of many attempts (``attempts=``) is tried through an outage until each
+    #: lease is known lost, not only lapsed by its attempt's own clock: a body that
+    #: finished is still recorded (fenced: a job the reaper took is not written).
+    outlives_lapse: bool = False
     #: A statement that moves its rows to different statuses: each row's event (else ``event``).
     event_of: Callable[[Row, Mapping[str, Any]], Event] | None = None
 
@@ -167,8 +174,8 @@ def _ended_detail(row: Row, params: Mapping[str, Any]) -> str | None:
 #: Every end of an attempt, whatever its outcome (Ending), one or many in one statement:
 #: each row fenced by its attempt's generation; failures fire their errbacks, a hand-off
 #: and a snooze due now are woken. Parameters: ending_params(endings). One attempt's
-#: (``attempt=``) raises LeaseLost when its lease is lost; of many (``attempts=``), those
-#: missing from the rows are marked lost.
+#: (``attempt=``) raises LeaseLost when its lease is lost; of many (``attempts=``, the
+#: completer's), the caller decides about those missing from the rows.
 END = Transition(
     "end",
     lambda dialect: attempt.end_jobs(dialect),
@@ -178,10 +185,12 @@ END = Transition(
     ends=frozenset({_FAILED}),
     wakes=lambda r, p: r["status"] == _PENDING and r["woken_at"] is not None,
     event_of=_ended_event,
+    prepared=True,
+    outlives_lapse=True,
 )
 #: END off the worker's heartbeat thread (its timeouts: worker/timeouts.py), which must
 #: never wait long on a job's own row lock.
-END_IN_BACKGROUND = dataclasses.replace(END, name="end (background)", lock_timeout=BACKGROUND_LOCK_TIMEOUT)
+END_IN_BACKGROUND = dataclasses.replace(END, name="end (background)", lock_timeout=BACKGROUND_LOCK_TIMEOUT, outlives_lapse=False)
 CANCEL = Transition(
     "cancel",
     lambda dialect, **which: cancel.cancel_jobs(**which),

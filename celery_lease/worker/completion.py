@@ -3,7 +3,8 @@
 
 :class:`BackgroundCompleter` (PostgreSQL): the body returns at once and its success waits at
 most a few milliseconds for this thread's ``end_jobs`` of every success gathered
-(one round trip, one durable commit for all). The write is fenced by the generation; a row
+(one durable commit for all: the pipeline's END, whose Landing settles a lost reply). The
+write is fenced by the generation; a row
 missing from the result is re-checked alone (:func:`confirm`); a success whose lease
 lapsed only by its own clock (the database away) is still written. A process that dies
 first leaves the job running under its lease, for the reaper. :class:`InlineCompleter`
@@ -17,7 +18,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_lease.db.outage import retry_within_lease
 from celery_lease.db.refused import refused_value
 from celery_lease.errors import LeaseLost
 from celery_lease.lifecycle import transition as tr
@@ -106,7 +106,7 @@ class Completer(Protocol):
 
 
 def completer_for(store: Store, pipeline: Pipeline) -> Completer:
-    return BackgroundCompleter(store, pipeline) if store.capabilities.background_completions else InlineCompleter(pipeline)
+    return BackgroundCompleter(pipeline) if store.capabilities.background_completions else InlineCompleter(pipeline)
 
 
 class InlineCompleter:
@@ -131,9 +131,8 @@ class BackgroundCompleter(Drainer):
     LINGER = 0.002
     MAX_PER_WRITE = 64
 
-    def __init__(self, store: Store, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline) -> None:
         super().__init__("celery-lease-completer")
-        self._store = store
         self._pipeline = pipeline
         #: Successes waiting, oldest first; the oldest arrived at _since.
         self._pending: list[Item] = []
@@ -198,21 +197,14 @@ class BackgroundCompleter(Drainer):
         write_successes(self._pipeline, taken, self._complete_many)
 
     def _complete_many(self, live: list[Item]) -> set[str]:
-        return complete_within_leases(self._store, live)
-
-
-def complete_within_leases(store: Store, live: list[Item], give_up: Callable[[], bool] | None = None) -> set[str]:
-    """end_jobs for these successes, tried again while the database is unreachable
-    (the completer's and a many-job claim's), also for the attempts whose leases
-    lapsed by their own clocks meanwhile: their bodies finished, and the statement is
-    fenced (a job the reaper took is not written). Dropped, the success was lost while
-    its row stayed running under this process (issue #27, item 4); only a lease known
-    lost is, or all of them once ``give_up()`` says so (left to the reaper)."""
-    try:
-        return retry_within_lease(
-            lambda: store.complete_many(successes([item for item in live if not item[0].known_lost])),
-            lambda: all(item[0].known_lost for item in live) or (give_up is not None and give_up()),
-            what=f"{len(live)} success(es)",
-        )
-    except LeaseLost:  # every one known lost
-        return set()
+        """END for these successes, in one statement, through the pipeline (its Landing
+        settles a lost reply); tried again while the database is unreachable, also for
+        the attempts whose leases lapsed by their own clocks meanwhile: their bodies
+        finished, and the statement is fenced (a job the reaper took is not written).
+        Dropped, the success was lost while its row stayed running under this process
+        (issue #27, item 4); only a lease known lost is."""
+        try:
+            rows = self._pipeline.execute(tr.END, tr.ending_params(successes(live)), attempts=[item[0] for item in live])
+        except LeaseLost:  # every one known lost
+            return set()
+        return {str(r["id"]) for r in rows}

@@ -162,4 +162,5 @@ class Recorder:
             moved = set()
         for attempt in attempts:
             if attempt.job_id not in moved:
+                attempt.mark_lost()
                 log.info("celery-lease: job %s: lease already lost at its timeout", attempt.job_id)

@@ -474,7 +474,7 @@ def test_a_batch_claims_slow_follow_up_does_not_cost_the_batch(pg, broker, clien
 
 def test_a_batchs_successes_are_written_through_a_database_outage_within_their_leases(pg, broker, client_app):
     """A reviewer's question: are a batched kind's plain successes retried through a
-    database outage, as the completer's are (completion.complete_within_leases)? They
+    database outage, as the completer's are (BackgroundCompleter._complete_many)? They
     were not: the batch's one statement met DatabaseUnavailable, the successes were
     logged as given to the reaper, and each job's finished body cost it an attempt. For
     OUTAGE seconds (well within the 30 s leases) every try of that statement loses its

@@ -164,7 +164,7 @@ def test_statements_per_job_from_submit_to_success(pg, broker, client_app, state
 
     executed: list[str] = []
     executed_here: list[str] = []  # by the submitting thread (the worker claims in another)
-    real_execute = Prepared.execute
+    real_execute, real_run = Prepared.execute, Prepared.run
 
     def counted(self, dbapi_connection, info, params):
         executed.append(self.prepare_sql.split(" AS ", 1)[1].split()[0].upper())
@@ -172,8 +172,13 @@ def test_statements_per_job_from_submit_to_success(pg, broker, client_app, state
             executed_here.append(executed[-1])
         return real_execute(self, dbapi_connection, info, params)
 
+    def counted_run(self, conn, params):  # in the caller's transaction (the completion's Landing)
+        executed.append(self.prepare_sql.split(" AS ", 1)[1].split()[0].upper())
+        return real_run(self, conn, params)
+
     main = threading.get_ident()
     monkeypatch.setattr(Prepared, "execute", counted)
+    monkeypatch.setattr(Prepared, "run", counted_run)
     mod = client_app(pg, broker, conf={"lease_prepare_statements": prepare})
     with start_worker(mod.app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
         warm = mod.echo.submit({"value": "warm-up"})  # connect outside the count
@@ -185,11 +190,12 @@ def test_statements_per_job_from_submit_to_success(pg, broker, client_app, state
         submitted = [s.split()[0].upper() for s in statements.of_this_thread()] + executed_here
         assert mod.leases.wait(job.id, 20).status is Status.SUCCEEDED
         during = [s for s in statements if "celery_lease_jobs" in s]
-    # The waits' SELECTs are the test's own polling, not the job's cost.
+    # The waits' SELECTs are the test's own polling, not the job's cost; a PREPARE is
+    # once per pooled connection (the completion's transaction may take a fresh one).
     cost = [
         s.split()[0].upper()
         for s in during
-        if not s.lstrip().upper().startswith("SELECT") or s.lstrip().upper().startswith("WITH")
+        if not s.lstrip().upper().startswith(("SELECT", "PREPARE")) or s.lstrip().upper().startswith("WITH")
     ]
     assert submitted == ["WITH"]  # the row (+ its run event, in one statement)
     # submit; claim; completion (each + its run event, in one statement)
@@ -358,13 +364,18 @@ def test_a_plain_success_in_a_run_is_the_completers_and_logs_its_run_event(pg, b
     from celery_lease.db.prepared import Prepared
 
     executed: list[str] = []
-    real_execute = Prepared.execute
+    real_execute, real_run = Prepared.execute, Prepared.run
 
     def counted(self, dbapi_connection, info, params):
         executed.append(self.prepare_sql)
         return real_execute(self, dbapi_connection, info, params)
 
+    def counted_run(self, conn, params):  # in a transaction of the caller's (the pipeline's)
+        executed.append(self.prepare_sql)
+        return real_run(self, conn, params)
+
     monkeypatch.setattr(Prepared, "execute", counted)
+    monkeypatch.setattr(Prepared, "run", counted_run)
     mod = client_app(pg, broker, conf={"lease_prepare_statements": True})
     run_id = str(uuid.uuid4())
     with start_worker(mod.app, pool="solo", perform_ping_check=False, shutdown_timeout=10):

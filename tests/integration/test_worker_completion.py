@@ -47,7 +47,7 @@ def test_waiting_successes_are_written_together_each_fenced_with_their_run_event
         run = str(uuid.uuid4())
         store.ensure_run(run)
         done, stale = _running(pg, make_job, run_id=run), _running(pg, make_job, generation=2, run_id=run)
-        completer = BackgroundCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(local_pipeline(store))
         first, second = attempt_for(done), attempt_for(stale, generation=1)  # a reap took generation 2
         first.pending_write = second.pending_write = True
         completer.add(first, {"ok": 1}, {"step": 9})
@@ -69,7 +69,7 @@ def test_a_refused_success_does_not_cost_the_others(pg, make_job):
     store = Store(pg)
     try:
         good, bad = _running(pg, make_job), _running(pg, make_job)
-        completer = BackgroundCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(local_pipeline(store))
         completer.LINGER = 60.0  # both wait for the flush: one statement
         completer.add(attempt_for(good), {"note": "fine"}, None)
         completer.add(attempt_for(bad), {"note": "a\x00b"}, None)  # jsonb refuses NUL
@@ -95,7 +95,7 @@ def test_a_success_whose_lease_lapsed_by_its_own_clock_is_still_written_and_a_lo
         assert lapsed_attempt.is_lost  # by its own clock
         gone_attempt.mark_lost()
         lapsed_attempt.pending_write = gone_attempt.pending_write = True
-        completer = BackgroundCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(local_pipeline(store))
         completer.add(lapsed_attempt, {"ok": 1}, None)
         completer.add(gone_attempt, {"ok": 2}, None)
         completer.flush()
@@ -121,8 +121,14 @@ def test_many_successes_are_one_statement_planned_by_the_primary_key(pg, make_jo
         first = [_running(pg, make_job)]
         more = [_running(pg, make_job) for _ in range(5)]
         prepared_before = len(store._prepared or {})
-        assert store.complete_many([_success(j, {"n": 1}) for j in first]) == set(first)
-        assert store.complete_many([_success(j, [j], "p") for j in more]) == set(more)
+        pipeline = local_pipeline(store)
+
+        def complete(endings):
+            attempts = [attempt_for(e.job_id, 1) for e in endings]
+            return {str(r["id"]) for r in pipeline.execute(tr.END, tr.ending_params(endings), attempts=attempts)}
+
+        assert complete([_success(j, {"n": 1}) for j in first]) == set(first)
+        assert complete([_success(j, [j], "p") for j in more]) == set(more)
         assert len(store._prepared or {}) == prepared_before + 1
         rows = _rows(pg)
         assert rows[first[0]].result == {"n": 1} and all(rows[j].status == "succeeded" and rows[j].result == [j] for j in more)
@@ -199,7 +205,7 @@ def test_a_refused_batch_of_successes_is_retried_row_by_row(pg, make_job):
             for _ in range(4)
         ]
         attempts = [attempt_for(i) for i in ids]
-        completer = BackgroundCompleter(store, local_pipeline(store))
+        completer = BackgroundCompleter(local_pipeline(store))
         completer.LINGER = 5.0  # one batch: flush() ends it
         for n, attempt in enumerate(attempts):
             # The third result holds NUL, which jsonb refuses (it passed no codec here).

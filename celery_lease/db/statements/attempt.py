@@ -23,7 +23,6 @@ from celery_lease.db.statements.common import (
     db_now_plus,
 )
 from celery_lease.db.statements.events import event_rows, events_cte, logged
-from celery_lease.db.statements.history import everywhere
 from celery_lease.status import AttemptOutcome, Event, Status
 
 
@@ -213,11 +212,3 @@ def end_jobs(dialect: str) -> Any:
     detail = sa.case((d.status == sa.literal(Status.FAILED.value), d.error), else_=d.detail)
     logged_rows = events_cte("ended_logged", event_rows(done, event, detail))
     return logged(durable(sa.select(*(d[c.name] for c in returned)).add_cte(logged_rows)))
-
-
-def landed_successes(leases: Iterable[tuple[str, int]]) -> sa.Select:
-    """Which of these (job, generation) attempts are recorded as succeeded (a write
-    retried after its reply was lost checks what had landed), wherever they live: a
-    job may have moved into the history since."""
-    landed = sa.and_(sa.tuple_(_c.id, _c.lease_generation).in_(list(leases)), _c.status == Status.SUCCEEDED.value)
-    return everywhere(sa.select(_c.id).where(landed))
