@@ -358,7 +358,8 @@ class Endings:
                 origin = Origin.of(row)
                 if self._run_cancelled:
                     origin = dataclasses.replace(origin, run_id=None)
-                follow = self._canvas.after_failure(origin, self._error, eager=self._eager)
+                # An ending's own error (END returns it), else the transition's.
+                follow = self._canvas.after_failure(origin, row.get("error") or self._error, eager=self._eager)
                 if follow is not None:
                     created = follow.write(conn)
                     self._follow_ups.append(follow)

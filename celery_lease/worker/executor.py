@@ -86,12 +86,12 @@ class WorkerState:
         self.settings = settings
         #: Every end of an attempt, as a named transition (worker/record.py).
         self.pipeline = Pipeline(store, producer, canvas=canvas, flow=flow, eager=eager)
-        self.record = Recorder(store, producer, registry, self.pipeline, canvas=canvas, flow=flow, eager=eager)
+        #: Every ending but a success with effects or children: written together on
+        #: PostgreSQL, where each statement is a round trip; at once on SQLite.
+        self.completer: Completer = completer_for(store, self.pipeline)
+        self.record = Recorder(store, producer, registry, self.pipeline, self.completer, canvas=canvas, flow=flow, eager=eager)
         self.timeouts = Timeouts(self.record.time_out)
         self.heartbeat = Heartbeat(store, broker_url, notice_channel, on_timeout=self.timeouts.submit)
-        #: Plain successes: written together on PostgreSQL, where each statement is a round trip;
-        #: written at once on SQLite.
-        self.completer: Completer = completer_for(store, self.pipeline)
         #: The deliveries that claim what is due: many jobs per claim (worker/many_claim.py).
         self.many_claims = ManyJobClaims(self)
 
@@ -214,7 +214,8 @@ class WorkerState:
         spec: JobKind,
         attempt: Attempt,
         on_progress: Callable[[Any], None] | None = None,
-        completer: Completer | None = None,
+        *,
+        one: bool = False,
     ) -> Any:
         """Run the handler and record its outcome with one fenced statement.
 
@@ -224,9 +225,9 @@ class WorkerState:
         (and its text) is chained into Celery's log line or event.
 
         A many-job claim's delivery (``attempt.claimed_together``) runs every job its claim
-        took (worker/many_claim.py), whose plain successes go to the claim's ``completer``.
+        took (worker/many_claim.py), each of them ``one`` at a time through here.
         """
-        if attempt.claimed_together is not None and completer is None:
+        if attempt.claimed_together is not None and not one:
             return self.many_claims.run(spec, attempt, on_progress)
         outcome: tuple[Outcome, Any]
         try:
@@ -258,7 +259,7 @@ class WorkerState:
         try:
             if status is Outcome.SUCCEEDED:
                 try:
-                    self.record.succeed(ctx, attempt, value, completer or self.completer)
+                    self.record.succeed(ctx, attempt, value)
                     attempt.outcome = Outcome.SUCCEEDED
                     return value
                 except (LeaseLost, DatabaseUnavailable):

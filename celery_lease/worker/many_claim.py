@@ -197,7 +197,7 @@ class ManyJobClaims:
         it raised once its outcome was recorded."""
         try:
             with tracing.current(a):
-                return self._state.execute(spec, a, on_progress, completer=self._state.completer), None
+                return self._state.execute(spec, a, on_progress, one=True), None
         except (Retry, JobRefused, JobFailed) as exc:  # recorded already
             return None, exc
         except (LeaseLost, DatabaseUnavailable):

@@ -84,6 +84,7 @@ class Recorder:
         producer: Producer,
         registry: Registry,
         pipeline: Pipeline,
+        completer: Completer,
         *,
         canvas: Canvas | None,
         flow: FlowControl | None,
@@ -93,50 +94,45 @@ class Recorder:
         self.producer = producer
         self.registry = registry
         self.pipeline = pipeline
+        self.completer = completer
         self._canvas = canvas
         self._flow = flow
         self._eager = eager
 
-    def succeed(self, ctx: JobContext, attempt: Attempt, result: Any, completer: Completer) -> None:
-        """Record a success: a plain one (nothing else to commit) through ``completer``,
+    def succeed(self, ctx: JobContext, attempt: Attempt, result: Any) -> None:
+        """Record a success: a plain one (nothing else to commit) through the completer,
         the others in one transaction with their effects, children and chain steps."""
         staged = ctx.staged
         if attempt.is_lost:  # by its own clock too: write nothing more
             raise LeaseLost()
         follow_up = self._canvas.after_success(attempt, result, eager=self._eager) if self._canvas and attempt.canvas else None
-        # (Not left to the completer for a limited kind: its slot is freed once the success is written.)
-        limited = self._flow is not None and self._flow.holds_slot(attempt.kind)
-        if not (staged.effects or staged.children or follow_up or limited):
-            attempt.pending_write = True
-            completer.add(attempt, result, ctx.pending_progress)
-            return
         ending = tr.Ending.succeeded(attempt, result, ctx.pending_progress)
-        self.end(ending, attempt, during=_SuccessWrites(self, attempt, ctx, follow_up))
-
-    def end(self, ending: tr.Ending, attempt: Attempt, *, during: _SuccessWrites | None = None) -> None:
-        """Write ``ending`` alone (the END transition, fenced by ``attempt``); a failure's
-        error goes to its errbacks."""
-        self.pipeline.execute(tr.END, tr.ending_params([ending]), attempt=attempt, during=during, error=ending.error)
+        if not (staged.effects or staged.children or follow_up):
+            attempt.pending_write = True
+            self.completer.add(attempt, ending)
+            return
+        during = _SuccessWrites(self, attempt, ctx, follow_up)
+        self.pipeline.execute(tr.END, tr.ending_params([ending]), attempt=attempt, during=during)
 
     def fail(self, attempt: Attempt, error: str) -> None:
-        self.end(tr.Ending.failed(attempt, error), attempt)
+        self.completer.end(attempt, tr.Ending.failed(attempt, error))
 
     def retry(self, attempt: Attempt, delay: float, why: str | None = None) -> None:
         """Back to pending, due after ``delay``; ``why`` (the stored form of its error)
         goes to the run's event."""
-        self.end(tr.Ending.retried(attempt, delay, why), attempt)
+        self.completer.end(attempt, tr.Ending.retried(attempt, delay, why))
 
     def hand_off(self, attempt: Attempt, why: str | None = None) -> None:
         """Warm shutdown (or ``why`` else): back to pending at once, attempt not spent,
         wakeup sent."""
-        self.end(tr.Ending.handed_off(attempt, why), attempt)
+        self.completer.end(attempt, tr.Ending.handed_off(attempt, why))
         log.info("celery-lease: job %s: handed off %s", attempt.job_id, why or "on shutdown")
 
     def snooze(self, attempt: Attempt, seconds: float) -> None:
         """ctx.snooze(): back to pending, due in ``seconds``, attempt not spent. Durable
         and retried through an outage like any end of an attempt: a snooze lost to a crash
         or an outage would leave the job to the reaper, which spends an attempt."""
-        self.end(tr.Ending.snoozed(attempt, seconds), attempt)
+        self.completer.end(attempt, tr.Ending.snoozed(attempt, seconds))
         log.info("celery-lease: job %s: snoozed for %gs", attempt.job_id, seconds)
 
     def time_out(self, attempts: Sequence[Attempt]) -> None:

@@ -424,20 +424,20 @@ def test_a_renewal_after_a_batch_success_landed_warns_of_no_lost_lease(pg, mod, 
     ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(4)])]
     worker = mod.leases.worker
     lead = _claim(mod, ids[0])
-    complete = BackgroundCompleter._complete_many
+    complete = BackgroundCompleter._write_many
 
     def complete_then_renew(self, items):
         done = complete(self, items)
         worker.heartbeat._renew([a for a in lead.claimed_together if a.key in worker.heartbeat._attempts])
         return done
 
-    BackgroundCompleter._complete_many = complete_then_renew  # type: ignore[method-assign]
+    BackgroundCompleter._write_many = complete_then_renew  # type: ignore[method-assign]
     try:
         with caplog.at_level("WARNING", logger="celery_lease"):
             worker.execute(mod.b_note.spec, lead)
             worker.flush()
     finally:
-        BackgroundCompleter._complete_many = complete  # type: ignore[method-assign]
+        BackgroundCompleter._write_many = complete  # type: ignore[method-assign]
     worker.end(lead)
     worker.flush()
     assert [r.status for r in rows(pg, ids)] == ["succeeded"] * 4
@@ -474,7 +474,7 @@ def test_a_batch_claims_slow_follow_up_does_not_cost_the_batch(pg, broker, clien
 
 def test_a_batchs_successes_are_written_through_a_database_outage_within_their_leases(pg, broker, client_app):
     """A reviewer's question: are a batched kind's plain successes retried through a
-    database outage, as the completer's are (BackgroundCompleter._complete_many)? They
+    database outage, as the completer's are (BackgroundCompleter._write_many)? They
     were not: the batch's one statement met DatabaseUnavailable, the successes were
     logged as given to the reaper, and each job's finished body cost it an attempt. For
     OUTAGE seconds (well within the 30 s leases) every try of that statement loses its

@@ -50,8 +50,8 @@ def test_waiting_successes_are_written_together_each_fenced_with_their_run_event
         completer = BackgroundCompleter(local_pipeline(store))
         first, second = attempt_for(done), attempt_for(stale, generation=1)  # a reap took generation 2
         first.pending_write = second.pending_write = True
-        completer.add(first, {"ok": 1}, {"step": 9})
-        completer.add(second, {"ok": 2}, None)
+        _add(completer, first, {"ok": 1}, {"step": 9})
+        _add(completer, second, {"ok": 2}, None)
         completer.flush()
         rows = _rows(pg)
         assert (rows[done].status, rows[done].result, rows[stale].status) == ("succeeded", {"ok": 1}, "running")
@@ -71,8 +71,8 @@ def test_a_refused_success_does_not_cost_the_others(pg, make_job):
         good, bad = _running(pg, make_job), _running(pg, make_job)
         completer = BackgroundCompleter(local_pipeline(store))
         completer.LINGER = 60.0  # both wait for the flush: one statement
-        completer.add(attempt_for(good), {"note": "fine"}, None)
-        completer.add(attempt_for(bad), {"note": "a\x00b"}, None)  # jsonb refuses NUL
+        _add(completer, attempt_for(good), {"note": "fine"}, None)
+        _add(completer, attempt_for(bad), {"note": "a\x00b"}, None)  # jsonb refuses NUL
         completer.flush()
         rows = _rows(pg)
         assert (rows[good].status, rows[good].result) == ("succeeded", {"note": "fine"})
@@ -96,8 +96,8 @@ def test_a_success_whose_lease_lapsed_by_its_own_clock_is_still_written_and_a_lo
         gone_attempt.mark_lost()
         lapsed_attempt.pending_write = gone_attempt.pending_write = True
         completer = BackgroundCompleter(local_pipeline(store))
-        completer.add(lapsed_attempt, {"ok": 1}, None)
-        completer.add(gone_attempt, {"ok": 2}, None)
+        _add(completer, lapsed_attempt, {"ok": 1}, None)
+        _add(completer, gone_attempt, {"ok": 2}, None)
         completer.flush()
         rows = _rows(pg)
         assert (rows[lapsed].status, rows[lapsed].result) == ("succeeded", {"ok": 1})
@@ -184,6 +184,11 @@ def test_many_successes_are_one_statement_planned_by_the_primary_key(pg, make_jo
         raw.close()
 
 
+def _add(completer, attempt, result, progress) -> None:
+    """Hand ``completer`` a plain success of ``attempt``, as the worker does."""
+    completer.add(attempt, tr.Ending.succeeded(attempt, result, progress))
+
+
 def _success(job_id: str, result, progress=None) -> tr.Ending:
     return tr.Ending(job_id, 1, AttemptOutcome.SUCCEEDED, result=result, progress=progress)
 
@@ -209,7 +214,7 @@ def test_a_refused_batch_of_successes_is_retried_row_by_row(pg, make_job):
         completer.LINGER = 5.0  # one batch: flush() ends it
         for n, attempt in enumerate(attempts):
             # The third result holds NUL, which jsonb refuses (it passed no codec here).
-            completer.add(attempt, {"n": n, "note": "a\x00b" if n == 2 else "fine"}, None)
+            _add(completer, attempt, {"n": n, "note": "a\x00b" if n == 2 else "fine"}, None)
         completer.flush()
         engine = sa.create_engine(pg)
         with engine.connect() as conn:

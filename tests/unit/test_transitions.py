@@ -54,19 +54,21 @@ def test_a_revoke_broadcast_is_one_cancel_and_ids_that_are_not_jobs_cost_nothing
 
 
 def test_jobs_timing_out_together_are_one_statement_each_row_fenced(store, lifecycle, add_job, row):
-    """Four attempts of one process time out at once: one ``time out`` statement writes
+    """Four attempts of one process time out at once: one ``end (background)`` statement writes
     them all (before: one transition per job, each its own round trip and commit). Each
     row keeps its own fence and outcome: attempts left -> retried with its own backoff,
     the last attempt -> failed, a lost lease -> untouched."""
     import sqlalchemy as sa
 
     from celery_lease.kinds import JobKind, Registry
+    from celery_lease.worker.completion import InlineCompleter
     from celery_lease.worker.record import Recorder
     from celery_lease.worker.timeouts import Timeouts
 
     registry = Registry()
     registry.add(JobKind("echo", "tests.echo", lambda ctx, p: None, None, 3, 30, 2.0, 60.0, None, timeout=1))
-    recorder = Recorder(store, lifecycle._producer, registry, lifecycle, canvas=None, flow=None, eager=False)
+    completer = InlineCompleter(lifecycle)
+    recorder = Recorder(store, lifecycle._producer, registry, lifecycle, completer, canvas=None, flow=None, eager=False)
     first, second, last, lost = (
         add_job(status="running", attempt=n, lease_generation=n, expires_in=30, kind="echo") for n in (1, 2, 3, 1)
     )
