@@ -87,7 +87,10 @@ def test_heartbeats_cost_the_same_for_one_job_or_sixteen(pg, broker, client_app,
     idle = _idle_rate(proxy)
     rates = {}
     for count in (1, 16):
-        ids = [j.id for j in mod.waiter.submit_many([{"polls": 60}] * count)]  # 6 s on 3 s leases
+        # 10 s on 3 s leases: no job ends within the 4 s counted below (a many-job claim
+        # runs its jobs one after another, so a job "running" may not have started; an
+        # ending is a Landing transaction of several round trips, not a heartbeat's cost).
+        ids = [j.id for j in mod.waiter.submit_many([{"polls": 100}] * count)]
         wait_for(lambda ids=ids: all(mod.leases.get(i).status.value == "running" for i in ids), timeout=30, what="jobs to run")
         # The claims are behind us, and the heartbeat's connection is open (its first
         # renewal, a second in): from here, renewals every second.
