@@ -7,14 +7,20 @@ from __future__ import annotations
 import time
 import uuid
 
+import pytest
 import sqlalchemy as sa
 
 from celery_lease.db.schema import jobs
 from celery_lease.db.store import Store
+from celery_lease.errors import LeaseLost
 from celery_lease.lifecycle import transition as tr
 from celery_lease.status import AttemptOutcome
-from celery_lease.worker.completion import UNSTORABLE_RESULT, BackgroundCompleter
-from tests.conftest import attempt_for, local_pipeline
+from celery_lease.worker.attempt import LAPSE_SHARE
+from celery_lease.worker.completion import UNSTORABLE_RESULT, BackgroundCompleter, Item, write_endings
+from tests.conftest import attempt_for, local_pipeline, wait_for
+from tests.harness.tcpproxy import TcpProxy
+from tests.integration.test_native_canvas import NATIVE, _left_running
+from tests.integration.test_native_canvas import _rows as _job_rows
 
 
 def _running(pg, make_job, generation: int = 1, **columns) -> str:
@@ -230,3 +236,66 @@ def test_a_refused_batch_of_successes_is_retried_row_by_row(pg, make_job):
         assert rows[ids[2]].error == UNSTORABLE_RESULT
     finally:
         store.dispose()
+
+
+def test_failures_with_different_errors_share_one_statement_and_each_errback_gets_its_own(pg, broker, client_app):
+    """Two failures written by one END (the completer's one algorithm): each leased
+    errback is created with its own job's error, which END returns per row; the
+    transition's one error for all would give both the same."""
+    mod = client_app(pg, broker, module=NATIVE)
+    submitted = [mod.inc.apply_async(({"n": n},), countdown=600, link_error=[mod.noted_error.s()]) for n in (1, 2)]
+    for job in submitted:
+        _left_running(pg, job.id, "w@host/1/boot", last_attempt=False, expires="1 hour")
+    rows = _rows(pg)
+    attempts = [attempt_for(job.id, generation=rows[job.id].lease_generation) for job in submitted]
+    items = [Item(a, tr.Ending.failed(a, f"boom {n}")) for n, a in enumerate(attempts, 1)]
+    pipeline = mod.leases.lifecycle
+    ends: list[int] = []
+    execute = pipeline.execute
+
+    def counted(t, *args, **kwargs):
+        ends.append(len(kwargs.get("attempts") or [kwargs.get("attempt")]))
+        return execute(t, *args, **kwargs)
+
+    pipeline.execute = counted
+    try:
+        write_endings(pipeline, items)
+    finally:
+        del pipeline.execute
+    assert ends == [2]  # one statement for both
+    assert [i.error for i in items] == [None, None]
+    rows = _rows(pg)
+    assert [(rows[j.id].status, rows[j.id].error) for j in submitted] == [("failed", "boom 1"), ("failed", "boom 2")]
+    errbacks = _job_rows(pg, jobs.c.kind == "noted_error")
+    got = {(str(e["parent_id"]), e["payload"]["error"]) for e in errbacks}
+    assert got == {(submitted[0].id, "boom 1"), (submitted[1].id, "boom 2")}
+
+
+def test_a_failure_waiting_through_an_outage_gets_lease_lost_when_its_lease_lapses(pg, make_job):
+    """The database goes away while a failure waits on Completer.end: its caller gets
+    LeaseLost once the lease lapses by the attempt's own clock, not when the database
+    comes back (the outcome is no longer its to report). The completer keeps trying the
+    fenced write, which lands once the database answers: no row is left running."""
+    proxy = TcpProxy("127.0.0.1", sa.engine.make_url(pg).port or 5432).start()
+    store = Store(proxy.url_for(pg))
+    completer = BackgroundCompleter(local_pipeline(store))
+    try:
+        job = _running(pg, make_job)
+        attempt = attempt_for(job, lease_seconds=2)
+        store.ping()  # a connection open before the outage (it is cut)
+        proxy.refuse(3600)
+        proxy.cut_all()
+        started = time.monotonic()
+        with pytest.raises(LeaseLost):
+            completer.end(attempt, tr.Ending.failed(attempt, "boom"))
+        waited = time.monotonic() - started
+        assert waited < attempt.lease_seconds * LAPSE_SHARE + 1.0, waited  # not until the database came back
+        assert _rows(pg)[job].status == "running"  # the outage held the write back
+        proxy.refuse(0)
+        wait_for(lambda: _rows(pg)[job].status == "failed", timeout=30)
+        assert _rows(pg)[job].error == "boom"
+    finally:
+        proxy.refuse(0)
+        completer.flush()
+        store.dispose()
+        proxy.close()
