@@ -23,6 +23,14 @@ _SLOT_RE = re.compile('"' + _TOKEN + r'(\w+)"')
 #: Messages per LPUSH: a command stays small enough for Redis' query buffer however
 #: large the batch (one maintenance batch is up to batch_size wakeups).
 LPUSH_CHUNK = 500
+#: A coalesced wakeup (broker/waking.py): its mark set and its message pushed in one
+#: round trip, the message only if the mark was free. KEYS: mark, list; ARGV: the mark's
+#: lifetime in ms, the message.
+PUSH_IF_MARKED = (
+    "if redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then return redis.call('LPUSH', KEYS[2], ARGV[2]) end return false"
+)
+#: A coalesced wakeup's mark: (its Redis key, its lifetime in ms).
+Mark = tuple[str, int]
 
 
 def _slot(name: str) -> str:
@@ -63,7 +71,8 @@ class RedisDirect:
         self._client = client
         self._delivery_mode = producer.exchange.delivery_mode  # Producer._delivery_details' default
         self._routes = self._templates.setdefault(self._channel, {})
-        self._pending: list[tuple[str, str, Callable[..., Any]]] = []  # (key, message, its kombu publish)
+        #: (list key, message, its kombu publish, its mark or None)
+        self._pending: list[tuple[str, str, Callable[..., Any], Mark | None]] = []
         self._tag_base = kombu_uuid()[:-8]
         self._tags = 0
 
@@ -120,8 +129,16 @@ class RedisDirect:
         self._routes[id(route)] = (route, key, text)
         return key, text
 
-    def add(self, route: Any, headers: dict, properties: dict, kombu_publish: Callable[..., Any]) -> bool:
-        """Queue one wakeup's message; False when it must take Producer.publish."""
+    def routes_directly(self, route: Any) -> bool:
+        """Whether ``route``'s wakeups are written here (else Producer.publish)."""
+        properties = {"correlation_id": None, "reply_to": None, **route.properties}
+        return bool(route.data) and self._template(route, properties)[0] is not None
+
+    def add(
+        self, route: Any, headers: dict, properties: dict, kombu_publish: Callable[..., Any], mark: Mark | None = None
+    ) -> bool:
+        """Queue one wakeup's message (with ``mark``: pushed only if it sets that mark);
+        False when it must take Producer.publish."""
         key, text = self._template(route, properties)
         if key is None or text is None:
             return False
@@ -133,7 +150,7 @@ class RedisDirect:
             "delivery_tag": self._delivery_tag(),
         }
         message = text % values
-        self._pending.append((key, message, kombu_publish))
+        self._pending.append((key, message, kombu_publish, mark))
         return True
 
     def _delivery_tag(self) -> str:
@@ -142,26 +159,42 @@ class RedisDirect:
         self._tags += 1
         return f'"{self._tag_base}{self._tags:08x}"'
 
-    def flush(self) -> None:
+    def flush(self) -> list[bool]:
+        """Push what was added, in one round trip; returns, per message added, whether it
+        was pushed (False: its mark was already set). On a Redis error each goes by
+        Producer.publish instead, unconditionally (a copy too many is harmless)."""
         pending, self._pending = self._pending, []
         if not pending:
-            return
+            return []
         # One LPUSH per list and chunk, not per message: LPUSH k m1 m2 leaves the list
         # as LPUSH k m1; LPUSH k m2 would (m1 is consumed first), at a fraction of the
         # client's packing and the server's parsing (100k reaped leases: 100k commands).
         by_key: dict[str, list[str]] = {}
-        for key, message, _ in pending:
-            by_key.setdefault(key, []).append(message)
+        for key, message, _, mark in pending:
+            if mark is None:
+                by_key.setdefault(key, []).append(message)
         commands = [(key, ms[i : i + LPUSH_CHUNK]) for key, ms in by_key.items() for i in range(0, len(ms), LPUSH_CHUNK)]
+        marked = [(key, message, mark) for key, message, _, mark in pending if mark is not None]
         try:
             if len(pending) == 1:  # a pipeline of one costs more than the command
-                self._client.lpush(pending[0][0], pending[0][1])
+                key, message, _, mark = pending[0]
+                client = self._client
+                answers = [client.lpush(key, message) if mark is None else self._push_marked(client, key, message, mark)]
             else:
                 with self._client.pipeline(transaction=False) as pipe:
                     for key, messages in commands:
                         pipe.lpush(key, *messages)
-                    pipe.execute()
+                    for key, message, mark in marked:
+                        self._push_marked(pipe, key, message, mark)
+                    answers = pipe.execute()[len(commands) :]
         except Exception:
             self._clients.pop(self._channel, None)
-            for _, _, kombu_publish in pending:
+            for _, _, kombu_publish, _ in pending:
                 kombu_publish(declare=[])
+            return [True] * len(pending)
+        pushed = iter(answer is not None for answer in answers)
+        return [True if mark is None else next(pushed) for _, _, _, mark in pending]
+
+    @staticmethod
+    def _push_marked(client: Any, key: str, message: str, mark: Mark) -> Any:
+        return client.eval(PUSH_IF_MARKED, 2, mark[0], key, mark[1], message)

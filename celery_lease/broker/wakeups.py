@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from celery import Celery, signals
 from kombu import serialization
 from kombu.common import Broadcast
 
-from celery_lease.broker.redis_direct import RedisDirect
+from celery_lease.broker.redis_direct import Mark, RedisDirect
 
 #: Short retries: a broker that is down must not hold up submit; the sweeper delivers.
 RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
@@ -68,11 +68,19 @@ class Publisher:
         self._routes: dict[tuple[str, str | None], _Route | None] = {}
         self._pid = os.getpid()
 
-    def publish(self, wakeups: Sequence[Wakeup]) -> None:
+    def publish(
+        self,
+        wakeups: Sequence[Wakeup],
+        marks: Mapping[str, Mark] | None = None,
+        admit: Callable[[list[str]], Collection[str]] | None = None,
+    ) -> None:
         """Publish (job_id, task name, queue) wakeups; raises when the broker fails.
 
-        On an error nothing is known to be delivered, so the caller treats every wakeup
-        as lost; re-sending one that did arrive is harmless.
+        ``marks`` (job id -> mark, broker/waking.py): such a wakeup goes only if it sets
+        its mark, in the same round trip as its push on the direct path; any other path
+        asks ``admit(keys)`` first (the keys it set). On an error nothing is known to be
+        delivered, so the caller treats every wakeup as lost; re-sending one that did
+        arrive is harmless.
         """
         if not wakeups:
             return
@@ -84,20 +92,46 @@ class Publisher:
             retry = bool(app.conf.task_publish_retry)
             direct = RedisDirect.of(producer)
             batch = getattr(producer, "batch", None)
+            marks = marks or {}
+            if marks and (direct is None or not self._direct_routes(direct, wakeups, marks)):
+                wakeups, marks = _admitted(wakeups, marks, admit), {}
             if len(wakeups) == 1 or batch is None or direct is not None:
-                self._send(producer, wakeups, retry=retry, direct=direct)
+                self._send(producer, wakeups, retry=retry, direct=direct, marks=marks)
                 return
             # Buffered: a retry per message would guard nothing; the flush fails as a whole.
             with batch():
                 self._send(producer, wakeups, retry=False, direct=None)
 
-    def _send(self, producer, wakeups: Sequence[Wakeup], *, retry: bool, direct: RedisDirect | None) -> None:
-        app = self._app
-        conf = app.conf
-        parent = app.current_worker_task
+    def _direct_routes(self, direct: RedisDirect, wakeups: Sequence[Wakeup], marks: Mapping[str, Mark]) -> bool:
+        """Whether every marked wakeup takes the direct path (its mark then set with its push)."""
+        if self._slow() or signals.before_task_publish.receivers:  # a receiver may change the body
+            return False
+        for job_id, task, queue in wakeups:
+            if job_id in marks:
+                route = self._route(task, queue)
+                if route is None or not direct.routes_directly(route):
+                    return False
+        return True
+
+    def _slow(self) -> bool:
+        """Settings the template cannot honour: send_task per message."""
+        conf = self._app.conf
         slow = conf.task_send_sent_event or conf.task_protocol != 2 or bool(signals.task_sent.receivers)
-        if parent is not None and conf.task_inherit_parent_priority:
-            slow = True
+        return slow or (self._app.current_worker_task is not None and conf.task_inherit_parent_priority)
+
+    def _send(
+        self,
+        producer,
+        wakeups: Sequence[Wakeup],
+        *,
+        retry: bool,
+        direct: RedisDirect | None,
+        marks: Mapping[str, Mark] | None = None,
+    ) -> None:
+        app = self._app
+        parent = app.current_worker_task
+        slow = self._slow()
+        marks = marks or {}
         root_id = parent_id = None
         if parent is not None:
             # Message headers: a forged one may hold anything (a wakeup with one is
@@ -162,16 +196,18 @@ class Publisher:
                     **properties,
                 )
 
-            if direct is not None and payload is route.data and direct.add(route, headers, properties, kombu_publish):
+            mark = marks.get(job_id)
+            if direct is not None and payload is route.data and direct.add(route, headers, properties, kombu_publish, mark):
                 for entity in declare:
                     producer.maybe_declare(entity, retry=retry, **route.retry_policy)
                 sent.append((task, body, headers, route))
                 continue
             kombu_publish(declare=declare)
             after(sender=task, body=body, headers=headers, exchange=route.exchange, routing_key=route.routing_key)
-        if direct is not None:
-            direct.flush()
-        for task, body, headers, route in sent:
+        pushed = direct.flush() if direct is not None else []
+        for (task, body, headers, route), went in zip(sent, pushed):
+            if not went:  # its mark was set: a wakeup of its kind is on its way
+                continue
             after(sender=task, body=body, headers=headers, exchange=route.exchange, routing_key=route.routing_key)
 
     def queue_of(self, task: str, queue: str | None) -> str | None:
@@ -318,6 +354,13 @@ def _exchange_attr(queue: Any, name: str, default: Any) -> Any:
         return getattr(queue.exchange, name)
     except AttributeError:
         return default
+
+
+def _admitted(wakeups: Sequence[Wakeup], marks: Mapping[str, Mark], admit) -> list[Wakeup]:
+    """The wakeups to send where a mark cannot ride with its push: each marked one only
+    if ``admit`` set its mark."""
+    set_now = set(admit([mark[0] for mark in marks.values()])) if admit is not None else {m[0] for m in marks.values()}
+    return [w for w in wakeups if w[0] not in marks or marks[w[0]][0] in set_now]
 
 
 def _send_task(app: Celery, producer, job_id: str, task: str, queue: str | None, *, declare: bool) -> None:

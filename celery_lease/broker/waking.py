@@ -2,7 +2,8 @@
 
 Rule: a due job is reached by a claim that starts after its row committed. A submit
 publishes its kind's wakeup only when it sets the (task, routing key)'s mark (SET NX on
-the Redis broker); the delivery deletes the mark *before* it claims (WorkerState.begin).
+the Redis broker; on the direct path one script sets it and pushes: one round trip); the
+delivery deletes the mark *before* it claims (WorkerState.begin).
 So a job whose submit found the mark is committed before that claim reads the table:
 the claim takes it or, full, wakes the kind again (worker/many_claim.py). The mark expires
 after MARK_TTL_MS, so a wakeup lost with its delivery holds later submits back no
@@ -15,12 +16,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from celery import Celery
 
-from celery_lease.broker.redis_direct import RedisDirect
+from celery_lease.broker.redis_direct import Mark, RedisDirect
 
 log = logging.getLogger("celery_lease")
 
@@ -50,12 +51,12 @@ class Waking:
         self._redis: Any = None
         self._pid = 0
 
-    def admit(self, wakeups: Sequence[Wakeup]) -> tuple[list[Wakeup], list[str]]:
-        """The wakeups to publish, and the marks they set (to forget if their publish
-        fails): of each (task, routing key) that coalesces, one, and only if no other is
-        on its way; every other wakeup as it is."""
+    def split(self, wakeups: Sequence[Wakeup]) -> tuple[list[Wakeup], dict[str, Mark]]:
+        """The wakeups to publish, and the marks they go under (job id -> mark): of each
+        (task, routing key) that coalesces, one, published only if it sets its mark (no
+        other on its way; Publisher.publish); every other wakeup as it is."""
         if not self.enabled:
-            return list(wakeups), []
+            return list(wakeups), {}
         out: list[Wakeup] = []
         groups: dict[str, Wakeup] = {}
         for wakeup in wakeups:
@@ -64,23 +65,25 @@ class Waking:
                 out.append(wakeup)
             elif key not in groups:
                 groups[key] = wakeup
-        if not groups:
-            return out, []
+        out.extend(groups.values())
+        return out, {wakeup[0]: (key, MARK_TTL_MS) for key, wakeup in groups.items()}
+
+    def admit(self, keys: Sequence[str]) -> Collection[str]:
+        """Set these marks where free (for wakeups whose mark cannot ride with their push);
+        returns those set now. Unreadable, every one counts as set: a copy too many is
+        harmless."""
         try:
             with self._client() as client:
                 if client is None:
-                    return list(wakeups), []
+                    return keys
                 pipe = client.pipeline(transaction=False)
-                for key in groups:
+                for key in keys:
                     pipe.set(key, b"1", nx=True, px=MARK_TTL_MS)
                 answers = pipe.execute()
         except Exception as exc:
-            # Cannot tell what is on its way: every wakeup goes (a copy too many is harmless).
             log.debug("celery-lease: wakeup marks unreadable (%s); published each", type(exc).__name__)
-            return list(wakeups), []
-        set_now = [key for key, answer in zip(groups, answers) if answer]
-        out.extend(groups[key] for key in set_now)
-        return out, set_now
+            return keys
+        return [key for key, answer in zip(keys, answers) if answer]
 
     def forget(self, keys: Sequence[str]) -> None:
         """Marks whose wakeup was not published: later submits must publish their own."""

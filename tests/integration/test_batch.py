@@ -290,19 +290,38 @@ def test_a_claim_and_a_completion_whose_replies_were_lost_are_found_landed(pg, b
         proxy.close()
 
 
-def test_submits_of_a_batched_kind_share_one_wakeup_until_a_delivery_claims(pg, broker, mod):
+@pytest.mark.parametrize("path", ["direct", "kombu"])
+def test_submits_of_a_batched_kind_share_one_wakeup_until_a_delivery_claims(pg, broker, mod, path):
+    """The mark and the push are one script on the direct path; with a
+    before_task_publish receiver (which may change the body) the message takes kombu's
+    publish, after the mark is set on its own. after_task_publish: once per message."""
     import redis
+    from celery import signals
 
+    published: list[str] = []
+
+    def after(sender=None, headers=None, **kwargs):
+        published.append(headers["id"])
+
+    def before(**kwargs):
+        pass
+
+    signals.after_task_publish.connect(after, weak=False)
+    if path == "kombu":
+        signals.before_task_publish.connect(before, weak=False)
     client = redis.Redis.from_url(broker)
     try:
-        before = client.llen("celery")
+        before_len = client.llen("celery")
         mod.b_note.submit_many([{"n": i} for i in range(9)])  # batch=4
         mod.b_note.submit({"n": 9})
-        assert client.llen("celery") - before == 1  # one on its way: its claim takes the rest
+        assert client.llen("celery") - before_len == 1  # one on its way: its claim takes the rest
         mod.leases.producer.waking.arrived(mod.b_note.spec.task, "celery")  # a delivery is about to claim
-        mod.b_note.submit({"n": 10})
-        assert client.llen("celery") - before == 2  # committed after that claim may read: its own
+        last = mod.b_note.submit({"n": 10})
+        assert client.llen("celery") - before_len == 2  # committed after that claim may read: its own
+        assert len(published) == 2 and published[-1] == last.id
     finally:
+        signals.after_task_publish.disconnect(after)
+        signals.before_task_publish.disconnect(before)
         client.close()
 
 
