@@ -380,15 +380,15 @@ class Producer:
         if not jobs:
             return 0
         every = [(j.id, j.task, j.queue) if isinstance(j, Job) else (str(j["id"]), j["task"], j["queue"]) for j in jobs]
-        items, marks = self.waking.split(every) if coalesce else (every, {})
+        items, riding, held = self.waking.split(every) if coalesce else (every, {}, [])
         try:
-            self._wakeups.publish(items, marks, self.waking.admit)
+            self.waking.found(riding, self._wakeups.publish(items, riding, self.waking.admit))
             return len(items)
         except Exception as exc:
             log.warning(
                 "celery-lease: cannot publish %d wakeup(s) (%s); the sweeper will deliver them", len(items), type(exc).__name__
             )
-        self.waking.forget([key for key, _ in marks.values()])
+        self.waking.forget([*held, *(key for key, _ in riding.values())])
         try:
             self._store.mark_not_woken([job_id for job_id, _, _ in every])
         except LeaseError:

@@ -73,17 +73,18 @@ class Publisher:
         wakeups: Sequence[Wakeup],
         marks: Mapping[str, Mark] | None = None,
         admit: Callable[[list[str]], Collection[str]] | None = None,
-    ) -> None:
+    ) -> set[str]:
         """Publish (job_id, task name, queue) wakeups; raises when the broker fails.
 
         ``marks`` (job id -> mark, broker/waking.py): such a wakeup goes only if it sets
         its mark, in the same round trip as its push on the direct path; any other path
-        asks ``admit(keys)`` first (the keys it set). On an error nothing is known to be
+        asks ``admit(keys)`` first (the keys it set). Returns the job ids not published
+        because their mark was set. On an error nothing is known to be
         delivered, so the caller treats every wakeup as lost; re-sending one that did
         arrive is harmless.
         """
         if not wakeups:
-            return
+            return set()
         if os.getpid() != self._pid:  # the template's origin header names the process
             self._routes.clear()
             self._pid = os.getpid()
@@ -93,14 +94,17 @@ class Publisher:
             direct = RedisDirect.of(producer)
             batch = getattr(producer, "batch", None)
             marks = marks or {}
+            skipped: set[str] = set()
             if marks and (direct is None or not self._direct_routes(direct, wakeups, marks)):
-                wakeups, marks = _admitted(wakeups, marks, admit), {}
+                admitted = _admitted(wakeups, marks, admit)
+                skipped = {w[0] for w in wakeups} - {w[0] for w in admitted}
+                wakeups, marks = admitted, {}
             if len(wakeups) == 1 or batch is None or direct is not None:
-                self._send(producer, wakeups, retry=retry, direct=direct, marks=marks)
-                return
+                return skipped | self._send(producer, wakeups, retry=retry, direct=direct, marks=marks)
             # Buffered: a retry per message would guard nothing; the flush fails as a whole.
             with batch():
                 self._send(producer, wakeups, retry=False, direct=None)
+            return skipped
 
     def _direct_routes(self, direct: RedisDirect, wakeups: Sequence[Wakeup], marks: Mapping[str, Mark]) -> bool:
         """Whether every marked wakeup takes the direct path (its mark then set with its push)."""
@@ -127,7 +131,7 @@ class Publisher:
         retry: bool,
         direct: RedisDirect | None,
         marks: Mapping[str, Mark] | None = None,
-    ) -> None:
+    ) -> set[str]:
         app = self._app
         parent = app.current_worker_task
         slow = self._slow()
@@ -205,10 +209,13 @@ class Publisher:
             kombu_publish(declare=declare)
             after(sender=task, body=body, headers=headers, exchange=route.exchange, routing_key=route.routing_key)
         pushed = direct.flush() if direct is not None else []
+        skipped = set()
         for (task, body, headers, route), went in zip(sent, pushed):
             if not went:  # its mark was set: a wakeup of its kind is on its way
+                skipped.add(headers["id"])
                 continue
             after(sender=task, body=body, headers=headers, exchange=route.exchange, routing_key=route.routing_key)
+        return skipped
 
     def queue_of(self, task: str, queue: str | None) -> str | None:
         """The broker queue a (task, queue)'s wakeups go to; None when the route names

@@ -50,13 +50,18 @@ class Waking:
         self.enabled = _redis_broker(app)
         self._redis: Any = None
         self._pid = 0
+        #: Per mark: whether a submit of this process last found it set (see split).
+        self._found_set: dict[str, bool] = {}
 
-    def split(self, wakeups: Sequence[Wakeup]) -> tuple[list[Wakeup], dict[str, Mark]]:
-        """The wakeups to publish, and the marks they go under (job id -> mark): of each
-        (task, routing key) that coalesces, one, published only if it sets its mark (no
-        other on its way; Publisher.publish); every other wakeup as it is."""
+    def split(self, wakeups: Sequence[Wakeup]) -> tuple[list[Wakeup], dict[str, Mark], list[str]]:
+        """The wakeups to publish, the marks that ride with their pushes (job id -> mark:
+        pushed only if it sets its mark, Publisher.publish), and the marks set here
+        already: of each (task, routing key) that coalesces, one wakeup, if no other is
+        on its way; every other wakeup as it is. A mark last found set is asked first
+        (SET NX: under load most are set, and no message is built for them); one last
+        found free rides with the push (one round trip for a lone submit)."""
         if not self.enabled:
-            return list(wakeups), {}
+            return list(wakeups), {}, []
         out: list[Wakeup] = []
         groups: dict[str, Wakeup] = {}
         for wakeup in wakeups:
@@ -65,8 +70,17 @@ class Waking:
                 out.append(wakeup)
             elif key not in groups:
                 groups[key] = wakeup
-        out.extend(groups.values())
-        return out, {wakeup[0]: (key, MARK_TTL_MS) for key, wakeup in groups.items()}
+        asked = [key for key in groups if self._found_set.get(key)]
+        held = list(self.admit(asked)) if asked else []
+        for key in asked:
+            self._found_set[key] = key not in held
+        out.extend(wakeup for key, wakeup in groups.items() if key not in asked or key in held)
+        return out, {wakeup[0]: (key, MARK_TTL_MS) for key, wakeup in groups.items() if key not in asked}, held
+
+    def found(self, riding: dict[str, Mark], skipped: Collection[str]) -> None:
+        """What the pushes of ``riding`` found: ``skipped``, the job ids whose mark was set."""
+        for job_id, (key, _) in riding.items():
+            self._found_set[key] = job_id in skipped
 
     def admit(self, keys: Sequence[str]) -> Collection[str]:
         """Set these marks where free (for wakeups whose mark cannot ride with their push);

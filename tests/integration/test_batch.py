@@ -316,8 +316,10 @@ def test_submits_of_a_batched_kind_share_one_wakeup_until_a_delivery_claims(pg, 
         mod.b_note.submit({"n": 9})
         assert client.llen("celery") - before_len == 1  # one on its way: its claim takes the rest
         mod.leases.producer.waking.arrived(mod.b_note.spec.task, "celery")  # a delivery is about to claim
-        last = mod.b_note.submit({"n": 10})
+        last = mod.b_note.submit({"n": 10})  # (its mark last found set: asked first, SET NX)
         assert client.llen("celery") - before_len == 2  # committed after that claim may read: its own
+        mod.b_note.submit({"n": 11})  # (its mark last found free: it rides with the push)
+        assert client.llen("celery") - before_len == 2
         assert len(published) == 2 and published[-1] == last.id
     finally:
         signals.after_task_publish.disconnect(after)
