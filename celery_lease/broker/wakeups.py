@@ -79,9 +79,8 @@ class Publisher:
         ``marks`` (job id -> mark, broker/waking.py): such a wakeup goes only if it sets
         its mark, in the same round trip as its push on the direct path; any other path
         asks ``admit(keys)`` first (the keys it set). Returns the job ids not published
-        because their mark was set. On an error nothing is known to be
-        delivered, so the caller treats every wakeup as lost; re-sending one that did
-        arrive is harmless.
+        because their mark was set. On an error nothing is known to be delivered, so the
+        caller treats every wakeup as lost; re-sending one that did arrive is harmless.
         """
         if not wakeups:
             return set()
@@ -366,7 +365,8 @@ def _exchange_attr(queue: Any, name: str, default: Any) -> Any:
 def _admitted(wakeups: Sequence[Wakeup], marks: Mapping[str, Mark], admit) -> list[Wakeup]:
     """The wakeups to send where a mark cannot ride with its push: each marked one only
     if ``admit`` set its mark."""
-    set_now = set(admit([mark[0] for mark in marks.values()])) if admit is not None else {m[0] for m in marks.values()}
+    assert admit is not None, "marked wakeups need admit"
+    set_now = set(admit([mark[0] for mark in marks.values()]))
     return [w for w in wakeups if w[0] not in marks or marks[w[0]][0] in set_now]
 
 

@@ -327,6 +327,34 @@ def test_submits_of_a_batched_kind_share_one_wakeup_until_a_delivery_claims(pg, 
         client.close()
 
 
+def test_one_publish_of_several_kinds_pushes_a_marked_wakeup_only_where_its_mark_was_free(flow_mod, broker):
+    """Several wakeups in one pipeline: a kind with a limit in its code (not coalesced) is
+    pushed as it is; each coalesced kind's script pushes only if its mark was free.
+    after_task_publish goes for exactly the messages pushed."""
+    from celery import signals
+
+    from tests.integration.test_native_canvas import _queued
+
+    mod, producer = flow_mod, flow_mod.leases.producer
+    marked = mod.unlimited.submit({})  # its mark stays set: no delivery took it
+    freed = mod.b_capped.submit({"n": 1})
+    producer.waking.arrived(mod.b_capped.spec.task, "celery")  # a delivery is about to claim
+    plain = mod.limited2.submit({})
+    _queued(broker)
+    published: list[str] = []
+
+    def after(sender=None, headers=None, **kwargs):
+        published.append(headers["id"])
+
+    signals.after_task_publish.connect(after, weak=False)
+    try:
+        producer.publish_wakeups([marked, freed, plain], coalesce=True)
+    finally:
+        signals.after_task_publish.disconnect(after)
+    assert sorted(m["headers"]["id"] for m in _queued(broker)) == sorted([freed.id, plain.id])
+    assert sorted(published) == sorted([freed.id, plain.id])
+
+
 def test_an_in_process_run_runs_only_its_own_job(pg, mod):
     other = mod.b_note.submit({"n": 1})
     assert mod.b_note.apply(({"n": 2},)).get(timeout=10) == {"n": 2, "attempt": 1}
