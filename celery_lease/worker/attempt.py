@@ -83,6 +83,9 @@ class Attempt:
     #: A many-job claim's delivery (worker/many_claim.py): every attempt its claim took,
     #: this one (the delivery's own) first; None for a claim of one job.
     claimed_together: list[Attempt] | None = None
+    #: Such a delivery whose last claim came back full (more was due): the owner it
+    #: claims for, to claim again once what it took has run; else None.
+    claims_again_for: str | None = None
 
     @classmethod
     def from_claim(cls, job_id: str, row: dict[str, Any], *, sent_at: float | None = None) -> Attempt:

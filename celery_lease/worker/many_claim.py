@@ -1,14 +1,15 @@
 """A delivery that claims what is due of its kind (PostgreSQL): every kind whose wakeups
 are coalesced (broker/waking.py) and every ``batch=`` kind.
 
-:meth:`ManyJobClaims.begin` claims up to :meth:`ManyJobClaims.size` due jobs of the kind and queue in
-ONE statement (lifecycle.many_claim), each with its own attempt, lease and fencing token, and
-wakes the kind again at once when the claim came back full. :meth:`ManyJobClaims.run` runs
-them one after another, each through the single job's path (WorkerState.execute), its
-plain success handed to the process's one completer. Rule: a job waiting its turn keeps
-its lease (the heartbeat renews every lease of the process); one whose lease is lost
-while it waits, or met by a warm stop, never starts. A delivery whose job runs here is
-a duplicate whose claim finds nothing. docs/decisions.md, "Many jobs per claim".
+:meth:`ManyJobClaims.begin` claims up to :meth:`ManyJobClaims.size` due jobs of the kind
+and queue in ONE statement (lifecycle.many_claim), each with its own attempt, lease and
+fencing token, and wakes the kind again at once when the claim came back full.
+:meth:`ManyJobClaims.run` runs them one after another through the single job's path
+(WorkerState.execute), then claims again while its claims come back full
+(CLAIM_AGAIN_SECONDS): a backlog costs no message per claim. Rule: a job waiting its turn
+keeps its lease (the heartbeat renews every lease of the process); one whose lease is
+lost while it waits, or met by a warm stop, never starts. docs/decisions.md, "Many jobs
+per claim".
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ _CANCELLED = "cancelled"
 CLAIM_SECONDS = 0.05
 #: ... and at most this many jobs (ManyJobClaims.size).
 DEFAULT_CAP = 100
+#: Seconds a delivery whose claims come back full goes on claiming, from its first run
+#: (_claim_again): under a backlog a pool process skips a message, its mark and Celery's
+#: round per claim; a delivery of another kind waits for this process about this long.
+CLAIM_AGAIN_SECONDS = 1.0
 
 
 class ManyJobClaims:
@@ -75,9 +80,27 @@ class ManyJobClaims:
         or None when nothing was claimed. Every delivery claims, also one whose job runs
         here: submits may have left their jobs to its claim (broker/waking.py), and the job it
         names may have been reaped and be due again (nothing here can tell)."""
+        owner = owner_of(hostname)
+        attempts, full = self._claim(job_id, spec, owner)
+        if not attempts:
+            return None
+        lead = attempts[0]
+        lead.claimed_together = attempts
+        lead.claims_again_for = owner if full else None
+        if spec.timeout is not None:
+            lead.deadline = time.monotonic() + spec.timeout
+        log.info("celery-lease: job %s (%s): claimed a batch of %d", job_id, spec.kind, len(attempts))
+        return lead
+
+    def _claim(self, job_id: str, spec: JobKind, owner: str, *, again: bool = False) -> tuple[list[Attempt], bool]:
+        """One many-job claim for ``owner``: the attempts to run (``job_id``'s first: the
+        delivery's own) and whether to claim again once they ran: it came back full (more
+        is due, and was woken) and no limit bounds the kind (a limited kind's jobs are
+        woken as its slots and windows free, which its successes still waiting for the
+        completer have not). A claim ``again`` that finds nothing says nothing of the
+        delivery (its jobs ran)."""
         state = self._state
         sent_at = time.monotonic()
-        owner = owner_of(hostname)
         params = {"job_id": job_id, "wakeup_task": spec.task, "owner": owner, "n": self.size(spec)}
         limited = state.flow is not None and state.flow.limited(spec)
         for _ in range(2):
@@ -99,8 +122,9 @@ class ManyJobClaims:
                 # a full claim's rest is, so the held rows do not hide them.
                 self._wake(spec, found[0]["next_id"], found[0]["next_queue"])
         if not rows:
-            self._nothing_claimed(job_id, spec, paused=paused)
-            return None
+            if not again:
+                self._nothing_claimed(job_id, spec, paused=paused)
+            return [], False
         attempts = [Attempt.from_claim(str(r["id"]), r, sent_at=sent_at) for r in rows if r["status"] != _CANCELLED]
         attempts.sort(key=lambda a: a.job_id != job_id)  # the delivery's own job first
         # The attempts join the heartbeat before the claim's follow-ups, which a slow
@@ -116,18 +140,11 @@ class ManyJobClaims:
             if row["status"] == _CANCELLED:
                 log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
                 state.pipeline.claim_cancelled(row)
-        if not attempts:
-            return None
         if any(a.late_to_start for a in attempts):
             for a in attempts:
                 state._hand_off_late(a)
-            return None
-        lead = attempts[0]
-        lead.claimed_together = attempts
-        if spec.timeout is not None:
-            lead.deadline = sent_at + spec.timeout
-        log.info("celery-lease: job %s (%s): claimed a batch of %d", job_id, spec.kind, len(attempts))
-        return lead
+            return [], False
+        return attempts, following is not None and not limited
 
     def _limited_follow_ups(self, job_id: str, spec: JobKind, first: dict[str, Any], own: bool) -> None:
         """A limited kind's many-job claim: what its rate window asks for, and a delivery whose own
@@ -168,29 +185,57 @@ class ManyJobClaims:
         value: Any = None
         signal: Exception | None = None
         assert lead.claimed_together is not None
+        began = time.monotonic()
+        batch = lead.claimed_together
         try:
-            for a in lead.claimed_together:
-                if a is not lead and not self._may_start(spec, a):
-                    continue
-                started = time.monotonic()
-                if a is lead:
-                    value, signal = self._execute(spec, a, on_progress)
-                else:
-                    self._execute_own_task(spec, a, tasks)
-                self._measured(spec, time.monotonic() - started)
-                if a.pending_write:
-                    # Its body is over and its success waits for the completer: no renewal
-                    # from here on (one that ran after the success committed logged a
-                    # false "lease lost (cancelled or reaped)").
-                    self._state.heartbeat.remove(a)
-                else:
-                    self._done(a)
+            while True:
+                try:
+                    for a in batch:
+                        if a is not lead and not self._may_start(spec, a):
+                            continue
+                        started = time.monotonic()
+                        if a is lead:
+                            value, signal = self._execute(spec, a, on_progress)
+                        else:
+                            self._execute_own_task(spec, a, tasks)
+                        self._measured(spec, time.monotonic() - started)
+                        if a.pending_write:
+                            # Its body is over and its success waits for the completer: no
+                            # renewal from here on (one that ran after the success committed
+                            # logged a false "lease lost (cancelled or reaped)").
+                            self._state.heartbeat.remove(a)
+                        else:
+                            self._done(a)
+                finally:
+                    if batch is not lead.claimed_together:
+                        for a in batch:  # (the delivery's own claim's are ended at task_postrun)
+                            if not a.pending_write:
+                                self._done(a)
+                batch = self._claim_again(spec, lead, began)
+                if not batch:
+                    break
         finally:
             if tasks is not None:
                 tasks.close()
         if signal is not None:
             raise signal
         return value
+
+    def _claim_again(self, spec: JobKind, lead: Attempt, began: float) -> list[Attempt]:
+        """The next claim of a delivery whose last claim came back full, for as long as
+        CLAIM_AGAIN_SECONDS from its first run and not on a warm stop: the process takes
+        what is due without a message per claim (the full claim woke the kind for the
+        others). Its jobs run as the claim's other jobs do, with task events of their own."""
+        owner = lead.claims_again_for
+        if owner is None or shutdown.requested() or time.monotonic() - began >= CLAIM_AGAIN_SECONDS:
+            return []
+        try:
+            attempts, full = self._claim(lead.job_id, spec, owner, again=True)
+        except Exception:  # the jobs run already: their delivery must not fail for it
+            log.warning("celery-lease: %s: no claim again after a full claim; its wakeup will", spec.kind, exc_info=True)
+            return []
+        lead.claims_again_for = owner if full else None
+        return attempts
 
     def _execute(self, spec: JobKind, a: Attempt, on_progress: Callable[[Any], None] | None) -> tuple[Any, Exception | None]:
         """Run one attempt of the claim: its value, or the Retry / JobRefused / JobFailed

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from celery_lease.db.engine import Database
 from celery_lease.db.schema import jobs
+from celery_lease.worker import many_claim, shutdown
 
 HOST = "w@host"
 
@@ -68,7 +69,8 @@ def _claim(mod, first: str):
     return lead
 
 
-def test_one_statement_claims_many_and_one_completes_them(pg, mod):
+def test_one_statement_claims_many_and_one_completes_them(pg, mod, monkeypatch):
+    monkeypatch.setattr(many_claim, "CLAIM_AGAIN_SECONDS", 0.0)  # (the claim again: the test below)
     ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(6)])]
     lead = _claim(mod, ids[0])
     assert [a.job_id for a in lead.claimed_together] == ids[:4]  # batch=4, oldest first, the delivery's own first
@@ -93,6 +95,45 @@ def test_one_statement_claims_many_and_one_completes_them(pg, mod):
     worker.flush()
     assert [r.status for r in rows(pg, ids)] == ["succeeded"] * 6
     assert worker.begin(ids[5], mod.b_note.spec, HOST) is None  # nothing left
+
+
+def test_a_delivery_whose_claim_came_back_full_claims_again_once_its_jobs_ran(pg, mod):
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(10)])]
+    lead = _claim(mod, ids[0])
+    assert lead.claims_again_for is not None  # full: 4 of 10
+    worker = mod.leases.worker
+    worker.completer.LINGER = 60.0
+    with job_updates() as updates:
+        assert worker.execute(mod.b_note.spec, lead) == {"n": 0, "attempt": 1}
+        worker.flush()
+    worker.end(lead)
+    claims = [u for u in updates if "SKIP LOCKED" in u]
+    # Two claims more (4 + 2, the last one not full: no third), no message between them;
+    # and the endings still share statements.
+    assert len(claims) == 2, updates
+    assert len(updates) - len(claims) < 10, updates
+    assert [(r.status, r.result) for r in rows(pg, ids)] == [("succeeded", {"n": i, "attempt": 1}) for i in range(10)]
+    assert worker.heartbeat.held_jobs() == set()  # every lease it took is let go
+    assert worker.begin(ids[9], mod.b_note.spec, HOST) is None  # nothing left
+
+
+def test_a_warm_stop_ends_the_claiming_again(pg, mod):
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(8)])]
+    lead = _claim(mod, ids[0])
+    worker = mod.leases.worker
+    shutdown.request()
+    try:
+        worker.execute(mod.b_note.spec, lead)
+        worker.end(lead)
+        worker.flush()
+    finally:
+        shutdown.reset()
+    statuses = [r.status for r in rows(pg, ids)]
+    # The lead ran (its body had started when the stop came); the claim's others were
+    # handed back, and nothing more was claimed.
+    assert statuses == ["succeeded"] + ["pending"] * 7, statuses
+    assert [r.attempt for r in rows(pg, ids)][1:] == [0] * 7
+    assert [r.lease_generation for r in rows(pg, ids)] == [1] * 4 + [0] * 4  # the rest never claimed
 
 
 def test_a_poison_value_and_a_raising_handler_touch_only_their_own_job(pg, mod):
@@ -459,7 +500,8 @@ def test_a_batch_claim_rerun_after_a_lost_reply_and_a_restart_adopts_its_first_r
         mod.leases.worker.execute(mod.b_note.spec, lead)
         mod.leases.worker.end(lead)
         mod.leases.worker.flush()
-        assert [r.status for r in rows(url, ids)] == ["succeeded"] * 4 + ["pending"] * 4
+        # Each job ran once, on its first token: the rest by the delivery's claim again.
+        assert [(r.status, r.lease_generation) for r in rows(url, ids)] == [("succeeded", 1)] * 8
         mod.leases.store.dispose()
 
 
@@ -518,7 +560,8 @@ def test_a_batch_claims_slow_follow_up_does_not_cost_the_batch(pg, broker, clien
     worker.execute(mod.b_note.spec, lead)
     worker.end(lead)
     worker.flush()
-    assert [(r.status, r.attempt, r.lease_generation) for r in rows(pg, ids)] == [("succeeded", 1, 1)] * 4 + [("pending", 0, 0)]
+    # (The fifth by the delivery's claim again, once the four ran.)
+    assert [(r.status, r.attempt, r.lease_generation) for r in rows(pg, ids)] == [("succeeded", 1, 1)] * 5
 
 
 def test_a_batchs_successes_are_written_through_a_database_outage_within_their_leases(pg, broker, client_app):
