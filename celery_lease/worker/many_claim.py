@@ -81,6 +81,7 @@ class ManyJobClaims:
         here: submits may have left their jobs to its claim (broker/waking.py), and the job it
         names may have been reaped and be due again (nothing here can tell)."""
         owner = owner_of(hostname)
+        sent_at = time.monotonic()
         attempts, full = self._claim(job_id, spec, owner)
         if not attempts:
             return None
@@ -88,7 +89,7 @@ class ManyJobClaims:
         lead.claimed_together = attempts
         lead.claims_again_for = owner if full else None
         if spec.timeout is not None:
-            lead.deadline = time.monotonic() + spec.timeout
+            lead.deadline = sent_at + spec.timeout
         log.info("celery-lease: job %s (%s): claimed a batch of %d", job_id, spec.kind, len(attempts))
         return lead
 
@@ -182,44 +183,49 @@ class ManyJobClaims:
         value and raises the lead's Retry / JobRefused / JobFailed, after all of them
         (Celery reports the delivery's task as its own job's outcome; ``tasks`` sends
         the task events of the others, when the worker sends events)."""
-        value: Any = None
-        signal: Exception | None = None
         assert lead.claimed_together is not None
         began = time.monotonic()
         batch = lead.claimed_together
         try:
-            while True:
+            value, signal = self._run_batch(spec, lead, batch, on_progress, tasks)
+            while batch := self._claim_again(spec, lead, began):
                 try:
-                    for a in batch:
-                        if a is not lead and not self._may_start(spec, a):
-                            continue
-                        started = time.monotonic()
-                        if a is lead:
-                            value, signal = self._execute(spec, a, on_progress)
-                        else:
-                            self._execute_own_task(spec, a, tasks)
-                        self._measured(spec, time.monotonic() - started)
-                        if a.pending_write:
-                            # Its body is over and its success waits for the completer: no
-                            # renewal from here on (one that ran after the success committed
-                            # logged a false "lease lost (cancelled or reaped)").
-                            self._state.heartbeat.remove(a)
-                        else:
-                            self._done(a)
+                    self._run_batch(spec, lead, batch, on_progress, tasks)
                 finally:
-                    if batch is not lead.claimed_together:
-                        for a in batch:  # (the delivery's own claim's are ended at task_postrun)
-                            if not a.pending_write:
-                                self._done(a)
-                batch = self._claim_again(spec, lead, began)
-                if not batch:
-                    break
+                    for a in batch:  # a claim again's: no task_postrun ends them (WorkerState.end)
+                        self._done(a)
         finally:
             if tasks is not None:
                 tasks.close()
         if signal is not None:
             raise signal
         return value
+
+    def _run_batch(
+        self,
+        spec: JobKind,
+        lead: Attempt,
+        batch: list[Attempt],
+        on_progress: Callable[[Any], None] | None,
+        tasks: ManyClaimTasks | None,
+    ) -> tuple[Any, Exception | None]:
+        """Run the attempts of one claim in turn; the lead's (value, signal), when it is one."""
+        value: Any = None
+        signal: Exception | None = None
+        for a in batch:
+            if a is not lead and not self._may_start(spec, a):
+                continue
+            started = time.monotonic()
+            if a is lead:
+                value, signal = self._execute(spec, a, on_progress)
+            else:
+                self._execute_own_task(spec, a, tasks)
+            self._measured(spec, time.monotonic() - started)
+            # Its body is over (a success may still wait for the completer): no renewal from
+            # here on (one that ran after the success committed logged a false "lease lost
+            # (cancelled or reaped)").
+            self._done(a)
+        return value, signal
 
     def _claim_again(self, spec: JobKind, lead: Attempt, began: float) -> list[Attempt]:
         """The next claim of a delivery whose last claim came back full, for as long as
@@ -292,5 +298,6 @@ class ManyJobClaims:
         return True
 
     def _done(self, a: Attempt) -> None:
-        """``a`` ended (its outcome written, or given up): no more renewals."""
+        """``a``'s body is over (its success may still wait for the completer), or it
+        never starts: no more renewals."""
         self._state.heartbeat.remove(a)

@@ -117,6 +117,29 @@ def test_a_delivery_whose_claim_came_back_full_claims_again_once_its_jobs_ran(pg
     assert worker.begin(ids[9], mod.b_note.spec, HOST) is None  # nothing left
 
 
+def test_a_claim_again_that_fails_leaves_the_delivery_its_outcome_and_the_rest_pending(pg, mod, monkeypatch):
+    """The jobs of the first claim ran: a claim again that raises (the database away) is
+    logged, the delivery reports its own job's outcome, and what is left stays due."""
+    from celery_lease.errors import DatabaseUnavailable
+
+    ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(6)])]
+    lead = _claim(mod, ids[0])
+    worker = mod.leases.worker
+
+    def unavailable(*_, **__):
+        raise DatabaseUnavailable("claim")
+
+    monkeypatch.setattr(many_claim, "claim_many", unavailable)
+    assert worker.execute(mod.b_note.spec, lead) == {"n": 0, "attempt": 1}
+    worker.end(lead)
+    worker.flush()
+    monkeypatch.undo()
+    assert [r.status for r in rows(pg, ids)] == ["succeeded"] * 4 + ["pending"] * 2
+    assert worker.heartbeat.held_jobs() == set()
+    rest = worker.begin(ids[0], mod.b_note.spec, HOST)
+    assert rest is not None and sorted(a.job_id for a in rest.claimed_together) == sorted(ids[4:])
+
+
 def test_a_warm_stop_ends_the_claiming_again(pg, mod):
     ids = [j.id for j in mod.b_note.submit_many([{"n": i} for i in range(8)])]
     lead = _claim(mod, ids[0])
