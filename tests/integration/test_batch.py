@@ -138,6 +138,10 @@ def test_a_claim_again_that_fails_leaves_the_delivery_its_outcome_and_the_rest_p
     assert worker.heartbeat.held_jobs() == set()
     rest = worker.begin(ids[0], mod.b_note.spec, HOST)
     assert rest is not None and sorted(a.job_id for a in rest.claimed_together) == sorted(ids[4:])
+    worker.execute(mod.b_note.spec, rest)  # (ended: no lease of this test renewed in later ones)
+    worker.end(rest)
+    worker.flush()
+    assert [r.status for r in rows(pg, ids)] == ["succeeded"] * 6
 
 
 def test_a_warm_stop_ends_the_claiming_again(pg, mod):
