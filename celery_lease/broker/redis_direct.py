@@ -23,11 +23,12 @@ _SLOT_RE = re.compile('"' + _TOKEN + r'(\w+)"')
 #: Messages per LPUSH: a command stays small enough for Redis' query buffer however
 #: large the batch (one maintenance batch is up to batch_size wakeups).
 LPUSH_CHUNK = 500
-#: A coalesced wakeup (broker/waking.py): its mark set and its message pushed in one
-#: round trip, the message only if the mark was free. KEYS: mark, list; ARGV: the mark's
-#: lifetime in ms, the message.
+#: A coalesced wakeup (broker/waking.py): its mark counted and its message pushed in one
+#: round trip, the message only if this count set the mark. KEYS: mark, list; ARGV: the
+#: mark's lifetime in ms, the message.
 PUSH_IF_MARKED = (
-    "if redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then return redis.call('LPUSH', KEYS[2], ARGV[2]) end return false"
+    "if redis.call('INCR', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1])"
+    " return redis.call('LPUSH', KEYS[2], ARGV[2]) end return false"
 )
 #: A coalesced wakeup's mark: (its Redis key, its lifetime in ms).
 Mark = tuple[str, int]

@@ -1,14 +1,20 @@
 """Coalesced wakeups: one wakeup on its way per (task, routing key), not one per job.
 
 Rule: a due job is reached by a claim that starts after its row committed. A submit
-publishes its kind's wakeup only when it sets the (task, routing key)'s mark (SET NX on
-the Redis broker; on the direct path one script sets it and pushes: one round trip); the
-delivery deletes the mark *before* it claims (WorkerState.begin).
-So a job whose submit found the mark is committed before that claim reads the table:
-the claim takes it or, full, wakes the kind again (worker/many_claim.py). The mark expires
-after MARK_TTL_MS, so a wakeup lost with its delivery holds later submits back no
-longer; the jobs submitted meanwhile are the sweeper's. Only kinds whose deliveries
-claim what is due take part (``coalesces``); on another broker every wakeup is published.
+counts its job on the (task, routing key)'s mark (INCR, after its row committed) and
+publishes its kind's wakeup only when its count set the mark (on the direct path one
+script counts and pushes: one round trip). A delivery either deletes the mark *before*
+it claims (WorkerState.begin), or holds it: it reads the count before each claim and,
+once its jobs ran, deletes the mark only if the count is still the one it read
+(:meth:`Waking.release`); a count that moved means submits it must claim for, and a
+mark gone (lapsed, or deleted) means one last claim. Either way a job whose submit found
+the mark is committed before a claim that reads the table after: that claim takes it or,
+full, wakes the kind again (worker/many_claim.py). The mark expires after MARK_TTL_MS
+(HOLD_TTL_MS from a holder's last look), so a wakeup lost with its delivery, or a holder
+whose body runs long or who died, holds later submits back no longer; the jobs counted
+meanwhile go to the next claim of the kind, or to the sweeper. Only kinds whose
+deliveries claim what is due take part (``coalesces``); on another broker every wakeup is
+published.
 """
 
 from __future__ import annotations
@@ -27,6 +33,24 @@ log = logging.getLogger("celery_lease")
 
 #: How long a mark holds submits back if its wakeup is lost (see the module docstring).
 MARK_TTL_MS = 2000
+#: ... and from a holding delivery's last look at it: longer than its claims and bodies
+#: take between looks (worker/many_claim.py holds only for short bodies), short enough
+#: that a body that runs long holds no one back for long.
+HOLD_TTL_MS = 250
+#: A holder's mark was deleted: no submit came since its last look (Waking.release).
+RELEASED = 0
+#: One count on a mark; true if it set the mark. KEYS: mark; ARGV: its lifetime in ms.
+_COUNT = "if redis.call('INCR', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) return 1 end return false"
+#: A holder's look: the count, its lifetime renewed. KEYS: mark; ARGV: lifetime in ms.
+_LOOK = "local n = redis.call('GET', KEYS[1]) if n then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end return n"
+#: A holder lets go if the count is the one it saw (0), else returns the count (its
+#: lifetime renewed), or nothing if the mark is gone. KEYS: mark; ARGV: the count seen,
+#: lifetime in ms.
+_RELEASE = (
+    "local n = redis.call('GET', KEYS[1]) if not n then return false end"
+    " if n == ARGV[1] then redis.call('DEL', KEYS[1]) return 0 end"
+    " redis.call('PEXPIRE', KEYS[1], ARGV[2]) return n"
+)
 _PREFIX = "celery-lease:waking:"
 
 Wakeup = tuple[str, str, "str | None"]  # (job id, Celery task name, the row's queue)
@@ -52,13 +76,14 @@ class Waking:
         self._pid = 0
         #: Per mark: whether a submit of this process last found it set (see split).
         self._found_set: dict[str, bool] = {}
+        self._registered: tuple[Any, dict[str, Any]] | None = None
 
     def split(self, wakeups: Sequence[Wakeup]) -> tuple[list[Wakeup], dict[str, Mark], list[str]]:
         """The wakeups to publish, the marks that ride with their pushes (job id -> mark:
         pushed only if it sets its mark, Publisher.publish), and the marks set here
         already: of each (task, routing key) that coalesces, one wakeup, if no other is
         on its way; every other wakeup as it is. A mark last found set is asked first
-        (SET NX: under load most are set, and no message is built for them); one last
+        (counted: under load most are set, and no message is built for them); one last
         found free rides with the push (one round trip for a lone submit)."""
         if not self.enabled:
             return list(wakeups), {}, []
@@ -83,17 +108,21 @@ class Waking:
             self._found_set[key] = job_id in skipped
 
     def admit(self, keys: Sequence[str]) -> Collection[str]:
-        """Set these marks where free (for wakeups whose mark cannot ride with their push);
-        returns those set now. Unreadable, every one counts as set: a copy too many is
-        harmless."""
+        """Count on these marks (for wakeups whose mark cannot ride with their push);
+        returns those the count set now. Unreadable, every one counts as set: a copy too
+        many is harmless."""
         try:
             with self._client() as client:
                 if client is None:
                     return keys
-                pipe = client.pipeline(transaction=False)
-                for key in keys:
-                    pipe.set(key, b"1", nx=True, px=MARK_TTL_MS)
-                answers = pipe.execute()
+                count = self._scripts(client)[_COUNT]
+                if len(keys) == 1:  # (a submit's: no pipeline to build)
+                    answers = [count(keys=keys, args=[MARK_TTL_MS], client=client)]
+                else:
+                    pipe = client.pipeline(transaction=False)
+                    for key in keys:  # (a script in a pipeline costs a SCRIPT EXISTS: sent whole)
+                        pipe.eval(_COUNT, 1, key, MARK_TTL_MS)
+                    answers = pipe.execute()
         except Exception as exc:
             log.debug("celery-lease: wakeup marks unreadable (%s); published each", type(exc).__name__)
             return keys
@@ -104,11 +133,38 @@ class Waking:
         if keys:
             self._delete(list(keys))
 
-    def arrived(self, task: str, routing_key: Any) -> None:
-        """A delivery of ``task`` with ``routing_key`` is about to claim: its mark goes
-        first, so every submit from now on either finds a new mark or publishes."""
+    def mark_of(self, task: str, routing_key: Any) -> str | None:
+        """The mark of a delivery of ``task`` with ``routing_key``, if its wakeups coalesce."""
         if self.enabled and isinstance(routing_key, str) and self.coalesces(task):
-            self._delete([mark_key(task, routing_key)])
+            return mark_key(task, routing_key)
+        return None
+
+    def look(self, key: str) -> str | None:
+        """A holder's look before a claim: the mark's count (None: no mark, or unreadable;
+        then nothing is held back by it), its lifetime renewed to HOLD_TTL_MS."""
+        return self._script(_LOOK, key, HOLD_TTL_MS)
+
+    def release(self, key: str, seen: str) -> str | int | None:
+        """A holder whose jobs ran: RELEASED if the count is still ``seen`` (the mark is
+        deleted: every submit it counted was read by the claims after that look); else
+        the count now, or None when the mark is gone (lapsed, deleted, unreadable): the
+        jobs counted since ``seen`` are the holder's to claim."""
+        return self._script(_RELEASE, key, seen, HOLD_TTL_MS)
+
+    def let_go(self, key: str) -> None:
+        """A holder stops holding: the mark goes; its last claim comes after this."""
+        self._delete([key])
+
+    def _script(self, script: str, key: str, *args: Any) -> Any:
+        try:
+            with self._client() as client:
+                if client is None:
+                    return None
+                answer = self._scripts(client)[script](keys=[key], args=list(args), client=client)
+        except Exception as exc:
+            log.debug("celery-lease: wakeup mark unreadable (%s)", type(exc).__name__)
+            return None
+        return answer.decode() if isinstance(answer, bytes) else answer
 
     def _key(self, task: str, queue: str | None) -> str | None:
         if not self.coalesces(task):
@@ -125,6 +181,12 @@ class Waking:
             # The mark lapses by itself within MARK_TTL_MS; meanwhile later submits may
             # leave their jobs to the claims already woken, or to the sweeper.
             log.warning("celery-lease: wakeup mark not cleared (%s); it lapses in %d ms", type(exc).__name__, MARK_TTL_MS)
+
+    def _scripts(self, client: Any) -> dict[str, Any]:
+        """The mark's scripts on ``client``, sent by their SHA (redis-py loads them once)."""
+        if self._registered is None or self._registered[0] is not client:
+            self._registered = (client, {script: client.register_script(script) for script in (_COUNT, _LOOK, _RELEASE)})
+        return self._registered[1]
 
     @contextlib.contextmanager
     def _client(self):

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from celery_lease.db.outage import retry_within_lease
 from celery_lease.errors import LeaseLost
@@ -38,6 +38,15 @@ LAPSE_SHARE = 0.8
 #: before the claim was sent, is nearly lapsed and the job may soon be another
 #: worker's. The rest of the lease leaves time to hand the job back.
 START_SHARE = 0.5
+
+
+class HeldMark(NamedTuple):
+    """A many-job delivery's hold on its wakeup's mark (broker/waking.py, worker/many_claim.py)."""
+
+    owner: str  # the owner its claims are for
+    key: str  # the mark
+    seen: str  # the count it read before its last claim ...
+    at: float  # ... when (monotonic)
 
 
 @dataclass(eq=False)
@@ -86,6 +95,8 @@ class Attempt:
     #: Such a delivery whose last claim came back full (more was due): the owner it
     #: claims for, to claim again once what it took has run; else None.
     claims_again_for: str | None = None
+    #: Such a delivery that holds its wakeup's mark (broker/waking.py); else None.
+    holds_mark: HeldMark | None = None
 
     @classmethod
     def from_claim(cls, job_id: str, row: dict[str, Any], *, sent_at: float | None = None) -> Attempt:

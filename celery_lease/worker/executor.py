@@ -111,9 +111,7 @@ class WorkerState:
                 log.warning("celery-lease: job %s: not re-woken at shutdown; the sweeper will", job_id)
             return None
         if self._claims_many(spec):
-            # Its wakeup's mark goes before the claim reads the table (broker/waking.py).
-            self.producer.waking.arrived(spec.task, routing_key)
-            return self.many_claims.begin(job_id, spec, hostname)
+            return self.many_claims.begin(job_id, spec, hostname, routing_key)
         sent_at = time.monotonic()
         owner = owner_of(hostname)
         # The claimed attempt joins the heartbeat as the claim's first follow-up, before

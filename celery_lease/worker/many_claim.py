@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Retry
 
 from celery_lease import tracing
+from celery_lease.broker.waking import RELEASED
 from celery_lease.errors import DatabaseUnavailable, JobFailed, JobRefused, LeaseLost
 from celery_lease.flow.store import declared_limits
 from celery_lease.lifecycle.many_claim import claim_many
 from celery_lease.lifecycle.owner import owner_of
 from celery_lease.worker import shutdown
-from celery_lease.worker.attempt import Attempt
+from celery_lease.worker.attempt import Attempt, HeldMark
 from celery_lease.worker.outcome import Outcome
 
 if TYPE_CHECKING:
@@ -46,6 +47,14 @@ DEFAULT_CAP = 100
 #: (_claim_again): under a backlog a pool process skips a message, its mark and Celery's
 #: round per claim; a delivery of another kind waits for this process about this long.
 CLAIM_AGAIN_SECONDS = 1.0
+#: A kind whose attempts took at most this long here holds its wakeup's mark (_hold):
+#: short bodies, so the mark's lifetime from the last look (waking.HOLD_TTL_MS) covers
+#: a claim's worth of them.
+HOLD_BODY_SECONDS = 0.005
+#: A holder whose count moved claims no sooner than this after its last look: submits
+#: gather for a claim of several jobs instead of one per submit (River's fetch cooldown,
+#: in small); bodies that ran that long already cost no wait.
+HOLD_PAUSE_SECONDS = 0.01
 
 
 class ManyJobClaims:
@@ -75,31 +84,67 @@ class ManyJobClaims:
 
     # --- task_prerun ---------------------------------------------------------------------
 
-    def begin(self, job_id: str, spec: JobKind, hostname: str | None) -> Attempt | None:
+    def begin(self, job_id: str, spec: JobKind, hostname: str | None, routing_key: Any = None) -> Attempt | None:
         """Claim the delivery's jobs; its lead attempt (``attempt.claimed_together`` holds them all),
         or None when nothing was claimed. Every delivery claims, also one whose job runs
         here: submits may have left their jobs to its claim (broker/waking.py), and the job it
-        names may have been reaped and be due again (nothing here can tell)."""
+        names may have been reaped and be due again (nothing here can tell). Its wakeup's
+        mark (``routing_key``: as delivered) goes before the claim, or is held (_hold)."""
         owner = owner_of(hostname)
         sent_at = time.monotonic()
-        attempts, full = self._claim(job_id, spec, owner)
+        waking = self._state.producer.waking
+        held = self._hold(spec, routing_key)
+        try:
+            attempts, full = self._claim(job_id, spec, owner, holding=held is not None)
+        except BaseException:
+            if held is not None:  # no claim read what was counted: the next submit publishes
+                waking.let_go(held[0])
+            raise
+        if not attempts and held is not None and waking.release(*held) != RELEASED:
+            # Submits came since the look (or the mark went): let go, and claim once more.
+            waking.let_go(held[0])
+            held = None
+            attempts, full = self._claim(job_id, spec, owner, again=True)
         if not attempts:
             return None
         lead = attempts[0]
         lead.claimed_together = attempts
         lead.claims_again_for = owner if full else None
+        lead.holds_mark = None if held is None else HeldMark(owner, *held, sent_at)
         if spec.timeout is not None:
             lead.deadline = sent_at + spec.timeout
         log.info("celery-lease: job %s (%s): claimed a batch of %d", job_id, spec.kind, len(attempts))
         return lead
 
-    def _claim(self, job_id: str, spec: JobKind, owner: str, *, again: bool = False) -> tuple[list[Attempt], bool]:
+    def _hold(self, spec: JobKind, routing_key: Any) -> tuple[str, str] | None:
+        """Before the first claim: (the mark, its count) if this delivery holds its wakeup's
+        mark, else None, the mark deleted. Held for a kind of short bodies here (one until
+        one ran: a lone job, or a long one, holds no one back) with no limit (its jobs are
+        woken as slots free): while it holds, submits publish nothing and it claims what
+        they counted once its jobs ran (run). No mark (lapsed, or a sweeper's wakeup):
+        nothing to hold."""
+        waking = self._state.producer.waking
+        key = waking.mark_of(spec.task, routing_key)
+        if key is None:
+            return None
+        took = self._took.get(spec.kind)
+        limited = self._state.flow is not None and self._state.flow.limited(spec)
+        if spec.batch is not None or took is None or took > HOLD_BODY_SECONDS or limited:
+            waking.let_go(key)
+            return None
+        seen = waking.look(key)
+        return None if seen is None else (key, seen)
+
+    def _claim(
+        self, job_id: str, spec: JobKind, owner: str, *, again: bool = False, holding: bool = False
+    ) -> tuple[list[Attempt], bool]:
         """One many-job claim for ``owner``: the attempts to run (``job_id``'s first: the
         delivery's own) and whether to claim again once they ran: it came back full (more
         is due, and was woken) and no limit bounds the kind (a limited kind's jobs are
         woken as its slots and windows free, which its successes still waiting for the
         completer have not). A claim ``again`` that finds nothing says nothing of the
-        delivery (its jobs ran)."""
+        delivery (its jobs ran). ``holding`` its mark, a full claim's wakeup is pushed
+        whatever the mark (a counted one would not go)."""
         state = self._state
         sent_at = time.monotonic()
         params = {"job_id": job_id, "wakeup_task": spec.task, "owner": owner, "n": self.size(spec)}
@@ -136,7 +181,7 @@ class ManyJobClaims:
         following = rows[0]["next_id"]
         if following is not None:
             # Full: what is left of the kind gets a wakeup now, for another process.
-            self._wake(spec, following, rows[0]["queue"])
+            self._wake(spec, following, rows[0]["queue"], coalesce=not holding)
         for row in rows:
             if row["status"] == _CANCELLED:
                 log.info("celery-lease: job %s: its run is cancelled; cancelled, not started", row["id"])
@@ -167,10 +212,10 @@ class ManyJobClaims:
             state.flow.hold(job_id, spec)
         log.info("celery-lease: job %s: duplicate or not claimable delivery; skipped", job_id)
 
-    def _wake(self, spec: JobKind, job_id: str, queue: str | None) -> None:
+    def _wake(self, spec: JobKind, job_id: str, queue: str | None, *, coalesce: bool = True) -> None:
         try:
             # Coalesced as a submit's: a wakeup of the kind already on its way takes the rest.
-            self._state.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}], coalesce=True)
+            self._state.producer.publish_wakeups([{"id": job_id, "task": spec.task, "queue": queue}], coalesce=coalesce)
         except Exception:
             log.warning("celery-lease: %s: the rest of a full batch not woken; the sweeper will", spec.kind)
 
@@ -188,13 +233,16 @@ class ManyJobClaims:
         batch = lead.claimed_together
         try:
             value, signal = self._run_batch(spec, lead, batch, on_progress, tasks)
-            while batch := self._claim_again(spec, lead, began):
+            while (later := self._next_claim(spec, lead, began)) is not None:
                 try:
-                    self._run_batch(spec, lead, batch, on_progress, tasks)
+                    self._run_batch(spec, lead, later, on_progress, tasks)
                 finally:
-                    for a in batch:  # a claim again's: no task_postrun ends them (WorkerState.end)
+                    for a in later:  # a later claim's: no task_postrun ends them (WorkerState.end)
                         self._done(a)
         finally:
+            if lead.holds_mark is not None:  # left by an exception: its count lapses to the next claim
+                self._state.producer.waking.let_go(lead.holds_mark.key)
+                lead.holds_mark = None
             if tasks is not None:
                 tasks.close()
         if signal is not None:
@@ -227,19 +275,51 @@ class ManyJobClaims:
             self._done(a)
         return value, signal
 
-    def _claim_again(self, spec: JobKind, lead: Attempt, began: float) -> list[Attempt]:
-        """The next claim of a delivery whose last claim came back full, for as long as
-        CLAIM_AGAIN_SECONDS from its first run and not on a warm stop: the process takes
-        what is due without a message per claim (the full claim woke the kind for the
-        others). Its jobs run as the claim's other jobs do, with task events of their own."""
-        owner = lead.claims_again_for
-        if owner is None or shutdown.requested() or time.monotonic() - began >= CLAIM_AGAIN_SECONDS:
-            return []
+    def _next_claim(self, spec: JobKind, lead: Attempt, began: float) -> list[Attempt] | None:
+        """The next claim of a delivery once its jobs ran, or None when it is done. For
+        CLAIM_AGAIN_SECONDS from its first run and not on a warm stop: again while its
+        claims come back full (the process takes what is due without a message per claim;
+        the full claim woke the kind for the others); holding its mark, again for the
+        submits counted since its last look, after HOLD_PAUSE_SECONDS for more to gather.
+        A holder out of time (or stopping, or whose mark went) lets go and claims once
+        more: what was counted before it let go is read by that claim (on a warm stop its
+        jobs are handed back, _may_start). Its jobs run as the claim's other jobs do, with
+        task events of their own."""
+        over = shutdown.requested() or time.monotonic() - began >= CLAIM_AGAIN_SECONDS
+        waking = self._state.producer.waking
+        if lead.claims_again_for is not None and not over:
+            held = lead.holds_mark
+            if held is not None:  # a look before each claim keeps the mark
+                now = waking.look(held.key)
+                lead.holds_mark = None if now is None else held._replace(seen=now, at=time.monotonic())
+            return self._claim_again(spec, lead, lead.claims_again_for)
+        if lead.holds_mark is None:
+            return None
+        owner, key, seen, looked = lead.holds_mark
+        if not over:
+            now = waking.release(key, seen)
+            if now == RELEASED:
+                lead.holds_mark = None
+                return None
+            if now is not None:
+                time.sleep(max(0.0, HOLD_PAUSE_SECONDS - (time.monotonic() - looked)))
+                now = waking.look(key)
+            if now is not None:
+                lead.holds_mark = HeldMark(owner, key, now, time.monotonic())
+                return self._claim_again(spec, lead, owner)
+        lead.holds_mark = None
+        waking.let_go(key)
+        return self._claim_again(spec, lead, owner)
+
+    def _claim_again(self, spec: JobKind, lead: Attempt, owner: str) -> list[Attempt] | None:
+        """A claim after the delivery's jobs ran: its attempts; None if it failed (the
+        delivery is done: the jobs ran already, so it must not fail for it; the full
+        claim's wakeup, the mark's lapse or the sweeper take the rest)."""
         try:
-            attempts, full = self._claim(lead.job_id, spec, owner, again=True)
-        except Exception:  # the jobs run already: their delivery must not fail for it
-            log.warning("celery-lease: %s: no claim again after a full claim; its wakeup will", spec.kind, exc_info=True)
-            return []
+            attempts, full = self._claim(lead.job_id, spec, owner, again=True, holding=lead.holds_mark is not None)
+        except Exception:
+            log.warning("celery-lease: %s: a claim after its jobs ran failed; its wakeups will", spec.kind, exc_info=True)
+            return None
         lead.claims_again_for = owner if full else None
         return attempts
 

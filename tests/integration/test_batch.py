@@ -383,8 +383,9 @@ def test_submits_of_a_batched_kind_share_one_wakeup_until_a_delivery_claims(pg, 
         mod.b_note.submit_many([{"n": i} for i in range(9)])  # batch=4
         mod.b_note.submit({"n": 9})
         assert client.llen("celery") - before_len == 1  # one on its way: its claim takes the rest
-        mod.leases.producer.waking.arrived(mod.b_note.spec.task, "celery")  # a delivery is about to claim
-        last = mod.b_note.submit({"n": 10})  # (its mark last found set: asked first, SET NX)
+        waking = mod.leases.producer.waking
+        waking.let_go(waking.mark_of(mod.b_note.spec.task, "celery"))  # a delivery is about to claim
+        last = mod.b_note.submit({"n": 10})  # (its mark last found set: asked first, counted)
         assert client.llen("celery") - before_len == 2  # committed after that claim may read: its own
         mod.b_note.submit({"n": 11})  # (its mark last found free: it rides with the push)
         assert client.llen("celery") - before_len == 2
@@ -406,7 +407,7 @@ def test_one_publish_of_several_kinds_pushes_a_marked_wakeup_only_where_its_mark
     mod, producer = flow_mod, flow_mod.leases.producer
     marked = mod.unlimited.submit({})  # its mark stays set: no delivery took it
     freed = mod.b_capped.submit({"n": 1})
-    producer.waking.arrived(mod.b_capped.spec.task, "celery")  # a delivery is about to claim
+    producer.waking.let_go(producer.waking.mark_of(mod.b_capped.spec.task, "celery"))  # a delivery is about to claim
     plain = mod.limited2.submit({})
     _queued(broker)
     published: list[str] = []
