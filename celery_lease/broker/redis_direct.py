@@ -23,13 +23,14 @@ _SLOT_RE = re.compile('"' + _TOKEN + r'(\w+)"')
 #: Messages per LPUSH: a command stays small enough for Redis' query buffer however
 #: large the batch (one maintenance batch is up to batch_size wakeups).
 LPUSH_CHUNK = 500
-#: A coalesced wakeup (broker/waking.py): its mark counted and its message pushed in one
-#: round trip, the message only if this count set the mark. KEYS: mark, list; ARGV: the
-#: mark's lifetime in ms, the message.
-PUSH_IF_MARKED = (
-    "if redis.call('INCR', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1])"
-    " return redis.call('LPUSH', KEYS[2], ARGV[2]) end return false"
-)
+#: A submit's count on a coalesced wakeup's mark (broker/waking.py), true if it set the
+#: mark (then with its lifetime): the one rule, in both scripts that count. KEYS[1]: the
+#: mark; ARGV[1]: its lifetime in ms.
+COUNT_SETS_MARK = "redis.call('INCR', KEYS[1]) == 1 and redis.call('PEXPIRE', KEYS[1], ARGV[1]) == 1"
+#: A coalesced wakeup: its mark counted and its message pushed in one round trip, the
+#: message only if this count set the mark. KEYS: mark, list; ARGV: the mark's lifetime in
+#: ms, the message.
+PUSH_IF_MARKED = f"if {COUNT_SETS_MARK} then return redis.call('LPUSH', KEYS[2], ARGV[2]) end return false"
 #: A coalesced wakeup's mark: (its Redis key, its lifetime in ms).
 Mark = tuple[str, int]
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_lease.broker.redis_direct import Mark, RedisDirect
+from celery_lease.broker.redis_direct import COUNT_SETS_MARK, Mark, RedisDirect
 
 log = logging.getLogger("celery_lease")
 
@@ -40,7 +40,7 @@ HOLD_TTL_MS = 250
 #: A holder's mark was deleted: no submit came since its last look (Waking.release).
 RELEASED = 0
 #: One count on a mark; true if it set the mark. KEYS: mark; ARGV: its lifetime in ms.
-_COUNT = "if redis.call('INCR', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) return 1 end return false"
+_COUNT = f"if {COUNT_SETS_MARK} then return 1 end return false"
 #: A holder's look: the count, its lifetime renewed. KEYS: mark; ARGV: lifetime in ms.
 _LOOK = "local n = redis.call('GET', KEYS[1]) if n then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end return n"
 #: A holder lets go if the count is the one it saw (0), else returns the count (its
