@@ -25,18 +25,13 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import BinaryExpression
 
 from celery_lease.db import durability
-from celery_lease.db.statements.attempt import ARRAY_OF_IDS
-from celery_lease.db.statements.common import row_dicts
+from celery_lease.db.statements.common import is_planned_once, row_dicts
 
 # Compiles with $1, $2 ... placeholders (what PREPARE takes) and their order.
 _DOLLAR = PGDialect_psycopg2(paramstyle="numeric_dollar")
 _names = (f"celery_lease_{n}" for n in itertools.count())
 _KEY = "celery_lease.prepared"
-#: Sent before a statement of many attempts (statements.attempt.attempt_rows), in the
-#: same message. A custom plan knows its arrays' length and the generic plan does not
-#: (10 rows), so PostgreSQL found the generic one dearer than a custom plan for one or
-#: two rows and planned the statement again at every EXECUTE: about 1 ms, more than
-#: running it. The generic plan finds each row by its primary key as well.
+#: Sent before a statement marked statements.common.planned_once, in the same message.
 GENERIC_PLAN = "SET LOCAL plan_cache_mode = force_generic_plan; "
 
 
@@ -109,7 +104,7 @@ class Prepared:
         self.durable = durability.is_durable(stmt)
         if self.durable:
             self.execute_sql = durability.SYNC_ON + self.execute_sql
-        if ARRAY_OF_IDS in compiled.binds:
+        if is_planned_once(stmt):
             self.execute_sql = GENERIC_PLAN + self.execute_sql
 
     def values(self, params: dict[str, Any]) -> list[Any]:

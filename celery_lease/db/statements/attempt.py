@@ -21,6 +21,7 @@ from celery_lease.db.statements.common import (
     _running_under_lease,
     db_now,
     db_now_plus,
+    planned_once,
 )
 from celery_lease.db.statements.events import event_rows, events_cte, logged
 from celery_lease.status import AttemptOutcome, Event, Status
@@ -66,9 +67,6 @@ def publish_progress() -> sa.Update:
 #: dict per attempt, each with the keys of its statement's attempt_rows. attempt_params
 #: turns them into one array per column.
 ROWS = "attempt_list"
-#: The parameter of the attempts' ids: a statement that binds it is one of many
-#: attempts (db/prepared.py plans it once).
-ARRAY_OF_IDS = "attempt_id"
 
 
 def attempt_params(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -200,7 +198,7 @@ def end_jobs(dialect: str) -> Any:
     )
     returned = (*ENDED_COLUMNS, _c.woken_at, _c.error)
     if dialect != "postgresql":  # SQLite: RETURNING names the updated table only; the caller logs
-        return durable(ended.returning(*returned))
+        return planned_once(durable(ended.returning(*returned)))
     done = ended.returning(*returned, e.c.outcome, e.c.detail).cte("ended")
     d = done.c
     event = sa.case(
@@ -211,4 +209,4 @@ def end_jobs(dialect: str) -> Any:
     )
     detail = sa.case((d.status == sa.literal(Status.FAILED.value), d.error), else_=d.detail)
     logged_rows = events_cte("ended_logged", event_rows(done, event, detail))
-    return logged(durable(sa.select(*(d[c.name] for c in returned)).add_cte(logged_rows)))
+    return planned_once(logged(durable(sa.select(*(d[c.name] for c in returned)).add_cte(logged_rows))))

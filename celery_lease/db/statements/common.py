@@ -25,6 +25,24 @@ def row_dicts(result: sa.CursorResult) -> list[dict[str, Any]]:
     return [dict(zip(keys, row)) for row in result]
 
 
+#: The execution option of a statement whose prepared form PostgreSQL must plan once per
+#: connection (db/prepared.py). Left to choose, PostgreSQL compares the generic plan's
+#: estimate with a custom plan's and, for these, plans every EXECUTE anew: an array of
+#: unknown length (the endings), a fair-share branch a plain submit never runs. That
+#: planning cost more than the statement's work; the generic plan reaches each row by
+#: its primary key (or inserts it) all the same.
+PLAN_ONCE = "celery_lease_plan_once"
+
+
+def planned_once(stmt: Any) -> Any:
+    """``stmt``, marked to run on PostgreSQL's generic plan when prepared."""
+    return stmt.execution_options(**{PLAN_ONCE: True})
+
+
+def is_planned_once(stmt: Any) -> bool:
+    return bool(stmt.get_execution_options().get(PLAN_ONCE, False))
+
+
 # --- database time -----------------------------------------------------------------
 
 

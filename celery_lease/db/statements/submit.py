@@ -17,6 +17,7 @@ from celery_lease.db.statements.common import (
     _c,
     db_now,
     db_now_plus,
+    planned_once,
 )
 from celery_lease.db.statements.events import _events_of
 from celery_lease.db.statements.fair import fair_key, fair_key_of_row
@@ -131,7 +132,7 @@ def insert_shared_jobs(*, on_key_conflict_nothing: bool) -> sa.Select:
         insert = insert.on_conflict_do_nothing(index_elements=[_c.id])
     inserted = insert.returning(_c.id, _c.run_id, _c.attempt, _c.created_at, _c.run_after).cte("inserted")
     dispatched = _events_of(inserted, sa.literal(Event.DISPATCHED.value), sa.null(), "dispatched")
-    return sa.select(inserted.c.id, inserted.c.created_at, inserted.c.run_after).add_cte(dispatched)
+    return planned_once(sa.select(inserted.c.id, inserted.c.created_at, inserted.c.run_after).add_cte(dispatched))
 
 
 def get_jobs_by_keys(kind: str, keys: Sequence[str]) -> sa.Select:
