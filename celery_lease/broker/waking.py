@@ -4,17 +4,20 @@ Rule: a due job is reached by a claim that starts after its row committed. A sub
 counts its job on the (task, routing key)'s mark (INCR, after its row committed) and
 publishes its kind's wakeup only when its count set the mark (on the direct path one
 script counts and pushes: one round trip). A delivery either deletes the mark *before*
-it claims (WorkerState.begin), or holds it: it reads the count before each claim and,
-once its jobs ran, deletes the mark only if the count is still the one it read
-(:meth:`Waking.release`); a count that moved means submits it must claim for, and a
-mark gone (lapsed, or deleted) means one last claim. Either way a job whose submit found
-the mark is committed before a claim that reads the table after: that claim takes it or,
-full, wakes the kind again (worker/many_claim.py). The mark expires after MARK_TTL_MS
-(HOLD_TTL_MS from a holder's last look), so a wakeup lost with its delivery, or a holder
-whose body runs long or who died, holds later submits back no longer; the jobs counted
-meanwhile go to the next claim of the kind, or to the sweeper. Only kinds whose
-deliveries claim what is due take part (``coalesces``); on another broker every wakeup is
-published.
+it claims (WorkerState.begin), or holds it: once its jobs ran, it deletes the mark only
+if the count is still the one it knew before its claim (:meth:`Waking.release`); a count
+that moved means submits it must claim for, and a mark gone (lapsed, or deleted) means
+one last claim. The count it knows before its first claim is PUSHED, the count of the
+submit that published a wakeup, not one it reads: no round trip comes before that claim,
+and a count it did not see is only ever too low (submits since the push, even those the
+claim took, make it claim once more). Before each later claim it reads the count
+(:meth:`Waking.look`). Either way a job whose submit found the mark is committed before
+a claim that reads the table after: that claim takes it or, full, wakes the kind again
+(worker/many_claim.py). The mark expires after MARK_TTL_MS (HOLD_TTL_MS from a holder's
+renewal or last look), so a wakeup lost with its delivery, or a holder whose body runs
+long or who died, holds later submits back no longer; the jobs counted meanwhile go to
+the next claim of the kind, or to the sweeper. Only kinds whose deliveries claim what is
+due take part (``coalesces``); on another broker every wakeup is published.
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ log = logging.getLogger("celery_lease")
 
 #: How long a mark holds submits back if its wakeup is lost (see the module docstring).
 MARK_TTL_MS = 2000
-#: ... and from a holding delivery's last look at it: longer than its claims and bodies
+#: ... and from a holding delivery's renewal or last look at it: longer than its claims and bodies
 #: take between looks (worker/many_claim.py holds only for short bodies), short enough
 #: that a body that runs long holds no one back for long.
 HOLD_TTL_MS = 250
 #: A holder's mark was deleted: no submit came since its last look (Waking.release).
 RELEASED = 0
+#: The count of a mark whose submit published its wakeup (_COUNT set it): what a
+#: holder knows of the count before its first claim without reading it.
+PUSHED = "1"
 #: One count on a mark; true if it set the mark. KEYS: mark; ARGV: its lifetime in ms.
 _COUNT = f"if {COUNT_SETS_MARK} then return 1 end return false"
 #: A holder's look: the count, its lifetime renewed. KEYS: mark; ARGV: lifetime in ms.
@@ -143,6 +149,16 @@ class Waking:
         """A holder's look before a claim: the mark's count (None: no mark, or unreadable;
         then nothing is held back by it), its lifetime renewed to HOLD_TTL_MS."""
         return self._script(_LOOK, key, HOLD_TTL_MS)
+
+    def renew(self, key: str) -> None:
+        """A holder's first claim went: the mark's lifetime renewed to HOLD_TTL_MS (else it
+        keeps the one its submit gave it, MARK_TTL_MS)."""
+        try:
+            with self._client() as client:
+                if client is not None:
+                    client.pexpire(key, HOLD_TTL_MS)
+        except Exception as exc:
+            log.debug("celery-lease: wakeup mark not renewed (%s)", type(exc).__name__)
 
     def release(self, key: str, seen: str) -> str | int | None:
         """A holder whose jobs ran: RELEASED if the count is still ``seen`` (the mark is

@@ -45,7 +45,7 @@ class HeldMark(NamedTuple):
 
     owner: str  # the owner its claims are for
     key: str  # the mark
-    seen: str  # the count it read before its last claim ...
+    seen: str  # the count it knew before its last claim (read, or waking.PUSHED) ...
     at: float  # ... when (monotonic)
 
 

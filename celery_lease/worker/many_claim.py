@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Retry
 
 from celery_lease import tracing
-from celery_lease.broker.waking import RELEASED
+from celery_lease.broker.waking import PUSHED, RELEASED
 from celery_lease.errors import DatabaseUnavailable, JobFailed, JobRefused, LeaseLost
 from celery_lease.flow.store import declared_limits
 from celery_lease.lifecycle.many_claim import claim_many
@@ -48,8 +48,8 @@ DEFAULT_CAP = 100
 #: round per claim; a delivery of another kind waits for this process about this long.
 CLAIM_AGAIN_SECONDS = 1.0
 #: A kind whose attempts took at most this long here holds its wakeup's mark (_hold):
-#: short bodies, so the mark's lifetime from the last look (waking.HOLD_TTL_MS) covers
-#: a claim's worth of them.
+#: short bodies, so the mark's lifetime from its renewal (waking.HOLD_TTL_MS) covers a
+#: claim's worth of them.
 HOLD_BODY_SECONDS = 0.005
 #: A holder whose count moved claims no sooner than this after its last look: submits
 #: gather for a claim of several jobs instead of one per submit (River's fetch cooldown,
@@ -101,12 +101,14 @@ class ManyJobClaims:
                 waking.let_go(held[0])
             raise
         if not attempts and held is not None and waking.release(*held) != RELEASED:
-            # Submits came since the look (or the mark went): let go, and claim once more.
+            # Submits came since the push (or the mark went): let go, and claim once more.
             waking.let_go(held[0])
             held = None
             attempts, full = self._claim(job_id, spec, owner, again=True)
         if not attempts:
             return None
+        if held is not None:  # (after the claim: a lone job's start waits for no reply)
+            waking.renew(held[0])
         lead = attempts[0]
         lead.claimed_together = attempts
         lead.claims_again_for = owner if full else None
@@ -117,12 +119,13 @@ class ManyJobClaims:
         return lead
 
     def _hold(self, spec: JobKind, routing_key: Any) -> tuple[str, str] | None:
-        """Before the first claim: (the mark, its count) if this delivery holds its wakeup's
-        mark, else None, the mark deleted. Held for a kind of short bodies here (one until
-        one ran: a lone job, or a long one, holds no one back) with no limit (its jobs are
-        woken as slots free): while it holds, submits publish nothing and it claims what
-        they counted once its jobs ran (run). No mark (lapsed, or a sweeper's wakeup):
-        nothing to hold."""
+        """Before the first claim: (the mark, the count it holds from) if this delivery
+        holds its wakeup's mark, else None, the mark deleted. Held for a kind of short
+        bodies here (one until one ran: a lone job, or a long one, holds no one back) with
+        no limit (its jobs are woken as slots free): while it holds, submits publish
+        nothing and it claims what they counted once its jobs ran (run). It holds from
+        PUSHED, unread (broker/waking.py): a delivery that did not come from that push (a
+        sweeper's, a full claim's) or a mark gone only cost a claim more."""
         waking = self._state.producer.waking
         key = waking.mark_of(spec.task, routing_key)
         if key is None:
@@ -132,8 +135,7 @@ class ManyJobClaims:
         if spec.batch is not None or took is None or took > HOLD_BODY_SECONDS or limited:
             waking.let_go(key)
             return None
-        seen = waking.look(key)
-        return None if seen is None else (key, seen)
+        return key, PUSHED
 
     def _claim(
         self, job_id: str, spec: JobKind, owner: str, *, again: bool = False, holding: bool = False

@@ -202,3 +202,58 @@ def test_a_holder_whose_first_claim_fails_lets_go_of_its_mark(pg, mod, echo, mon
     lead = mod.leases.worker.begin(first, echo, HOST, QUEUE)
     assert lead is not None
     _run(mod, echo, lead)
+
+
+def test_a_holder_claims_before_any_round_trip_to_redis_then_renews_its_mark(pg, mod, echo, monkeypatch):
+    """A lone job's start waits for no Redis reply: the holder knows the count its push
+    set (waking.PUSHED) without reading it, and renews its mark after the claim."""
+    from celery_lease.broker import waking as waking_module
+
+    mark = _mark(mod, echo)
+    (first,) = _submit(mod, 1)
+    waking = mod.leases.producer.waking
+    order: list[str] = []
+    for name in ("_script", "_delete", "renew"):
+        real = getattr(waking, name)
+        monkeypatch.setattr(waking, name, lambda *a, _real=real, _name=name: (order.append(_name), _real(*a))[1])
+    claim = many_claim.claim_many
+
+    def claim_recorded(*args, **kwargs):
+        order.append("claim")
+        return claim(*args, **kwargs)
+
+    monkeypatch.setattr(many_claim, "claim_many", claim_recorded)
+    lead = mod.leases.worker.begin(first, echo, HOST, QUEUE)
+    assert lead is not None and lead.holds_mark is not None and lead.holds_mark.seen == waking_module.PUSHED
+    assert order == ["claim", "renew"]
+    ttl = redis.Redis.from_url(mod.app.conf.broker_url).pttl(waking.mark_of(echo.task, QUEUE))
+    assert 0 < ttl <= waking_module.HOLD_TTL_MS < waking_module.MARK_TTL_MS  # renewed: a long body holds no one back long
+    _run(mod, echo, lead)
+    assert order[:3] == ["claim", "renew", "_script"] and mark() is None  # released: nothing came since the push
+
+
+def test_a_holder_whose_count_had_moved_before_its_claim_claims_once_more(pg, mod, echo, queue, monkeypatch):
+    """Submits counted between the push and the claim: the claim took them, but the
+    holder, its count unread, cannot tell; it claims once more (finding nothing) and lets go."""
+    mark = _mark(mod, echo)
+    (first,) = _submit(mod, 1)
+    before = _submit(mod, 2)  # counted on the mark before the delivery's claim
+    assert mark() == b"3"
+    lead = mod.leases.worker.begin(first, echo, HOST, QUEUE)
+    assert lead is not None and {a.job_id for a in lead.claimed_together} == {first, *before}
+    claims: list[int] = []
+    claim = many_claim.claim_many
+
+    def counted(*args, **kwargs):
+        found = claim(*args, **kwargs)
+        claims.append(len([r for r in found if r["id"] is not None]))
+        return found
+
+    monkeypatch.setattr(many_claim, "claim_many", counted)
+    _run(mod, echo, lead)
+    assert claims == [0]  # once more, for what it could not tell
+    assert [r.status for r in rows(pg, [first, *before])] == ["succeeded"] * 3
+    assert mark() is None and mod.leases.worker.heartbeat.held_jobs() == set()
+    sent = queue()
+    _submit(mod, 1)
+    assert queue() == sent + 1
