@@ -47,6 +47,8 @@ if BROKER_URL.startswith("filesystem://"):
         # to every hop of the pipeline.
         "polling_interval": 0.1,
     }
+    # kombu's filesystem transport, minus a consumer that stops at an empty file.
+    app.conf.broker_transport = "tasks.filesystem_broker:Transport"
 
 leases = CeleryLease(app)
 
