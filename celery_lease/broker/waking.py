@@ -49,6 +49,8 @@ PUSHED = "1"
 _COUNT = f"if {COUNT_SETS_MARK} then return 1 end return false"
 #: A holder's look: the count, its lifetime renewed. KEYS: mark; ARGV: lifetime in ms.
 _LOOK = "local n = redis.call('GET', KEYS[1]) if n then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end return n"
+#: A holder's renewal after its first claim. KEYS: mark; ARGV: lifetime in ms.
+_RENEW = "return redis.call('PEXPIRE', KEYS[1], ARGV[1])"
 #: A holder lets go if the count is the one it saw (0), else returns the count (its
 #: lifetime renewed), or nothing if the mark is gone. KEYS: mark; ARGV: the count seen,
 #: lifetime in ms.
@@ -153,12 +155,7 @@ class Waking:
     def renew(self, key: str) -> None:
         """A holder's first claim went: the mark's lifetime renewed to HOLD_TTL_MS (else it
         keeps the one its submit gave it, MARK_TTL_MS)."""
-        try:
-            with self._client() as client:
-                if client is not None:
-                    client.pexpire(key, HOLD_TTL_MS)
-        except Exception as exc:
-            log.debug("celery-lease: wakeup mark not renewed (%s)", type(exc).__name__)
+        self._script(_RENEW, key, HOLD_TTL_MS)
 
     def release(self, key: str, seen: str) -> str | int | None:
         """A holder whose jobs ran: RELEASED if the count is still ``seen`` (the mark is
@@ -201,7 +198,7 @@ class Waking:
     def _scripts(self, client: Any) -> dict[str, Any]:
         """The mark's scripts on ``client``, sent by their SHA (redis-py loads them once)."""
         if self._registered is None or self._registered[0] is not client:
-            self._registered = (client, {script: client.register_script(script) for script in (_COUNT, _LOOK, _RELEASE)})
+            self._registered = (client, {script: client.register_script(script) for script in (_COUNT, _LOOK, _RENEW, _RELEASE)})
         return self._registered[1]
 
     @contextlib.contextmanager

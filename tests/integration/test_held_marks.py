@@ -212,10 +212,11 @@ def test_a_holder_claims_before_any_round_trip_to_redis_then_renews_its_mark(pg,
     mark = _mark(mod, echo)
     (first,) = _submit(mod, 1)
     waking = mod.leases.producer.waking
-    order: list[str] = []
-    for name in ("_script", "_delete", "renew"):
-        real = getattr(waking, name)
-        monkeypatch.setattr(waking, name, lambda *a, _real=real, _name=name: (order.append(_name), _real(*a))[1])
+    order: list[str] = []  # every Redis call of the mark's, by what it does
+    names = {waking_module._LOOK: "look", waking_module._RENEW: "renew", waking_module._RELEASE: "release"}
+    script, delete = waking._script, waking._delete
+    monkeypatch.setattr(waking, "_script", lambda s, *a: (order.append(names[s]), script(s, *a))[1])
+    monkeypatch.setattr(waking, "_delete", lambda keys: (order.append("delete"), delete(keys))[1])
     claim = many_claim.claim_many
 
     def claim_recorded(*args, **kwargs):
@@ -229,7 +230,7 @@ def test_a_holder_claims_before_any_round_trip_to_redis_then_renews_its_mark(pg,
     ttl = redis.Redis.from_url(mod.app.conf.broker_url).pttl(waking.mark_of(echo.task, QUEUE))
     assert 0 < ttl <= waking_module.HOLD_TTL_MS < waking_module.MARK_TTL_MS  # renewed: a long body holds no one back long
     _run(mod, echo, lead)
-    assert order[:3] == ["claim", "renew", "_script"] and mark() is None  # released: nothing came since the push
+    assert order[:3] == ["claim", "renew", "release"] and mark() is None  # released: nothing came since the push
 
 
 def test_a_holder_whose_count_had_moved_before_its_claim_claims_once_more(pg, mod, echo, queue, monkeypatch):

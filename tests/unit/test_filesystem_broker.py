@@ -13,7 +13,12 @@ from kombu import Connection
 def _queue_with_a_torn_message(tmp_path, transport):
     folder = tmp_path / "queue"
     folder.mkdir()
-    options = {"data_folder_in": str(folder), "data_folder_out": str(folder), "polling_interval": 0.01}
+    options = {
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
+        "control_folder": str(tmp_path / "control"),  # (kombu's default is ./control)
+        "polling_interval": 0.01,
+    }
     conn = Connection("filesystem://", transport=transport, transport_options=options)
     queue = conn.SimpleQueue("q")
     (folder / "0_torn.q.msg").touch()  # the oldest file: taken first
