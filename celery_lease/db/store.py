@@ -124,19 +124,19 @@ class Store(Reads, History, Database):
         self, shared: dict[str, Any], records: list[dict], *, keyed: bool, connection=None, landed: list[Job] | None = None
     ) -> list[Job]:
         """submit.insert_shared_jobs (PostgreSQL): jobs sharing every column but submit.PER_JOB_FIELDS
-        (``records``, one dict each), with their ``dispatched`` events, in one statement,
+        (``records``, one dict each), with their ``dispatched`` events (jobs of a run), in one statement,
         alone a prepared one; returns those inserted, built from what was sent and the
         database's created_at / run_after. Missing ids are insert_jobs' lost-reply rows."""
         text = json.dumps(records, separators=(",", ":"))
-        params = {"fair": False, **shared, "jobs": text}
+        params = {**shared, "jobs": text}
         rows: list[Any]
         retried: list[bool] = []
         again = partial(retried.append, True)  # a dropped connection made it try again
+        fair, in_run = bool(shared.get("fair")), shared["run_id"] is not None
+        stmt = submit.insert_shared_jobs(on_key_conflict_nothing=keyed, fair=fair, in_run=in_run)
         if not keyed and connection is None:
-            stmt = submit.insert_shared_jobs(on_key_conflict_nothing=False)
             rows = [(r["id"], r["created_at"], r["run_after"]) for r in self.alone(stmt, params, on_retry=again)]
         else:
-            stmt = submit.insert_shared_jobs(on_key_conflict_nothing=keyed)
             engine = self.engine(single=True)
             rows = self.transaction(engine, lambda c: list(c.execute(stmt, params)), connection=connection, on_retry=again)
         sent = {str(r["id"]): r for r in json.loads(text)}  # payloads as stored: tuples become lists

@@ -83,15 +83,20 @@ PER_JOB_FIELDS = ("id", "payload", "idempotency_key", "concurrency_key")
 
 
 @functools.cache
-def insert_shared_jobs(*, on_key_conflict_nothing: bool) -> sa.Select:
-    """insert_shared_jobs: new pending jobs of one submit, and the ``dispatched`` event of
-    each that belongs to a run, in one statement (PostgreSQL).
+def insert_shared_jobs(*, on_key_conflict_nothing: bool, fair: bool, in_run: bool) -> Any:
+    """insert_shared_jobs: new pending jobs of one submit (PostgreSQL), and with ``in_run``
+    the ``dispatched`` event of each, in one statement.
 
     ``:jobs`` is one JSON array of records (``PER_JOB_FIELDS``; a missing field is
     NULL), read by json_to_recordset: one parameter whatever the number of jobs, payloads
     parsed once by the database, never escaped twice. Every other column is one value
     for all the jobs (``SHARED_COLUMNS``). Times are insert_jobs': the database
     clock, from ``:due_at`` / ``:due_in``.
+
+    What a submit does not need is not in its statement, not skipped at run time: a kind
+    that is not ``fair`` has no fair_key (its subqueries would be planned and opened at
+    every EXECUTE), and jobs outside a run have no event (a second table and its indexes
+    opened). A lone no-op submit costs ~0.1 ms less so, a sixth of the statement.
 
     Conflicts are insert_jobs': a row whose id exists inserts nothing (an earlier try
     of this very submit landed before its reply was lost); with keys, a conflicting
@@ -113,23 +118,27 @@ def insert_shared_jobs(*, on_key_conflict_nothing: bool) -> sa.Select:
     values: dict[str, Any] = {name: per_job.c[name] for name in PER_JOB_FIELDS}
     for name in SHARED_COLUMNS:
         values[name] = sa.cast(sa.bindparam(name, type_=_c[name].type), _c[name].type)
-    # A fair kind's (:fair) n-th job in the array is its tenant's n-th new one: the
-    # tenant's last key is read once for the statement, the head once per row (its
-    # concurrency key is the row's).
-    nth = sa.func.row_number().over()
-    key = fair_key(values["kind"], values["queue"], values["concurrency_key"], values["priority"], values["tenant"], nth)
     values.update(
         created_at=db_now(),
         updated_at=db_now(),
         run_after=sa.case((due_in.is_not(None), db_now_plus(due_in)), else_=due_at),
         woken_at=sa.case((sa.and_(due_in.is_(None), due_at.is_(None)), db_now()), else_=sa.null()),
-        fair_key=sa.case((sa.bindparam("fair", type_=sa.Boolean), key), else_=sa.null()),
     )
+    if fair:
+        # A fair kind's n-th job in the array is its tenant's n-th new one: the tenant's
+        # last key is read once for the statement, the head once per row (its
+        # concurrency key is the row's).
+        nth = sa.func.row_number().over()
+        values["fair_key"] = fair_key(
+            values["kind"], values["queue"], values["concurrency_key"], values["priority"], values["tenant"], nth
+        )
     insert = postgresql.insert(jobs).from_select(list(values), sa.select(*values.values()))
     if on_key_conflict_nothing:
         insert = insert.on_conflict_do_nothing()  # on the key or on the id
     else:
         insert = insert.on_conflict_do_nothing(index_elements=[_c.id])
+    if not in_run:
+        return planned_once(insert.returning(_c.id, _c.created_at, _c.run_after))
     inserted = insert.returning(_c.id, _c.run_id, _c.attempt, _c.created_at, _c.run_after).cte("inserted")
     dispatched = _events_of(inserted, sa.literal(Event.DISPATCHED.value), sa.null(), "dispatched")
     return planned_once(sa.select(inserted.c.id, inserted.c.created_at, inserted.c.run_after).add_cte(dispatched))
