@@ -6,10 +6,13 @@ kombu's Redis transport. Its messages are those ``Producer.publish`` would write
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import threading
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kombu.entity import maybe_delivery_mode
@@ -181,13 +184,16 @@ class RedisDirect:
             if len(pending) == 1:  # a pipeline of one costs more than the command
                 key, message, _, mark = pending[0]
                 client = self._client
-                answers = [client.lpush(key, message) if mark is None else self._push_marked(client, key, message, mark)]
+                if mark is None:
+                    answers = [client.lpush(key, message)]
+                else:
+                    answers = [KeptScripts.of(client).eval(PUSH_IF_MARKED, [mark[0], key], [mark[1], message])]
             else:
                 with self._client.pipeline(transaction=False) as pipe:
                     for key, messages in commands:
                         pipe.lpush(key, *messages)
                     for key, message, mark in marked:
-                        self._push_marked(pipe, key, message, mark)
+                        pipe.eval(PUSH_IF_MARKED, 2, mark[0], key, mark[1], message)
                     answers = pipe.execute()[len(commands) :]
         except Exception:
             self._clients.pop(self._channel, None)
@@ -197,6 +203,77 @@ class RedisDirect:
         pushed = iter(answer is not None for answer in answers)
         return [True if mark is None else next(pushed) for _, _, _, mark in pending]
 
-    @staticmethod
-    def _push_marked(client: Any, key: str, message: str, mark: Mark) -> Any:
-        return client.eval(PUSH_IF_MARKED, 2, mark[0], key, mark[1], message)
+
+class KeptScripts:
+    """Scripts run on one connection that a process keeps from its client's pool: a
+    submit's count, a holder's look, renewal and release (broker/waking.py), one or two
+    per job. The client's own call takes a connection from the pool and gives it back,
+    behind retry and instrumentation wrappers: twice the round trip's own cost (redis-py
+    8: ~145 us against ~60 us on a small machine).
+
+    A connection a thread is using is not waited for: that call goes the client's way.
+    A call whose connection fails goes the client's way too (its retries), so a script
+    may run twice when its reply was lost: each one here is harmless twice (a count too
+    many makes a holder claim once more; a push that finds the mark set pushes nothing;
+    a release that finds the mark gone makes one last claim)."""
+
+    _of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, client: Any) -> None:
+        # (redis is loaded with the client; imported here, a submit that never reaches
+        # the broker loads none of it, nor what it loads: OpenTelemetry, redis-py 8)
+        from redis import exceptions
+
+        self._no_answer = (exceptions.ConnectionError, exceptions.TimeoutError, OSError)
+        self._no_script = exceptions.NoScriptError
+        self._client = client
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._pid = 0
+        self._sha: dict[str, str] = {}
+
+    @classmethod
+    def of(cls, client: Any) -> KeptScripts:
+        kept = cls._of.get(client)
+        if kept is None:
+            kept = cls._of[client] = cls(client)
+        return kept
+
+    def eval(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """``script``'s answer, as ``client.eval`` gives it (raises its errors)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                return self._on_kept(script, keys, args)
+            except self._no_answer:
+                self._drop()
+            finally:
+                self._lock.release()
+        return self._client.eval(script, len(keys), *keys, *args)
+
+    def _on_kept(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        if self._conn is None or self._pid != os.getpid():
+            # (After a fork the parent's connection is its own: left alone, not closed.)
+            self._conn, self._pid = _connection_of(self._client.connection_pool), os.getpid()
+        sha = self._sha.get(script)
+        if sha is None:
+            sha = self._sha[script] = hashlib.sha1(script.encode()).hexdigest()
+        conn = self._conn
+        conn.send_command("EVALSHA", sha, len(keys), *keys, *args)
+        try:
+            return conn.read_response()
+        except self._no_script:  # not loaded yet, or a restarted Redis: sent whole once
+            conn.send_command("EVAL", script, len(keys), *keys, *args)
+            return conn.read_response()
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and self._pid == os.getpid():
+            conn.disconnect()
+            self._client.connection_pool.release(conn)
+
+
+def _connection_of(pool: Any) -> Any:
+    try:
+        return pool.get_connection()
+    except TypeError:  # redis-py before 6 names the command
+        return pool.get_connection("EVALSHA")

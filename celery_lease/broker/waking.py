@@ -30,7 +30,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_lease.broker.redis_direct import COUNT_SETS_MARK, Mark, RedisDirect
+from celery_lease.broker.redis_direct import COUNT_SETS_MARK, KeptScripts, Mark, RedisDirect
 
 log = logging.getLogger("celery_lease")
 
@@ -84,7 +84,6 @@ class Waking:
         self._pid = 0
         #: Per mark: whether a submit of this process last found it set (see split).
         self._found_set: dict[str, bool] = {}
-        self._registered: tuple[Any, dict[str, Any]] | None = None
 
     def split(self, wakeups: Sequence[Wakeup]) -> tuple[list[Wakeup], dict[str, Mark], list[str]]:
         """The wakeups to publish, the marks that ride with their pushes (job id -> mark:
@@ -123,9 +122,8 @@ class Waking:
             with self._client() as client:
                 if client is None:
                     return keys
-                count = self._scripts(client)[_COUNT]
                 if len(keys) == 1:  # (a submit's: no pipeline to build)
-                    answers = [count(keys=keys, args=[MARK_TTL_MS], client=client)]
+                    answers = [KeptScripts.of(client).eval(_COUNT, keys, [MARK_TTL_MS])]
                 else:
                     pipe = client.pipeline(transaction=False)
                     for key in keys:  # (a script in a pipeline costs a SCRIPT EXISTS: sent whole)
@@ -173,7 +171,7 @@ class Waking:
             with self._client() as client:
                 if client is None:
                     return None
-                answer = self._scripts(client)[script](keys=[key], args=list(args), client=client)
+                answer = KeptScripts.of(client).eval(script, [key], args)
         except Exception as exc:
             log.debug("celery-lease: wakeup mark unreadable (%s)", type(exc).__name__)
             return None
@@ -194,12 +192,6 @@ class Waking:
             # The mark lapses by itself within MARK_TTL_MS; meanwhile later submits may
             # leave their jobs to the claims already woken, or to the sweeper.
             log.warning("celery-lease: wakeup mark not cleared (%s); it lapses in %d ms", type(exc).__name__, MARK_TTL_MS)
-
-    def _scripts(self, client: Any) -> dict[str, Any]:
-        """The mark's scripts on ``client``, sent by their SHA (redis-py loads them once)."""
-        if self._registered is None or self._registered[0] is not client:
-            self._registered = (client, {script: client.register_script(script) for script in (_COUNT, _LOOK, _RENEW, _RELEASE)})
-        return self._registered[1]
 
     @contextlib.contextmanager
     def _client(self):
