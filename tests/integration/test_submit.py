@@ -149,8 +149,8 @@ def test_submit_many_is_one_insert(pg, broker, client_app, statements, monkeypat
     mod = client_app(pg, broker)
     created = mod.echo.submit_many([{"value": i} for i in range(250)])
     assert len(created) == 250 and len({j.id for j in created}) == 250
-    # WITH inserted AS (INSERT ... RETURNING), dispatched AS (INSERT events ...) SELECT
-    assert len(statements) == 1 and statements[0].lstrip().upper().startswith("WITH")
+    # INSERT ... RETURNING (outside a run: no dispatched event to insert beside it)
+    assert len(statements) == 1 and statements[0].lstrip().upper().startswith("INSERT")
     # One wakeup for the 250 (waking.py): its claim takes what is due.
     assert count_jobs(pg) == 250 and queued(broker) == 1
 
@@ -208,9 +208,9 @@ def test_statements_per_job_from_submit_to_success(pg, broker, client_app, state
         and (not s.lstrip().upper().startswith(("SELECT", "PREPARE")) or s.lstrip().upper().startswith("WITH"))
     ]
     cost = [s.split()[0].upper() for s in counted]
-    assert submitted == ["WITH"]  # the row (+ its run event, in one statement)
-    # submit; claim; completion (each + its run event, in one statement)
-    assert sorted(cost + executed) == ["WITH", "WITH", "WITH"], ([" ".join(s.split())[:120] for s in counted], executed)
+    assert submitted == ["INSERT"]  # the row (in a run, with its event: one WITH statement)
+    # submit; claim; completion (these two + their run events, in one statement each)
+    assert sorted(cost + executed) == ["INSERT", "WITH", "WITH"], ([" ".join(s.split())[:120] for s in counted], executed)
     assert len(executed) == (3 if prepare else 0)
 
 
