@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import threading
 
+import pytest
 import redis
 
 from celery_lease.broker.redis_direct import KeptScripts
@@ -15,10 +16,22 @@ from celery_lease.broker.redis_direct import KeptScripts
 COUNT = "return redis.call('INCR', KEYS[1])"
 
 
-def test_a_script_runs_on_one_kept_connection_and_answers_as_the_clients_eval(broker):
-    client = redis.Redis.from_url(broker)
-    kept = KeptScripts(client)
-    assert [kept.eval(COUNT, ["n"], []) for _ in range(5)] == [1, 2, 3, 4, 5]
+@pytest.fixture
+def client(broker):
+    return redis.Redis.from_url(broker)
+
+
+@pytest.fixture
+def kept(client):
+    return KeptScripts(client)
+
+
+def count(kept: KeptScripts) -> int:
+    return kept.eval(COUNT, ["n"], [])
+
+
+def test_a_script_runs_on_one_kept_connection_and_answers_as_the_clients_eval(client, kept):
+    assert [count(kept) for _ in range(5)] == [1, 2, 3, 4, 5]
     # One connection for every call, kept out of the pool; sent by its SHA once loaded.
     pool = client.connection_pool
     assert pool._in_use_connections == {kept._conn} and not pool._available_connections
@@ -27,35 +40,29 @@ def test_a_script_runs_on_one_kept_connection_and_answers_as_the_clients_eval(br
     assert kept.eval("return ARGV[1]", [], ["x"]) == b"x" == client.eval("return ARGV[1]", 0, "x")
 
 
-def test_a_flushed_script_cache_sends_the_script_whole_once(broker):
-    client = redis.Redis.from_url(broker)
-    kept = KeptScripts(client)
-    assert kept.eval(COUNT, ["n"], []) == 1
+def test_a_flushed_script_cache_sends_the_script_whole_once(client, kept):
+    assert count(kept) == 1
     client.script_flush()
-    assert kept.eval(COUNT, ["n"], []) == 2
-    assert kept.eval(COUNT, ["n"], []) == 3
+    assert count(kept) == 2
+    assert count(kept) == 3
 
 
-def test_after_a_redis_restart_the_next_call_is_answered_on_a_new_connection(redis_server, broker):
-    client = redis.Redis.from_url(broker)
-    kept = KeptScripts(client)
-    assert kept.eval(COUNT, ["n"], []) == 1
+def test_after_a_redis_restart_the_next_call_is_answered_on_a_new_connection(redis_server, kept):
+    assert count(kept) == 1
     redis_server.restart()
     # The kept connection is dead: the call goes the client's way (a fresh connection),
     # and the next one keeps a new connection.
-    assert kept.eval(COUNT, ["n"], []) == 1
-    assert kept.eval(COUNT, ["n"], []) == 2
+    assert count(kept) == 1
+    assert count(kept) == 2
     assert kept._conn is not None and kept._conn._sock is not None
 
 
-def test_a_call_while_another_thread_uses_the_connection_goes_the_clients_way(broker):
-    client = redis.Redis.from_url(broker)
-    kept = KeptScripts(client)
-    assert kept.eval(COUNT, ["n"], []) == 1
+def test_a_call_while_another_thread_uses_the_connection_goes_the_clients_way(client, kept):
+    assert count(kept) == 1
     answers: list = []
     with kept._lock:  # another thread's call is under way on the kept connection
-        thread = threading.Thread(target=lambda: answers.append(kept.eval(COUNT, ["n"], [])))
+        thread = threading.Thread(target=lambda: answers.append(count(kept)))
         thread.start()
         thread.join(5)
     assert answers == [2]
-    assert kept.eval(COUNT, ["n"], []) == 3
+    assert count(kept) == 3
