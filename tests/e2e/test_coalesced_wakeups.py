@@ -93,7 +93,10 @@ def assert_clean(worker) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_no_job_waits_for_the_sweeper_while_submits_race_the_claims(pg, db, broker, client_app, workers):
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
+def test_no_job_waits_for_the_sweeper_while_submits_race_the_claims(pg, db, broker, client_app, workers, pool):
+    """On every pool teams run: with threads and greenlets, the deliveries of one process
+    share its learned claim size, its marks' kept Redis connection and its completer."""
     mod = client_app(pg, broker, conf=CONF, module=MODULE)
 
     # The canary: a job of another default kind whose only wakeup is deleted before any
@@ -104,7 +107,7 @@ def test_no_job_waits_for_the_sweeper_while_submits_race_the_claims(pg, db, brok
     assert queued(broker) == 1
     redis.Redis.from_url(broker).delete("celery")
 
-    w = workers(pg, broker, module=MODULE, concurrency=2, conf=CONF)
+    w = workers(pg, broker, module=MODULE, concurrency=2, conf=CONF, pool=pool)
 
     # Four threads submit one job at a time, racing the worker's claims and the marks
     # they delete, in rounds, each drained before the next: a job stranded mid-stream
