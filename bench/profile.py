@@ -101,7 +101,7 @@ def main(args, log) -> int:
                 for _ in range(args.n):
                     if stop.is_set():
                         return
-                    system.submit_one("noop")
+                    system.submit_one(args.body)
 
             submitter = threading.Thread(target=submit, daemon=True)
             submitter.start()
