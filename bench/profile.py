@@ -1,10 +1,10 @@
 """``python -m bench profile``: where a celery-lease pool child spends its time per job.
 
 Starts a celery-lease (PostgreSQL) worker as in the side-by-side run, submits no-op
-jobs from this process one at a time (the end-to-end phase), and records one pool
-child with py-spy (``--idle``, so waiting counts: the child is single-threaded apart
-from the heartbeat thread, so its wall time per job is what throughput pays). Each
-sampled stack is put in the first category whose rule matches, leaf first; the
+(or ``--body``) jobs from this process one at a time (the end-to-end phase), and
+records one pool child with py-spy (``--idle``, so waiting counts: apart from its
+background threads, shown apart, the child is single-threaded, so its wall time per
+job is what throughput pays). Each sampled stack is put in the first category whose rule matches, leaf first; the
 summary divides each category's time by the jobs that child completed in the window
 (half of all completed: completed rows no longer name their owner).
 Writes results/profile.txt (py-spy's raw collapsed stacks) and profile.md.
@@ -31,8 +31,12 @@ RATE = 500  # samples per second
 # any of its frames matches, so a lease moment owns its time even inside Celery's trace.
 M = r"^(?:[\w<>]+\.)*"  # py-spy names frames by qualified name: "Heartbeat._loop (path:line)"
 RULES = [
-    ("background thread", M + r"(_loop|_listen) \(.*celery_lease/(worker/heartbeat|worker/completion|cancel_notice)\.py"),
-    ("claim (task_prerun: claim statement)", M + r"(begin|claim) \(.*celery_lease/(worker/executor|db/store|worker/signals)\.py"),
+    # Every background thread runs a Drainer's loop (worker/runtime.py) or the cancel notice's.
+    ("background thread", r"(Drainer\._run \(.*celery_lease/worker/runtime|_listen \(.*celery_lease/broker/cancel_notice)\.py"),
+    (
+        "claim (its statement, and the wakeup mark around it)",
+        M + r"(begin|_claim|_next_claim|_claim_again|claim_many) \(.*celery_lease/(worker|lifecycle)/(executor|many_claim)\.py",
+    ),
     (
         "completion (complete statement / batch flush)",
         M + r"(_succeed|_complete\w*|complete\w*|flush\w*|end|release) \(.*celery_lease/",
@@ -47,9 +51,11 @@ _RULES = [(cat, re.compile(rx)) for cat, rx in RULES]
 
 #: The worker's background threads, told apart by what their loop calls.
 THREADS = {
-    "completer thread": re.compile(M + r"(\w*Completer\._loop|_write|get) \(.*(celery_lease/worker/completion|queue)\.py"),
+    "completer thread": re.compile(r"celery_lease/worker/completion\.py"),
+    "heartbeat thread": re.compile(r"celery_lease/worker/heartbeat\.py"),
     "cancel-notice thread": re.compile(r"celery_lease/broker/cancel_notice\.py"),
-    "heartbeat thread": re.compile(r"."),
+    # A Drainer waiting for work shows only its loop: which one it is cannot be told.
+    "idle background thread": re.compile(r"."),
 }
 
 
@@ -64,7 +70,8 @@ def categorize(stack: list[str]) -> str:
 
 
 def db_split(stack: list[str]) -> str:
-    """Within a lease category: in the driver (round trip + server), in SQLAlchemy, or else."""
+    """Within a lease category: in the driver (round trip + server), in SQLAlchemy, in Redis,
+    a holder's pause, or else."""
     joined = ";".join(stack)
     if "psycopg2" in joined or "do_execute" in joined or "do_commit" in joined or "_rollback_impl" in joined:
         return "driver round trip"
@@ -75,6 +82,12 @@ def db_split(stack: list[str]) -> str:
         return "driver round trip"
     if "sqlalchemy" in joined:
         return "SQLAlchemy (compile, pool, result)"
+    if "/redis/" in joined or "redis_direct.py" in joined:
+        return "Redis round trip (wakeup mark or push)"
+    # time.sleep is C: a holder's pause for submits to gather (HOLD_PAUSE_SECONDS) is
+    # sampled in _next_claim itself.
+    if stack and stack[-1].startswith("ManyJobClaims._next_claim ("):
+        return "pause for submits to gather (holding the mark)"
     return "Python"
 
 
@@ -147,6 +160,10 @@ def _completed(system: Lease) -> int:
     return system.completed(Path("."))
 
 
+#: The splits db_split gives to time spent in SQLAlchemy or the driver.
+_DATABASE = ("driver round trip", "SQLAlchemy (compile, pool, result)")
+
+
 def summarize(raw: Path, jobs: int, duration: float) -> str:
     by_cat: Counter = Counter()
     by_split: Counter = Counter()
@@ -182,6 +199,6 @@ def summarize(raw: Path, jobs: int, duration: float) -> str:
                 lines.append(f"| &nbsp;&nbsp;↳ {split} | {per_job * m:,.0f} | {100 * m / main:.0f}% |")
     lines.append("")
     for name, samples in threads.items():
-        busy = sum(m for (c, split), m in by_split.items() if c == name and split != "Python")
+        busy = sum(m for (c, split), m in by_split.items() if c == name and split in _DATABASE)
         lines.append(f"{name}: {samples} samples, {busy} of them in SQLAlchemy or the driver ({per_job * busy:,.1f} µs per job).")
     return "\n".join(lines) + "\n"
