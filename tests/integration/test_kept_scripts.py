@@ -18,7 +18,9 @@ COUNT = "return redis.call('INCR', KEYS[1])"
 
 @pytest.fixture
 def client(broker):
-    return redis.Redis.from_url(broker)
+    client = redis.Redis.from_url(broker)
+    yield client
+    client.close()  # (its pool's connections, the kept one included)
 
 
 @pytest.fixture
