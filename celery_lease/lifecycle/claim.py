@@ -1,5 +1,5 @@
-"""Every claim, named once, and the functions that execute them (:func:`execute`, and
-:func:`execute_many` for the many-job claim).
+"""Every claim, named once, and the one function that executes them all, of one job or
+many (:func:`claim_rows`; :func:`execute` for a named claim of one job).
 
 Rules: its statement is the catalogue's and declared durable there (the generation it
 issues is a fencing token never issued twice, also across a crash); a lost reply is
@@ -153,40 +153,39 @@ def execute(
     and a limited claim's limits); return the row claimed, or None when nothing was
     (a duplicate delivery, one for another task, or a limit, rate or pause refused it).
     A row whose ``status`` is ``cancelled`` is a job the claim found in a cancelled run
-    (and cancelled): it must not start."""
-    stmt = t.statement(store.dialect, **(build or {}))
-    assert durability.is_durable(stmt), f"the {t.name} statement must be declared durable"
-    params = {**params, "token": new_token()}
-    check = LandedClaim(store, params)
-    run = partial(_run, store, t, stmt, params, check, build or {})
-    try:
-        row = run()
-        if row is None and check.retried:
-            check()  # the retry claimed nothing: the first try may have
-    except ClaimLanded as landed:
-        (row,) = landed.rows  # (a single claim takes one row)
-    except DatabaseUnavailable:
-        if not check.retried:
-            raise
-        row = _settle(check, run)
+    (and cancelled): it must not start. A statement that does not log itself (SQLite)
+    has its run event (and its rate window's count) written in its transaction."""
+    build = build or {}
+    stmt = t.statement(store.dialect, **build)
+    then = None if logs_itself(stmt) else partial(_log, store, t, params, bool(build.get("rate")))
+    rows, _ = claim_rows(store, stmt, params, limited=t.limited, then=then)
+    row = rows[0] if rows else None  # (a single claim takes one row)
     if row is not None and follow_ups is not None:
         _after(t, row, params, follow_ups)
     return row
 
 
-def execute_many(store: Store, stmt: Any, params: Mapping[str, Any], *, limited: bool) -> tuple[list[Row], bool]:
-    """A many-job claim (lifecycle/many_claim.py) executed as every claim is: alone in
-    its transaction (prepared, one round trip; a ``limited`` one after its kind's limits
-    row lock), its lost reply settled by its token (LandedClaim). Returns its rows and
-    whether they were adopted from a first try whose reply was lost (then they carry only
-    ADOPT's columns)."""
+def claim_rows(
+    store: Store, stmt: Any, params: Mapping[str, Any], *, limited: bool, then: Callable[..., list[Row]] | None = None
+) -> tuple[list[Row], bool]:
+    """Every claim, of one job or many (lifecycle/many_claim.py), is executed here: alone
+    in its transaction (prepared, one round trip; a ``limited`` one after its kind's
+    limits row lock; ``then``: Store.alone's), its lost reply settled by its token
+    (LandedClaim). Returns its rows and whether they were adopted from a first try whose
+    reply was lost (then they carry only ADOPT's columns).
+
+    A claim whose retry found the server gone (a backend crash resets every connection,
+    and the server refuses them while it recovers) asks again through a short outage
+    (retry_briefly) whether its first try landed, and runs once more only if it did not.
+    Left unasked, a landed claim's job ran no body until the reaper spent its attempt
+    (history[prepared] seed 639886)."""
     assert durability.is_durable(stmt), "a claim's statement must be declared durable"
     params = {**params, "token": new_token()}
     check = LandedClaim(store, params)
     lock = fs.lock_limits(store.dialect) if limited else None
 
     def run() -> list[Row]:
-        return store.alone(stmt, params, lock=lock, on_retry=check)
+        return store.alone(stmt, params, lock=lock, on_retry=check, then=then)
 
     try:
         try:
@@ -201,39 +200,6 @@ def execute_many(store: Store, stmt: Any, params: Mapping[str, Any], *, limited:
             return (rows, True) if rows else (run(), False)
     except ClaimLanded as landed:
         return landed.rows, True
-
-
-def _settle(check: LandedClaim, run: Callable[[], Row | None]) -> Row | None:
-    """A claim whose connection dropped and whose retry found the server gone (a
-    backend crash resets every connection, and the server refuses them while it
-    recovers): its first try may have landed. Asked again through a short outage
-    (retry_briefly): the row it took is adopted; if it took none, the claim runs once more.
-    Left unasked, a landed claim's job ran no body until the reaper spent its attempt
-    (history[prepared] seed 639886). DatabaseUnavailable if the server stays away."""
-    rows = retry_briefly(check.landed)
-    if rows:
-        return rows[0]
-    try:
-        return run()
-    except ClaimLanded as landed:
-        return landed.rows[0]
-
-
-def _run(
-    store: Store,
-    t: Claim,
-    stmt: Any,
-    params: Mapping[str, Any],
-    check: LandedClaim,
-    build: Mapping[str, Any],
-) -> Row | None:
-    """The claim's one transaction, the statement alone (Store.alone), the limits row
-    lock first for a limited claim; a statement that does not log itself (SQLite) has
-    its run event (and its rate window's count) written in the same transaction."""
-    lock = fs.lock_limits(store.dialect) if t.limited else None
-    then = None if logs_itself(stmt) else partial(_log, store, t, params, bool(build.get("rate")))
-    rows = store.alone(stmt, params, lock=lock, on_retry=check, then=then)
-    return rows[0] if rows else None
 
 
 def _log(store: Store, t: Claim, params: Mapping[str, Any], rated: bool, conn: Connection, rows: list[Row]) -> list[Row]:

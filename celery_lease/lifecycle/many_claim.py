@@ -2,7 +2,7 @@
 claims what is due, worker/many_claim.py), CLAIM_MANY or, for a limited kind, CLAIM_MANY_LIMITED
 after its limits row lock in the same transaction.
 
-Executed as every claim (lifecycle.claim.execute_many): durable, one statement alone in
+Executed as every claim (lifecycle.claim.claim_rows): durable, one statement alone in
 its transaction, a lost reply settled by the claim's token, so a claim whose reply was
 lost is found committed (its rows adopted) or run again, never both. Not ``fenced`` as a
 whole: each row carries its own guard (pending and due), and the caller decides what a
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.db.statements import many_claim
-from celery_lease.lifecycle.claim import execute_many
+from celery_lease.lifecycle.claim import claim_rows
 from celery_lease.lifecycle.transition import Transition
 from celery_lease.status import Event
 
@@ -45,13 +45,13 @@ def claim_many(store: Store, params: Mapping[str, Any], *, limited: bool = False
     wakeup_task, owner, n, a limited one's limits); return its rows (one row of NULLs
     but ``paused`` / ``overridden`` when nothing was claimed).
 
-    As every claim (lifecycle.claim.execute_many): one statement alone in its
+    As every claim (lifecycle.claim.claim_rows): one statement alone in its
     transaction, and a lost reply settled by identity, the rows running under this owner
     with this claim's token adopted, never other rows. Blindly re-run, the claim took
     other rows and left the first try's running with no body until the reaper spent
     their attempt."""
     t = CLAIM_MANY_LIMITED if limited else CLAIM_MANY
-    rows, adopted = execute_many(store, t.statement(store.dialect), params, limited=limited)
+    rows, adopted = claim_rows(store, t.statement(store.dialect), params, limited=limited)
     if not adopted:
         return rows
     # ``next_id`` is not known: what is left of the kind waits for the sweeper.
