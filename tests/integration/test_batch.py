@@ -547,7 +547,7 @@ def test_a_renewal_after_a_batch_success_landed_warns_of_no_lost_lease(pg, mod, 
 
     def complete_then_renew(self, items):
         done = complete(self, items)
-        worker.heartbeat._renew([a for a in lead.claimed_together if a.key in worker.heartbeat._attempts])
+        worker.heartbeat._renew_held([a for a in lead.claimed_together if a.key in worker.heartbeat._attempts])
         return done
 
     BackgroundCompleter._write_many = complete_then_renew  # type: ignore[method-assign]
