@@ -4,8 +4,8 @@ Starts a celery-lease (PostgreSQL) worker as in the side-by-side run, submits no
 (or ``--body``) jobs from this process one at a time (the end-to-end phase), and
 records one pool child with py-spy (``--idle``, so waiting counts: apart from its
 background threads, shown apart, the child is single-threaded, so its wall time per
-job is what throughput pays). Each sampled stack is put in the first category whose rule matches, leaf first; the
-summary divides each category's time by the jobs that child completed in the window
+job is what throughput pays). Each sampled stack is put in the first category whose
+rule matches, leaf first; the summary divides each category's time by the jobs that child completed in the window
 (half of all completed: completed rows no longer name their owner).
 Writes results/profile.txt (py-spy's raw collapsed stacks) and profile.md.
 """
